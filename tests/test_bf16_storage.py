@@ -392,14 +392,17 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     assert first_on["round_bf16"] < first_off["round_bf16"]
 
 
+@pytest.mark.parametrize("way", ["micro_batches", "recompute"])
 def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
-        host_build_dir, monkeypatch, tmp_path):
-    """The trainer on the emulated device (CUDA graphs, two micro-batches a
-    step, a checkpoint every 3 iterations), a 2-block GPT of width 32 in
-    bf16 for 6 iterations: the losses, the checkpoints' float32 masters
-    (no @bf16 blob in them) and the final weights bit for bit the same with
-    bits storage as without; and a bits-storage run resumes from the
-    float32-storage run's checkpoint to the same final weights."""
+        host_build_dir, monkeypatch, tmp_path, way):
+    """The trainer on the emulated device (CUDA graphs, a checkpoint every 3
+    iterations; two micro-batches a step, or one with the layer norms and
+    GELU recomputed before the backward, ``recompute: full``), a 2-block
+    GPT of width 32 in bf16 for 6 iterations: the losses, the checkpoints'
+    float32 masters (no @bf16 blob in them) and the final weights bit for
+    bit the same with bits storage as without; and a bits-storage run
+    resumes from the float32-storage run's checkpoint to the same final
+    weights."""
     import json
 
     import h5py
@@ -415,15 +418,23 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
     def train(name, storage, resume=None):
         monkeypatch.setenv("PURINE_BF16_STORAGE", storage)
         raw = gpt_config(text_h5(tmp_path), layers=2, width=32, heads=4, length=16, batch=4,
-                         iters=6, parallel={"micro_batches": 2})
+                         iters=6, parallel={"micro_batches": 2} if way == "micro_batches"
+                         else None)
         raw.update(device=0, precision="bf16", cuda_graph=True)
+        if way == "recompute":
+            raw.update(recompute="full", recompute_layers=["b*_ln1", "b*_ln2", "b*_gelu"])
         raw["data"].pop("test")
         raw["solver"].update(base_lr=0.01, test_interval=0)
         raw["checkpoint"] = {"interval": 3, "keep": 0}
         out = tmp_path / name
         t = Trainer(make_job(validate_config(raw, check_files=False)), str(out),
                     world=FakeWorld(), log=lambda line: None, resume=resume)
-        bits = sorted(n for n, b in t.graphs.graph.blobs.items() if b.dtype == "uint16")
+        graph = t.graphs.graph
+        bits = sorted(n for n, b in graph.blobs.items() if b.dtype == "uint16")
+        if way == "recompute" and storage == "1":   # the copies write bits too
+            recomputed = [op for op in graph.ops.values() if op.op_type in ("LayerNorm", "Gelu")
+                          and op.attrs.get("bits_out") and "recompute" in op.name]
+            assert len(recomputed) >= 4, [op.name for op in graph.ops.values()]
         assert run_and_report(t, FakeWorld()) == 0
         rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
         losses = {r["iter"]: r["loss"] for r in rows if r["phase"] == "train"}
