@@ -237,22 +237,22 @@ def _gpt(monkeypatch, host_build_dir, precision="bf16"):
 
 def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, monkeypatch):
     """In the 2-block GPT: the weights' copies, the layer norms' and GELU's
-    outputs' copies and the gradients the products read are bits, each read
-    by fc products only and written by a producer marked ``bits_out``; the
-    biases' copies (read by the forward's epilogue), the attention's output
-    (read by the attention's gradient too) and the qkv gradient (read by
-    the bias gradient too) stay float32. Nothing with PURINE_BF16_STORAGE=0
+    outputs' copies, the attention's output and the gradients the products
+    read are bits, each read by fc products (and the attention's output by
+    the SDPA gradient) only and written by a producer marked ``bits_out``;
+    the biases' copies (read by the forward's epilogue) and the qkv gradient
+    (read by the bias gradient too) stay float32. Nothing with PURINE_BF16_STORAGE=0
     or in fp16."""
     g = _gpt(monkeypatch, host_build_dir)
     cons, prod = g.consumers(), g.producers()
     bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
     for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
-                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16"):
+                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16",
+                 "h0_attn.ctx", "h1_attn.ctx"):
         assert name in bits, name
     # the logits' gradient's copy: its float32 source dies at its Cast, which
     # the plan computes in place (4 bytes an element; bits of its own: 6)
-    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.ctx", "h0_attn.qkv.grad",
-                 "logits.grad@bf16"):
+    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad", "logits.grad@bf16"):
         assert g.blobs[name].dtype == "float32", name
     assert any("gelu" in n for n in bits)
     writers = {}
@@ -262,7 +262,8 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         assert w.outputs.index(name) in w.attrs["bits_out"]
         writers[name] = w.op_type
         assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
-                                 "InnerProductGradWeight") for r in cons[name])
+                                 "InnerProductGradWeight", "AttentionGrad")
+                   for r in cons[name])
     # the layer norms and GELU write their copies themselves: no Cast, and
     # their float32 outputs are gone; the weights and gradients by a Cast
     assert {n for n, t in writers.items() if t == "LayerNorm"} == {
@@ -270,6 +271,7 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
     assert all(t == "Cast" for n, t in writers.items() if "weight" in n or ".grad" in n)
+    assert writers["h0_attn.ctx"] == "Attention"
     for gone in ("h0_n1", "xf", "h0_m@h0_gelu"):
         assert gone not in g.blobs
     casts = {op.inputs[0] for op in g.ops.values() if op.op_type == "Cast"}
@@ -324,10 +326,11 @@ def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
 
 
 # ------------------------------------------------------ training, bitwise
-def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2):
+def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
     """(losses, weights, launches by kernel per step) of ``iters`` AdamW
     steps of the bf16 GPT on the emulated device, CUDA graphs on, with
-    PURINE_BF16_STORAGE=``storage``."""
+    PURINE_BF16_STORAGE=``storage``; with ``sdpa`` the attention through
+    the emulated cuDNN frontend's SDPA (tests/test_sdpa.py)."""
     from purine_mpi.base.backend import to_numpy
     from purine_mpi.gpu import kernels
     from purine_mpi.layers.fillers import fill
@@ -339,6 +342,10 @@ def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2):
     with monkeypatch.context() as m:
         m.setenv("PURINE_BF16_STORAGE", storage)
         use_emulated_cupy(m, host_build_dir)
+        fake = None
+        if sdpa:
+            from tests.test_sdpa import emulate_cudnn
+            fake = emulate_cudnn(m)
         counts = collections.Counter()
         real = kernels.base._launch_blocks
 
@@ -369,18 +376,24 @@ def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2):
             weights = {p.name: np.array(to_numpy(d.workspace[p.name])) for p in g.params()}
         finally:
             d.close()
+        assert not sdpa or len(fake.executed) == iters * blocks * 2   # SDPA ran
         return losses, weights, steps
 
 
-def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, monkeypatch):
-    """Four captured AdamW steps of the 2-block GPT in bf16: the losses and
-    every weight bit for bit the same with bits storage as with float32
+@pytest.mark.parametrize("attention", ["cublas", "sdpa"])
+def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, monkeypatch,
+                                                              attention):
+    """Four captured AdamW steps of the 2-block GPT in bf16, the attention
+    on the cuBLAS path or cuDNN's SDPA (the emulated frontend): the losses
+    and every weight bit for bit the same with bits storage as with float32
     storage (the bits are the upper halves of the roundings the float32
-    path's products convert), and fewer to_bf16_bits and round_bf16
-    launches a step (counted on the eager first step: the captured steps
-    replay the same launches)."""
-    on = _train(monkeypatch, host_build_dir, "1", iters=4)
-    off = _train(monkeypatch, host_build_dir, "0", iters=4)
+    path's products convert; SDPA writes and reads ctx as its own 16-bit
+    values), and fewer to_bf16_bits and round_bf16 launches a step
+    (counted on the eager first step: the captured steps replay the same
+    launches)."""
+    sdpa = attention == "sdpa"
+    on = _train(monkeypatch, host_build_dir, "1", iters=4, sdpa=sdpa)
+    off = _train(monkeypatch, host_build_dir, "0", iters=4, sdpa=sdpa)
     assert on[0] == off[0]
     assert sorted(on[1]) == sorted(off[1])
     for name in on[1]:
