@@ -38,6 +38,9 @@
 // pass's low type (0 none, 1 bfloat16, 2 float16; precision.cuh, the bits
 // of precision.cu's round_bf16 / round_fp16), instead of a second launch
 // (ops/registry.py ``rounds_own_outputs``); float64 is launched with 0.
+// gelu_forward_bits_f32 writes y as bfloat16 bits (uint16, the upper halves
+// of round_bf16's float32: a y stored as bits, purine_mpi/parallel/
+// precision.store_bits): the bits of a float32 run followed by to_bf16_bits.
 // Memory-bound: 8 bytes per element forward, 12 backward (float32), grid-
 // stride loops of 256-thread blocks, consecutive threads on consecutive
 // elements (coalesced); no atomics, no sums: the same bits every run.
@@ -184,6 +187,29 @@ __device__ void gelu_forward_loop(long long total, const T* x, int round, T* y) 
       purine_normal(v, &factor, &unused);
     }
     y[i] = purine_round_low(v * factor, round);
+  }
+}
+
+template <bool TANH>
+__device__ void gelu_forward_bits_loop(long long total, const float* x, unsigned short* y) {
+  CUDA_KERNEL_LOOP(i, total) {
+    const float v = x[i];
+    float factor, unused;
+    if (TANH) {
+      purine_gelu_tanh(v, &factor, &unused);
+    } else {
+      purine_normal(v, &factor, &unused);
+    }
+    y[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v * factor)) >> 16);
+  }
+}
+
+extern "C" __global__ void gelu_forward_bits_f32(long long total, const float* x,
+                                                 int tanh_form, unsigned short* y) {
+  if (tanh_form) {
+    gelu_forward_bits_loop<true>(total, x, y);
+  } else {
+    gelu_forward_bits_loop<false>(total, x, y);
   }
 }
 

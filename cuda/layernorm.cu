@@ -22,21 +22,35 @@
 // 15 (backward) launches of element-wise CuPy and per-row reductions.
 // Launched with at most PURINE_LN_THREADS threads per block.
 //
+// layernorm_forward_bits_f32 writes y as bfloat16 bits (uint16: the upper
+// halves of precision.cu's round_bf16 of the float32 y, precision.cuh), for a
+// y stored as bits (purine_mpi/parallel/precision.store_bits): the bits a
+// float32 run followed by to_bf16_bits gives, in the same pass.
+//
 // Compiled at run time by purine_mpi.gpu.load_kernel("layernorm"); one
 // extern "C" entry point per dtype: <name>_f32, <name>_f64.
 
 #define PURINE_LN_THREADS 256
 
 #include "block_sum.cuh"
+#include "precision.cuh"
 
+// y's element: T itself, or (float32 into uint16) the bfloat16 bits
 template <typename T>
+__device__ __forceinline__ void purine_ln_store(T* y, T v) { *y = v; }
+
+__device__ __forceinline__ void purine_ln_store(unsigned short* y, float v) {
+  *y = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
+}
+
+template <typename T, typename Y>
 __device__ void layernorm_forward_impl(long long rows, long long cols, const T* x, const T* g,
-                                       const T* b, double eps, T* y, T* mean, T* rstd) {
+                                       const T* b, double eps, Y* y, T* mean, T* rstd) {
   __shared__ double shared[PURINE_LN_THREADS];
   const unsigned int tid = threadIdx.x;
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
-    T* yr = y + r * cols;
+    Y* yr = y + r * cols;
     double s = 0.0;
     for (long long c = tid; c < cols; c += blockDim.x) s += (double)xr[c];
     const T mu = (T)(purine_block_sum(s, shared) / (double)cols);
@@ -47,7 +61,7 @@ __device__ void layernorm_forward_impl(long long rows, long long cols, const T* 
     }
     const T rs = (T)(1.0 / sqrt(purine_block_sum(q, shared) / (double)cols + eps));
     for (long long c = tid; c < cols; c += blockDim.x) {
-      yr[c] = (T)((T)((T)(xr[c] - mu) * rs) * g[c]) + b[c];
+      purine_ln_store(yr + c, (T)((T)((T)((T)(xr[c] - mu) * rs) * g[c]) + b[c]));
     }
     if (tid == 0) {
       mean[r] = mu;
@@ -100,6 +114,13 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const T*
   }
 
 PURINE_LN_FORWARD_ENTRY(f32, float)
+extern "C" __global__ void layernorm_forward_bits_f32(long long rows, long long cols,
+                                                      const float* x, const float* g,
+                                                      const float* b, double eps,
+                                                      unsigned short* y, float* mean,
+                                                      float* rstd) {
+  layernorm_forward_impl<float, unsigned short>(rows, cols, x, g, b, eps, y, mean, rstd);
+}
 PURINE_LN_FORWARD_ENTRY(f64, double)
 PURINE_LN_BACKWARD_ENTRY(f32, float)
 PURINE_LN_BACKWARD_ENTRY(f64, double)

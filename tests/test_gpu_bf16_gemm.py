@@ -187,7 +187,8 @@ def test_a_bf16_gpt_allocates_nothing_and_plan_counts_the_bits(host_build_dir, m
     to GemmEx, a steady iteration (captured or not) allocates nothing --
     the bits live in the scratch the ops reserved in setup -- and the
     device's scratch is what ``plan`` counts (runtime/footprint.
-    device_extras: each fc op's two operands' bits; none with
+    device_extras: the bits of each fc op's float32 operands -- none for an
+    operand stored as bits, parallel/precision.store_bits; none with
     PURINE_BF16_GEMM=0)."""
     from purine_mpi.gpu.scratch import Scratch
     from purine_mpi.layers.fillers import fill
@@ -205,13 +206,18 @@ def test_a_bf16_gpt_allocates_nothing_and_plan_counts_the_bits(host_build_dir, m
     fc = [op for op in g.ops.values() if op.op_type.startswith("InnerProduct")
           and op.op_type != "InnerProductGradBias"]
     assert len(fc) >= 12 and all(op.attrs.get("compute_dtype") == BF16 for op in fc)
+    stored = 0
     for op in fc:
         a, b = (g.blobs[n].shape for n in op.inputs[:2])
         a = (int(np.prod(a[:-1])), a[-1])     # the GPT's fc layers flatten from the last axis
         if op.op_type == "InnerProductGradWeight":
             b = (int(np.prod(b[:-1])), b[-1])
-        assert extras["ops"][op.name][0] == Scratch._layout([(a, np.uint16),
-                                                             (b, np.uint16)])[1], op.name
+        floats = [(s, np.uint16) for s, n in zip((a, b), op.inputs[:2])
+                  if g.blobs[n].dtype == "float32"]
+        stored += 2 - len(floats)
+        want = Scratch._layout(floats)[1] if floats else 0
+        assert extras["ops"].get(op.name, (0,))[0] == want, op.name
+    assert stored >= 12   # the weights' copies and the operands stored as bits
     cublas = _cublas()
     d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=cuda_graph)
     toks = np.random.default_rng(5).integers(0, 16, (3, 2, 9))
@@ -232,7 +238,10 @@ def test_a_bf16_gpt_allocates_nothing_and_plan_counts_the_bits(host_build_dir, m
     finally:
         Allocations.counting = False
         d.close()
-    monkeypatch.setenv("PURINE_BF16_GEMM", "0")
+    monkeypatch.setenv("PURINE_BF16_GEMM", "0")   # float32 storage, products on TF32
+    g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=3), 2, 8)
+    prepare_for_device(g, 0, precision="bf16")
+    assert all(b.dtype != "uint16" for b in g.blobs.values())
     assert not set(device_extras(g, 0, cuda_graph)["ops"]) & {op.name for op in fc}
 
 

@@ -236,14 +236,18 @@ def _check_in_place(g, plan, casts, in_place):
             assert g.storage_root(x) in plan.persistent, x
 
 
-def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_gpt():
-    """Tiny GPT in bf16 on device 0: the memory plan puts the copy on its
+def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_gpt(monkeypatch):
+    """Tiny GPT in bf16 on device 0, float32 storage (PURINE_BF16_STORAGE=0:
+    with bf16 storage these copies are bits, 2 bytes an element, on no
+    float32 source's bytes, or no copies at all: tests/test_bf16_storage.py):
+    the memory plan puts the copy on its
     source's bytes (Cast.in_place) exactly where the Cast is the last op to
     touch a transient source -- the layer norms' outputs, the GELUs', the
     final norm's, the logits' gradient (read by nothing but its Cast), the
     unfused attention's scores gradient. Not the weights' (kept), not the
     activation gradients a float32 bias gradient also reads, not the
     softmax probabilities its gradient reads later."""
+    monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
     g, params = _bf16_gpt_graph()
     plan, casts, in_place = _cast_plan(g)
     assert sorted(in_place) == sorted([
@@ -329,12 +333,15 @@ def _bf16_cnn_graph():
     return g, params
 
 
-def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_cnn():
-    """Small CNN in bf16 on device 0: in place, the copy of the pooled
+def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_cnn(monkeypatch):
+    """Small CNN in bf16 on device 0, float32 storage (PURINE_BF16_STORAGE=0:
+    with bf16 storage the fc layers' operands are bits): in place, the copy
+    of the pooled
     activation the fc layer alone reads. Not the weights' copies, not the
     data's (filled by the host, kept), not the ReLU output the ReLU's
     gradient reads later, not the gradients a float32 bias gradient also
     reads (the fc layers' GEMM outputs are bf16 already: no copies)."""
+    monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
     g, params = _bf16_cnn_graph()
     plan, casts, in_place = _cast_plan(g)
     assert sorted(casts) == sorted(params + ["data", "pool1@relu1", "pool2", "conv1.grad",
@@ -485,7 +492,9 @@ def test_a_bf16_run_tracks_fp32_and_resumes_in_fp32_and_back(host_build_dir, mon
 
 def test_copies_made_in_place_train_bit_for_bit_as_copies(host_build_dir, monkeypatch,
                                                           tmp_path):
-    """The trainer on the emulated device, bf16, 4 iterations: with the
+    """The trainer on the emulated device, bf16 in float32 storage
+    (PURINE_BF16_STORAGE=0: with bf16 storage the logits' gradient's copy
+    is bits of its own, tests/test_bf16_storage.py), 4 iterations: with the
     copies made in place and the loss's probabilities and gradient over the
     logits (the logits, the probabilities, their gradient and its copy on
     one buffer of the workspace) the losses are bit for bit those of the
@@ -495,6 +504,7 @@ def test_copies_made_in_place_train_bit_for_bit_as_copies(host_build_dir, monkey
     from purine_mpi.ops.basic import Cast
     from tests.emulated_gpu import emulated_trainer_env
     emulated_trainer_env(monkeypatch, host_build_dir)
+    monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
     from purine_mpi.ops.softmax import SoftmaxLoss, SoftmaxLossGrad
     runs = {}
     ops = (Cast, SoftmaxLoss, SoftmaxLossGrad)

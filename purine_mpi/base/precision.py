@@ -23,7 +23,12 @@ same way, ``from_bf16_bits`` widens it back, ``add_bf16_bits`` is one step
 of a bfloat16 sum (comm/ops.bf16_sum_op, MPI's user op). These are the host's
 (MPI's buckets); a device bucket (comm/nccl.py) converts with one kernel each
 way, the same bits (gpu/kernels ``to_bf16_bits_device``,
-``from_bf16_bits_device``)."""
+``from_bf16_bits_device``).
+
+bf16 *storage* (parallel/precision.store_bits): a blob of bfloat16 values
+whose every reader takes bfloat16 bits is stored as them, dtype ``BITS``
+(uint16, 2 bytes an element), written as bits by its producer;
+``is_bits`` tells such an array or dtype."""
 import numpy as np
 
 #: the values of the config key ``precision``
@@ -33,12 +38,21 @@ LOW_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: short names of the dtype names (graph listings, blob suffixes)
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
+#: the storage dtype of a blob held as bfloat16 bits
+BITS = "uint16"
+
 _BF16_ROUND, _BF16_MASK, _EXPONENT = 0x7FFF, 0xFFFF0000, 0x7F800000
 
 
 def low_dtype(precision):
     """The dtype name of a low precision (``bf16`` -> ``bfloat16``), else None."""
     return LOW_DTYPES.get(precision)
+
+
+def is_bits(x):
+    """Whether ``x`` (an array, or a dtype or its name) is bfloat16 bits
+    storage (``BITS``)."""
+    return np.dtype(getattr(x, "dtype", x)) == np.dtype(BITS)
 
 
 def scratch_spec(shape, dtype):

@@ -543,24 +543,39 @@ def low_products(low):
 
 
 def gemm_low(a, b, c, low, bits, trans_a=False, trans_b=False):
-    """``c = op(a) @ op(b)`` for float32 ``a`` and ``b`` holding ``low``
-    values (a low-precision op's rounded inputs): where ``low_products``,
-    their bits go into ``bits`` (two C-contiguous uint16 arrays of ``a``'s
-    and ``b``'s shapes: the op's scratch, reserved in its setup) and one
-    ``gemm_ex`` multiplies them; else -- or when GemmEx is refused, said
-    once, and from then on -- ``gemm`` on ``a`` and ``b`` themselves (TF32
-    under ``tf32_products``). ``a`` and ``b`` must be C-contiguous."""
+    """``c = op(a) @ op(b)`` for ``a`` and ``b`` holding ``low`` values (a
+    low-precision op's rounded inputs), each float32 or already the uint16
+    bits of bfloat16 values (bf16 storage: parallel/precision.store_bits):
+    where ``low_products``, each float32 operand's bits go into the next
+    array of ``bits`` (C-contiguous uint16 arrays of its shape, in operand
+    order: the op's scratch, reserved in its setup; none for a bits
+    operand) and one ``gemm_ex`` multiplies them; else -- or when GemmEx is
+    refused, said once, and from then on -- ``gemm`` on the float32
+    operands, a bits one widened exactly into the next float32 array of
+    ``bits`` (or, on the call that finds GemmEx refused, a new one). ``a``
+    and ``b`` must be C-contiguous."""
+    from ..base.precision import is_bits
+    scratch = list(bits)
     if low_products(low):
         from .kernels import to_bf16_bits_device
-        a_bits, b_bits = bits
-        to_bf16_bits_device(a, a_bits)
-        to_bf16_bits_device(b, b_bits)
+        ops = [x if is_bits(x) else to_bf16_bits_device(x, scratch.pop(0)) for x in (a, b)]
         try:
-            return gemm_ex(a_bits, b_bits, c, low, trans_a=trans_a, trans_b=trans_b)
+            return gemm_ex(ops[0], ops[1], c, low, trans_a=trans_a, trans_b=trans_b)
         except GemmExRefused as exc:
             _state["ex_refused"] = str(exc)
             _say_once("ex_refused", f"purine_mpi: {low} matrix products run on TF32 tensor "
                       f"cores (float32 storage), not as {low} GemmEx: {exc}")
+        scratch = []
+    if is_bits(a) or is_bits(b):
+        from .kernels import from_bf16_bits_device
+        cupy = import_cupy()
+        wide = []
+        for x in (a, b):
+            if is_bits(x):
+                out = scratch.pop(0) if scratch else cupy.empty(x.shape, np.float32)
+                x = from_bf16_bits_device(x.reshape(-1), out.reshape(-1)).reshape(x.shape)
+            wide.append(x)
+        a, b = wide
     return gemm(a, b, c, trans_a=trans_a, trans_b=trans_b)
 
 

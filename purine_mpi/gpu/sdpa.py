@@ -220,22 +220,29 @@ class SdpaPlans:
 
     def forward(self, qkv, ctx, stats, scratch, dropout=None):
         """ctx, stats <- SDPA(qkv): qkv, ctx float32 device arrays holding
-        ``dtype`` values; stats (B, H, T, 1) float32; ``scratch``: arrays of
+        ``dtype`` values (ctx may be uint16, the bfloat16 values' own bits:
+        bf16 storage; cuDNN writes it directly, and the backward reads it
+        so); stats (B, H, T, 1) float32; ``scratch``: arrays of
         ``scratch_specs(False)``; ``dropout``: (seed, offset), one-element
         device int64 arrays, with a dropout ratio (read when it runs)."""
         qkv16, o16, workspace = scratch
+        bits = np.dtype(ctx.dtype) == np.dtype(np.uint16)   # ctx stored as the 16-bit values
         narrow(qkv, qkv16, self.dtype)
-        arrays = dict(self._packed(qkv16), o=(o16, 0), stats=(stats, 0))
+        arrays = dict(self._packed(qkv16), o=(ctx if bits else o16, 0), stats=(stats, 0))
         arrays.update(self._dropout(dropout))
         self._run(self.fwd, self.fwd_t, arrays, workspace)
-        widen(o16, ctx, self.dtype)
+        if not bits:
+            widen(o16, ctx, self.dtype)
 
     def backward(self, dctx, qkv, ctx, stats, dqkv, scratch, dropout=None):
         """dqkv <- SDPA's gradient from dctx, qkv, the forward's ctx and stats
         (and with dropout the forward's seed and offset: the same mask)."""
         qkv16, o16, do16, dqkv16, workspace = scratch
         narrow(qkv, qkv16, self.dtype)
-        narrow(ctx, o16, self.dtype)
+        if np.dtype(ctx.dtype) == np.dtype(np.uint16):   # stored as the 16-bit values
+            o16 = ctx
+        else:
+            narrow(ctx, o16, self.dtype)
         narrow(dctx, do16, self.dtype)
         arrays = dict(self._packed(qkv16), o=(o16, 0), do=(do16, 0), stats=(stats, 0))
         arrays.update({n: (dqkv16, off) for n, off in zip(("dq", "dk", "dv"), self.offsets)})

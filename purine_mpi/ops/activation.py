@@ -13,6 +13,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
@@ -355,10 +356,19 @@ class Gelu(OpKernel):
     for tanh: dx = dy (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'),
     u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). The gradient reads x.
     On a GPU one kernel (cuda/activation.cu ``gelu_forward``), no scratch,
-    rounding y itself in a bf16/fp16 run (``rounds_own_outputs``)."""
+    rounding y itself in a bf16/fp16 run (``rounds_own_outputs``).
+
+    y stored as bfloat16 bits (attr ``bits_out: [0]``, bf16 storage:
+    parallel/precision.store_bits): the bits of the bfloat16 nearest each
+    float32 y, on a GPU in the same kernel (``gelu_forward_bits_f32``), on
+    the host a chunk at a time -- the bits of a float32 y and a Cast."""
 
     op_type = "Gelu"
     in_place = ((0, 0),)  # y = x * t, t computed from x first
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        return (0,)
 
     def scratch_specs(self, ins, outs):
         if _fused_gelu(ins[0]):
@@ -371,9 +381,14 @@ class Gelu(OpKernel):
     @classmethod
     def infer(cls, attrs, ins):
         _approximate(attrs)
+        if 0 in attrs.get("bits_out", ()):
+            return [(ins[0][0], BITS)]
         return [ins[0]]
 
     def host_temporaries(self, ins, outs):
+        if is_bits(outs[0]):   # and a chunk's float32 y, to_bf16_bits's scratch
+            n = min(int(ins[0].size), HOST_CHUNK)
+            return _gelu_host_specs(ins[0], 4) + [(wire_scratch(n).shape, np.uint32)]
         return _gelu_host_specs(ins[0], 3)
 
     def rounds_own_outputs(self, ins, outs):
@@ -384,11 +399,17 @@ class Gelu(OpKernel):
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
         k = raw_kernels(xp, x)
+        bits = is_bits(outs[0])
+        if k is not None and bits:
+            k.gelu_forward_bits(x, approximate, outs[0])
+            return
         if k is not None:
             k.gelu_forward(x, approximate, out=outs[0],
                            round_to=_own_rounding(self, ins, outs))
             return
         if xp is not np:
+            if bits:
+                raise TypeError(f"Gelu: bfloat16 bits y from a float32 x, got {x.dtype}")
             t, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
             _gelu_factor(xp, x, approximate, t, e=e, f=f)
             xp.multiply(x, t, out=outs[0])
@@ -396,9 +417,14 @@ class Gelu(OpKernel):
         flat, y = x.reshape(-1), outs[0].reshape(-1)   # y may be x (in place)
         temps = self.temporaries(x, *self.host_temporaries(ins, outs))
         for s in spans(flat.size, HOST_CHUNK):
-            t, e, f = (a[:s.stop - s.start] for a in temps)
+            t, e, f = (a[:s.stop - s.start] for a in temps[:3])
             _gelu_factor(xp, flat[s], approximate, t, e=e, f=f)
-            np.multiply(flat[s], t, out=y[s])
+            if not bits:
+                np.multiply(flat[s], t, out=y[s])
+                continue
+            wide = temps[3][:s.stop - s.start]
+            np.multiply(flat[s], t, out=wide)
+            to_bf16_bits(wide, y[s], temps[4])
 
 
 @register

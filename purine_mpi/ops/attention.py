@@ -95,6 +95,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import raw_kernels
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
@@ -458,6 +459,16 @@ def _check_dropout_inputs(what, attrs, ins, base):
         check_iteration(what, ins[base])
 
 
+def _wide_ctx(outs, host=False):
+    """A float32 ctx (and on the host to_bf16_bits's scratch) where the
+    output ctx is stored as bfloat16 bits and the cuBLAS path computes it;
+    [] else."""
+    if not outs or not is_bits(outs[0]):
+        return []
+    specs = [(tuple(outs[0].shape), np.float32)]
+    return specs + ([(wire_scratch(outs[0].size).shape, np.uint32)] if host else [])
+
+
 def _probs_specs(kernel, qkv, count):
     """``count`` (N, H, T, T) arrays, and with dropout one more: the mask."""
     spec = _scores_spec(qkv, int(kernel.attrs["num_heads"]))
@@ -540,12 +551,19 @@ class Attention(PhiloxStream, _AttentionKernel):
         n, t, c, h, _ = _dims(attrs, ins[0][0])
         if replay:
             _check_packed("Attention", (n, h, t, t), ins[1])
-        outs = [((n, t, c), ins[0][1])]
+        outs = [((n, t, c), BITS if 0 in attrs.get("bits_out", ()) else ins[0][1])]
         if attrs.get("sdpa"):
             outs.append(((n, h, t, 1), "float32"))
         if packed(attrs):   # the bit-packed keep-mask, for the gradient
             outs.append((packed_shape((n, h, t, t)), "uint8"))
         return outs
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """ctx as bfloat16 bits (bf16 storage): cuDNN's SDPA writes its
+        bfloat16 output there (no widening); the cuBLAS path writes ctx's
+        float32 into its scratch and rounds it into the bits."""
+        return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
 
     def setup(self, ins, outs):
         self._sdpa = _sdpa_plans(self, ins[0])
@@ -554,14 +572,16 @@ class Attention(PhiloxStream, _AttentionKernel):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
-        """P (and with dropout its mask), or the SDPA plans' scratch."""
+        """P (and with dropout its mask; a float32 ctx where ctx is bits),
+        or the SDPA plans' scratch."""
         if self._sdpa is not None:
             return self._sdpa.scratch_specs(backward=False)
-        return _probs_specs(self, ins[0], 1)
+        return _probs_specs(self, ins[0], 1) + _wide_ctx(outs)
 
     def host_specs(self, ins, outs):
-        """P of a host group (``host_group``), or P and the mask (dropout)."""
-        return _host_specs(self, ins[0], 1)
+        """P of a host group (``host_group``), or P and the mask (dropout);
+        a float32 ctx and to_bf16_bits's scratch where ctx is bits."""
+        return _host_specs(self, ins[0], 1) + _wide_ctx(outs, host=True)
 
     def host_temporaries(self, ins, outs):
         """P (a group's), or P, the mask and the draw's (or the kept mask's
@@ -579,15 +599,23 @@ class Attention(PhiloxStream, _AttentionKernel):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
-        ctx = heads_view(outs[0], heads)
         host = xp is np
         p, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                else self.scratch_specs(ins, outs)))
+        bits = is_bits(outs[0])
+        if bits:   # ctx's float32 into the scratch, then rounded into the bits
+            wide, *rest = mask[-(2 if host else 1):]
+            mask = mask[:len(mask) - (2 if host else 1)]
+            ctx = heads_view(wide, heads)
+        else:
+            ctx = heads_view(outs[0], heads)
         if host and not mask:   # P^T a group at a time, ctx = (P^T)^T v
             for s in spans(qkv.shape[0], host_group(self, qkv)):
                 pt = p[:s.stop - s.start]
                 self.host_probs_t(q[s], k[s], pt)
                 matmul(np, pt.swapaxes(-1, -2), v[s], out=ctx[s])
+            if bits:
+                to_bf16_bits(wide, outs[0], rest[0])
             return
         # a device, or dropout (one Philox draw over the whole batch): at once
         self.scores(xp, q, k, p)
@@ -599,6 +627,11 @@ class Attention(PhiloxStream, _AttentionKernel):
             if packed(self.attrs):   # kept for the gradient (no second draw)
                 outs[-1][...] = pack_mask(mask[0])
         bmm(xp, p, v, ctx)
+        if bits and host:
+            to_bf16_bits(wide, outs[0], rest[0])
+        elif bits:
+            from ..gpu.kernels import to_bf16_bits_device
+            to_bf16_bits_device(wide.reshape(-1), outs[0].reshape(-1))
 
 
 @register
@@ -617,6 +650,12 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
     products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
     _sdpa = None
     _sdpa_rng = None
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        """ctx (marked ``sdpa``): cuDNN's SDPA backward reads it as bfloat16
+        (no narrowing), the cuBLAS path not at all."""
+        return (2,) if attrs.get("sdpa") else ()
 
     @classmethod
     def infer(cls, attrs, ins):

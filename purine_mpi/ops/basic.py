@@ -2,6 +2,7 @@
 import numpy as np
 
 from ..base.backend import get_xp, to_numpy
+from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import same_buffer
 from .registry import OpKernel, gradient, register, round_low
 
@@ -163,17 +164,39 @@ class Cast(OpKernel):
     the logits'), the memory plan (runtime/memory_plan.py) puts the copy on
     the source's bytes, and the kernel rounds them where they are: no
     memory of the copy's own. A weight, kept across iterations, keeps its
-    separate copy."""
+    separate copy.
+
+    As bits (attr ``bits_out: [0]``, set by parallel/precision.store_bits
+    where every reader of a bfloat16 copy takes bfloat16 bits): the copy is
+    the uint16 bits of the bfloat16 nearest each value (2 bytes an element,
+    never on the source's 4), one ``to_bf16_bits`` kernel on a GPU
+    (cuda/precision.cu), base/precision.to_bf16_bits on the host: the bits
+    of the float32 rounding's upper halves, so its readers multiply the same
+    numbers."""
 
     op_type = "Cast"
     in_place = ((0, 0),)
 
     @classmethod
     def infer(cls, attrs, ins):
+        if 0 in attrs.get("bits_out", ()):
+            return [(ins[0][0], BITS)]
         return [ins[0]]
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        return (0,) if attrs.get("dtype") == "bfloat16" else ()
 
     def run(self, ins, outs):
         dst = outs[0]
+        if is_bits(dst):
+            if get_xp(dst) is not np:
+                from ..gpu.kernels import to_bf16_bits_device
+                to_bf16_bits_device(ins[0].reshape(-1), dst.reshape(-1))
+            else:
+                (scratch,) = self.temporaries(dst, (wire_scratch(dst.size).shape, np.uint32))
+                to_bf16_bits(ins[0], dst, scratch)
+            return
         if get_xp(dst) is not np:   # one kernel, copy and rounding in one pass, no scratch
             from ..gpu.kernels import round_copy
             round_copy(ins[0], dst, self.attrs["dtype"])
@@ -184,4 +207,6 @@ class Cast(OpKernel):
 
     def host_temporaries(self, ins, outs):
         from ..base.precision import scratch_spec
+        if is_bits(outs[0]):   # to_bf16_bits's chunk
+            return [(wire_scratch(outs[0].size).shape, np.uint32)]
         return [scratch_spec(outs[0].shape, self.attrs["dtype"])]   # round_to's, on the host

@@ -30,11 +30,19 @@ result -- products exact in float32, so the same numbers as TF32 on the
 float32 storage up to cuBLAS's summation order, at twice TF32's tensor
 rate. ``PURINE_BF16_GEMM=0``, a refused GemmEx (said once), fp16 (no bits
 kernel yet) and a gradient of weight rows (``rows``) keep the TF32 path.
+
+An operand stored as bfloat16 bits (uint16: parallel/precision.store_bits,
+where every reader of a blob takes bits -- ``bits_inputs``: the forward's x
+and w, the data gradient's dy and w, the weight gradient's dy and x, the
+last not for a gradient of rows) goes to GemmEx as it is: no conversion, no
+scratch for it. The output stays float32. Where GemmEx is refused the bits
+are widened into float32 (exactly) for the float32 product.
 """
 import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..base.precision import from_bf16_bits, is_bits
 from ..gpu.raw import column_scratch, last_axis_rows, raw_kernels
 from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
@@ -42,8 +50,26 @@ from .registry import OpKernel, gradient, register
 
 def _on_gpu(xp, *arrays):
     """The GEMMs go to cuBLAS directly (gpu/blas.py) for float32/64 device
-    arrays that are C-contiguous (blobs always are)."""
-    return raw_kernels(xp, *arrays) is not None and all(a.flags.c_contiguous for a in arrays)
+    arrays (or bfloat16 bits) that are C-contiguous (blobs always are)."""
+    return raw_kernels(xp, *_floats(arrays)) is not None and \
+        all(a.flags.c_contiguous for a in arrays)
+
+
+def _floats(arrays):
+    """``arrays`` but those stored as bfloat16 bits."""
+    return [a for a in arrays if not is_bits(a)]
+
+
+def _out_dtype(dtype):
+    """The dtype of a product's result from an operand's: float32 for
+    bfloat16 bits (the GemmEx result), else the operand's."""
+    return np.float32 if is_bits(dtype) else dtype
+
+
+def _host(x):
+    """``x`` as float32 values where it is bfloat16 bits (the host path: a
+    new array, exact), else ``x``."""
+    return from_bf16_bits(x, np.empty(x.shape, np.float32)) if is_bits(x) else x
 
 
 def gemm(*args, **kwargs):
@@ -58,25 +84,34 @@ def _lt_forward(x2d, w, y2d, bias, attrs):
                       float(attrs.get("negative_slope", 0.0)))
 
 
-def _bits_specs(kernel, a_shape, b_shape, rows=False):
-    """The scratch of a low-precision product (``scratch_specs``): the
-    uint16 bits of its two operands, of shapes ``a_shape`` and ``b_shape``,
-    where gpu/blas.gemm_low multiplies them as bfloat16; [] else."""
+def _bits_specs(kernel, a, b, rows=False):
+    """The scratch of a low-precision product (``scratch_specs``) of
+    operands ``a`` and ``b``, each ``(2-D shape, dtype)``: where gpu/blas.
+    gemm_low multiplies them as bfloat16, the uint16 bits of each float32
+    one (none for an operand stored as bits); where it does not (GemmEx
+    refused), the float32 widening of each bits one; [] none."""
     from ..gpu.blas import low_products
-    if rows or not low_products(kernel.attrs.get("compute_dtype")):
-        return []
-    return [(tuple(a_shape), np.uint16), (tuple(b_shape), np.uint16)]
+    low = not rows and low_products(kernel.attrs.get("compute_dtype"))
+    specs = []
+    for shape, dtype in (a, b):
+        if low and not is_bits(dtype):
+            specs.append((tuple(shape), np.uint16))
+        elif not low and is_bits(dtype):
+            specs.append((tuple(shape), np.float32))
+    return specs
 
 
 def _product(kernel, ins, outs, a, b, c, **trans):
     """``c = op(a) @ op(b)`` on a GPU: gpu/blas.gemm_low on the op's
-    reserved bits when its ``scratch_specs`` has them, else ``gemm``."""
+    reserved scratch when its ``scratch_specs`` has some or an operand is
+    bfloat16 bits, else ``gemm``."""
     specs = kernel.scratch_specs(ins, outs)
-    if not specs:
+    if not specs and not (is_bits(a) or is_bits(b)):
         gemm(a, b, c, **trans)
         return
     from ..gpu.blas import gemm_low
-    gemm_low(a, b, c, kernel.attrs["compute_dtype"], kernel.temporaries(c, *specs), **trans)
+    gemm_low(a, b, c, kernel.attrs["compute_dtype"],
+             kernel.temporaries(c, *specs) if specs else [], **trans)
 
 
 def _split(shape, axis):
@@ -109,11 +144,15 @@ class InnerProduct(OpKernel):
         if len(ins) == 3 and tuple(ins[2][0]) != (w_shape[0],):
             raise ShapeError(f"InnerProduct bias must have shape [{w_shape[0]}], got "
                              f"{list(ins[2][0])}")
-        return [(x_shape[:axis] + (w_shape[0],), ins[0][1])]
+        return [(x_shape[:axis] + (w_shape[0],), _out_dtype(ins[0][1]))]
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0, 1)
 
     def scratch_specs(self, ins, outs):
-        return _bits_specs(self, _split(ins[0].shape, int(self.attrs.get("axis", 1))),
-                           ins[1].shape)
+        return _bits_specs(self, (_split(ins[0].shape, int(self.attrs.get("axis", 1))),
+                                  ins[0].dtype), (ins[1].shape, ins[1].dtype))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -124,15 +163,16 @@ class InnerProduct(OpKernel):
         M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
         y = outs[0].reshape(M, -1)
         bias = ins[2] if len(ins) == 3 else None
-        if _on_gpu(xp, x, w, y, *(() if bias is None else (bias,))) and _lt_forward(
-                x.reshape(M, K), w, y, bias, self.attrs):
+        bits = is_bits(x) or is_bits(w)
+        if not bits and _on_gpu(xp, x, w, y, *(() if bias is None else (bias,))) and \
+                _lt_forward(x.reshape(M, K), w, y, bias, self.attrs):
             return   # one cuBLASLt product, the bias and ReLU in its epilogue
         if _on_gpu(xp, x, w, y):  # cuBLAS straight on the blobs: y = x @ w^T
             _product(self, ins, outs, x.reshape(M, K), w, y, trans_b=True)
         else:
-            matmul(xp, x.reshape(M, K), w.T, out=y)
+            matmul(xp, _host(x).reshape(M, K), _host(w).T, out=y)
         from .conv import _epilogue
-        _epilogue(xp, raw_kernels(xp, x, w), y, bias, self.attrs)
+        _epilogue(xp, raw_kernels(xp, y, *_floats((x, w))), y, bias, self.attrs)
 
 
 @register
@@ -145,11 +185,16 @@ class InnerProductGradData(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        return [(tuple(attrs["x_shape"]), ins[0][1])]
+        return [(tuple(attrs["x_shape"]), _out_dtype(ins[0][1]))]
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0, 1)
 
     def scratch_specs(self, ins, outs):
         M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        return _bits_specs(self, (M, ins[0].size // max(M, 1)), ins[1].shape)
+        return _bits_specs(self, ((M, ins[0].size // max(M, 1)), ins[0].dtype),
+                           (ins[1].shape, ins[1].dtype))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -161,7 +206,7 @@ class InnerProductGradData(OpKernel):
         if _on_gpu(xp, dy, w, outs[0]):
             _product(self, ins, outs, dy.reshape(M, -1), w, outs[0].reshape(M, K))
             return
-        matmul(xp, dy.reshape(M, -1), w, out=outs[0].reshape(M, K))
+        matmul(xp, _host(dy).reshape(M, -1), _host(w), out=outs[0].reshape(M, K))
 
 
 @register
@@ -187,12 +232,16 @@ class InnerProductGradWeight(OpKernel):
                 raise ShapeError(f"InnerProductGradWeight rows {[a, b]} are out of range for "
                                  f"{n} outputs")
             n = b - a
-        return [((n, K), ins[0][1])]
+        return [((n, K), _out_dtype(ins[0][1]))]
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return () if "rows" in attrs else (0, 1)   # rows: a strided slice of dy
 
     def scratch_specs(self, ins, outs):
         M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
-        return _bits_specs(self, (M, ins[0].size // max(M, 1)), (M, K),
-                           rows="rows" in self.attrs)
+        return _bits_specs(self, ((M, ins[0].size // max(M, 1)), ins[0].dtype),
+                           ((M, K), ins[1].dtype), rows="rows" in self.attrs)
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -208,7 +257,7 @@ class InnerProductGradWeight(OpKernel):
         if _on_gpu(xp, dy, x, outs[0]):  # dy^T transposed by cuBLAS, not copied
             _product(self, ins, outs, dy2, x.reshape(M, K), outs[0], trans_a=True)
             return
-        matmul(xp, dy2.T, x.reshape(M, K), out=outs[0])
+        matmul(xp, _host(dy2).T, _host(x).reshape(M, K), out=outs[0])
 
 
 @register

@@ -24,11 +24,18 @@ backward. Other dtypes (float16) take the generic path:
 the reduction kernel for the means and sums, the rest element-wise CuPy
 into the blobs and the op's scratch. Either way the scratch is reserved at
 setup: nothing allocates, and a CUDA graph captures it.
+
+y stored as bfloat16 bits (attr ``bits_out: [0]``, bf16 storage:
+parallel/precision.store_bits, where every reader takes bits): the forward
+writes the bits of the bfloat16 nearest each float32 y -- on a GPU in the
+same kernel (``layernorm_forward_bits_f32``), on the host through a float32
+chunk -- the bits a float32 y and a Cast to bits give.
 """
 import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, column_scratch, last_axis_rows, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
@@ -83,10 +90,18 @@ class LayerNorm(OpKernel):
     op_type = "LayerNorm"
 
     def host_temporaries(self, ins, outs):
+        if is_bits(outs[0]):   # a chunk's float32 y and to_bf16_bits's scratch
+            per = host_rows(ins[0])[1]
+            return [((per, ins[0].shape[-1]), np.float32),
+                    (wire_scratch(per * ins[0].shape[-1]).shape, np.uint32)]
         return []   # the host path writes y, mean and rstd only (``_normalise_host``)
 
     def scratch_specs(self, ins, outs):
         return [] if _fused(ins[0]) else [(ins[0].shape, ins[0].dtype)]   # the squares
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        return (0,)
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -97,7 +112,8 @@ class LayerNorm(OpKernel):
         if not xs or tuple(gs) != (xs[-1],) or tuple(bs) != (xs[-1],):
             raise ShapeError(f"LayerNorm: weight {list(gs)} and bias {list(bs)} must both be "
                              f"[{xs[-1] if xs else '?'}] for an input of shape {list(xs)}")
-        return [(tuple(xs), xd), (tuple(xs[:-1]), xd), (tuple(xs[:-1]), xd)]
+        y = BITS if 0 in attrs.get("bits_out", ()) else xd
+        return [(tuple(xs), y), (tuple(xs[:-1]), xd), (tuple(xs[:-1]), xd)]
 
     def run(self, ins, outs):
         x, g, b = ins
@@ -109,14 +125,22 @@ class LayerNorm(OpKernel):
             return
         eps = float(self.attrs.get("eps", 1e-5))
         if xp is not np:   # a dtype without a fused kernel: whole arrays
+            if is_bits(y):
+                raise TypeError(f"LayerNorm: bfloat16 bits y from a float32 x, got {x.dtype}")
             (sq,) = self.temporaries(x, *self.scratch_specs(ins, outs))
             _normalise(xp, k, x, g, b, eps, y, mean, rstd, sq)
             return
         c = x.shape[-1]
         x2, y2, mean1, rstd1 = x.reshape(-1, c), y.reshape(-1, c), mean.reshape(-1), \
             rstd.reshape(-1)
+        wide = self.temporaries(x, *self.host_temporaries(ins, outs)) if is_bits(y) else None
         for s in host_rows(x)[0]:
-            _normalise_host(x2[s], g, b, eps, y2[s], mean1[s], rstd1[s])
+            if wide is None:
+                _normalise_host(x2[s], g, b, eps, y2[s], mean1[s], rstd1[s])
+                continue
+            chunk = wide[0][:s.stop - s.start]
+            _normalise_host(x2[s], g, b, eps, chunk, mean1[s], rstd1[s])
+            to_bf16_bits(chunk, y2[s], wide[1])
 
 
 def _normalise(xp, k, x, g, b, eps, y, mean, rstd, sq):

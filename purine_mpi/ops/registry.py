@@ -144,6 +144,23 @@ class OpKernel:
     #: no rounding
     round_dtype = None
 
+    @classmethod
+    def bits_inputs(cls, attrs):
+        """The indices of the inputs the kernel (with ``attrs``) takes as
+        bfloat16 bits (uint16 storage, base/precision.BITS) as well as
+        float32 bfloat16 values: the precision pass stores a blob as bits
+        only where every reader lists it here (parallel/precision.
+        store_bits); () none (the default)."""
+        return ()
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """The indices of the outputs the kernel (with ``attrs``) can write
+        as the bits of the bfloat16 nearest each value it computes (the same
+        rounding as ``round_low``) when the pass lists them in its attr
+        ``bits_out``; () none (the default)."""
+        return ()
+
     def rounds_own_outputs(self, ins, outs):
         """The indices of the float32 outputs that the kernel's ``run`` on
         ``ins``/``outs`` rounds to ``round_dtype`` itself, in the pass that

@@ -26,8 +26,21 @@ by its data gradient: a copy rather than a rounding on every read. Being
 made from the masters each iteration, the copy is no state of its own
 (nothing to checkpoint, nothing stale after ``--init``).
 
-The storage stays float32: the copies and outputs hold bfloat16 (float16)
-values, the numbers a GPU's bf16 GEMM with float32 accumulation gives.
+The storage stays float32 -- the copies and outputs hold bfloat16 (float16)
+values, the numbers a GPU's bf16 GEMM with float32 accumulation gives --
+but for bf16 storage (``store_bits``): a bfloat16 blob whose producer can
+write it as bits (``OpKernel.bits_outputs``: a Cast) and whose every reader
+takes it as bits (``OpKernel.bits_inputs``: the fully connected products'
+operands) is stored as the uint16 bits of its values (base/precision.BITS,
+2 bytes an element) and written so (the producer's attr ``bits_out``): its
+readers convert nothing, the memory plan sizes it at 2 bytes, and no
+float32 copy of it exists. Where such a copy's Cast is the only reader of
+a transient float32 blob whose producer can write bits itself (LayerNorm's
+y, GELU's y), the producer writes the bits and the Cast and the float32
+blob go (``fold_casts``). The same numbers: the bits are the upper halves
+of the float32 roundings. ``PURINE_BF16_STORAGE=0`` (or
+``PURINE_BF16_GEMM=0``, whose products take float32 operands) keeps the
+float32 storage.
 
 A fused ``Attention`` op in bf16/fp16 and its gradient are marked ``sdpa``
 (``keep_attention_stats``): on a GPU they run cuDNN's fused attention
@@ -38,7 +51,8 @@ Each op records its dtype in ``attrs["compute_dtype"]`` and each blob
 holding low-precision values in ``attrs["precision"]``; ``dtype_table``
 lists them (the ``graph`` command shows them).
 """
-from ..base.precision import SHORT, low_dtype
+from ..base.precision import BITS, SHORT, low_dtype
+from ..graph.core import PERSISTENT_KINDS
 from ..graph.core import op_precision as op_dtype
 
 #: op types that compute in the low precision (autocast's lower-precision list)
@@ -79,8 +93,131 @@ def apply_precision(graph, precision):
                 if graph.blobs[b].dtype == "float32":
                     graph.blobs[b].attrs["precision"] = dtype
     keep_attention_stats(graph)
+    if dtype == "bfloat16" and store_bits(graph):
+        fold_casts(graph)
     graph.infer_shapes()
     return marked
+
+
+def bits_storage():
+    """Whether bf16 blobs may be stored as bits (``store_bits``):
+    ``PURINE_BF16_STORAGE`` and ``PURINE_BF16_GEMM`` on (the defaults)."""
+    from ..base import env
+    return bool(env.get("PURINE_BF16_STORAGE")) and bool(env.get("PURINE_BF16_GEMM"))
+
+
+def store_bits(graph):
+    """Store as bfloat16 bits each blob of bfloat16 values (attr
+    ``precision``, float32 storage, no views) that has one producer, which
+    can write it as bits (``bits_outputs``), and readers, every one taking
+    it as bits at each input it is (``bits_inputs``), all on the producer's
+    device: the blob's dtype becomes ``BITS`` and its index goes into the
+    producer's attr ``bits_out``. Where a reader cannot take bits, nothing
+    changes. Nor where the producer is a Cast of a transient float32 blob
+    read by nothing else (the memory plan puts such a float32 copy on its
+    source's bytes: 4 bytes an element, where bits of their own would live
+    beside the source at the Cast: 6) whose own producer cannot write bits
+    (``fold_casts`` would remove it): the logits' gradient, for one. Off
+    with ``bits_storage()`` false. Returns the names of the blobs so stored.
+    Call ``graph.infer_shapes()`` after."""
+    if not bits_storage():
+        return []
+    from ..ops.catalog import get_kernel_class
+    prod, cons = graph.producers(), graph.consumers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    stored = []
+    for name, blob in graph.blobs.items():
+        if blob.attrs.get("precision") != "bfloat16" or blob.dtype != "float32" \
+                or name in viewed or blob.alias_of:
+            continue
+        writers, readers = prod.get(name, ()), cons.get(name, ())
+        if len(writers) != 1 or not readers:
+            continue
+        w = writers[0]
+        out = w.outputs.index(name)
+        if w.accumulate or name in w.inputs or \
+                out not in get_kernel_class(w.op_type, w.name).bits_outputs(w.attrs):
+            continue
+        if not all(_takes_bits(r, name, get_kernel_class(r.op_type, r.name), w.location)
+                   for r in readers):
+            continue
+        if w.op_type == CAST and _dies_at(graph, w, prod, cons, viewed) and \
+                _bits_writer(graph, w.inputs[0], prod, w.location) is None:
+            continue   # an in-place float32 copy (Cast.in_place) takes less memory
+        w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
+        blob.dtype = BITS
+        stored.append(name)
+    return stored
+
+
+def fold_casts(graph):
+    """Fold each Cast that writes bits (``bits_out``, from ``store_bits``)
+    into the producer of its source where the source is a transient float32
+    blob (``_dies_at``: no views, not a loss or metric) that the Cast alone
+    reads, written by one op on the Cast's device that can write that
+    output as bits (``bits_outputs``): the producer writes the Cast's output
+    as bits (its attr ``bits_out``), the Cast and the float32 blob are
+    removed (an op that waited for the Cast waits for the producer). The
+    float32 blob never exists. Returns the names of the Casts folded. Call
+    ``graph.infer_shapes()`` after."""
+    prod, cons = graph.producers(), graph.consumers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    folded = []
+    for cast in list(graph.ops.values()):
+        if cast.op_type != CAST or 0 not in cast.attrs.get("bits_out", ()) \
+                or cast.control_inputs or not _dies_at(graph, cast, prod, cons, viewed):
+            continue
+        src = cast.inputs[0]
+        w = _bits_writer(graph, src, prod, cast.location)
+        if w is None:
+            continue
+        out = w.outputs.index(src)
+        w.outputs[out] = cast.outputs[0]
+        w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
+        graph.remove_op(cast.name)
+        del graph.blobs[src]
+        for other in graph.ops.values():
+            if cast.name in other.control_inputs:
+                other.control_inputs = list(dict.fromkeys(
+                    w.name if c == cast.name else c for c in other.control_inputs))
+        folded.append(cast.name)
+    return folded
+
+
+def _dies_at(graph, cast, prod, cons, viewed):
+    """Whether ``cast``'s source is a transient float32 blob (no kind kept
+    across iterations, no views, not a loss or a metric) that ``cast``
+    alone reads."""
+    src = cast.inputs[0]
+    blob = graph.blobs[src]
+    return [r.name for r in cons.get(src, ())] == [cast.name] and \
+        blob.kind not in PERSISTENT_KINDS \
+        and not blob.alias_of and src not in viewed and blob.dtype == "float32" \
+        and "loss_weight" not in blob.attrs and not blob.attrs.get("metric")
+
+
+def _bits_writer(graph, name, prod, location):
+    """The one op writing blob ``name`` on ``location`` that can write it as
+    bits (``bits_outputs``; not accumulating, not in place), or None."""
+    from ..ops.catalog import get_kernel_class
+    writers = prod.get(name, ())
+    if len(writers) != 1:
+        return None
+    w = writers[0]
+    if w.accumulate or name in w.inputs or w.location != location or \
+            w.outputs.index(name) not in get_kernel_class(w.op_type, w.name).bits_outputs(
+                w.attrs):
+        return None
+    return w
+
+
+def _takes_bits(reader, name, cls, location):
+    """Whether op ``reader`` (kernel class ``cls``) takes blob ``name`` as
+    bits at each input it is, and lives on ``location``."""
+    if reader.location != location or name in reader.outputs:
+        return False
+    takes = cls.bits_inputs(reader.attrs)
+    return all(i in takes for i, b in enumerate(reader.inputs) if b == name)
 
 
 def keep_attention_stats(graph):

@@ -32,6 +32,8 @@ ENTRY_POINTS = {
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
+    "activation": ("gelu_forward_bits_f32",),   # float32 in, bfloat16 bits out
+    "layernorm": ("layernorm_forward_bits_f32",),
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",

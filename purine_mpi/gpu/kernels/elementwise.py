@@ -172,6 +172,27 @@ def gelu_forward(x, approximate="none", out=None, round_to=None):
     return _finish(y, target)
 
 
+def gelu_forward_bits(x, approximate, out):
+    """``out`` (uint16, x's shape, C-contiguous) = the bfloat16 bits of
+    ``gelu_forward(x, approximate)`` for float32 ``x``, one kernel
+    (cuda/activation.cu ``gelu_forward_bits_f32``): the bits of the float32
+    run followed by ``to_bf16_bits_device``, in the same pass."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "gelu_forward_bits: x")
+    tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, x.dtype)
+    if np.dtype(x.dtype) != np.dtype(np.float32):
+        raise TypeError(f"gelu_forward_bits: a float32 x, got {x.dtype}")
+    _bits_array(out, np.uint16, "gelu_forward_bits")
+    if out.shape != x.shape:
+        raise ValueError(f"gelu_forward_bits: out has shape {tuple(out.shape)}, expected "
+                         f"{tuple(x.shape)}")
+    if x.size:
+        _base._launch_blocks("activation", "gelu_forward_bits_f32", None,
+                             min((x.size + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS), _BLOCK,
+                             (np.int64(x.size), x, tanh_form, out))
+    return out
+
+
 def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
     """dx = dy * dGELU/dx at ``x`` (``approximate`` as ``gelu_forward``), one
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
@@ -415,16 +436,27 @@ def layernorm_forward(x, g, b, eps, y, mean, rstd):
     """Layer norm over the last axis of ``x`` (..., C) in one kernel
     (cuda/layernorm.cu): ``y`` = (x - mean) * rstd * g + b, and the rows'
     ``mean`` and ``rstd`` = 1 / sqrt(var + eps) (x.shape[:-1]), written in
-    place; ``y`` may be ``x``. Sums in double, fixed-order trees."""
+    place; ``y`` may be ``x``. Sums in double, fixed-order trees. A uint16
+    ``y`` (float32 ``x``) gets the bfloat16 bits of y (bf16 storage), the
+    bits of the float32 run followed by ``to_bf16_bits_device``."""
     cupy = import_cupy()
     n = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 0
     c = int(x.shape[-1]) if x.ndim else 0
-    x, rows, cols = _ln_rows(cupy, "layernorm_forward", x, g=(g, c), b=(b, c), y=(y, x.size),
-                             mean=(mean, n), rstd=(rstd, n))
+    bits = np.dtype(y.dtype) == np.dtype(np.uint16)
+    if bits:   # y as bfloat16 bits (``layernorm_forward_bits_f32``): float32 x only
+        if np.dtype(x.dtype) != np.dtype(np.float32):
+            raise TypeError(f"layernorm_forward: bfloat16 bits y from a float32 x, got {x.dtype}")
+        _bits_array(y, np.uint16, "layernorm_forward: y")
+        if y.size != x.size:
+            raise ValueError(f"layernorm_forward: y has {y.size} elements, x {x.size}")
+    x, rows, cols = _ln_rows(cupy, "layernorm_forward", x, g=(g, c), b=(b, c),
+                             mean=(mean, n), rstd=(rstd, n), **({} if bits else {"y": (y, x.size)}))
     if rows and cols:
-        _base._launch_blocks("layernorm", "layernorm_forward", x.dtype, min(rows, _MAX_BLOCKS),
-                             _REDUCE_THREADS, (np.int64(rows), np.int64(cols), x, g, b,
-                                               np.float64(eps), y, mean, rstd))
+        _base._launch_blocks("layernorm", "layernorm_forward_bits_f32" if bits
+                             else "layernorm_forward", None if bits else x.dtype,
+                             min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             (np.int64(rows), np.int64(cols), x, g, b, np.float64(eps), y, mean,
+                              rstd))
     return y
 
 

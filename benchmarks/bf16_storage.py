@@ -1,0 +1,141 @@
+"""bf16 storage (docs/gpu.md, "Precision"), counted offline on the emulated
+device (tests/emulated_gpu: the CUDA kernels compiled for the host), with
+and without it (``PURINE_BF16_STORAGE``):
+
+- ``launches``: the kernel launches of one eager training step (the second)
+  of the test GPT (``gpt_net`` of tests/gpt_oracle.py, width 16, ``--blocks`` blocks)
+  in bf16, by kernel (``to_bf16_bits``, ``round_bf16``, all), and whether
+  the losses and weights after ``--iters`` steps are bit for bit the same;
+- ``plan``: ``python -m purine_mpi plan`` of a job (``--plan-job``, with
+  ``--set`` overrides) on the emulated device: the GPU total, the arena,
+  the scratch slot and the peak's op.
+
+    PYTHONPATH=. python benchmarks/bf16_storage.py --blocks 12 --plan-job jobs/gpt2_124m.yaml \\
+        --set precision=bf16 --set device=0 --set data.train.batch_size=16 \\
+        --set parallel.micro_batches=1 --set data.train.path=DATA.h5 --set data.test.path=DATA.h5
+
+Prints one JSON object. A GPU runs cuDNN's SDPA for the attention, which
+the emulated device has not (its cuBLAS fallback runs): the GPU's counts
+add the SDPA's own conversions, and its scratch slot is not the fallback's.
+"""
+import argparse
+import collections
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def launches(storage, blocks, iters, build_dir):
+    """({kernel: launches} of the second step, losses, {param: weights})."""
+    import numpy as np
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.gpu import kernels
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.runtime.factory import make_dispatcher
+    from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
+    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.test_precision import SOLVER
+    mp = MonkeyPatch()
+    mp.setenv("PURINE_BF16_STORAGE", storage)
+    use_emulated_cupy(mp, build_dir)
+    counts = collections.Counter()
+    real = kernels.base._launch_blocks
+
+    def spy(source, func, *args):
+        counts[func] += 1
+        return real(source, func, *args)
+
+    mp.setattr(kernels.base, "_launch_blocks", spy)
+    real_elementwise = kernels.base._launch
+
+    def spy_elementwise(source, func, dtype, total, args):
+        counts[func] += 1
+        return real_elementwise(source, func, dtype, total, args)
+
+    mp.setattr(kernels.base, "_launch", spy_elementwise)
+    toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
+    g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=iters), 2, 8)
+    prepare_for_device(g, 0, precision="bf16")
+    d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=False)
+    steps = []
+    try:
+        for p in g.params():
+            d.workspace.set(p.name, fill(p, 1))
+        losses = []
+        for it in range(iters):
+            d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
+            d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
+            d.workspace["iter"][...] = it
+            before = collections.Counter(counts)
+            d.run(it)
+            steps.append(counts - before)
+            losses.append(float(d.workspace["loss"]))
+        weights = {p.name: np.array(to_numpy(d.workspace[p.name])) for p in g.params()}
+    finally:
+        d.close()
+        mp.undo()
+    return dict(steps[1 if iters > 1 else 0]), losses, weights
+
+
+_PLAN = """
+import pathlib, sys
+from _pytest.monkeypatch import MonkeyPatch
+from tests.emulated_gpu.helpers import emulated_gpu_env
+emulated_gpu_env(MonkeyPatch(), pathlib.Path(sys.argv[1]))
+from purine_mpi.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def plan(storage, job, sets, build_dir):
+    """The device figures of ``plan --json`` on the emulated device."""
+    args = [sys.executable, "-c", _PLAN, str(build_dir), "plan", job, "--json",
+            "--device-memory", "141G"] + [a for s in sets for a in ("--set", s)]
+    env = dict(os.environ, PURINE_BF16_STORAGE=storage,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
+    if res.returncode != 0:
+        raise SystemExit(f"plan failed ({res.returncode}): {res.stderr[-2000:]}")
+    rank = json.loads(res.stdout)["ranks"][0]
+    (device,) = rank["devices"].values()
+    return {"total": device["total"], "activations": device["activations"],
+            "scratch": device["scratch"], "peak_op": rank["peak"]["op"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--plan-job", default=None)
+    ap.add_argument("--set", action="append", default=[], dest="sets")
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    build_dir = pathlib.Path(tempfile.mkdtemp(prefix="bf16_storage_kernels_"))
+    out = {"blocks": args.blocks}
+    runs = {s: launches(s, args.blocks, args.iters, build_dir) for s in ("0", "1")}
+    keys = ("to_bf16_bits", "round_bf16")
+    for s, name in (("0", "float32_storage"), ("1", "bits_storage")):
+        counts = runs[s][0]
+        out[name] = dict({k: counts.get(k, 0) for k in keys}, all=sum(counts.values()))
+    same = runs["0"][1] == runs["1"][1] and all(
+        runs["0"][2][p].tobytes() == runs["1"][2][p].tobytes() for p in runs["0"][2])
+    out["bitwise_same"] = same
+    if args.plan_job:
+        out["plan"] = {name: plan(s, args.plan_job, args.sets, build_dir)
+                       for s, name in (("0", "float32_storage"), ("1", "bits_storage"))}
+    print(json.dumps(out, indent=1))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

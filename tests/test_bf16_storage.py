@@ -1,0 +1,486 @@
+"""bf16 storage (parallel/precision.store_bits; docs/gpu.md, "Precision"):
+a bfloat16 blob whose every reader takes bfloat16 bits (the fully connected
+products' operands) is stored as the uint16 bits of its values, written so
+by its producer, and the products take it as it is.
+
+- each bits-writing kernel (the Cast, Gelu and LayerNorm: their device
+  kernels and host paths) against NumPy's rounding (base/precision.
+  _round_bits) of the float32 values, bit for bit;
+- the fc ops on bits operands equal the float32 path bit for bit, also
+  where GemmEx is refused (the bits widened);
+- the pass stores what it should in the 2-block GPT (the layer norms and
+  GELU writing their copies themselves, their Casts and float32 outputs
+  gone; the logits' gradient's in-place copy kept), nothing where a reader
+  cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
+- the bf16 GPT trained a few steps on the emulated device, captured in CUDA
+  graphs, gives the same losses and weights bit for bit with and without
+  bits storage, with fewer conversion and rounding launches a step; so
+  does the trainer with micro-batches, checkpoints and a resume.
+"""
+import collections
+
+import numpy as np
+import pytest
+
+from purine_mpi.base.precision import _round_bits
+from purine_mpi.graph.core import Op
+from purine_mpi.ops.registry import make_kernel
+from tests.emulated_gpu.fixtures import device  # noqa: F401
+from tests.test_precision_device import _adversarial
+
+BF16 = "bfloat16"
+
+
+def _numpy_bits(x):
+    """The uint16 bits of the bfloat16 nearest each float32 of ``x``: the
+    upper halves of base/precision._round_bits (NumPy)."""
+    bits = x.copy().view(np.uint32)
+    _round_bits(np, bits, np.empty_like(bits), np.empty_like(bits))
+    return (bits >> np.uint32(16)).astype(np.uint16)
+
+
+def _cast(bits=True):
+    return make_kernel(Op("c", "Cast", ["x"], ["y"], dict({"dtype": BF16},
+                                                         **({"bits_out": [0]} if bits else {}))))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 4097])
+def test_the_cast_writes_numpys_bf16_bits_in_one_launch(device, n):
+    """A Cast with ``bits_out`` writes the bits of the bfloat16 nearest each
+    value (ties to even, infinities and NaNs truncated: base/precision's
+    rounding) in one to_bf16_bits launch, odd lengths too; the host path
+    (NumPy arrays) the same bits."""
+    x = np.resize(_adversarial(), (2, n))
+    want = _numpy_bits(x)
+    k = _cast()
+    src, dst = device.to_device(x), device.to_device(np.zeros(x.shape, np.uint16))
+    k.setup([src], [dst])
+    device.launched.clear()
+    k.run([src], [dst])
+    assert device.launched == ["to_bf16_bits"]
+    np.testing.assert_array_equal(np.asarray(device.to_host(dst)), want)
+    np.testing.assert_array_equal(np.asarray(device.to_host(src)).view(np.uint32),
+                                  x.view(np.uint32))   # the source unchanged
+    host = np.zeros(x.shape, np.uint16)
+    k.run([x.copy()], [host])
+    np.testing.assert_array_equal(host, want)
+
+
+def test_the_cast_infers_bits_storage_only_with_bits_out():
+    from purine_mpi.ops.basic import Cast
+    assert Cast.infer({"dtype": BF16, "bits_out": [0]}, [((3, 4), "float32")]) == [((3, 4),
+                                                                                   "uint16")]
+    assert Cast.infer({"dtype": BF16}, [((3, 4), "float32")]) == [((3, 4), "float32")]
+    assert Cast.bits_outputs({"dtype": "float16"}) == ()
+
+
+def _producer(op_type, bits, **attrs):
+    ins = {"Gelu": ["x"], "LayerNorm": ["x", "g", "b"]}[op_type]
+    outs = {"Gelu": ["y"], "LayerNorm": ["y", "mean", "rstd"]}[op_type]
+    return make_kernel(Op("p", op_type, ins, outs, dict(attrs, **({"bits_out": [0]} if bits
+                                                                   else {}))))
+
+
+def _producer_case(op_type, rows, cols):
+    """(kernel kwargs, float32 inputs, output shapes) of a Gelu or a LayerNorm
+    over (rows, cols), with the adversarial values in x (large ones, ties
+    after the op: GELU's ~identity for large x, the layer norm's g = 1,
+    b = 0 rows keep many exact bf16 ties)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, cols)).astype(np.float32) * 3
+    if op_type == "Gelu":
+        flat = x.reshape(-1)
+        adv = _adversarial()
+        adv = adv[np.isfinite(adv) & (np.abs(adv) < 1e12)][:flat.size]   # no x^3 overflow
+        flat[:adv.size] = adv
+        return {"approximate": "tanh"}, [x], [x.shape]
+    g = np.where(rng.random(cols) < 0.5, 1.0, rng.standard_normal(cols)).astype(np.float32)
+    b = np.where(rng.random(cols) < 0.5, 0.0, rng.standard_normal(cols)).astype(np.float32)
+    return {"eps": 1e-5}, [x, g, b], [x.shape, (rows,), (rows,)]
+
+
+@pytest.mark.parametrize("op_type", ["Gelu", "LayerNorm"])
+@pytest.mark.parametrize("rows,cols", [(3, 5), (64, 128)])
+def test_gelu_and_layer_norm_write_numpys_bits_of_their_float32_output(device, op_type, rows,
+                                                                       cols):
+    """Gelu and LayerNorm with ``bits_out: [0]`` write y as the bits of the
+    bfloat16 nearest the float32 y the op computes without it (NumPy's
+    rounding, base/precision._round_bits), bit for bit, in their one
+    launch (no separate conversion); the other outputs (the layer norm's
+    mean and rstd) the same bits as the float32 run's; the host path too."""
+    attrs, ins, shapes = _producer_case(op_type, rows, cols)
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        wide = _producer(op_type, False, **attrs)
+        on = [put(a) for a in ins]
+        ref = [put(np.full(s, np.nan, np.float32)) for s in shapes]
+        wide.setup(on, ref)
+        wide.run(on, ref)
+        want = [get(a) for a in ref]
+        k = _producer(op_type, True, **attrs)
+        outs = [put(np.zeros(shapes[0], np.uint16))] + \
+            [put(np.full(s, np.nan, np.float32)) for s in shapes[1:]]
+        k.setup(on, outs)
+        if dev:
+            device.launched.clear()
+        k.run(on, outs)
+        if dev:
+            assert device.launched == [{"Gelu": "gelu_forward_bits_f32",
+                                        "LayerNorm": "layernorm_forward_bits_f32"}[op_type]]
+        got = [get(a) for a in outs]
+        np.testing.assert_array_equal(got[0], _numpy_bits(want[0]))
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+def test_the_producers_infer_bits_storage_only_with_bits_out():
+    from purine_mpi.ops.activation import Gelu
+    from purine_mpi.ops.layernorm import LayerNorm
+    assert Gelu.infer({"bits_out": [0]}, [((2, 3), "float32")]) == [((2, 3), "uint16")]
+    assert Gelu.infer({}, [((2, 3), "float32")]) == [((2, 3), "float32")]
+    ln = [((2, 3), "float32"), ((3,), "float32"), ((3,), "float32")]
+    assert [d for _, d in LayerNorm.infer({"bits_out": [0]}, ln)] == ["uint16", "float32",
+                                                                      "float32"]
+    assert Gelu.bits_outputs({}) == LayerNorm.bits_outputs({}) == (0,)
+
+
+def _fc(**extra):
+    attrs = {"num_output": 6, "compute_dtype": BF16}
+    return (make_kernel(Op("fc", "InnerProduct", ["x", "w"], ["y"], attrs)),
+            make_kernel(Op("fd", "InnerProductGradData", ["dy", "w"], ["dx"],
+                           dict(attrs, x_shape=[10, 3, 4]))),
+            make_kernel(Op("fw", "InnerProductGradWeight", ["dy", "x"], ["dw"], attrs)))
+
+
+def _run(device, kernels, x, w, dy):
+    fc, fd, fw = kernels
+    on = [device.to_device(a) for a in (x, w, dy)]
+    outs = [device.to_device(np.full(s, np.nan, np.float32)) for s in ((10, 6), (10, 3, 4),
+                                                                       (6, 12))]
+    for k, ins, out in ((fc, [on[0], on[1]], outs[0]), (fd, [on[2], on[1]], outs[1]),
+                        (fw, [on[2], on[0]], outs[2])):
+        k.setup(ins, [out])
+        k.run(ins, [out])
+    return [np.asarray(device.to_host(o)) for o in outs]
+
+
+def _bf16_values(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    bits = _numpy_bits(x)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32), bits
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["gemm_ex", "refused"])
+def test_the_fc_directions_on_bits_operands_equal_the_float32_path(device, monkeypatch,
+                                                                   refused):
+    """x, w and dy stored as bits (every operand of the three directions):
+    the outputs are the float32 storage's bit for bit, the bits operands
+    converted by nobody (no to_bf16_bits launch) and needing no scratch;
+    where GemmEx is refused, the bits are widened for the float32 product,
+    the same numbers again."""
+    if refused and device.name != "emulated":
+        pytest.skip("the refusal is provoked on the emulated device")
+    from purine_mpi.gpu import blas
+    rng = np.random.default_rng(11)
+    (x, xb), (w, wb), (dy, dyb) = (_bf16_values(rng, s) for s in ((10, 3, 4), (6, 12),
+                                                                   (10, 6)))
+    want = _run(device, _fc(), x, w, dy)
+    if refused:
+        monkeypatch.setitem(blas._state, "ex_refused", "provoked by the test")
+    kernels = _fc()
+    device.launched.clear()
+    got = _run(device, kernels, xb, wb, dyb)
+    for g, t in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32), t.view(np.uint32))
+    assert "to_bf16_bits" not in device.launched
+    assert ("from_bf16_bits" in device.launched) == refused
+    if not refused:   # no scratch: nothing to convert
+        for k, ins, out in zip(kernels, ((xb, wb), (dyb, wb), (dyb, xb)),
+                               ((10, 6), (10, 3, 4), (6, 12))):
+            assert k.scratch_specs(list(ins), [np.empty(out, np.float32)]) == []
+    mixed = _run(device, _fc(), xb, w, dyb)   # some operands bits, some float32
+    for g, t in zip(mixed, want):
+        np.testing.assert_array_equal(g.view(np.uint32), t.view(np.uint32))
+
+
+def test_the_fc_ops_on_the_host_widen_bits_operands():
+    """The host path (NumPy arrays): bits operands widened exactly, the
+    float32 path's numbers."""
+    rng = np.random.default_rng(2)
+    (x, xb), (w, wb), (dy, dyb) = (_bf16_values(rng, s) for s in ((10, 3, 4), (6, 12),
+                                                                   (10, 6)))
+
+    class Host:
+        name = "host"
+        to_device = staticmethod(np.array)
+        to_host = staticmethod(np.asarray)
+
+    want = _run(Host, _fc(), x, w, dy)
+    got = _run(Host, _fc(), xb, wb, dyb)
+    for g, t in zip(got, want):
+        np.testing.assert_array_equal(g, t)
+
+
+# ------------------------------------------------------------- the pass
+def _gpt(monkeypatch, host_build_dir, precision="bf16"):
+    from purine_mpi.parallel.placement import prepare_for_device
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.test_precision import SOLVER
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=2, max_length=8, approximate="tanh")
+    g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=3), 2, 8)
+    prepare_for_device(g, 0, precision=precision)
+    return g
+
+
+def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, monkeypatch):
+    """In the 2-block GPT: the weights' copies, the layer norms' and GELU's
+    outputs' copies, the attention's output and the gradients the products
+    read are bits, each read by fc products (and the attention's output by
+    the SDPA gradient) only and written by a producer marked ``bits_out``;
+    the biases' copies (read by the forward's epilogue) and the qkv gradient
+    (read by the bias gradient too) stay float32. Nothing with PURINE_BF16_STORAGE=0
+    or in fp16."""
+    g = _gpt(monkeypatch, host_build_dir)
+    cons, prod = g.consumers(), g.producers()
+    bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
+    for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
+                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16",
+                 "h0_attn.ctx", "h1_attn.ctx"):
+        assert name in bits, name
+    # the logits' gradient's copy: its float32 source dies at its Cast, which
+    # the plan computes in place (4 bytes an element; bits of its own: 6)
+    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad", "logits.grad@bf16"):
+        assert g.blobs[name].dtype == "float32", name
+    assert any("gelu" in n for n in bits)
+    writers = {}
+    for name in bits:
+        assert g.blobs[name].attrs["precision"] == BF16
+        (w,) = prod[name]
+        assert w.outputs.index(name) in w.attrs["bits_out"]
+        writers[name] = w.op_type
+        assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
+                                 "InnerProductGradWeight", "AttentionGrad")
+                   for r in cons[name])
+    # the layer norms and GELU write their copies themselves: no Cast, and
+    # their float32 outputs are gone; the weights and gradients by a Cast
+    assert {n for n, t in writers.items() if t == "LayerNorm"} == {
+        "h0_n1@bf16", "h0_n2@bf16", "h1_n1@bf16", "h1_n2@bf16", "xf@bf16"}
+    assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
+                                                                   "h1_m@h1_gelu@bf16"]
+    assert all(t == "Cast" for n, t in writers.items() if "weight" in n or ".grad" in n)
+    assert writers["h0_attn.ctx"] == "Attention"
+    for gone in ("h0_n1", "xf", "h0_m@h0_gelu"):
+        assert gone not in g.blobs
+    casts = {op.inputs[0] for op in g.ops.values() if op.op_type == "Cast"}
+    assert not casts & {"h0_n1", "xf", "h0_m@h0_gelu"}
+    # the memory plan sizes them at 2 bytes an element
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+    _, devices = memory_plans(g, keep=batch_blobs(g))
+    plan = devices[0]
+    for name in ("h0_n1@bf16", "h0_m.grad@bf16"):
+        assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
+    assert plan.in_place["logits.grad@bf16"][0] == "logits.grad"
+    monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
+    assert all(b.dtype != "uint16" for b in _gpt(monkeypatch, host_build_dir).blobs.values())
+    monkeypatch.delenv("PURINE_BF16_STORAGE")
+    assert all(b.dtype != "uint16"
+               for b in _gpt(monkeypatch, host_build_dir, "fp16").blobs.values())
+
+
+def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
+    """A copy read by a product and by an op that takes no bits (here a
+    weight gradient of rows, whose dy is a strided slice) stays float32;
+    the same copy read by products alone becomes bits."""
+    from purine_mpi.graph.core import Graph
+    from purine_mpi.parallel.precision import store_bits
+
+    def graph(rows):
+        g = Graph()
+        # sources kept (a weight) or read by more than their Cast (a bias
+        # gradient): no in-place float32 copy would take their bytes
+        g.add_blob("x", (4, 8), "float32", None, kind="param")
+        g.add_blob("dy", (4, 6), "float32", None, kind="data")
+        g.add_blob("db", None, "float32", None, kind="data")
+        g.add_op("fb", "InnerProductGradBias", ["dy"], ["db"])
+        for name in ("x@bf16", "dy@bf16"):
+            g.add_blob(name, None, "float32", None, kind="data", attrs={"precision": BF16})
+        g.add_op("cx", "Cast", ["x"], ["x@bf16"], {"dtype": BF16})
+        g.add_op("cdy", "Cast", ["dy"], ["dy@bf16"], {"dtype": BF16})
+        g.add_blob("dw", None, "float32", None, kind="data")
+        g.add_op("fw", "InnerProductGradWeight", ["dy@bf16", "x@bf16"], ["dw"],
+                 dict({"compute_dtype": BF16}, **({"rows": [0, 3]} if rows else {})))
+        store_bits(g)
+        g.infer_shapes()
+        return g
+
+    g = graph(rows=True)
+    assert [g.blobs[n].dtype for n in ("x@bf16", "dy@bf16", "dw")] == ["float32"] * 3
+    assert "bits_out" not in g.ops["cx"].attrs
+    g = graph(rows=False)
+    assert [g.blobs[n].dtype for n in ("x@bf16", "dy@bf16", "dw")] == ["uint16", "uint16",
+                                                                       "float32"]
+
+
+# ------------------------------------------------------ training, bitwise
+def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
+    """(losses, weights, launches by kernel per step) of ``iters`` AdamW
+    steps of the bf16 GPT on the emulated device, CUDA graphs on, with
+    PURINE_BF16_STORAGE=``storage``; with ``sdpa`` the attention through
+    the emulated cuDNN frontend's SDPA (tests/test_sdpa.py)."""
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.gpu import kernels
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.runtime.factory import make_dispatcher
+    from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
+    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.test_precision import SOLVER
+    with monkeypatch.context() as m:
+        m.setenv("PURINE_BF16_STORAGE", storage)
+        use_emulated_cupy(m, host_build_dir)
+        fake = None
+        if sdpa:
+            from tests.test_sdpa import emulate_cudnn
+            fake = emulate_cudnn(m)
+        counts = collections.Counter()
+        real = kernels.base._launch_blocks
+
+        def spy(source, func, *args):
+            counts[func] += 1
+            return real(source, func, *args)
+
+        m.setattr(kernels.base, "_launch_blocks", spy)
+        toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
+        net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8,
+                      approximate="tanh")
+        g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=iters), 2, 8)
+        prepare_for_device(g, 0, precision="bf16")
+        d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=True)
+        steps = []
+        try:
+            for p in g.params():
+                d.workspace.set(p.name, fill(p, 1))
+            losses = []
+            for it in range(iters):
+                d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
+                d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
+                d.workspace["iter"][...] = it
+                before = collections.Counter(counts)
+                d.run(it)
+                steps.append(counts - before)
+                losses.append(float(d.workspace["loss"]))
+            weights = {p.name: np.array(to_numpy(d.workspace[p.name])) for p in g.params()}
+        finally:
+            d.close()
+        assert not sdpa or len(fake.executed) == iters * blocks * 2   # SDPA ran
+        return losses, weights, steps
+
+
+@pytest.mark.parametrize("attention", ["cublas", "sdpa"])
+def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, monkeypatch,
+                                                              attention):
+    """Four captured AdamW steps of the 2-block GPT in bf16, the attention
+    on the cuBLAS path or cuDNN's SDPA (the emulated frontend): the losses
+    and every weight bit for bit the same with bits storage as with float32
+    storage (the bits are the upper halves of the roundings the float32
+    path's products convert; SDPA writes and reads ctx as its own 16-bit
+    values), and fewer to_bf16_bits and round_bf16 launches a step
+    (counted on the eager first step: the captured steps replay the same
+    launches)."""
+    sdpa = attention == "sdpa"
+    on = _train(monkeypatch, host_build_dir, "1", iters=4, sdpa=sdpa)
+    off = _train(monkeypatch, host_build_dir, "0", iters=4, sdpa=sdpa)
+    assert on[0] == off[0]
+    assert sorted(on[1]) == sorted(off[1])
+    for name in on[1]:
+        np.testing.assert_array_equal(on[1][name].view(np.uint32), off[1][name].view(np.uint32),
+                                      err_msg=name)
+    assert on[0][-1] != on[0][0]   # it trains
+    first_on, first_off = on[2][0], off[2][0]
+    assert first_on["to_bf16_bits"] < first_off["to_bf16_bits"]
+    assert first_on["round_bf16"] < first_off["round_bf16"]
+
+
+@pytest.mark.parametrize("way", ["micro_batches", "recompute"])
+def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
+        host_build_dir, monkeypatch, tmp_path, way):
+    """The trainer on the emulated device (CUDA graphs, a checkpoint every 3
+    iterations; two micro-batches a step, or one with the layer norms and
+    GELU recomputed before the backward, ``recompute: full``), a 2-block
+    GPT of width 32 in bf16 for 6 iterations: the losses, the checkpoints'
+    float32 masters (no @bf16 blob in them) and the final weights bit for
+    bit the same with bits storage as without; and a bits-storage run
+    resumes from the float32-storage run's checkpoint to the same final
+    weights."""
+    import json
+
+    import h5py
+
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    from tests.conftest import FakeWorld, make_job
+    from tests.emulated_gpu import emulated_trainer_env
+    from tests.gpt_nets import gpt_config, text_h5
+    emulated_trainer_env(monkeypatch, host_build_dir)
+
+    def train(name, storage, resume=None):
+        monkeypatch.setenv("PURINE_BF16_STORAGE", storage)
+        raw = gpt_config(text_h5(tmp_path), layers=2, width=32, heads=4, length=16, batch=4,
+                         iters=6, parallel={"micro_batches": 2} if way == "micro_batches"
+                         else None)
+        raw.update(device=0, precision="bf16", cuda_graph=True)
+        if way == "recompute":
+            raw.update(recompute="full", recompute_layers=["b*_ln1", "b*_ln2", "b*_gelu"])
+        raw["data"].pop("test")
+        raw["solver"].update(base_lr=0.01, test_interval=0)
+        raw["checkpoint"] = {"interval": 3, "keep": 0}
+        out = tmp_path / name
+        t = Trainer(make_job(validate_config(raw, check_files=False)), str(out),
+                    world=FakeWorld(), log=lambda line: None, resume=resume)
+        graph = t.graphs.graph
+        bits = sorted(n for n, b in graph.blobs.items() if b.dtype == "uint16")
+        if way == "recompute" and storage == "1":   # the copies write bits too
+            recomputed = [op for op in graph.ops.values() if op.op_type in ("LayerNorm", "Gelu")
+                          and op.attrs.get("bits_out") and "recompute" in op.name]
+            assert len(recomputed) >= 4, [op.name for op in graph.ops.values()]
+        assert run_and_report(t, FakeWorld()) == 0
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = {r["iter"]: r["loss"] for r in rows if r["phase"] == "train"}
+        final = {p: np.array(to_numpy(t.train.workspace[p])) for p in t.graphs.params}
+        with h5py.File(out / "ckpt_3.h5", "r") if resume is None else _nothing() as f:
+            saved = {} if f is None else {n: f["params"][n][()] for n in _datasets(f["params"])}
+        return bits, losses, final, saved, out
+
+    on = train("bits", "1")
+    off = train("float32", "0")
+    assert on[0] and not off[0]   # bits storage applied in one run only
+    assert on[1] == off[1] and sorted(on[1]) == list(range(1, 7))
+    for a, b in ((on[2], off[2]), (on[3], off[3])):
+        assert sorted(a) == sorted(b) and a
+        for name in a:
+            np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32),
+                                          err_msg=name)
+    assert not any("@" in n for n in on[3])
+    resumed = train("resumed", "1", resume=str(off[4] / "ckpt_3.h5"))
+    for name in on[2]:
+        np.testing.assert_array_equal(resumed[2][name].view(np.uint32),
+                                      on[2][name].view(np.uint32), err_msg=name)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _datasets(group):
+    names = []
+    group.visit(lambda n: names.append(n) if hasattr(group[n], "shape") else None)
+    return names
