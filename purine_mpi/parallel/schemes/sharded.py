@@ -312,7 +312,8 @@ class Sharded(Hybrid):
         one = _one_replica(par, world_size)
         if one is not None:
             ways, what, like = one
-            note(["shard", "prefetch", "reduce_scatter"], f"shapes how each replica's model state is sharded; "
+            note(["shard", "prefetch", "reduce_scatter"], "shapes how each replica's model "
+                 f"state is sharded; "
                  f"the {world_size} ranks are one replica ({ways} {what}), which runs as "
                  f"{like}: nothing is sharded, so it has no effect",
                  f"shape how each replica's model state is sharded; the {world_size} ranks "
