@@ -48,7 +48,11 @@ compared with data parallelism's: ``max_rel_diff`` = the largest over the
 parameters of max |sharded - data| / max |data| (0: bitwise), with the
 parameter where it falls. ``--check-solver sgd`` trains those steps with
 SGD and momentum instead (``solver.type: sgd``, ``solver.momentum: 0.9``:
-issue 43's second tolerance, 2e-6); the check names its solver. Timing
+issue 43's second tolerance, 2e-6); the check names its solver.
+``--set parallel.reduce_scatter=false`` runs every sharded setting with
+each bucket summed by data parallelism's allreduce (its sums: the check's
+``max_rel_diff`` 0 at any rank count; scheme data ignores the key, a
+note), and the JSON's ``reduce_scatter`` says which was run. Timing
 is wall clock on a shared machine: compare the ratios of one run, not
 figures across runs.
 
@@ -364,6 +368,19 @@ def bench_config(config, a, folder):
     return out
 
 
+def reduce_scatter_of(sets):
+    """``parallel.reduce_scatter`` as the ``--set`` options give it (the
+    last one wins; the default true): whether the sharded settings
+    reduce-scatter or sum by data parallelism's allreduce."""
+    import yaml
+    value = True
+    for s in sets:
+        key, _, v = s.partition("=")
+        if key.strip() == "parallel.reduce_scatter":
+            value = yaml.safe_load(v) is not False  # as --set reads it (a bad one: refused)
+    return value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="+", default=[os.path.join("jobs", "gpt_small.yaml"),
@@ -393,6 +410,7 @@ def main(argv=None):
         return
     out = {"ranks": a.ranks, "pairs": a.pairs, "iters": a.iters, "warmup": a.warmup,
            "check_steps": a.check_steps, "check_solver": a.check_solver,
+           "reduce_scatter": reduce_scatter_of(a.sets),
            "openblas_unset": [v for v in OPENBLAS_PINS if v in os.environ], "configs": {}}
     with tempfile.TemporaryDirectory(prefix="sharded_bench_") as folder:
         for config in a.configs:

@@ -54,7 +54,8 @@ def test_defaults_are_filled(cfg_dir):
                                   "grad_dtype": "fp32", "ps_ranks": 1,
                                   "max_staleness": 0,
                                   "stall_timeout": 300, "check_collectives": False,
-                                  "stages": {}, "tensor_parallel": 1, "shard": 1, "prefetch": 1, "micro_batches": 1,
+                                  "stages": {}, "tensor_parallel": 1, "shard": 1, "prefetch": 1,
+                                  "reduce_scatter": True, "micro_batches": 1,
                                   "ignore_label_mean": "global", "schedule": "1f1b",
                                   "transport": "auto"}
     assert config["checkpoint"] == {"interval": 0, "keep": 3, "best": None, "folder": None}

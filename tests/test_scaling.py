@@ -402,3 +402,32 @@ def test_predict_gives_the_closed_form_of_a_sharded_job(traced_sharded, tmp_path
         assert r["comm_ms"] == pytest.approx(1000 * want, abs=2e-3), n
         assert r["untraced_ops"] == 0
     assert rows[8]["compute_ms"] <= rows[2]["compute_ms"] + 1e-3
+
+
+def test_predict_costs_reduce_scatter_false_as_an_allreduce(traced_sharded, tmp_path):
+    """``parallel.reduce_scatter: false``: each bucket's ReduceScatter posts
+    data parallelism's allreduce of the bucket, so it costs one on the ring,
+    2(N-1)·α + 2(N-1)/N·bucket/β, beside the allgather's (N-1)·α +
+    (N-1)/N·bucket/β: the whole is (ops/2)·3(N-1)·α + 3(N-1)/N·4·PARAMS/β
+    (the default's 2(N-1)/N becomes 3(N-1)/N); the bytes counted are the
+    same (each op's whole bucket)."""
+    import shutil
+    import yaml
+    run = tmp_path / "run"
+    shutil.copytree(traced_sharded, run)
+    cfg = yaml.safe_load(open(run / "config.yaml"))
+    cfg["parallel"]["reduce_scatter"] = False
+    write_config_file(run, cfg, "config.yaml")
+    alpha, beta = 2e-5, 1.25e8
+    link = tmp_path / "link.json"
+    save_link(link, Link(alpha, beta, 0.0, "test"))
+    res = run_cli_args("predict", run, "--np", "2,3,4,8", "--link", link,
+                       "--algorithm", "ring", "--json")
+    assert res.returncode == 0, res.stderr
+    total = 4 * PARAMS
+    for r in json.loads(res.stdout)["rows"]:
+        n = r["np"]
+        assert "error" not in r, r
+        assert r["comm_bytes"] == 2 * total and r["comm_ops"] % 2 == 0
+        want = r["comm_ops"] // 2 * 3 * (n - 1) * alpha + 3 * (n - 1) / n * total / beta
+        assert r["comm_ms"] == pytest.approx(1000 * want, abs=2e-3), n

@@ -113,7 +113,8 @@ LAYOUTS = {
 SETTINGS = [("grad_dtype", ("bf16",)), ("bucket_mb", (0.5,)), ("first_bucket_mb", (0.0001,)),
             ("min_buckets", (8,)), ("split_params", (False,)),
             ("transport", ("one_sided", "two_sided")), ("shard", (2, 3)), ("prefetch", (2,)),
-            ("schedule", ("gpipe",)), ("stages", (dict(STAGES),)), ("tensor_parallel", (2,)),
+            ("reduce_scatter", (False,)), ("schedule", ("gpipe",)), ("stages", (dict(STAGES),)),
+            ("tensor_parallel", (2,)),
             ("ps_ranks", (2,)), ("max_staleness", (1,)), ("defer_update", (False,))]
 
 #: the GPT's weights are all under split_params' 1 MiB: the key is swept on

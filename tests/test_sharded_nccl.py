@@ -29,6 +29,23 @@ def test_sharded_on_two_emulated_gpus_trains_as_the_cpu_mpi_run_in_one_launch(
         proc.stdout + proc.stderr
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", [1, 3])
+def test_reduce_scatter_false_on_nccl_gives_data_parallels_weights(host_build_dir, stage):
+    """``parallel.reduce_scatter: false`` on 3 emulated GPUs: each
+    NcclReduceScatter posts one ncclAllReduce of its whole bucket in place
+    (no padded copies; stage 1's shard is the bucket's range), still one
+    launch per iteration and no allocation after iteration 0, and after the
+    steps the weights are bit for bit those of data parallelism's
+    NcclAllreduce of the same buckets. (The emulated reduceScatter adds 3
+    ranks in the allreduce's order too, so what fails on a reduce-scatter
+    here is the check of the calls posted.)"""
+    proc, _ = run_mpi("sharded_nccl_equiv.py", 3, host_build_dir, stage, "allreduce",
+                      timeout=300)
+    assert proc.stdout.count(f"OK sharded_nccl_equiv stage={stage} n=3 allreduce ") == 3, \
+        proc.stdout + proc.stderr
+
+
 def test_use_nccl_chains_reduce_scatters_and_gathers_in_seq_order_groups_stay_on_mpi():
     g = Graph("z")
     gpu = Location(device=0)

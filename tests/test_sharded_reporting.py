@@ -172,6 +172,22 @@ def test_the_check_trains_the_solver_asked(monkeypatch, tmp_path, solver, want):
     assert check["max_rel_diff"] == pytest.approx(1 / 3) and check["worst_param"] == "w"
 
 
+def test_the_benchmark_reports_which_reduction_it_ran():
+    """``--set parallel.reduce_scatter=false`` reaches every run's config
+    (``--set`` goes to each setting) and the JSON's ``reduce_scatter`` says
+    so, as YAML reads the value; the last ``--set`` of the key wins."""
+    import sharded
+    assert sharded.reduce_scatter_of([]) is True
+    assert sharded.reduce_scatter_of(["parallel.reduce_scatter=false"]) is False
+    assert sharded.reduce_scatter_of(["parallel.reduce_scatter=False", "x=1"]) is False
+    assert sharded.reduce_scatter_of(["parallel.reduce_scatter=false",
+                                      "parallel.reduce_scatter=true"]) is True
+    cifar = os.path.join(REPO, "jobs", "cifar10_quick.yaml")
+    assert sharded._loads(cifar, ["parallel.reduce_scatter=false", "parallel.scheme=sharded"])
+    assert not sharded._loads(cifar, ["parallel.reduce_scatter=false", "parallel.scheme=sharded",
+                                      "parallel.shard=3", "parallel.transport=one_sided"])
+
+
 @pytest.mark.mpi
 def test_the_sharded_benchmark_runs_tiny(tmp_path):
     if MPIEXEC is None:

@@ -412,7 +412,11 @@ class NcclReduceScatter(_NcclKernel):
     outputs are this rank's range of the unpadded bucket (stage 1's
     gradient shard), the receive buffer is the send buffer plus rank times
     the chunk: NCCL's in-place reduce-scatter (``in_place``); any other
-    overlap of the two is refused at set-up."""
+    overlap of the two is refused at set-up. With attr ``allreduce``
+    (``parallel.reduce_scatter: false``): the bucket summed whole in place
+    by the ncclAllReduce NcclAllreduce posts for it (bfloat16: its whole
+    rounded copy), this rank's range of the sum copied to the shard (no
+    padded buffers): data parallelism's sum, bit for bit."""
 
     op_type = "NcclReduceScatter"
     nccl_call = "reduce-scatter"
@@ -429,6 +433,10 @@ class NcclReduceScatter(_NcclKernel):
         total = int(self.send.buffer.size)
         self.chunk = -(-total // shards)
         self.recv = _Concat(outs, _storage_of(self, self.op.outputs[0]) if outs else None, dtype)
+        self.allreduce = bool(self.attrs.get("allreduce", False))
+        if self.allreduce:
+            self._setup_allreduce(cupy, shards, shard, total)
+            return
         self.send_buf, self.send_pad = _padded(cupy, self.send.buffer, self.chunk * shards,
                                                dtype)
         self.recv_buf, self.recv_pad = _padded(cupy, self.recv.buffer, self.chunk, dtype)
@@ -451,9 +459,53 @@ class NcclReduceScatter(_NcclKernel):
                              "overlaps its send buffer other than at this rank's chunk "
                              "(NCCL's in-place rule: recvbuff = sendbuff + rank * recvcount)")
 
+    def _setup_allreduce(self, cupy, shards, shard, total):
+        """Attr ``allreduce``: the send buffer (the bucket) is summed in
+        place; the shard is its range ``[lo, lo + mine)``."""
+        from ..gpu.raw import data_ptr
+        self.nccl_call = "allreduce"
+        self.total, self.mine = total, int(self.recv.buffer.size)
+        self.lo = min(shard * self.chunk, total)
+        self.average = bool(self.attrs.get("average", False))
+        self.nbytes = int(self.send.buffer.nbytes)
+        item = np.dtype(self.dtype).itemsize
+        send_at, recv_at = data_ptr(self.send.buffer), data_ptr(self.recv.buffer)
+        self.in_place = self.mine == 0 or recv_at == send_at + self.lo * item
+        if self.wire is not None:   # the whole bucket as bfloat16, as NcclAllreduce's
+            (self.wire_send,) = self._wire_buffers(cupy, total)
+            self.nbytes //= 2
+        elif not self.in_place and send_at < recv_at + self.mine * item and \
+                recv_at < send_at + total * item:
+            raise GraphError(f"NcclReduceScatter '{self.op.name}': its receive buffer "
+                             "overlaps the bucket other than as this rank's range")
+
+    def _run_allreduce(self):
+        from ..gpu.raw import data_ptr
+        comm = self.nccl_comm
+        buf = self.send.buffer
+        if self.wire is not None:
+            kernels.to_bf16_bits_device(buf, self.wire_send)
+            buf = self.wire_send
+        if self.total:
+            comm.comm.allReduce(data_ptr(buf), data_ptr(buf), self.total, self.nccl_dtype,
+                                self.op_sum, self._stream())
+        part = buf[self.lo:self.lo + self.mine]
+        if self.mine:
+            if self.wire is not None:
+                kernels.from_bf16_bits_device(part, self.recv.buffer)
+            elif not self.in_place:
+                self.recv.buffer[...] = part
+        if self.average and self.mine:
+            self.recv.buffer *= 1.0 / comm.size
+        self.recv.unpack()
+        self._done()
+
     def run(self, ins, outs):
         from ..gpu.raw import data_ptr
         self.send.pack()
+        if self.allreduce:
+            self._run_allreduce()
+            return
         if self.send_pad:
             self.send_buf[:self.total] = self.send.buffer
         comm = self.nccl_comm

@@ -37,7 +37,13 @@ ReduceScatter  ins [g_0 .. g_k]  outs [s_0 .. s_m]
     in place: MPI_IN_PLACE (MPI puts the rank's result at the start of the
     bucket, copied to its range after); with ``wire_dtype`` (as Allreduce's)
     the bfloat16 copies are MPI's buffers instead. One MPI_Ireduce_scatter
-    with counts.
+    with counts. With attr ``allreduce: true`` (``parallel.reduce_scatter:
+    false``, DeepSpeed's ``zero_optimization.reduce_scatter: false``) the
+    bucket is instead summed whole by the call data parallelism's
+    Allreduce posts for it (``MPI_Iallreduce``, in place on the bucket, at
+    the same wire dtype) and the rank's range of the sum is its shard: the
+    same additions in the same order as data parallelism's, at an
+    allreduce's bytes (``posted_type``).
 Allgather   ins [x_0 .. x_m]  outs [w_0 .. w_k]   attrs seq, shards, shard, shapes, (group)
     the concatenation w_0 .. w_k (shapes ``shapes``) on every rank is the
     concatenation of every rank's x's, rank by rank: rank r's x's fill
@@ -92,6 +98,16 @@ _POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
 #: synchronised batch norm's sums, parallel/data_parallel.sum_over_replicas):
 #: the pass goes on after it, so it starts no deferred tail (runtime/tail.py)
 IN_PASS = "in_pass"
+
+
+def posted_type(op):
+    """The collective ``op`` posts, for the bytes and costs reported: a
+    ReduceScatter (or NcclReduceScatter) with attr ``allreduce`` sums its
+    bucket whole by an allreduce (Allreduce, NcclAllreduce); any other op
+    its own type."""
+    if op.attrs.get("allreduce") and op.op_type in ("ReduceScatter", "NcclReduceScatter"):
+        return op.op_type.replace("ReduceScatter", "Allreduce")
+    return op.op_type
 
 
 def is_comm_op(op):
@@ -509,6 +525,12 @@ class ReduceScatter(CollectiveKernel):
     op_type = "ReduceScatter"
     mpi_call = "Ireduce_scatter"
 
+    @property
+    def allreduce(self):
+        """Attr ``allreduce``: the bucket summed whole by data parallelism's
+        in-place Iallreduce, the shard read from its range."""
+        return bool(self.attrs.get("allreduce", False))
+
     @classmethod
     def infer(cls, attrs, ins):
         dtype, total = _flat_shapes(attrs, ins, "ReduceScatter")
@@ -543,6 +565,8 @@ class ReduceScatter(CollectiveKernel):
         send, recv = wires or (self.send.buffer, self.recv.buffer)
         self.send_stage, self.recv_stage = HostStage(send), HostStage(recv)
         self.nbytes = int(send.nbytes)
+        if self.allreduce:
+            self.mpi_call = "Iallreduce"
         self._setup_done = True
 
     def _stages_read(self):
@@ -563,7 +587,10 @@ class ReduceScatter(CollectiveKernel):
         if self.wire:
             to_bf16_bits(self.send.buffer, self.send_stage.array, self.scratch)
             op = bf16_sum_op()
-        if self.in_place:
+        if self.allreduce:  # data parallelism's call on the bucket: its sum, bit for bit
+            self._sum = self.send_stage.buffer(copy_in=True)
+            req = self.comm().Iallreduce(MPI.IN_PLACE, self._sum, op=op)
+        elif self.in_place:
             self._sum = self.send_stage.buffer(copy_in=True)
             req = self.comm().Ireduce_scatter(MPI.IN_PLACE, self._sum, recvcounts=self.counts,
                                               op=op)
@@ -574,7 +601,16 @@ class ReduceScatter(CollectiveKernel):
         return self._posted([req])
 
     def _finish(self):
-        if self.in_place:
+        if self.allreduce:
+            # the whole sum is in the buffer reduced (the bucket, its host
+            # mirror or its bfloat16 copy): the shard is its range [lo, lo + count)
+            count = self.recv.buffer.size
+            part = self._sum[self.lo:self.lo + count]
+            if self.recv_stage.staged:
+                self.recv_stage.host[...] = part
+            elif not self.in_place:
+                self.recv_stage.array[...] = part
+        elif self.in_place:
             # MPI left the shard at the start of the buffer it reduced (the
             # bucket, or its host mirror): move it to the shard's range. The
             # two do not overlap: lo = r*c >= c >= the shard's count for r >= 1
@@ -658,14 +694,16 @@ class Allgather(CollectiveKernel):
 
 
 def collective_bytes(graph):
-    """{op type: bytes} of the collectives of ``graph`` per iteration: each
+    """{op type posted (``posted_type``): bytes} of the collectives of
+    ``graph`` per iteration: each
     op counts the whole buffer it reduces or gathers (the bucket), the same
     figure on every rank -- what the kernels' ``nbytes`` holds once set up
     (a bucket reduced in bfloat16, attr ``wire_dtype``: 2 bytes an element)."""
     out = {}
     for op in graph.ops.values():
         if is_collective(op):
-            out[op.op_type] = out.get(op.op_type, 0) + moved_bytes(graph, op)
+            kind = posted_type(op)  # a ReduceScatter posted as an allreduce counts as one
+            out[kind] = out.get(kind, 0) + moved_bytes(graph, op)
     return out
 
 

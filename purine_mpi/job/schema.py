@@ -191,6 +191,14 @@ PARALLEL = (
         "gathered ahead of the computing one (each gather waits for the start of the bucket "
         "this many before it, in the forward and in the backward): at most prefetch + 1 "
         "buckets' full weights live at once in each pass"),
+    Key("reduce_scatter", _bool, True, "scheme sharded (shard 1, 2 and 3): true reduces "
+        "each gradient bucket by a reduce-scatter; false (DeepSpeed's "
+        "zero_optimization.reduce_scatter: false) sums each bucket whole by the allreduce "
+        "scheme data posts for it (in place, same dtype and buckets) and each rank keeps its "
+        "shard's range: the sums, and so the weights, are data parallelism's bit for bit at "
+        "any rank count, for an allreduce's bytes (about twice a reduce-scatter's); the "
+        "memory is the stage's; not with transport one_sided (see "
+        "[parallel.md](parallel.md))"),
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
         "gradients"),

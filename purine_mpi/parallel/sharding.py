@@ -190,7 +190,7 @@ def _drop_blobs(graph, names):
 
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
                   thread="comm", grad_first=True, stage=1, prefetch=1, wire_dtype=None,
-                  forward=None, reuse_forward=False):
+                  forward=None, reuse_forward=False, allreduce=False):
     """Rewrite ``graph`` (one replica's training graph with its solver,
     shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
     ``shard``: the buckets of data parallelism (``plan_buckets``; weights
@@ -209,7 +209,13 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     names of the forward ops (``forward_ops`` of the whole graph: a
     pipeline stage's slice may hold no loss), by default this graph's;
     ``reuse_forward``: a bucket's backward reads its forward buffer where
-    the schedule interleaves them (``_gather_units``). Returns the plan:
+    the schedule interleaves them (``_gather_units``); ``allreduce``
+    (``parallel.reduce_scatter: false``): each ReduceScatter gets attr
+    ``allreduce``, summing its bucket whole by data parallelism's in-place
+    allreduce and keeping this rank's range (comm/ops.py: the sums, and so
+    the weights, are data parallelism's bit for bit; an allreduce's
+    bytes; the memory as with the reduce-scatter: the full bucket lives
+    until the op completes). Returns the plan:
     a list of {"name", "weights", "params", "offsets", "shard",
     "reduce_scatter", "allgather", "seq", "states", "bytes"}
     (stage 3: "weight_shard", "gathers" instead of "allgather"; after the
@@ -248,6 +254,7 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
                           cut["grads"],
                           {"seq": seq, "bucket": name, "shards": shards, "shard": shard,
                            "shapes": [list(graph.blobs[x].shape) for x in cut["grads"]],
+                           **({"allreduce": True} if allreduce else {}),
                            **wire_attrs(wire_dtype, shards)},
                           location=b["location"], thread=thread)
         plan.append({"name": name, "weights": weights, "params": params, "offsets": offsets,

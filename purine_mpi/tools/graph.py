@@ -245,7 +245,10 @@ def shard_lines(job, graph):
             params = [b[:-len(".grad")] if b.endswith(".grad") else b for b in op.inputs]
             lines.append(f"  {op.attrs.get('bucket', root)}: {human_bytes(nbytes)} "
                          f"({', '.join(params)}), shard [{lo}:{hi}) of {total:,} elements")
-            lines.append(f"    reduce-scattered by {op.name} (seq {op.attrs.get('seq', 0)})"
+            how = ("all-reduced whole (parallel.reduce_scatter: false; this rank keeps "
+                   "its shard's range) by" if op.attrs.get("allreduce") else
+                   "reduce-scattered by")
+            lines.append(f"    {how} {op.name} (seq {op.attrs.get('seq', 0)})"
                          + (f" after {after}" if after else "")
                          + f"; its storage {root}: {storage(root)}")
             continue

@@ -6,6 +6,7 @@ NcclReduceScatter / NcclAllgather on one nccl stream (use_nccl), against
 the CPU/MPI sharded run of the same graph (ReduceScatter / Allgather).
 
     mpiexec -n K python tests/mpi_scripts/sharded_nccl_equiv.py BUILD_DIR STAGE [real] [frozen]
+        [allreduce]
 
 Checked on every rank: the whole iteration, NCCL included, is one captured
 graph (one launch per iteration, no eager op); each collective runs once per
@@ -20,7 +21,11 @@ K GPUs, one per rank): the same checks but the allocation log and CALLS.
 ``frozen``: fc2 (between two learning layers) at ``lr_mult: 0``; at stage
 3 its weights sharded in units of their own (sharding.frozen_units),
 gathered by NcclAllgather alike, and bit for bit their start after the
-steps on both runs.
+steps on both runs. ``allreduce`` (``parallel.reduce_scatter: false``):
+both runs compose with ``allreduce``; each NcclReduceScatter posts one
+ncclAllReduce of its whole bucket (no padded copies), and the weights
+equal bit for bit those of data parallelism on the same emulated NCCL
+(NcclAllreduce of the same buckets), which trains here too.
 """
 import os
 import pathlib
@@ -46,13 +51,14 @@ n, r = w.size, w.rank
 stage = int(sys.argv[2])
 real = "real" in sys.argv[3:]
 frozen = ("fc2",) if "frozen" in sys.argv[3:] else ()
+allreduce = "allreduce" in sys.argv[3:]
 cfg = mlp_config(batch=3, hidden=(7, 5), frozen=frozen)  # buckets N does not divide: padded
 SETTINGS = dict(bucket_mb=0.0002, first_bucket_mb=0.00005, min_buckets=2)
 
 
 def sharded_graph():
     graph, grads = build_train_graph(cfg, r, n)
-    plan = compose_zero1(graph, grads, n, r, stage=stage, **SETTINGS)
+    plan = compose_zero1(graph, grads, n, r, stage=stage, allreduce=allreduce, **SETTINGS)
     return graph, plan
 
 
@@ -147,6 +153,9 @@ if not real:
         op = graph.ops[x]
         blobs = op.inputs if op.op_type == "NcclReduceScatter" else op.outputs
         total = sum(graph.blobs[b].size for b in blobs)
+        if op.op_type == "NcclReduceScatter" and allreduce:  # the whole bucket, as data's
+            expect.append(("allReduce", total))
+            continue
         expect.append(({"NcclReduceScatter": "reduceScatter"}.get(op.op_type, "allGather"),
                        -(-total // n)))
     calls = [(c[4], c[1]) for c in emu_nccl.CALLS if c[0] == r]
@@ -157,12 +166,35 @@ if not real:
 # place (recvbuff = sendbuff + rank * chunk) wherever N divides the bucket
 # (no padded copies); stage 3's shard is a blob of its own
 shard_ops = [d.kernels[x] for x in names if graph.ops[x].op_type == "NcclReduceScatter"]
-assert [k.in_place for k in shard_ops] == [stage == 1 and k.total % n == 0
-                                           for k in shard_ops], \
-    [(k.total, k.in_place, k.send_pad, k.recv_pad) for k in shard_ops]
-assert stage != 1 or any(k.in_place for k in shard_ops), "no bucket N divides"
+if allreduce:  # the bucket summed in place; stage 1's shard is its range: no copy
+    assert all(k.allreduce and not hasattr(k, "send_buf") for k in shard_ops)
+    assert [k.in_place for k in shard_ops] == [stage == 1] * len(shard_ops)
+else:
+    assert [k.in_place for k in shard_ops] == [stage == 1 and k.total % n == 0
+                                               for k in shard_ops], \
+        [(k.total, k.in_place, k.send_pad, k.recv_pad) for k in shard_ops]
+    assert stage != 1 or any(k.in_place for k in shard_ops), "no bucket N divides"
 mine = held(d, graph, plan)
 d.close()
+if allreduce:  # data parallelism on the same NCCL: the same sums, so the same bits
+    from purine_mpi.parallel.data_parallel import compose_data_parallel
+    dgraph, dgrads = build_train_graph(cfg, r, n)
+    compose_data_parallel(dgraph, dgrads, n, r, split_params=False, **SETTINGS)
+    prepare_for_device(dgraph, 0)
+    assert {dgraph.ops[x].op_type for x in use_nccl(dgraph)} == {"NcclAllreduce"}
+    dgraph.infer_shapes().validate()
+    dd = make_dispatcher(dgraph, runtime=emu.SimulatedRuntime(r, poll_steps=(0, 2)), seed=3,
+                         cuda_graph=True, stall_timeout=60.0, log=lambda m: None)
+    for p in weights:
+        dd.workspace.set(p, weights[p])
+    for it in range(ITERS):
+        dd.workspace["iter"][...] = it
+        dd.run(it)
+    dd.drain()
+    for p in weights:
+        assert np.array_equal(to_numpy(dd.workspace[p]), mine[p]), \
+            (p, float(np.max(np.abs(to_numpy(dd.workspace[p]) - mine[p]))))
+    dd.close()
 patch.undo()
 
 worst, bitwise = 0.0, True
@@ -176,6 +208,7 @@ for p in (p for p in weights if p.split("/")[0] in frozen):
 for other in w.comm.allgather(mine):
     for p in mine:
         assert np.array_equal(other[p], mine[p]), f"{p} differs between ranks"
-ok(f"sharded_nccl_equiv stage={stage} n={n}{' frozen' if frozen else ''} "
+ok(f"sharded_nccl_equiv stage={stage} n={n}{' frozen' if frozen else ''}"
+   f"{' allreduce' if allreduce else ''} "
    f"buckets={len(plan)} collectives={len(names)} "
    f"bitwise={bitwise} max_abs_diff={worst:.3g}")

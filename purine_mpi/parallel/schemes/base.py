@@ -535,7 +535,7 @@ class Scheme:
     def key_notes(self, par, note, world_size):
         """The keys of other schemes (``keys``) this one ignores (in a run of
         ``world_size`` ranks)."""
-        for key in ("stages", "tensor_parallel", "shard", "prefetch"):
+        for key in ("stages", "tensor_parallel", "shard", "prefetch", "reduce_scatter"):
             if key in self.keys:
                 continue
             users = [n for n in scheme_names() if key in _keys_of(n)]

@@ -116,7 +116,7 @@ from .tensor import TensorParallel
 @register_scheme("sharded")
 class Sharded(Hybrid):
     keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch", "transport", "stages",
-                          "schedule", "tensor_parallel")
+                          "schedule", "tensor_parallel", "reduce_scatter")
     #: stage 3 on one node: the weights in one shared window (parallel/zero3_windows.py)
     one_sided = True
     #: the deferred tail knows allreduce buckets only
@@ -312,7 +312,8 @@ class Sharded(Hybrid):
         one = _one_replica(par, world_size)
         if one is not None:
             ways, what, like = one
-            note(["shard", "prefetch"], f"shapes how each replica's model state is sharded; "
+            note(["shard", "prefetch", "reduce_scatter"], "shapes how each replica's model "
+                 f"state is sharded; "
                  f"the {world_size} ranks are one replica ({ways} {what}), which runs as "
                  f"{like}: nothing is sharded, so it has no effect",
                  f"shape how each replica's model state is sharded; the {world_size} ranks "
@@ -417,6 +418,8 @@ class Sharded(Hybrid):
                 f"its 1/{n} shard of every bucket{where}{what}")
         if lay.staged and not plan:  # a stage without parameters (the loss alone)
             body = f"{who}; stage {lay.stage} (this rank's) holds no parameter: no bucket"
+        if not trainer.job.parallel.reduce_scatter:
+            body = _allreduced(body)
         rows = [("scheme", f"sharded (ZeRO stage {stage}): {body}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
@@ -428,6 +431,18 @@ class Sharded(Hybrid):
             [("split", line) for line in composition.tensor_plan]
 
     def graph_notes(self, lay, rank, comp=None):
+        note = self._graph_notes(lay, rank, comp)
+        plan = getattr(comp, "shard_plan", None) or []
+        if note and any(comp.graph.ops[e["reduce_scatter"]].attrs.get("allreduce")
+                        for e in plan if "reduce_scatter" in e):
+            note = _allreduced(note.replace("reduce-scattered and gathered",
+                                            "summed and gathered"))
+            if "allreduce" not in note:
+                note += ("; each bucket summed whole by data parallelism's allreduce, this "
+                         "rank keeping its shard's range (parallel.reduce_scatter: false)")
+        return note
+
+    def _graph_notes(self, lay, rank, comp=None):
         plain = _plain(lay)
         if plain is not None:
             return (f"sharded with 1 replica: runs as scheme {plain.config_name}; layout "
@@ -1005,10 +1020,23 @@ def _on_group(graph, plan, group):
         entry["group"] = list(group)
 
 
+def _allreduced(text):
+    """A start-up or ``graph --np`` text of the reduce-scatters told as
+    what ``parallel.reduce_scatter: false`` posts: each bucket summed whole
+    by data parallelism's allreduce, the rank keeping its shard's range."""
+    return text.replace("gradients reduce-scattered", "gradients summed by data "
+                        "parallelism's allreduce, each rank keeping its shard's range "
+                        "(parallel.reduce_scatter: false),").replace(
+        "freed after their reduce-scatter", "freed after their allreduce").replace(
+        "reduce-scattered over", "allreduced over")
+
+
 def _zero_settings(par, forward=None):
     """``compose_zero1``'s keyword settings from the parallel section."""
     settings = par.bucket_settings()
     settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
+    if not par.reduce_scatter:  # DeepSpeed's reduce_scatter: false: data parallelism's sums
+        settings["allreduce"] = True
     if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
         settings["prefetch"] = par.prefetch
     if forward is not None:

@@ -23,6 +23,8 @@ their cost on the link model (``link.py``):
   the push and the server's update of that shard (its traced ``.update``);
 - scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
   each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
+  with ``parallel.reduce_scatter: false`` the ReduceScatter (attr
+  ``allreduce``) posts the bucket's allreduce and costs one;
 - scheme sharded, stage 3 with windows: a ``WindowSync`` (one shared copy
   per node; or across hosts around the Gets) is a barrier, ⌈log2 N⌉·α; a
   ``GetShards`` (the gather across hosts) α_put + (N-1)/N·B/β_put, its
@@ -48,7 +50,7 @@ All of these are reported as ``untraced``.
 import time
 
 from ...base.errors import UserError
-from ...comm.ops import moved_bytes
+from ...comm.ops import moved_bytes, posted_type
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import split_chunk
 
@@ -162,9 +164,12 @@ class Template:
         g = self.graph
         # a collective's bytes at its wire dtype (a bucket reduced in
         # bfloat16, parallel.grad_dtype: bf16, moves 2 bytes an element)
-        if op.op_type in ("Allreduce", "WindowAllreduce"):
+        if posted_type(op) in ("Allreduce", "WindowAllreduce"):
+            # (a ReduceScatter with attr allreduce, parallel.reduce_scatter:
+            # false, posts data parallelism's allreduce of its bucket)
             nbytes = moved_bytes(g, op)
-            group = len(op.attrs.get("group") or ()) or scenario.replicas
+            group = len(op.attrs.get("group") or ()) or int(op.attrs.get("shards") or 0) \
+                or scenario.replicas
             return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
