@@ -14,7 +14,6 @@ import purine_mpi.gpu as gpu
 from purine_mpi.graph import Graph
 from purine_mpi.graph.core import Location
 from purine_mpi.gpu import blas
-from purine_mpi.gpu.raw import data_ptr
 from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.runtime.factory import make_dispatcher
 from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
@@ -106,41 +105,3 @@ def test_handles_are_per_scope_on_one_stream(monkeypatch, host_build_dir):
         with blas.workspace_scope(scope):
             handles.add(blas.reserve(stream))
     assert len(handles) == 2
-
-
-def test_a_capture_takes_over_its_eager_streams_workspace(monkeypatch, host_build_dir):
-    """``reserve(take_from=eager stream)``: the capture stream's handle takes
-    the eager handle's workspace (one workspace for the stream, not two, as
-    PyTorch's one stream holds one), after the eager stream's work is done;
-    the eager handle, left without one, gets a new workspace if it runs a
-    product again, so the two never share memory afterwards."""
-    use_emulated_cupy(monkeypatch, host_build_dir)
-    blas.reset()
-    rt = SimulatedRuntime(0)
-    eager, capture = rt.stream(0, 0), rt.stream(0, "capture:0")
-    synced = []
-    monkeypatch.setattr(type(eager), "synchronize",
-                        lambda self, f=type(eager).synchronize: (synced.append(self), f(self))[1])
-    try:
-        blas.reserve(eager, 0)                       # the eager first iteration's handle
-        (key_e, ws), = blas.made_handles(0).items()
-        assert ws == blas.workspace_bytes()
-        first = blas._handles[key_e].workspace
-        with blas.workspace_scope((0, "graph0")):
-            blas.reserve(capture, 0, take_from=eager)
-        made = blas.made_handles(0)
-        assert len(made) == 2 and sum(made.values()) == blas.workspace_bytes()   # one, not two
-        assert made[key_e] == 0 and synced == [eager]
-        key_c = next(k for k in made if k != key_e)
-        assert blas._handles[key_c].workspace is first          # the same memory, handed over
-        # a second capture of the stream (another scope) finds nothing to take
-        with blas.workspace_scope((0, "graph1")):
-            blas.reserve(rt.stream(0, "capture:1"), 0, take_from=eager)
-        assert sum(blas.made_handles(0).values()) == 2 * blas.workspace_bytes()
-        # the eager handle runs a product again: a workspace of its own
-        blas.reserve(eager, 0)
-        again = blas._handles[key_e].workspace
-        assert again is not None and data_ptr(again) != data_ptr(first)
-        assert sum(blas.made_handles(0).values()) == 3 * blas.workspace_bytes()
-    finally:
-        blas.reset()

@@ -120,12 +120,11 @@ class _Handle:
     """One nvmath cuBLAS handle, bound to one stream, with its workspace
     (a CuPy array kept alive as long as the handle)."""
 
-    __slots__ = ("handle", "workspace", "stream_ptr", "tf32", "lent")
+    __slots__ = ("handle", "workspace", "stream_ptr", "tf32")
 
     def __init__(self, handle, workspace, stream_ptr, tf32):
         self.handle, self.workspace = handle, workspace
         self.stream_ptr, self.tf32 = stream_ptr, tf32
-        self.lent = False   # its workspace handed to a capture's handle (``reserve``)
 
 
 def _nvmath():
@@ -219,11 +218,10 @@ class _NoCublas(Exception):
     libcublas it can load): the products take CuPy's cuBLAS."""
 
 
-def _create(cublas, cupy, device, stream_ptr, workspace=None):
-    """A handle bound to ``stream_ptr`` with a workspace of its own (or
-    ``workspace``, one handed over: ``reserve``). The order matters:
-    ``cublasSetStream`` resets a handle's workspace to cuBLAS's default
-    pool, so the stream is set first, the workspace after."""
+def _create(cublas, cupy, device, stream_ptr):
+    """A handle bound to ``stream_ptr`` with a workspace of its own. The
+    order matters: ``cublasSetStream`` resets a handle's workspace to
+    cuBLAS's default pool, so the stream is set first, the workspace after."""
     try:
         handle = cublas.create()
     except Exception as exc:
@@ -233,10 +231,7 @@ def _create(cublas, cupy, device, stream_ptr, workspace=None):
                         f"{exc}".splitlines()[0]) from exc
     try:
         nbytes = workspace_bytes()
-        if workspace is None:
-            workspace = cupy.empty((nbytes,), dtype=np.uint8) if nbytes else None
-        else:
-            nbytes = int(workspace.nbytes)
+        workspace = cupy.empty((nbytes,), dtype=np.uint8) if nbytes else None
         cublas.set_stream(handle, stream_ptr)
         cublas.set_workspace(handle, data_ptr(workspace) if nbytes else 0, nbytes)
         cublas.set_pointer_mode(handle, cublas.PointerMode.HOST)
@@ -250,83 +245,47 @@ def _create(cublas, cupy, device, stream_ptr, workspace=None):
     return entry
 
 
-def reserve(stream, device=None, take_from=None):
+def reserve(stream, device=None):
     """Make the cuBLAS handle and workspace of ``stream`` (a CuPy stream) on
     ``device`` (default: the current one) now, so that products captured on
     that stream later allocate nothing. Call it before ``begin_capture``,
     for every stream of the capture. A no-op without nvmath-python (CuPy's
-    cuBLAS cannot be captured anyway); returns the handle, or None.
-
-    ``take_from``: the eager stream whose products the capture takes over
-    (runtime/cuda_graph: every product of that stream is captured, so its
-    own handle runs none after the eager first iteration). A new handle
-    takes that stream's handle's workspace instead of allocating one, once
-    the stream's queued work is done (``synchronize``: its last products
-    wrote there); the eager handle is left without one and allocates a new
-    one if it runs a product again (outside a capture). So the stream
-    holds one workspace, not two, as PyTorch's one stream holds one."""
+    cuBLAS cannot be captured anyway); returns the handle, or None."""
     cublas = _nvmath()
     if cublas is None:
         return None
     cupy = import_cupy()
     ptr = int(stream.ptr)
     if device is None:
-        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream, ptr,
-                        take_from)
+        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream, ptr)
     else:
         with cupy.cuda.Device(device):
-            entry = _handle(cublas, cupy, int(device), stream, ptr, take_from)
+            entry = _handle(cublas, cupy, int(device), stream, ptr)
     return None if entry is None else entry.handle
 
 
-def _lendable(device, stream):
-    """The workspace of ``stream``'s eager handle (scope None) on
-    ``device`` when it has one to hand over, else None."""
-    if stream is None:
-        return None
-    entry = _handles.get((device, int(stream.ptr), None))
-    if entry is None or entry.lent or entry.workspace is None:
-        return None
-    return entry
-
-
-def _handle(cublas, cupy, device, stream, ptr, take_from=None):
+def _handle(cublas, cupy, device, stream, ptr):
     key = (device, ptr, getattr(_scope, "key", None))
     entry = _handles.get(key)
-    if entry is not None and not entry.lent:
+    if entry is not None:
         return entry
     with _lock:
         entry = _handles.get(key)
-        if entry is not None and not entry.lent:
+        if entry is not None:
             return entry
         if _state["cublas"] is None:   # the first handle failed meanwhile
             return None
         if _is_capturing(stream):
             raise RuntimeError(
                 f"gemm: stream {ptr:#x} of device {device} is capturing a CUDA graph and has "
-                "no cuBLAS handle " + ("workspace" if entry is not None else "yet") +
-                "; making one now would allocate its workspace inside "
+                "no cuBLAS handle yet; making one now would allocate its workspace inside "
                 "the capture. Call purine_mpi.gpu.blas.reserve(stream) for every stream of "
                 "a capture before begin_capture")
-        if entry is not None:   # its workspace was handed over: a new one
-            nbytes = workspace_bytes()
-            entry.workspace = cupy.empty((nbytes,), dtype=np.uint8) if nbytes else None
-            cublas.set_workspace(entry.handle, data_ptr(entry.workspace) if nbytes else 0,
-                                 nbytes)
-            entry.lent = False
-            return entry
-        lender = _lendable(device, take_from)
-        if lender is not None:
-            take_from.synchronize()   # its products are done with the workspace
         try:
-            made = _create(cublas, cupy, device, ptr,
-                           None if lender is None else lender.workspace)
+            return _create(cublas, cupy, device, ptr)
         except _NoCublas as exc:   # from now on CuPy's cuBLAS, said once
             _state.update(cublas=None, reason=str(exc))
             return None
-        if lender is not None:
-            lender.workspace, lender.lent = None, True
-        return made
 
 
 def _note_cupy_once():

@@ -262,16 +262,11 @@ class GraphExecutor(StreamExecutor):
             kernels = self.core.kernels
             threads = dict.fromkeys(self.streams[n][1] for n in seg.members
                                     if kernels[n].runs_products(kernels[n].ins, kernels[n].outs))
-            # ... each taking over the workspace of its stream's eager handle
-            # when every product of that stream is captured (``blas.reserve``)
-            captured = self._captured_product_streams()
             # ... those of the stream the graph replays on (seg.key): graphs
             # replaying at once never share a cuBLAS workspace
             rt.prepare_capture(device, [
                 self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads],
-                scope=seg.key, lenders=[
-                    self._stream((device, t)) if (device, t) in captured else None
-                    for t in threads])
+                scope=seg.key)
             with allocator, rt.capture_scope(seg.key):
                 rt.begin_capture(device, origin)
                 try:
@@ -291,21 +286,6 @@ class GraphExecutor(StreamExecutor):
             return
         arrays = [a for lst in seg.arg_lists for a in lst]
         seg.captures[sig] = _Capture(graph, pool, arrays)
-
-    def _captured_product_streams(self):
-        """The (device, thread) streams every product op of which
-        (``runs_products``) is a member of a segment: after the eager first
-        iteration their own cuBLAS handles run no product
-        (runtime/footprint.handed_over counts the same)."""
-        kernels, out, eager = self.core.kernels, set(), set()
-        members = {m for seg in self.segment_plan.values() for m in seg.members}
-        for name, key in self.streams.items():
-            k = kernels.get(name)
-            if key is None or k is None or name in self.segment_plan or \
-                    not k.runs_products(k.ins, k.outs):
-                continue
-            (out if name in members else eager).add(tuple(key))
-        return out - eager
 
     # ----------------------------------------------------------- launching
     def execute(self, op, tid):

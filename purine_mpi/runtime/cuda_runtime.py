@@ -140,18 +140,15 @@ class CudaRuntime:
         fn()
         self.sync_devices(devices)
 
-    def prepare_capture(self, device, streams, scope=None, lenders=None):
+    def prepare_capture(self, device, streams, scope=None):
         """Before a capture on ``streams`` of a graph that will replay on
         stream ``scope``: what the captured work needs that must not be
         created inside it (a cuBLAS handle and workspace for each stream,
-        ``gpu/blas.reserve``, those of ``scope``: see ``capture_scope``).
-        ``lenders``: for each stream, the eager stream whose products it
-        takes over (its handle's workspace is handed over), or None."""
+        ``gpu/blas.reserve``, those of ``scope``: see ``capture_scope``)."""
         from ..gpu import blas
-        lenders = lenders or [None] * len(streams)
         with self.cupy.cuda.Device(device), blas.workspace_scope(scope):
-            for stream, lender in zip(streams, lenders):
-                blas.reserve(stream, device, take_from=lender)
+            for stream in streams:
+                blas.reserve(stream)
 
     def capture_scope(self, scope):
         """A context manager for the launches of a capture whose graph

@@ -88,9 +88,7 @@ the run uses:
   and per CUDA-graph segment one capture stream per stream of its ops
   that run products (``CudaRuntime.prepare_capture``; the capture's origin
   stream only forks and joins them, and a stream of copies alone -- the
-  batch's upload -- calls no cuBLAS, so neither has one); a stream every
-  product of which is captured hands its eager handle's workspace to the
-  first capture's handle (``handed_over``): one workspace, not two;
+  batch's upload -- calls no cuBLAS, so neither has one);
 - ``capture_pools``: what captures allocate in their private pools: 0, as
   every kernel reserves its memory before a capture (an allocation inside
   one is refused: tests/test_gpu_no_alloc.py).
@@ -747,25 +745,10 @@ def device_extras(graph, device, cuda_graph=True):
     slots = scratch_plan(needs, lanes, lambda n: ancestors_in(deps, cache, n))
     streams = stream_keys(graph)
     handles = cublas_handles(streams, segments, products, device)
-    shared = handed_over(streams, segments, products, device)
     return {"scratch": sum(b for b, _ in slots), "slots": slots, "ops": ops,
-            "cublas_workspaces": (len(handles) - len(shared)) * workspace_bytes(),
-            "cublas_handed_over": shared,
+            "cublas_workspaces": len(handles) * workspace_bytes(),
             "cublas_handles": handles, "products": sorted(products), "segments": segments,
             "streams": streams, "capture_pools": 0}
-
-
-def handed_over(streams, segments, products, device):
-    """The streams on ``device`` whose eager cuBLAS handle hands its
-    workspace to a capture's handle (gpu/blas.reserve ``take_from``, as
-    runtime/cuda_graph asks it): those every product op of which is a
-    member of a CUDA-graph segment. Each holds one workspace, not two."""
-    members = {n for _, names in segments for n in names}
-    out, eager = set(), set()
-    for n in products:
-        if streams[n][0] == device:
-            (out if n in members else eager).add(streams[n])
-    return sorted(out - eager, key=str)
 
 
 def cublas_handles(streams, segments, products, device):
