@@ -279,8 +279,13 @@ def validate_config(config, path="<config>", check_files=True):
 
 def _recompute_rules(out, path):
     """``recompute`` with what it cannot rewrite (graph/recompute.py runs
-    on one replica's graph before the composition), and ``recompute_layers``
-    patterns that match no layer."""
+    on one replica's graph before the composition; the staged and tensor
+    compositions, which cut or split that graph, are not built for its
+    copies), and ``recompute_layers`` patterns
+    that match no layer. Micro-batches are accepted: their composition
+    (parallel/micro_batch.py) copies the rewritten graph, the recompute
+    copies with it, and each copy's replays read its own packed masks or
+    draw its own Philox stream (attr ``stream``, ``<op>@mb<k>``)."""
     mode, patterns = out.get("recompute", "none"), out.get("recompute_layers")
     if mode == "none":
         return
@@ -292,11 +297,9 @@ def _recompute_rules(out, path):
             par.get("scheme") == "sharded" and par.get("tensor_parallel", 1) > 1):
         with_tensor = " with parallel.tensor_parallel" if par["scheme"] == "sharded" else ""
         raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
-                          f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none "
-                          "or scheme: data")
-    if par.get("micro_batches", 1) > 1:
-        raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
-                          f"parallel.micro_batches: {par['micro_batches']}; use one of them")
+                          f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none, "
+                          "or scheme: data or sharded (parallel.micro_batches combine with "
+                          "it there)")
     import fnmatch
     names = [layer["name"] for layer in out["net"]]
     for p in patterns or ():
