@@ -211,3 +211,21 @@ def test_plan_choose_prices_each_copys_recomputed_ops(tmp_path):
         assert seconds is not None and seconds > 0, name
         if graph.ops[name].op_type == traced.ops[original].op_type:
             assert seconds == pytest.approx(0.5), name
+
+
+def test_sharded_with_stages_is_refused_as_a_pipeline(email_h5):
+    """Scheme sharded with ``parallel.stages`` runs as a pipeline (or
+    hybrid): recompute is refused there as under scheme pipeline, with the
+    stages as a count and as a map of two stages, with micro-batches or
+    without (once accepted: a GraphError at start-up, the copies' control
+    edges crossing the stages' ranks)."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.config import load_config
+    sets = _sets(email_h5)[1::2] + ["recompute=full", "parallel.scheme=sharded"]
+    names = [layer["name"] for layer in load_config(TINY, overrides=sets)["net"]]
+    two = {n: int(i >= len(names) // 2) for i, n in enumerate(names)}
+    for stages in ("2", str(two)):
+        for m in (1, 2):
+            with pytest.raises(ConfigError, match="sharded with parallel.stages"):
+                load_config(TINY, overrides=sets + [f"parallel.stages={stages}",
+                                                    f"parallel.micro_batches={m}"])
