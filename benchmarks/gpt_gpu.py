@@ -18,8 +18,9 @@ take seconds):
 
 - ``purine``: ``bench``'s own timing loop (tools/bench.run_bench) of the job
   with ``--set precision=bf16 device=N parallel.micro_batches=M
-  data.train.batch_size=B*M`` (and at M = 1 with ``--recompute-layers
-  'h*_ln1,h*_ln2,h*_gelu'`` ``recompute=full recompute_layers=[...]``:
+  data.train.batch_size=B*M`` (and with ``--recompute-layers
+  'h*_ln1,h*_ln2,h*_gelu'`` ``recompute=full recompute_layers=[...]``, in
+  each micro-batch:
   the layer norms' and GELU's outputs computed again from their kept
   inputs just before the weight gradients read them, instead of kept,
   12 x 192 MiB and 24 x 48 MiB at 16 x 1024 tokens, as torch.compile's
@@ -131,7 +132,7 @@ def load(args, tokens, device, precision):
     if args.seq:
         sets.append(f"data.train.sequence_length={args.seq}")
     layers = getattr(args, "recompute_layers", None)
-    if layers and args.micro_batches == 1:   # recompute refuses micro-batches
+    if layers:   # in each micro-batch copy (recompute combines with micro-batches)
         sets += ["recompute=full", f"recompute_layers=[{layers}]"]
     return load_config(args.config, overrides=sets, check_files=False)
 
@@ -459,7 +460,7 @@ def main(argv=None):
                     help="sequences per micro-batch (default 16, nanoGPT's; 2 with --dry-run)")
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--recompute-layers", default="",
-                    help="ours with one micro-batch: recompute: full on these layers, e.g. "
+                    help="ours: recompute: full on these layers (in each micro-batch), e.g. "
                     "'h*_ln1,h*_ln2,h*_gelu' (the layer norms' and GELU's outputs computed "
                     "again from their kept inputs before the weight gradients read them, as "
                     "torch.compile's partitioner recomputes pointwise ops; bitwise the same; "

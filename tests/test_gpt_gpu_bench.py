@@ -196,10 +196,11 @@ def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
     assert kernels["gpu_busy"] == 0.2 and kernels["top_kernels"][0] == ["gemm", 4.0, 2.0]
 
 
-def test_gpt_gpu_recompute_layers_reach_the_job_at_one_micro_batch():
-    """--recompute-layers sets recompute: full on those layers at one
-    micro-batch (recompute refuses micro-batches: none there), and the
-    default runs the job as written."""
+def test_gpt_gpu_recompute_layers_reach_the_job():
+    """--recompute-layers sets recompute: full on those layers, at one
+    micro-batch and at several (recompute combines with micro-batches: once
+    refused, the benchmark then dropped it), and the default runs the job
+    as written."""
     import argparse
     spec = importlib.util.spec_from_file_location("gpt_gpu_for_test", GPT_GPU)
     module = importlib.util.module_from_spec(spec)
@@ -214,4 +215,6 @@ def test_gpt_gpu_recompute_layers_reach_the_job_at_one_micro_batch():
     asked = config("h*_ln1,h*_gelu")
     assert asked["recompute"] == "full" and asked["recompute_layers"] == ["h*_ln1", "h*_gelu"]
     assert config("").get("recompute", "none") == "none"
-    assert config("h*_gelu", micro_batches=2).get("recompute", "none") == "none"
+    at_two = config("h*_gelu", micro_batches=2)
+    assert at_two["recompute"] == "full" and at_two["recompute_layers"] == ["h*_gelu"]
+    assert at_two["parallel"]["micro_batches"] == 2

@@ -2,7 +2,8 @@
 after 6 AdamW steps are bitwise those without recompute, with dropout, on
 1 rank and on 2 ranks of data parallelism (there the train rows' losses
 too); the memory plan sees the shorter lifetimes; the combinations it
-cannot rewrite are refused with exit 2."""
+cannot rewrite are refused with exit 2 (with micro-batches:
+tests/test_recompute_micro.py)."""
 import json
 import os
 
@@ -287,13 +288,20 @@ def test_dropout_copy_draws_its_originals_mask():
 
 @pytest.mark.parametrize("sets, key", [
     (["recompute=full", "parallel.scheme=tensor", "parallel.tensor_parallel=2"], "recompute"),
-    (["recompute=selective", "parallel.micro_batches=2"], "recompute"),
+    (["recompute=selective", "parallel.scheme=pipeline", "parallel.stages=2",
+      "parallel.micro_batches=2"], "recompute"),
+    # sharded with stages runs as a pipeline: once accepted, the copies'
+    # control edges crossed the stages' ranks (a GraphError at start-up)
+    (["recompute=full", "parallel.scheme=sharded", "parallel.stages=2",
+      "parallel.micro_batches=2"], "recompute"),
     (["recompute=full", "recompute_layers=[nope*]"], "recompute_layers"),
     (["recompute=some"], "recompute"),
 ])
 def test_recompute_refusals(email_h5, sets, key):
-    """What the pass cannot rewrite, a pattern matching no layer and an
-    unknown mode: exit 2, one line naming the key."""
+    """What the pass cannot rewrite (a pipeline, with micro-batches or
+    without: micro-batches alone are accepted, tests/test_recompute_micro.py),
+    a pattern matching no layer and an unknown mode: exit 2, one line
+    naming the key."""
     args = [a for s in sets for a in ("--set", s)]
     res = run_cli_here("train", TINY, *_sets(email_h5), *args, "--out", "/nonexistent/x")
     assert res.returncode == 2, res.stderr

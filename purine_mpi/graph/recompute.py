@@ -71,6 +71,13 @@ CPU a draw costs ~50 times an unpack), and a Dropout kept only for its
 mask (a transformer's residual dropout) is not copied, nor the projection
 before it.
 
+With ``parallel.micro_batches`` the micro-batch composition
+(parallel/micro_batch.py) copies the rewritten graph once per micro-batch,
+the recompute copies and their control edges with it: copy k's replays
+read copy k's packed masks, and a copy that draws (the fused op's on a
+GPU) draws ``<stream>@mb<k>``, its own original's stream; each copy
+recomputes just before its own backward in the schedule.
+
 The results are bitwise those without recompute: the copies run the same
 kernels on the same bytes, and the unpacked mask is the drawn one. A unit is left as it is where a copy could not repeat its
 op exactly: an op that accumulates, keeps state in its outputs,
@@ -79,6 +86,7 @@ norm's running statistics), or a unit that makes a loss or a metric (its
 backward follows at once).
 """
 import fnmatch
+import re
 
 from ..ops.catalog import get_kernel_class
 from .core import PERSISTENT_KINDS
@@ -392,9 +400,14 @@ def describe_recompute(graph):
                "no unit of the layers matched has activations a copy could recompute")
         return f"{summary['setting']}: nothing to recompute: {why}"
 
+    # after the micro-batch composition (parallel/micro_batch.py) each blob
+    # the summary names is one per copy, ``<blob>@mb<k>``: sized in copy 0,
+    # what every copy recomputes and keeps
+    copies = len({k for b in graph.blobs for k in re.findall(r"@mb(\d+)$", b)})
+
     def size(names):
-        return sum(graph.blobs[b].nbytes for b in names if b in graph.blobs
-                   and graph.blobs[b].shape is not None)
+        found = [graph.blobs.get(b) or graph.blobs.get(f"{b}@mb0") for b in names]
+        return sum(b.nbytes for b in found if b is not None and b.shape is not None)
     layers = sum(len(u) for u in units)
     redo, saved = summary["recomputed"], summary["saved"]
     packed = summary.get("packed", [])
@@ -406,4 +419,5 @@ def describe_recompute(graph):
             + (f": {', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved
                else ")")
             + (f"; {len(packed)} dropout mask(s) kept bit-packed ({human_bytes(size(packed))})"
-               if packed else ""))
+               if packed else "")
+            + (f"; figures per micro-batch copy ({copies} copies)" if copies > 1 else ""))

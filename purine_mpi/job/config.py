@@ -279,8 +279,13 @@ def validate_config(config, path="<config>", check_files=True):
 
 def _recompute_rules(out, path):
     """``recompute`` with what it cannot rewrite (graph/recompute.py runs
-    on one replica's graph before the composition), and ``recompute_layers``
-    patterns that match no layer."""
+    on one replica's graph before the composition; the staged and tensor
+    compositions, which cut or split that graph, are not built for its
+    copies: sharded with stages is one), and ``recompute_layers`` patterns
+    that match no layer. Micro-batches are accepted: their composition
+    (parallel/micro_batch.py) copies the rewritten graph, the recompute
+    copies with it, and each copy's replays read its own packed masks or
+    draw its own Philox stream (attr ``stream``, ``<op>@mb<k>``)."""
     mode, patterns = out.get("recompute", "none"), out.get("recompute_layers")
     if mode == "none":
         return
@@ -288,15 +293,20 @@ def _recompute_rules(out, path):
         raise ConfigError(path, "recompute", f"recompute: {mode} needs a 'net' (its layers), "
                           "not a 'graph'")
     par = out.get("parallel", {})
+    stages = par.get("stages")
+    # sharded with stages is a pipeline (or hybrid) whose stages' replicas
+    # shard: the copies' control edges would cross the stages' ranks
+    staged = stages > 1 if _is_int(stages) else len(set((stages or {}).values())) > 1
     if par.get("scheme") in ("pipeline", "hybrid", "tensor") or (
-            par.get("scheme") == "sharded" and par.get("tensor_parallel", 1) > 1):
-        with_tensor = " with parallel.tensor_parallel" if par["scheme"] == "sharded" else ""
+            par.get("scheme") == "sharded" and (par.get("tensor_parallel", 1) > 1 or staged)):
+        with_tensor = "" if par["scheme"] != "sharded" else \
+            " with parallel.tensor_parallel" if par.get("tensor_parallel", 1) > 1 else \
+            " with parallel.stages"
         raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
-                          f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none "
-                          "or scheme: data")
-    if par.get("micro_batches", 1) > 1:
-        raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
-                          f"parallel.micro_batches: {par['micro_batches']}; use one of them")
+                          f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none, "
+                          "or scheme: data, or sharded without parallel.stages or "
+                          "parallel.tensor_parallel (parallel.micro_batches combine with "
+                          "recompute there)")
     import fnmatch
     names = [layer["name"] for layer in out["net"]]
     for p in patterns or ():

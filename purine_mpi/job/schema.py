@@ -304,8 +304,9 @@ TOP = (
     Key("recompute", _choice(RECOMPUTE_MODES), "none", "activation recompute: keep fewer "
         "activations from the forward to the backward and compute them again just before "
         "the backward that reads them (the recompute choices below; docs/running.md, "
-        "\"Activation recompute\"); the results are bit-identical. Not with the pipeline, "
-        "hybrid or tensor schemes, nor micro-batches"),
+        "\"Activation recompute\"); the results are bit-identical. With micro-batches too "
+        "(each micro-batch copy recomputes its own); not with the pipeline, hybrid or "
+        "tensor schemes (nor sharded with `parallel.tensor_parallel` or `parallel.stages`)"),
     Key("recompute_layers", _check_patterns, None, "the layers `recompute` applies to: "
         "name patterns (fnmatch: `h*_attn`, `h[0-2]_*`); each must match a layer of the net",
         shown="every layer", typed=Typed(lambda v: None if v is None else tuple(v),

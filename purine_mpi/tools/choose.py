@@ -455,11 +455,12 @@ class _Scaled:
         self._weights = {id(g): weight_blobs(g) for g in (traced_graph, graph)}
 
     def lookup(self, name, rank=0, rows=None):
-        # a copy named apart from a blob of its name: ``X@recompute#1`` (graph/core.free_name);
+        # a copy named apart from a blob of its name: ``X@recompute#1`` (graph/core.free_name),
+        # a micro-batch's copy of a recompute copy: ``X@recompute#1@mb0``;
         # a fused Attention copy reading the packed mask (``replay_mask``) keeps the
         # original's time, its mask draw included: nothing traced times the draw apart
         # (docs/scaling.md, "What it leaves out")
-        base = re.sub(r"@(recompute|mb\d+)(#\d+)?$", "", name)
+        base = re.sub(r"(@(recompute|mb\d+)(#\d+)?)+$", "", name)
         whole = re.sub(r"\[\d+:\d+\]$", "", base)
         seconds = self.d.lookup(whole, 0)
         if seconds is None or whole not in self.traced.ops or name not in self.graph.ops:
