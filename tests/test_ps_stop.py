@@ -52,19 +52,60 @@ def _start(tmp_path, digits_h5, mode, name, stall_timeout=STALL_TIMEOUT):
     return proc, out, ranks, cmd
 
 
+#: the cases of test_signal_stops_every_rank_with_one_checkpoint, in the
+#: order signalled runs them
+SIGNALLED = [(sig, target, mode) for sig in (signal.SIGTERM, signal.SIGUSR1)
+             for target in sorted(TARGETS) for mode in ("async", "sync_ps")]
+
+
+def _stopped(proc, ranks, sent, timeout):
+    """(exit status, or None where the job still ran ``timeout`` s after
+    the signal; stdout; stderr; seconds from the signal to the end); every
+    rank and the launcher are killed afterwards."""
+    try:
+        stdout, stderr = finish_ranks(proc, ranks.values(), timeout)
+    except subprocess.TimeoutExpired:
+        return None, "", "", time.monotonic() - sent
+    return proc.returncode, stdout, stderr, time.monotonic() - sent
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory, digits_h5):
+    """{(signal, target, mode): (_stopped's figures, run folder, command)}
+    of every case of test_signal_stops_every_rank_with_one_checkpoint: each
+    case's 3-rank job signalled once it logged its first line, then waited
+    for (at most 30 s from its own signal). Each case's job starts while
+    the one before stops (the stop agreement, the checkpoint), two jobs at
+    a time, each with its own run folder, ranks and launcher, as
+    dead_or_frozen runs its cases; the test of each case reads its
+    checkpoint and (a worker's SIGTERM) resumes it."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    tmp = tmp_path_factory.mktemp("signalled")
+    results, waiting = {}, None
+    with ThreadPoolExecutor(max_workers=2) as waiters:
+        for case in SIGNALLED:
+            sig, target, mode = case
+            proc, out, ranks, cmd = _start(tmp, digits_h5, mode, f"{sig.name}-{target}-{mode}")
+            try:
+                os.kill(proc.pid if TARGETS[target] is None else ranks[TARGETS[target]], sig)
+            finally:
+                future = waiters.submit(_stopped, proc, ranks, time.monotonic(), 30)
+            if waiting is not None:
+                results[waiting[0]] = (waiting[1].result(),) + waiting[2:]
+            waiting = (case, future, out, cmd)
+        results[waiting[0]] = (waiting[1].result(),) + waiting[2:]
+    return results
+
+
 @pytest.mark.parametrize("mode", ["async", "sync_ps"])
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
-def test_signal_stops_every_rank_with_one_checkpoint(tmp_path, digits_h5, mode, target, sig):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    proc, out, ranks, cmd = _start(tmp_path, digits_h5, mode, "run")
-    os.kill(proc.pid if TARGETS[target] is None else ranks[TARGETS[target]], sig)
-    sent = time.monotonic()
-    stdout, stderr = finish_ranks(proc, ranks.values(), 30)
-    took = time.monotonic() - sent
-    print(f"{mode} {sig.name} to {target}: exit {proc.returncode} in {took:.2f} s")
-    assert proc.returncode == EXPECT[sig], stderr[-3000:]
+def test_signal_stops_every_rank_with_one_checkpoint(signalled, mode, target, sig):
+    (returncode, stdout, stderr, took), out, cmd = signalled[sig, target, mode]
+    print(f"{mode} {sig.name} to {target}: exit {returncode} in {took:.2f} s")
+    assert returncode is not None, f"{sig.name} to the {target}: the job still ran 30 s later"
+    assert returncode == EXPECT[sig], stderr[-3000:]
     assert f"stopping at iter" in stdout and "Traceback" not in stderr, stderr[-3000:]
     with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
         stopped_at = int(f.attrs["iteration"])
