@@ -401,15 +401,18 @@ class FakeWorld:
         return None
 
 
-def train_here(config, out, resume=None):
+def train_here(config, out, resume=None, lines=None):
     """``train CONFIG --out OUT [--resume CKPT]`` on one rank inside this
     process (``Trainer`` over ``FakeWorld``, ``run_and_report``): the same
     run folder (metrics.jsonl, the checkpoints, latest.h5), without a new
     interpreter's ~0.6 s of imports and MPI start-up. For the one-rank
-    references that multi-rank runs are compared against; what only the
-    command shows (its start-up block, train.log, its exit status) is read
-    from ``run_cli_args``. ``config``: as ``make_job`` takes it, or a
-    config file's path (read as the command reads it). Returns ``out``."""
+    references that multi-rank runs are compared against, and the one-rank
+    resumes of another layout's checkpoint; what only the command shows
+    (its start-up block, train.log, its exit status) is read from
+    ``run_cli_args``. ``config``: as ``make_job`` takes it, or a config
+    file's path (read as the command reads it). ``lines``: a list that gets
+    the run's own lines (its notes, "resumed from ...", the progress rows),
+    or None. Returns ``out``."""
     import signal
 
     from purine_mpi.runtime.stop import StopSignal
@@ -420,7 +423,8 @@ def train_here(config, out, resume=None):
     # the run's stop handlers (SIGINT, SIGTERM) go when it ends, as run_cli_here's
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
     try:
-        trainer = Trainer(make_job(config), str(out), world=FakeWorld(), log=lambda line: None,
+        log = (lambda line: None) if lines is None else lines.append
+        trainer = Trainer(make_job(config), str(out), world=FakeWorld(), log=log,
                           resume=None if resume is None else str(resume))
         assert run_and_report(trainer, FakeWorld()) == 0
     finally:

@@ -280,8 +280,21 @@ def test_a_resume_across_freezing_and_unfreezing(tmp_path, solver):
     assert (back["params/fc2/weight"] != thawed["params/fc2/weight"]).all()
 
 
+@pytest.fixture(scope="module")
+def data_fc1_frozen(tmp_path_factory):
+    """Scheme data on 2 ranks, AdamW, fc1 frozen, 4 steps, checkpoints at 2
+    and 4, trained once for this module: (run folder, the command's output).
+    The reference of test_stage3_with_a_frozen_layer_trains_as_data_parallel
+    and (its checkpoint at 2) the file test_frozen_under_data_and_sharded_
+    ranks_and_a_resume_into_a_shared_bucket resumes; before, that test
+    trained the 2 steps in a launch of its own."""
+    return _mpi_run(tmp_path_factory.mktemp("frozen_data"), "data", 2,
+                    _conv_raw(("fc1",), "adamw", {"scheme": "data"}))
+
+
 @pytest.mark.mpi
-def test_frozen_under_data_and_sharded_ranks_and_a_resume_into_a_shared_bucket(tmp_path):
+def test_frozen_under_data_and_sharded_ranks_and_a_resume_into_a_shared_bucket(
+        tmp_path, data_fc1_frozen):
     """2 ranks, AdamW. Scheme data with fc1 frozen, 2 steps: fc1 bitwise its
     fillers', no solver state of it saved. Resumed under sharded stage 3
     (one bucket: fc1 shares it with conv1's and fc2's) with fc1 learning and
@@ -298,7 +311,9 @@ def test_frozen_under_data_and_sharded_ranks_and_a_resume_into_a_shared_bucket(t
         assert res.returncode == 0, res.stdout + res.stderr
         return tmp_path / name
 
-    first = run("data", _conv_raw(("fc1",), solver, {"scheme": "data"}, iters=2)) / "ckpt_2.h5"
+    # the 2 steps: those of data_fc1_frozen's 4-step run (a fixed lr: its
+    # checkpoint at 2 is a 2-step run's), not a launch of their own
+    first = data_fc1_frozen[0] / "ckpt_2.h5"
     saved = _saved(first)
     for n, value in (("fc1/weight", 0.25), ("fc1/bias", 0.5)):
         w = saved[f"params/{n}"]
@@ -437,7 +452,7 @@ def _fillers(saved, ckpt):
 
 
 @pytest.mark.mpi
-def test_stage3_with_a_frozen_layer_trains_as_data_parallel(tmp_path):
+def test_stage3_with_a_frozen_layer_trains_as_data_parallel(tmp_path, data_fc1_frozen):
     """2 ranks, AdamW, fc1 frozen (conv1 below it learns: its data
     gradient reads fc1's gathered weight), 4 steps: every weight and
     solver state of sharded stage 3 equal data parallelism's bit for bit
@@ -449,10 +464,9 @@ def test_stage3_with_a_frozen_layer_trains_as_data_parallel(tmp_path):
     from purine_mpi.tools.plan import offline_footprint
     from tests.conftest import make_job
     from tests.test_sharded import _model_state
-    runs = {}
-    for scheme, par in (("data", {"scheme": "data"}),
-                        ("z3", {"scheme": "sharded", "shard": 3, "check_collectives": True})):
-        runs[scheme] = _mpi_run(tmp_path, scheme, 2, _conv_raw(("fc1",), "adamw", par))
+    runs = {"data": data_fc1_frozen,
+            "z3": _mpi_run(tmp_path, "z3", 2, _conv_raw(("fc1",), "adamw", {
+                "scheme": "sharded", "shard": 3, "check_collectives": True}))}
     text = runs["z3"][1]
     for it in (2, 4):
         a, b = (_saved(runs[s][0] / f"ckpt_{it}.h5") for s in ("data", "z3"))

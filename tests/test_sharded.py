@@ -47,11 +47,18 @@ def _job(scheme, solver="adamw", iters=30, **parallel):
 def _train(tmp_path, name, n, cfg, *extra):
     """(run folder, the command's output); a one-rank reference (no
     ``extra``) trains in this process (conftest.train_here): (folder,
-    None)."""
+    None); so does a one-rank resume (``extra``: ``--resume CKPT`` alone):
+    (folder, the run's lines: "resumed from ..." and the rest; the
+    ``--resume`` option itself is the command's, tests/test_cli.py,
+    tests/test_misuse.py)."""
     path = write_config_file(tmp_path, cfg, f"{name}.yaml")
     out = tmp_path / name
     if n == 1 and not extra:
         return train_here(cfg, out), None
+    if n == 1 and len(extra) == 2 and extra[0] == "--resume":
+        lines = []
+        train_here(path, out, resume=extra[1], lines=lines)
+        return out, "\n".join(lines)
     args = ("train", path, "--out", out, *extra)
     res = run_mpi_cli(n, *args, timeout=300) if n > 1 else run_cli_args(*args)
     assert res.returncode == 0, res.stdout + res.stderr

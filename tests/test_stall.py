@@ -26,7 +26,10 @@ stall timeout (two jobs at a time, each its own run folder, ranks and
 launcher): the stop still comes at the drawn moment after the job's own
 first metrics line, and each end is timed from its own stop; what the
 trials check is unchanged (the file alone: 93.8 -> 63.6 s and 70.7 ->
-41.6 s in two interleaved pairs on the shared 2-core machine)."""
+41.6 s in two interleaved pairs on the shared 2-core machine). The 2- and
+3-rank trials are one such pipeline (the module fixture stall_times): the
+first 3-rank trial starts while the last 2-rank one waits, and each test
+asserts on its own rank count's trials."""
 import random
 import subprocess
 import time
@@ -41,44 +44,77 @@ STALL_TIMEOUT = 2.0
 TRIALS = 7
 
 
+@pytest.fixture(scope="module")
+def stall_times(tmp_path_factory, digits_h5):
+    """{ranks: [seconds from the stop to the end of each trial]}: the
+    TRIALS trials on 2 ranks, then those on 3, one pipeline of trials two
+    jobs at a time (the first 3-rank trial starts while the last 2-rank
+    one waits out its stall timeout, as every trial after the first does);
+    a trial that does not end in a stall within the stall timeout + 5 s
+    fails the test of its rank count (its figure: the failure, raised
+    there)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    tmp = tmp_path_factory.mktemp("stall")
+    times = {2: [], 3: []}
+    running = []  # (ranks, proc, pids, future of sigstop_and_wait)
+    with ThreadPoolExecutor(max_workers=2) as waiters:  # this trial's wait and the last one's
+        try:
+            for ranks in (2, 3):
+                rng = random.Random(1200 + ranks)
+                cfg = small_net_config(digits_h5)
+                cfg["solver"].update(max_iter=100000, display=3, test_interval=7)
+                cfg["checkpoint"] = {"interval": 5, "keep": 2}
+                cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
+                path = write_config_file(tmp, cfg, f"r{ranks}.yaml")
+                for trial in range(TRIALS):
+                    out = str(tmp / f"r{ranks}t{trial}")
+                    proc = subprocess.Popen([MPIEXEC, "-n", str(ranks), PYTHON, "-m",
+                                             "purine_mpi", "train", path, "--out", out],
+                                            cwd=REPO, env=cli_env(),
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                            text=True)
+                    running.append((ranks, proc, [], None))
+                    _wait_for_metrics(out, time.time() + 60)
+                    pids = sorted(_rank_pids(out))
+                    running[-1] = (ranks, proc, pids, None)
+                    assert len(pids) == ranks, pids
+                    time.sleep(rng.uniform(trial, trial + 1) * 0.5 / TRIALS)
+                    victim = rng.choice(pids)
+                    running[-1] = (ranks, proc, pids, waiters.submit(
+                        sigstop_and_wait, proc, victim, STALL_TIMEOUT + 5, trial,
+                        f"rank pid {victim}"))
+                    while len(running) > 1:
+                        n, *job = running.pop(0)
+                        times[n].append(_outcome(*job))
+            while running:
+                n, *job = running.pop(0)
+                times[n].append(_outcome(*job))
+        finally:
+            for _, proc, pids, _ in running:
+                kill_ranks(proc, pids)
+    return times
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_sigstop_of_one_rank_ends_the_job_within_the_stall_timeout(tmp_path, digits_h5, ranks):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    rng = random.Random(1200 + ranks)
-    cfg = small_net_config(digits_h5)
-    cfg["solver"].update(max_iter=100000, display=3, test_interval=7)
-    cfg["checkpoint"] = {"interval": 5, "keep": 2}
-    cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
-    path = write_config_file(tmp_path, cfg)
-    times, running = [], []  # running: (proc, pids, future of sigstop_and_wait)
-    with ThreadPoolExecutor(max_workers=2) as waiters:  # this trial's wait and the last one's
-        try:
-            for trial in range(TRIALS):
-                out = str(tmp_path / f"t{trial}")
-                proc = subprocess.Popen([MPIEXEC, "-n", str(ranks), PYTHON, "-m", "purine_mpi",
-                                         "train", path, "--out", out], cwd=REPO, env=cli_env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True)
-                running.append((proc, [], None))
-                _wait_for_metrics(out, time.time() + 60)
-                pids = sorted(_rank_pids(out))
-                running[-1] = (proc, pids, None)
-                assert len(pids) == ranks, pids
-                time.sleep(rng.uniform(trial, trial + 1) * 0.5 / TRIALS)
-                victim = rng.choice(pids)
-                running[-1] = (proc, pids, waiters.submit(
-                    sigstop_and_wait, proc, victim, STALL_TIMEOUT + 5, trial,
-                    f"rank pid {victim}"))
-                while len(running) > 1 or trial == TRIALS - 1 and running:
-                    times.append(_stalled(*running.pop(0)))
-        finally:
-            for proc, pids, _ in running:
-                kill_ranks(proc, pids)
+def test_sigstop_of_one_rank_ends_the_job_within_the_stall_timeout(stall_times, ranks):
+    times = stall_times[ranks]
+    assert len(times) == TRIALS
+    for took in times:
+        if isinstance(took, BaseException):
+            raise took
     print(f"{ranks} ranks: SIGSTOP -> exit in {min(times):.2f}..{max(times):.2f} s "
           f"(stall_timeout {STALL_TIMEOUT} s, {TRIALS} trials)")
+
+
+def _outcome(proc, pids, stopped):
+    """_stalled's seconds, or the failure it raised."""
+    try:
+        return _stalled(proc, pids, stopped)
+    except (AssertionError, pytest.fail.Exception) as exc:
+        return exc
 
 
 def _stalled(proc, pids, stopped):

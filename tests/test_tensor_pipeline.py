@@ -112,12 +112,18 @@ def _trainer(tmp, out, timeout):
     """``train(name, ranks, config, *extra args)``: one run in ``tmp/name``,
     under mpiexec above one rank; ``out[name]`` = (its folder, its output).
     A one-rank reference (no ``extra``) trains in this process
-    (conftest.train_here): (its folder, None)."""
+    (conftest.train_here): (its folder, None); so does a one-rank resume
+    (``extra``: ``--resume CKPT`` alone): (its folder, the run's lines)."""
     def train(name, n, cfg, *extra):
         if n == 1 and not extra:
             out[name] = (train_here(cfg, tmp / name), None)
             return
         path = write_config_file(tmp, cfg, f"{name}.yaml")
+        if n == 1 and len(extra) == 2 and extra[0] == "--resume":
+            lines = []
+            out[name] = (train_here(path, tmp / name, resume=extra[1], lines=lines),
+                         "\n".join(lines))
+            return
         args = ("train", path, "--out", tmp / name, *extra)
         res = run_mpi_cli(n, *args, timeout=timeout) if n > 1 else run_cli_args(*args)
         assert res.returncode == 0, res.stdout + res.stderr
