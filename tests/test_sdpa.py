@@ -132,8 +132,14 @@ def test_the_sdpa_outputs_are_low_precision_values_already(host_build_dir, monke
 
 def emulate_cudnn(monkeypatch, sdpa_on=True):
     """The emulated cuDNN frontend as ``cudnn`` (returned), the SDPA path's
-    state forgotten, on (``sdpa_on``) or off by PURINE_SDPA=0."""
+    state forgotten, on (``sdpa_on``) or off by PURINE_SDPA=0. The path's
+    availability check and plans live in dicts of ``monkeypatch``'s own, so
+    its undo leaves no emulated frontend behind for a later test of the
+    process (a check cached on the fake sent a later test's attention down
+    the SDPA path where its plan counted the cuBLAS path's scratch)."""
     sdpa.reset()
+    monkeypatch.setattr(sdpa, "_plans", {})
+    monkeypatch.setattr(sdpa, "_state", {"checked": False, "module": None, "reason": None})
     fake = FakeCudnn()
     monkeypatch.setitem(sys.modules, "cudnn", fake)
     if sdpa_on:
