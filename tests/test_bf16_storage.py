@@ -484,3 +484,21 @@ def _datasets(group):
     names = []
     group.visit(lambda n: names.append(n) if hasattr(group[n], "shape") else None)
     return names
+
+
+def test_predict_reads_a_blob_stored_as_bits_as_its_values(host_build_dir, monkeypatch):
+    """``predict --blobs h0_n1`` reads the newest version of the layer
+    norm's top, its bf16 copy, stored as bits in the bf16 GPT: predict
+    writes the bfloat16 values (float32), not the uint16 bits as numbers."""
+    from purine_mpi.tools.predict import newest_version, read_blob
+    g = _gpt(monkeypatch, host_build_dir)
+    name = newest_version(g, "h0_n1")
+    assert g.blobs[name].dtype == "uint16", name
+    values = np.array([[1.0, -2.5], [3.140625, 0.0]], np.float32)   # bfloat16 values
+    got = read_blob(g, {name: _numpy_bits(values)}, name)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, values)
+    # a blob of float32 storage is read as it is
+    other = newest_version(g, "h0_attn/qkv_bias")
+    assert g.blobs[other].dtype == "float32"
+    np.testing.assert_array_equal(read_blob(g, {other: values}, other), values)

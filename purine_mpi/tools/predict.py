@@ -112,7 +112,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     parts = {b: [] for b in blobs + ["label"]}
     for i in range(iters):
         dispatcher.run(i)
-        mine = {b: _host(ws[reads[b]]) for b in blobs}
+        mine = {b: read_blob(graph, ws, reads[b]) for b in blobs}
         mine["label"] = _host(ws[label_blob]) if label_blob else np.zeros(batch, np.int64)
         every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
             if trainer.world.size > 1 else [mine]
@@ -188,6 +188,19 @@ def tensor_splits(trainer, graph, names):
 
 def _outputs(graph):
     return {b for op in graph.ops.values() for b in op.outputs}
+
+
+def read_blob(graph, ws, name):
+    """Blob ``name`` of ``graph`` read from workspace ``ws`` onto the host:
+    a blob of bfloat16 values stored as bits (parallel/precision.store_bits:
+    on a GPU in bf16 the layers' copies that ``newest_version`` finds,
+    ``<top>@bf16``) widened to those values in float32, not its uint16 bits."""
+    from ..base.precision import from_bf16_bits, is_bits
+    value = _host(ws[name])
+    blob = graph.blobs[name]
+    if blob.attrs.get("precision") == "bfloat16" and is_bits(blob.dtype):
+        return from_bf16_bits(value, np.empty(value.shape, np.float32))
+    return value
 
 
 def _host(array):
