@@ -26,6 +26,10 @@ __device__ __forceinline__ long long purine_iteration(long long value,
   return has_ptr ? ptr[0] : value;
 }
 
+// y[i] = (x[i] * mask[i]) * scale, the mask drawn from (key, ctr1, iteration)
+// and written where `mask` is given. Without it (dropout_apply) this is, given
+// dy for x, the backward's dx with the mask drawn again instead of kept
+// (parallel/placement.redraw_dropout_masks): the kept mask's bits.
 template <typename T>
 __device__ void dropout_forward_impl(long long blocks, long long total, const T* x,
                                      long long iter_value, const long long* iter_ptr,
@@ -42,32 +46,7 @@ __device__ void dropout_forward_impl(long long blocks, long long total, const T*
       const long long i = 4 * b + j;
       if (i < total) {
         const T m = ctr[j] >= threshold ? T(1) : T(0);
-        mask[i] = m;
-        y[i] = (x[i] * m) * scale;
-      }
-    }
-  }
-}
-
-// The same draw and product without a mask: y[i] = (x[i] * mask[i]) * scale.
-// Given dy for x, this is the backward's dx, the mask drawn again from the
-// forward's stream and iteration instead of kept (Dropout's gradient on a GPU,
-// parallel/placement.redraw_dropout_masks): bit for bit the kept mask's.
-template <typename T>
-__device__ void dropout_apply_impl(long long blocks, long long total, const T* x,
-                                   long long iter_value, const long long* iter_ptr,
-                                   int has_iter_ptr, unsigned int key0, unsigned int key1,
-                                   unsigned int ctr1, unsigned int threshold, T scale, T* y) {
-  const unsigned long long it =
-      (unsigned long long)purine_iteration(iter_value, iter_ptr, has_iter_ptr);
-  CUDA_KERNEL_LOOP(b, blocks) {
-    unsigned int ctr[4] = {(unsigned int)b, ctr1, (unsigned int)it,
-                           (unsigned int)(it >> 32)};
-    purine_philox4x32(ctr, key0, key1, 10);
-    for (int j = 0; j < 4; ++j) {
-      const long long i = 4 * b + j;
-      if (i < total) {
-        const T m = ctr[j] >= threshold ? T(1) : T(0);
+        if (mask != nullptr) mask[i] = m;
         y[i] = (x[i] * m) * scale;
       }
     }
@@ -92,8 +71,8 @@ __device__ void dropout_backward_impl(long long total, const T* dy, const T* mas
       long long blocks, long long total, const T* x, long long iter_value,               \
       const long long* iter_ptr, int has_iter_ptr, unsigned int key0, unsigned int key1, \
       unsigned int ctr1, unsigned int threshold, T scale, T* y) {                        \
-    dropout_apply_impl<T>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,    \
-                          key1, ctr1, threshold, scale, y);                              \
+    dropout_forward_impl<T>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,  \
+                            key1, ctr1, threshold, scale, y, nullptr);                   \
   }                                                                                      \
   extern "C" __global__ void dropout_backward_##SUFFIX(                                  \
       long long total, const T* dy, const T* mask, T scale, T* dx) {                     \
