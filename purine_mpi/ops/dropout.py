@@ -382,6 +382,15 @@ class DropoutRedrawGrad(PhiloxStream, OpKernel):
         dropout_apply(ins[0], ins[1], _ratio(self.attrs), self.keys, outs[0], self.split)
 
 
+def redraw_grad_attrs(op):
+    """The attrs of ``DropoutRedrawGrad`` for the gradient of the training
+    Dropout ``op``: its ratio, seed and mask split, and the Philox stream
+    it draws (its own ``stream``, default its name)."""
+    attrs = {"ratio": op.attrs.get("ratio", 0.5), "stream": op.attrs.get("stream", op.name)}
+    attrs.update({k: op.attrs[k] for k in ("seed", "mask_split") if k in op.attrs})
+    return attrs
+
+
 @gradient("Dropout")
 def _dropout_grad(g, op):
     dy = g.grad_of(op.outputs[0])
@@ -389,9 +398,7 @@ def _dropout_grad(g, op):
     if dy is None or not g.needs_grad(x):
         return
     if _train(op.attrs) and op.attrs.get("redraw_mask"):
-        attrs = {k: op.attrs[k] for k in ("ratio", "seed", "mask_split") if k in op.attrs}
-        attrs["stream"] = op.attrs.get("stream", op.name)
-        g.emit("DropoutRedrawGrad", [dy, op.inputs[1]], [g.grad_blob(x)], attrs)
+        g.emit("DropoutRedrawGrad", [dy, op.inputs[1]], [g.grad_blob(x)], redraw_grad_attrs(op))
     elif _train(op.attrs):
         attrs = {"ratio": op.attrs.get("ratio", 0.5)}
         if op.attrs.get("packed_mask"):

@@ -229,6 +229,7 @@ def redraw_dropout_masks(graph):
     x's size and dtype (NIN's drop1 at batch 128: 12.6 MB) held from the
     forward to the backward. A bit-packed mask (activation recompute's) or
     a tensor-parallel shard's is left as it is. Returns the ops changed."""
+    from ..ops.dropout import redraw_grad_attrs
     cons = graph.consumers()
     changed = []
     for op in list(graph.ops.values()):
@@ -247,9 +248,7 @@ def redraw_dropout_masks(graph):
         for r in readers:
             r.op_type = "DropoutRedrawGrad"
             r.inputs = [r.inputs[0], op.inputs[1]]
-            r.attrs = {"ratio": op.attrs.get("ratio", 0.5),
-                       "stream": op.attrs.get("stream", op.name),
-                       **({"seed": op.attrs["seed"]} if "seed" in op.attrs else {})}
+            r.attrs = redraw_grad_attrs(op)
             changed.append(r.name)
         del graph.blobs[mask]
     if changed:
