@@ -130,14 +130,11 @@ def store_bits(graph):
         if blob.attrs.get("precision") != "bfloat16" or blob.dtype != "float32" \
                 or name in viewed or blob.alias_of:
             continue
-        writers, readers = prod.get(name, ()), cons.get(name, ())
-        if len(writers) != 1 or not readers:
+        readers = cons.get(name, ())
+        w = _bits_writer(graph, name, prod)
+        if w is None or not readers:
             continue
-        w = writers[0]
         out = w.outputs.index(name)
-        if w.accumulate or name in w.inputs or \
-                out not in get_kernel_class(w.op_type, w.name).bits_outputs(w.attrs):
-            continue
         if not all(_takes_bits(r, name, get_kernel_class(r.op_type, r.name), w.location)
                    for r in readers):
             continue
@@ -196,15 +193,16 @@ def _dies_at(graph, cast, prod, cons, viewed):
         and "loss_weight" not in blob.attrs and not blob.attrs.get("metric")
 
 
-def _bits_writer(graph, name, prod, location):
-    """The one op writing blob ``name`` on ``location`` that can write it as
-    bits (``bits_outputs``; not accumulating, not in place), or None."""
+def _bits_writer(graph, name, prod, location=None):
+    """The one op writing blob ``name`` (on ``location``, where given) that
+    can write it as bits (``bits_outputs``; not accumulating, not in place),
+    or None."""
     from ..ops.catalog import get_kernel_class
     writers = prod.get(name, ())
     if len(writers) != 1:
         return None
     w = writers[0]
-    if w.accumulate or name in w.inputs or w.location != location or \
+    if w.accumulate or name in w.inputs or location not in (None, w.location) or \
             w.outputs.index(name) not in get_kernel_class(w.op_type, w.name).bits_outputs(
                 w.attrs):
         return None
