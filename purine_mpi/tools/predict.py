@@ -155,7 +155,7 @@ def tensor_splits(trainer, graph, names):
     if degree == 1 or trainer.graphs.apart:
         return {}
     whole = build_test_graph(trainer.job, *trainer.graphs.test_data)
-    producer = {o: op for op in graph.ops.values() for o in op.outputs}
+    producer = graph.producers()
     out = {}
     for name in names:
         mine = tuple(graph.blobs[name].shape)
@@ -174,7 +174,7 @@ def tensor_splits(trainer, graph, names):
                             "in a way predict cannot join; run it with parallel.scheme: data")
         blocks, cur = 1, name  # the q, k, v blocks of an attention's projection
         while cur in producer:
-            op = producer[cur]
+            op = producer[cur][-1]
             if op.op_type == "InnerProduct":
                 split = split_of(graph.blobs[op.inputs[1]]) or {}
                 blocks = int(split.get("blocks", 1)) if split.get("axis") == 0 else 1
