@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,13 +35,18 @@ def test_prediction_is_near_the_emulated_link(tmp_path):
     if not _netns_usable():
         pytest.skip("needs root, ip, tc, network namespaces and the venv's mpiexec")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    # a second round only when the first's whole-iteration error is over the
+    # another round only when this one's whole-iteration error is over the
     # bound: its compute part is timed on a shared machine (one suite run of
     # stop 56 traced it while the other worker started: predicted 469.8 ms
-    # against 295.6 real; alone 0.6-12 %); the communication part, the link
-    # model's, is checked in every round
+    # against 295.6 real; stop 62's CI run twice in a row, 433 / 425 against
+    # 304 / 289, a burst of the other worker's lasting both rounds; alone
+    # -2.4 %, beside a process spinning on one of the 2 cores -11.6 %), so
+    # up to four rounds 10 s apart; a predictor off by the bound fails all
+    # four. The communication part, the link model's, is checked in every round
     rows = []
-    for attempt in range(2):
+    for attempt in range(4):
+        if attempt:
+            time.sleep(10)
         out = tmp_path / f"round{attempt}"
         proc = subprocess.run(
             [sys.executable, str(REPO / "benchmarks" / "scaling_validate.py"), "--nets",
@@ -55,7 +61,8 @@ def test_prediction_is_near_the_emulated_link(tmp_path):
         # the communication part alone is the link model's: 24 MB at ~1 Gbit/s
         (r,) = result["rounds"]
         assert r["predicted_comm_ms"] == pytest.approx(r["measured_comm_ms"], rel=0.25)
-        rows.append(row)
+        rows.append({k: row[k] for k in ("real_ms", "predicted_ms", "measured_compute_ms",
+                                         "predicted_compute_ms", "error")})
         if abs(row["error"]) < 0.4:
             break
     assert abs(rows[-1]["error"]) < 0.4, rows
