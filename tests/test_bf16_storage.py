@@ -474,6 +474,7 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
     on = train("bits", "1")
     off = train("float32", "0")
     assert on[0] and not off[0]   # bits storage applied in one run only
+    assert any(n.startswith("logits") for n in on[0]), on[0]   # the loss from its bits
     assert on[1] == off[1] and sorted(on[1]) == list(range(1, 7))
     for a, b in ((on[2], off[2]), (on[3], off[3])):
         assert sorted(a) == sorted(b) and a
@@ -593,27 +594,31 @@ def test_an_fc_without_bias_writes_its_output_as_the_float32_paths_bits(device, 
     assert InnerProduct.bits_outputs({"compute_dtype": "float16"}) == ()
 
 
-def _loss_kernels(from_logits, bits_out=False, **attrs):
+def _loss_kernels(from_logits, bits_out=False, norm=None, **attrs):
     grad_attrs = dict(attrs, **({"from_logits": True} if from_logits else {}),
                       **({"bits_out": [0]} if bits_out else {}))
-    fwd = make_kernel(Op("l", "SoftmaxLoss", ["x", "label"],
+    extra = [] if norm is None else ["norm"]
+    fwd = make_kernel(Op("l", "SoftmaxLoss", ["x", "label"] + extra,
                          ["loss"] if from_logits else ["loss", "prob"],
                          dict(attrs, **({"from_logits": True} if from_logits else {}))))
     bwd = make_kernel(Op("lg", "SoftmaxLossGrad", ["dloss", "x" if from_logits else "prob",
-                                                   "label"], ["dx"], grad_attrs))
+                                                   "label"] + extra, ["dx"], grad_attrs))
+    fwd.norm = bwd.norm = norm
     return fwd, bwd
 
 
 def _loss_run(put, get, kernels, x, label, dloss, dx_dtype):
-    """(loss, dx) of the loss and its gradient (``from_logits`` or not)."""
+    """(loss, dx) of the loss and its gradient (``from_logits`` or not),
+    with the kernels' normaliser input where they have one."""
     fwd, bwd = kernels
     from_logits = fwd.attrs.get("from_logits")
     xs, lab = put(x), put(label)
+    norm = [] if fwd.norm is None else [put(np.asarray(fwd.norm, np.float32))]
     loss = put(np.full((), np.nan, np.float32))
     outs = [loss] if from_logits else [loss, put(np.full(x.shape, np.nan, np.float32))]
-    fwd.setup([xs, lab], outs)
-    fwd.run([xs, lab], outs)
-    ins = [put(np.asarray(dloss, np.float32)), xs if from_logits else outs[1], lab]
+    fwd.setup([xs, lab] + norm, outs)
+    fwd.run([xs, lab] + norm, outs)
+    ins = [put(np.asarray(dloss, np.float32)), xs if from_logits else outs[1], lab] + norm
     dx = put(np.full(x.shape, 0, dx_dtype))
     bwd.setup(ins, [dx])
     bwd.run(ins, [dx])
@@ -621,10 +626,11 @@ def _loss_run(put, get, kernels, x, label, dloss, dx_dtype):
 
 
 @pytest.mark.parametrize("place", ["device", "host"])
-@pytest.mark.parametrize("shape,axis,ignore", [((3, 5, 40), -1, None), ((3, 5, 40), -1, 2),
-                                              ((2, 300), 1, None), ((5, 6, 3, 2), 1, None)])
+@pytest.mark.parametrize("shape,axis,ignore,norm", [
+    ((3, 5, 40), -1, None, None), ((3, 5, 40), -1, 2, None), ((3, 5, 40), -1, 2, 11.0),
+    ((2, 300), 1, None, None), ((5, 6, 3, 2), 1, None, None)])
 def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, place, shape,
-                                                           axis, ignore):
+                                                           axis, ignore, norm):
     """The softmax loss ``from_logits`` on bf16 logits stored as bits, in
     chunks of whole positions (``LOSS_CHUNK`` made small: several chunks,
     the last one short): the loss bit for bit the float32 path's on the
@@ -632,8 +638,9 @@ def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, 
     written as bits, the bits of the float32 path's gradient (from the
     stored probabilities, then rounded: what the Cast made); written as
     float32, that gradient itself; logits of float32 storage the same. The
-    GPU's one-thread and one-block (C >= 256) kernels, an ``ignore_label``,
-    classes on axis 1 with positions after them. No scratch of the logits'
+    GPU's one-thread and one-block (C >= 256) kernels, an ``ignore_label``
+    (with a normaliser input, the data reader's global count), classes on
+    axis 1 with positions after them. No scratch of the logits'
     size: a chunk of them, widened one chunk at a time."""
     from purine_mpi.ops import softmax
     ax = axis % len(shape)
@@ -644,7 +651,8 @@ def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, 
     x, xb = _bf16_values(rng, shape)
     x, xb = x * 4, _numpy_bits(x * 4)
     label = rng.integers(0, shape[ax], shape[:ax] + shape[ax + 1:]).astype(np.int32)
-    attrs = {"axis": axis, **({"ignore_label": ignore} if ignore is not None else {})}
+    attrs = {"axis": axis, "norm": norm,
+             **({"ignore_label": ignore} if ignore is not None else {})}
     host = place == "host"
     put = np.array if host else device.to_device
     get = np.asarray if host else (lambda a: np.asarray(device.to_host(a)))
@@ -664,6 +672,9 @@ def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, 
         np.testing.assert_array_equal(wide.view(np.uint32), want_dx.view(np.uint32))
     chunks = -(-outer // rows)
     assert chunks > 1
+    if norm is not None:   # the normaliser counts, not the shard's own positions
+        assert want_loss != _loss_run(put, get, _loss_kernels(False, **dict(attrs, norm=None)),
+                                      x, label, 0.75, np.float32)[0]
     if not host:   # each chunk widened by the loss and by its gradient, rounded once
         assert launched.count("from_bf16_bits") == 2 * chunks
         assert launched.count("to_bf16_bits") == chunks
