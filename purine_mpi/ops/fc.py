@@ -206,6 +206,9 @@ class InnerProduct(OpKernel):
         y = outs[0].reshape(M, -1)
         bias = ins[2] if len(ins) == 3 else None
         if is_bits(y):   # bf16 storage (no bias, no ReLU: bits_outputs_of)
+            if bias is not None or self.attrs.get("relu"):
+                raise ValueError(f"InnerProduct '{self.op.name}': an output stored as bits takes "
+                                 "no bias and no fused ReLU (bits_outputs_of)")
             if xp is not np:
                 _product(self, ins, outs, x.reshape(M, K), w, y, trans_b=True)
                 return
