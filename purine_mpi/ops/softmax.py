@@ -123,9 +123,10 @@ def _labels(attrs, label, outer, channels, inner):
 
 
 def _loss_specs(x, axis=1):
-    """Scratch of the GPU loss: per-position loss and valid flags."""
+    """Scratch of the GPU loss: per-position loss and valid flags (float32
+    for logits stored as bits)."""
     outer, _, inner = _split_dims(x.shape, axis)
-    return [((outer * inner,), x.dtype), ((outer * inner,), x.dtype)]
+    return [((outer * inner,), _values(x.dtype))] * 2
 
 
 def _accuracy_specs(x, axis=1):
@@ -295,8 +296,7 @@ class SoftmaxLoss(OpKernel):
         shard = [((1,), dtype)] if len(ins) > 2 else []
         chunk = [(_chunk_positions(ins[0].shape, axis)[1], dtype)] \
             if self.attrs.get("from_logits") else []
-        outer, _, inner = _split_dims(ins[0].shape, axis)
-        return _raw_specs(np.empty(0, dtype), [((outer * inner,), dtype)] * 2 +
+        return _raw_specs(np.empty(0, dtype), _loss_specs(ins[0], axis) +
                           _label_specs(ins[1]) + shard + chunk)
 
     def setup(self, ins, outs):
