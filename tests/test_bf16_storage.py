@@ -10,8 +10,14 @@ by its producer, and the products take it as it is.
   where GemmEx is refused (the bits widened);
 - the pass stores what it should in the 2-block GPT (the layer norms and
   GELU writing their copies themselves, their Casts and float32 outputs
-  gone; the logits' gradient's in-place copy kept), nothing where a reader
+  gone; the logits written by the lm-head, their gradient's copy by the
+  loss's gradient, on the logits' bytes), nothing where a reader
   cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
+- GemmEx into a bfloat16 result, the bias-free fc writing its output as
+  bits, the softmax loss and its gradient ``from_logits`` on bits logits
+  (in chunks) against the float32 path bit for bit and against PyTorch's
+  CPU autocast ``cross_entropy``; the pass's ``loss_from_logits`` only
+  where the gradient's copy becomes bits;
 - the bf16 GPT trained a few steps on the emulated device, captured in CUDA
   graphs, gives the same losses and weights bit for bit with and without
   bits storage, with fewer conversion and rounding launches a step; so
@@ -248,11 +254,9 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
     for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
                  "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16",
-                 "h0_attn.ctx", "h1_attn.ctx"):
+                 "h0_attn.ctx", "h1_attn.ctx", "logits", "logits.grad@bf16"):
         assert name in bits, name
-    # the logits' gradient's copy: its float32 source dies at its Cast, which
-    # the plan computes in place (4 bytes an element; bits of its own: 6)
-    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad", "logits.grad@bf16"):
+    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad"):
         assert g.blobs[name].dtype == "float32", name
     assert any("gelu" in n for n in bits)
     writers = {}
@@ -262,16 +266,26 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         assert w.outputs.index(name) in w.attrs["bits_out"]
         writers[name] = w.op_type
         assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
-                                 "InnerProductGradWeight", "AttentionGrad")
-                   for r in cons[name])
+                                 "InnerProductGradWeight", "AttentionGrad", "SoftmaxLoss",
+                                 "SoftmaxLossGrad") for r in cons[name])
     # the layer norms and GELU write their copies themselves: no Cast, and
     # their float32 outputs are gone; the weights and gradients by a Cast
     assert {n for n, t in writers.items() if t == "LayerNorm"} == {
         "h0_n1@bf16", "h0_n2@bf16", "h1_n1@bf16", "h1_n2@bf16", "xf@bf16"}
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
-    assert all(t == "Cast" for n, t in writers.items() if "weight" in n or ".grad" in n)
+    assert all(t == "Cast" for n, t in writers.items() if "weight" in n or
+               (".grad" in n and "logits" not in n))
     assert writers["h0_attn.ctx"] == "Attention"
+    # the logits: written by the lm-head's GemmEx (no bias), read by the loss
+    # and its gradient from_logits (no probabilities: the gradient computes
+    # them again), whose own gradient is written as bits by it (no Cast)
+    assert writers["logits"] == "InnerProduct" and writers["logits.grad@bf16"] == \
+        "SoftmaxLossGrad"
+    assert sorted(r.op_type for r in cons["logits"]) == ["SoftmaxLoss", "SoftmaxLossGrad"]
+    assert all(r.attrs["from_logits"] for r in cons["logits"])
+    assert not any(b.endswith(".prob") for b in g.blobs)
+    assert "logits.grad" not in g.blobs
     for gone in ("h0_n1", "xf", "h0_m@h0_gelu"):
         assert gone not in g.blobs
     casts = {op.inputs[0] for op in g.ops.values() if op.op_type == "Cast"}
@@ -281,9 +295,10 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     from purine_mpi.runtime.memory_plan import batch_blobs
     _, devices = memory_plans(g, keep=batch_blobs(g))
     plan = devices[0]
-    for name in ("h0_n1@bf16", "h0_m.grad@bf16"):
+    for name in ("h0_n1@bf16", "h0_m.grad@bf16", "logits", "logits.grad@bf16"):
         assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
-    assert plan.in_place["logits.grad@bf16"][0] == "logits.grad"
+    # the logits' gradient on the logits' bytes (each chunk read before written)
+    assert plan.in_place["logits.grad@bf16"][0] == "logits"
     monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
     assert all(b.dtype != "uint16" for b in _gpt(monkeypatch, host_build_dir).blobs.values())
     monkeypatch.delenv("PURINE_BF16_STORAGE")
@@ -459,6 +474,7 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
     on = train("bits", "1")
     off = train("float32", "0")
     assert on[0] and not off[0]   # bits storage applied in one run only
+    assert any(n.startswith("logits") for n in on[0]), on[0]   # the loss from its bits
     assert on[1] == off[1] and sorted(on[1]) == list(range(1, 7))
     for a, b in ((on[2], off[2]), (on[3], off[3])):
         assert sorted(a) == sorted(b) and a
@@ -502,3 +518,255 @@ def test_predict_reads_a_blob_stored_as_bits_as_its_values(host_build_dir, monke
     other = newest_version(g, "h0_attn/qkv_bias")
     assert g.blobs[other].dtype == "float32"
     np.testing.assert_array_equal(read_blob(g, {other: values}, other), values)
+
+
+# ------------------------------------------- fc outputs and the loss as bits
+def test_gemm_ex_writes_the_bits_of_its_float32_results_rounding(device):
+    """GemmEx of bfloat16 operands into a bfloat16 result (uint16 bits):
+    the bits of the float32 GemmEx's result rounded to the nearest
+    bfloat16 (ties to even), in one call; a result of bits takes bfloat16
+    operands, alpha 1 and beta 0 only."""
+    from purine_mpi.gpu.blas import gemm_ex
+    rng = np.random.default_rng(4)
+    (_, ab), (_, bb) = _bf16_values(rng, (37, 300)), _bf16_values(rng, (29, 300))
+    wide = device.to_device(np.full((37, 29), np.nan, np.float32))
+    gemm_ex(device.to_device(ab), device.to_device(bb), wide, BF16, trans_b=True)
+    bits = device.to_device(np.zeros((37, 29), np.uint16))
+    gemm_ex(device.to_device(ab), device.to_device(bb), bits, BF16, trans_b=True)
+    want = _numpy_bits(np.asarray(device.to_host(wide)))
+    got = np.asarray(device.to_host(bits))
+    if device.name == "emulated":
+        np.testing.assert_array_equal(got, want)
+    else:   # a GPU: cuBLAS's summation order may differ between the two kernels
+        diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+        assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+    with pytest.raises(TypeError, match="alpha 1 and beta 0"):
+        gemm_ex(device.to_device(ab), device.to_device(bb), bits, BF16, trans_b=True, beta=1.0)
+    with pytest.raises(TypeError, match="for bfloat16 operands"):
+        gemm_ex(device.to_device(ab), device.to_device(bb), bits, "float16", trans_b=True)
+
+
+@pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
+def test_an_fc_without_bias_writes_its_output_as_the_float32_paths_bits(device, monkeypatch,
+                                                                       where):
+    """InnerProduct with ``bits_out: [0]`` (no bias): y is the bits of the
+    float32 path's y (its product, then round_bf16), bit for bit: one GemmEx
+    with a bfloat16 result and no rounding or conversion launch; where
+    GemmEx is refused, the float32 product in the op's scratch and one
+    to_bf16_bits; on the host the float32 product and base/precision's
+    rounding. With a bias (or a fused ReLU) it cannot write bits."""
+    from purine_mpi.gpu import blas
+    from purine_mpi.ops.fc import InnerProduct
+    rng = np.random.default_rng(9)
+    # the operands as bits, as the lm-head's (the last layer norm's copy, the
+    # tied weight's copy): nothing else to convert
+    (_, x), (_, w) = _bf16_values(rng, (10, 3, 4)), _bf16_values(rng, (6, 12))
+    attrs = {"num_output": 6, "compute_dtype": BF16}
+    host = where == "host"
+    put = np.array if host else device.to_device
+    get = np.asarray if host else (lambda a: np.asarray(device.to_host(a)))
+    wide = make_kernel(Op("fc", "InnerProduct", ["x", "w"], ["y"], attrs))
+    ins, y = [put(x), put(w)], put(np.full((10, 6), np.nan, np.float32))
+    wide.setup(ins, [y])
+    wide.run(ins, [y])
+    want = _numpy_bits(get(y))
+    if where == "refused":
+        monkeypatch.setitem(blas._state, "ex_refused", "provoked by the test")
+    k = make_kernel(Op("fc", "InnerProduct", ["x", "w"], ["y"], dict(attrs, bits_out=[0])))
+    out = put(np.zeros((10, 6), np.uint16))
+    k.setup(ins, [out])
+    device.launched.clear()
+    k.run(ins, [out])
+    np.testing.assert_array_equal(get(out), want)
+    if not host:
+        assert "round_bf16" not in device.launched
+        assert device.launched.count("to_bf16_bits") == (where == "refused")
+        assert device.launched.count("from_bf16_bits") == 2 * (where == "refused")
+        specs = k.scratch_specs(ins, [out])
+        assert ((10, 6), np.float32) in specs if where == "refused" else \
+            all(dtype == np.uint16 for _, dtype in specs)
+    assert InnerProduct.infer(dict(attrs, bits_out=[0]), [((10, 3, 4), "uint16"),
+                                                          ((6, 12), "float32")]) == [
+        ((10, 6), "uint16")]
+    assert InnerProduct.bits_outputs_of(Op("fc", "InnerProduct", ["x", "w", "b"], ["y"],
+                                           attrs)) == ()
+    assert InnerProduct.bits_outputs(dict(attrs, relu=True)) == ()
+    assert InnerProduct.bits_outputs({"compute_dtype": "float16"}) == ()
+
+
+def _loss_kernels(from_logits, bits_out=False, norm=None, **attrs):
+    grad_attrs = dict(attrs, **({"from_logits": True} if from_logits else {}),
+                      **({"bits_out": [0]} if bits_out else {}))
+    extra = [] if norm is None else ["norm"]
+    fwd = make_kernel(Op("l", "SoftmaxLoss", ["x", "label"] + extra,
+                         ["loss"] if from_logits else ["loss", "prob"],
+                         dict(attrs, **({"from_logits": True} if from_logits else {}))))
+    bwd = make_kernel(Op("lg", "SoftmaxLossGrad", ["dloss", "x" if from_logits else "prob",
+                                                   "label"] + extra, ["dx"], grad_attrs))
+    fwd.norm = bwd.norm = norm
+    return fwd, bwd
+
+
+def _loss_run(put, get, kernels, x, label, dloss, dx_dtype):
+    """(loss, dx) of the loss and its gradient (``from_logits`` or not),
+    with the kernels' normaliser input where they have one."""
+    fwd, bwd = kernels
+    from_logits = fwd.attrs.get("from_logits")
+    xs, lab = put(x), put(label)
+    norm = [] if fwd.norm is None else [put(np.asarray(fwd.norm, np.float32))]
+    loss = put(np.full((), np.nan, np.float32))
+    outs = [loss] if from_logits else [loss, put(np.full(x.shape, np.nan, np.float32))]
+    fwd.setup([xs, lab] + norm, outs)
+    fwd.run([xs, lab] + norm, outs)
+    ins = [put(np.asarray(dloss, np.float32)), xs if from_logits else outs[1], lab] + norm
+    dx = put(np.full(x.shape, 0, dx_dtype))
+    bwd.setup(ins, [dx])
+    bwd.run(ins, [dx])
+    return get(loss), get(dx)
+
+
+@pytest.mark.parametrize("place", ["device", "host"])
+@pytest.mark.parametrize("shape,axis,ignore,norm", [
+    ((3, 5, 40), -1, None, None), ((3, 5, 40), -1, 2, None), ((3, 5, 40), -1, 2, 11.0),
+    ((2, 300), 1, None, None), ((5, 6, 3, 2), 1, None, None)])
+def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, place, shape,
+                                                           axis, ignore, norm):
+    """The softmax loss ``from_logits`` on bf16 logits stored as bits, in
+    chunks of whole positions (``LOSS_CHUNK`` made small: several chunks,
+    the last one short): the loss bit for bit the float32 path's on the
+    same values (its probabilities, then the mean), and its gradient,
+    written as bits, the bits of the float32 path's gradient (from the
+    stored probabilities, then rounded: what the Cast made); written as
+    float32, that gradient itself; logits of float32 storage the same. The
+    GPU's one-thread and one-block (C >= 256) kernels, an ``ignore_label``
+    (with a normaliser input, the data reader's global count), classes on
+    axis 1 with positions after them. No scratch of the logits'
+    size: a chunk of them, widened one chunk at a time."""
+    from purine_mpi.ops import softmax
+    ax = axis % len(shape)
+    outer = int(np.prod(shape[:ax]))
+    rows = max(1, (outer - 1) // 3)
+    monkeypatch.setattr(softmax, "LOSS_CHUNK", rows * int(np.prod(shape[ax:])))
+    rng = np.random.default_rng(6)
+    x, xb = _bf16_values(rng, shape)
+    x, xb = x * 4, _numpy_bits(x * 4)
+    label = rng.integers(0, shape[ax], shape[:ax] + shape[ax + 1:]).astype(np.int32)
+    attrs = {"axis": axis, "norm": norm,
+             **({"ignore_label": ignore} if ignore is not None else {})}
+    host = place == "host"
+    put = np.array if host else device.to_device
+    get = np.asarray if host else (lambda a: np.asarray(device.to_host(a)))
+    want_loss, want_dx = _loss_run(put, get, _loss_kernels(False, **attrs), x, label, 0.75,
+                                   np.float32)
+    kernels = _loss_kernels(True, bits_out=True, **attrs)
+    if not host:
+        device.launched.clear()
+    loss, dx = _loss_run(put, get, kernels, xb, label, 0.75, np.uint16)
+    launched = [] if host else list(device.launched)
+    assert loss.view(np.uint32) == want_loss.view(np.uint32)
+    np.testing.assert_array_equal(dx, _numpy_bits(want_dx))
+    for logits in (xb, x):
+        loss, wide = _loss_run(put, get, _loss_kernels(True, **attrs), logits, label, 0.75,
+                               np.float32)
+        assert loss.view(np.uint32) == want_loss.view(np.uint32)
+        np.testing.assert_array_equal(wide.view(np.uint32), want_dx.view(np.uint32))
+    chunks = -(-outer // rows)
+    assert chunks > 1
+    if norm is not None:   # the normaliser counts, not the shard's own positions
+        assert want_loss != _loss_run(put, get, _loss_kernels(False, **dict(attrs, norm=None)),
+                                      x, label, 0.75, np.float32)[0]
+    if not host:   # each chunk widened by the loss and by its gradient, rounded once
+        assert launched.count("from_bf16_bits") == 2 * chunks
+        assert launched.count("to_bf16_bits") == chunks
+        xs = device.to_device(xb)
+        for k, ins, outs in ((kernels[0], [xs, put(label)], [put(np.zeros((), np.float32))]),
+                             (kernels[1], [put(np.float32(1)), xs, put(label)], [xs])):
+            assert max(int(np.prod(s)) for s, _ in k.scratch_specs(ins, outs)) < xb.size
+
+
+def test_the_loss_from_bits_logits_against_pytorch_autocast_cross_entropy():
+    """PyTorch's CPU autocast(bfloat16) computes ``cross_entropy`` of
+    bfloat16 logits in float32 (its float32 list) and hands their gradient
+    back in bfloat16: the loss ``from_logits`` on the same logits stored
+    as bits (host path, several chunks) gives that loss to float32's
+    rounding and that gradient's bits to within one bfloat16 step (their
+    sums run in other orders), most of them equal."""
+    import torch
+
+    from purine_mpi.ops import softmax
+    rng = np.random.default_rng(12)
+    x, xb = _bf16_values(rng, (4, 8, 96))
+    x, xb = x * 3, _numpy_bits(x * 3)
+    label = rng.integers(0, 96, (4, 8)).astype(np.int64)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(softmax, "LOSS_CHUNK", 3 * 96)
+        loss, dx = _loss_run(np.array, np.asarray, _loss_kernels(True, bits_out=True, axis=-1),
+                             xb, label, 1.0, np.uint16)
+    logits = torch.from_numpy(x).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, 96),
+                                                 torch.from_numpy(label).reshape(-1))
+    assert want.dtype == torch.float32
+    want.backward()
+    np.testing.assert_allclose(float(loss), float(want.detach()), rtol=2e-6)
+    theirs = logits.grad.view(torch.int16).numpy().view(np.uint16)
+    steps = np.abs(dx.astype(np.int32) - theirs.astype(np.int32))
+    assert steps.max() <= 1 and (steps == 0).mean() > 0.95, (steps.max(), (steps == 0).mean())
+
+
+def test_the_loss_reads_the_logits_as_bits_only_where_its_gradient_goes_to_bits():
+    """``loss_from_logits`` on an lm-head (bias-free bf16 product) and its
+    loss: the loss reads the logits as bits (its probabilities gone, its
+    gradient after it, reading the logits and writing its copy as bits)
+    where the gradient's copy is read by products that take bits; not
+    where a weight gradient of rows reads it (its float32 gradient could
+    not take the 2-byte logits' bytes: more memory, not less), nor for an
+    lm-head with a bias (its product cannot write bits)."""
+    from purine_mpi.graph.core import Graph
+    from purine_mpi.parallel.precision import fold_casts, loss_from_logits, store_bits
+
+    def graph(rows=False, bias=False):
+        g = Graph()
+        g.add_blob("xf@bf16", (2, 4, 8), "uint16", None, kind="data",
+                   attrs={"precision": BF16})
+        g.add_blob("w@bf16", (16, 8), "uint16", None, kind="data", attrs={"precision": BF16})
+        g.add_blob("label", (2, 4), "int32", None, kind="data")
+        g.add_blob("b", (16,), "float32", None, kind="param")
+        g.add_blob("logits", None, "float32", None, kind="data", attrs={"precision": BF16})
+        fc = {"axis": 2, "compute_dtype": BF16}
+        g.add_op("fc", "InnerProduct", ["xf@bf16", "w@bf16"] + (["b"] if bias else []),
+                 ["logits"], fc)
+        for n in ("loss", "prob", "dlogits", "dw"):
+            g.add_blob(n, None, "float32", None, kind="data")
+        g.add_blob("dloss", (), "float32", None, kind="data")
+        g.blobs["loss"].attrs["loss_weight"] = 1.0
+        g.add_op("loss", "SoftmaxLoss", ["logits", "label"], ["loss", "prob"], {"axis": -1})
+        g.add_op("dl", "SoftmaxLossGrad", ["dloss", "prob", "label"], ["dlogits"],
+                 {"axis": -1})
+        g.add_blob("dlogits@bf16", None, "float32", None, kind="data",
+                   attrs={"precision": BF16})
+        g.add_op("cast", "Cast", ["dlogits"], ["dlogits@bf16"], {"dtype": BF16})
+        g.add_blob("dxf", None, "float32", None, kind="data")
+        g.add_op("fd", "InnerProductGradData", ["dlogits@bf16", "w@bf16"], ["dxf"],
+                 dict(fc, x_shape=[2, 4, 8]))
+        g.add_op("fw", "InnerProductGradWeight", ["dlogits@bf16", "xf@bf16"], ["dw"],
+                 dict(fc, **({"rows": [0, 8]} if rows else {})))
+        g.infer_shapes()
+        marked = loss_from_logits(g)
+        store_bits(g)
+        fold_casts(g)
+        g.infer_shapes()
+        return g, marked
+
+    g, marked = graph()
+    assert marked == ["loss"]
+    assert g.ops["loss"].outputs == ["loss"] and "prob" not in g.blobs
+    assert g.ops["dl"].inputs == ["dloss", "logits", "label"] and \
+        g.ops["dl"].control_inputs == ["loss"]
+    assert g.blobs["logits"].dtype == g.blobs["dlogits@bf16"].dtype == "uint16"
+    assert "cast" not in g.ops and g.ops["dl"].outputs == ["dlogits@bf16"]
+    assert g.ops["fc"].attrs["bits_out"] == [0] and g.ops["dl"].attrs["bits_out"] == [0]
+    for kwargs in ({"rows": True}, {"bias": True}):
+        g, marked = graph(**kwargs)
+        assert marked == [] and "prob" in g.blobs, kwargs
+        assert g.blobs["logits"].dtype == "float32" and "from_logits" not in g.ops["dl"].attrs

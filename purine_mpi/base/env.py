@@ -146,7 +146,8 @@ VARS = {v.name: v for v in [
         "bits (0: their float32 storage on TF32 tensor cores)", gpu_only=True),
     Var("PURINE_BF16_STORAGE", FLAG, True, _flag,
         "bf16: a blob whose every reader takes bfloat16 bits (the fully connected products' "
-        "operands) stored as them, 2 bytes an element, written as bits by its producer "
+        "operands, the logits the softmax loss reads) stored as them, 2 bytes an element, "
+        "written as bits by its producer "
         "(0: float32 storage, each product converting its operands)", gpu_only=True),
     Var("PURINE_CUDNN_BENCHMARK", FLAG, True, _flag,
         "time cuDNN's plans and keep the fastest (0: the heuristic's first)", gpu_only=True),

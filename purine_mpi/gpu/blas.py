@@ -410,9 +410,10 @@ class GemmExRefused(Exception):
     CuPy), or cuBLAS refused the call (its status in the message)."""
 
 
-def _ex_codes(cupy, cublas, low):
+def _ex_codes(cupy, cublas, low, result="CUDA_R_32F"):
     """(operand type, result type, compute type, algorithm) of a GemmEx of
-    ``low`` operands into float32, as the binding itself numbers them:
+    ``low`` operands into ``result`` (float32, or ``low`` itself: a result
+    of bits), as the binding itself numbers them:
     nvmath's ``nvmath.CudaDataType``, ``cublas.ComputeType.COMPUTE_32F``,
     ``cublas.GemmAlgo.DEFAULT``; CuPy's ``cupy.cuda.runtime.CUDA_R_*``,
     ``cupy.cuda.cublas.CUBLAS_COMPUTE_32F``, ``CUBLAS_GEMM_DEFAULT``."""
@@ -420,10 +421,10 @@ def _ex_codes(cupy, cublas, low):
         if cublas is not None:
             import nvmath
             types = nvmath.CudaDataType
-            return (int(types[LOW_TYPES[low]]), int(types.CUDA_R_32F),
+            return (int(types[LOW_TYPES[low]]), int(types[result]),
                     int(cublas.ComputeType.COMPUTE_32F), int(cublas.GemmAlgo.DEFAULT))
         runtime, binding = cupy.cuda.runtime, cupy.cuda.cublas
-        return (int(getattr(runtime, LOW_TYPES[low])), int(runtime.CUDA_R_32F),
+        return (int(getattr(runtime, LOW_TYPES[low])), int(getattr(runtime, result)),
                 int(binding.CUBLAS_COMPUTE_32F), int(binding.CUBLAS_GEMM_DEFAULT))
     except (ImportError, AttributeError, KeyError) as exc:
         raise GemmExRefused(f"the cuBLAS binding names no GemmEx type ({type(exc).__name__}: "
@@ -444,8 +445,12 @@ def gemm_ex(a, b, c, low, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     cupy = import_cupy()
     if low not in LOW_TYPES:
         raise ValueError(f"gemm_ex: operands of {', '.join(LOW_TYPES)}, got {low!r}")
-    if np.dtype(c.dtype) != np.dtype(np.float32):
-        raise TypeError(f"gemm_ex: a float32 result only, got {c.dtype}")
+    bits_out = np.dtype(c.dtype) == np.dtype(np.uint16)
+    if not bits_out and np.dtype(c.dtype) != np.dtype(np.float32):
+        raise TypeError(f"gemm_ex: a float32 result (or bfloat16 bits) only, got {c.dtype}")
+    if bits_out and (low != "bfloat16" or alpha != 1.0 or beta != 0.0):
+        raise TypeError(f"gemm_ex: a result of bits is for bfloat16 operands, alpha 1 and beta "
+                        f"0, got {low}, {alpha} and {beta}")
     if np.dtype(a.dtype) != np.dtype(np.uint16) or np.dtype(b.dtype) != np.dtype(np.uint16):
         raise TypeError(f"gemm_ex: the operands are the uint16 bits of {low} values, got "
                         f"{a.dtype} and {b.dtype}")
@@ -458,7 +463,8 @@ def gemm_ex(a, b, c, low, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
     pa, pb, pc = data_ptr(a), data_ptr(b), data_ptr(c)
     cublas, entry = _stream_handle(cupy)
-    low_type, c_type, compute, algo = _ex_codes(cupy, cublas, low)
+    low_type, c_type, compute, algo = _ex_codes(cupy, cublas, low,
+                                                LOW_TYPES[low] if bits_out else "CUDA_R_32F")
     if entry is not None:   # nvmath: this stream's own handle (capturable)
         handle, names, errors = entry.handle, ("gemm_ex", "gemm_strided_batched_ex"), \
             getattr(cublas, "cuBLASError", ())
@@ -512,7 +518,11 @@ def gemm_low(a, b, c, low, bits, trans_a=False, trans_b=False):
     refused, said once, and from then on -- ``gemm`` on the float32
     operands, a bits one widened exactly into the next float32 array of
     ``bits`` (or, on the call that finds GemmEx refused, a new one). ``a``
-    and ``b`` must be C-contiguous."""
+    and ``b`` must be C-contiguous. ``c`` float32, or (bfloat16) the uint16
+    bits of the result's rounding: GemmEx writes them (a ``CUDA_R_16BF``
+    result); the float32 path multiplies into the next float32 array of
+    ``bits`` (or a new one) and rounds it into ``c`` (one
+    ``to_bf16_bits``): the same bits."""
     from ..base.precision import is_bits
     scratch = list(bits)
     if low_products(low):
@@ -525,9 +535,9 @@ def gemm_low(a, b, c, low, bits, trans_a=False, trans_b=False):
             _say_once("ex_refused", f"purine_mpi: {low} matrix products run on TF32 tensor "
                       f"cores (float32 storage), not as {low} GemmEx: {exc}")
         scratch = []
+    cupy = import_cupy()
     if is_bits(a) or is_bits(b):
         from .kernels import from_bf16_bits_device
-        cupy = import_cupy()
         wide = []
         for x in (a, b):
             if is_bits(x):
@@ -535,7 +545,13 @@ def gemm_low(a, b, c, low, bits, trans_a=False, trans_b=False):
                 x = from_bf16_bits_device(x.reshape(-1), out.reshape(-1)).reshape(x.shape)
             wide.append(x)
         a, b = wide
-    return gemm(a, b, c, trans_a=trans_a, trans_b=trans_b)
+    if not is_bits(c):
+        return gemm(a, b, c, trans_a=trans_a, trans_b=trans_b)
+    from .kernels import to_bf16_bits_device   # the float32 result, then its bits
+    wide = scratch.pop(0) if scratch else cupy.empty(c.shape, np.float32)
+    gemm(a, b, wide, trans_a=trans_a, trans_b=trans_b)
+    to_bf16_bits_device(wide.reshape(-1), c.reshape(-1))
+    return c
 
 
 def _issue(calls, single, handle, shape, scalars, b, a, c, batch):

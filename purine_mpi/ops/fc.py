@@ -37,12 +37,26 @@ and w, the data gradient's dy and w, the weight gradient's dy and x, the
 last not for a gradient of rows) goes to GemmEx as it is: no conversion, no
 scratch for it. The output stays float32. Where GemmEx is refused the bits
 are widened into float32 (exactly) for the float32 product.
+
+The forward's output y is stored as bits too where every reader of it takes
+bits (the softmax loss of the logits, reading them ``from_logits``; attr
+``bits_out``) and the product has no bias and no fused ReLU
+(``bits_outputs_of``): GemmEx then writes it with a ``CUDA_R_16BF`` result
+-- its float32 accumulator rounded once to the nearest bfloat16, the bits
+of the float32 result's rounding the float32 storage path makes after the
+product (``round_bf16``), so no float32 y exists. With a bias, y stays
+float32: GemmEx cannot add a float32 bias before its rounding (and
+cuBLASLt's bias epilogue, which can, comes through nvmath-python's
+``Matmul.execute``, which allocates its result at each call: gpu/blaslt.py).
+Where GemmEx is refused, the product goes to float32 scratch of y's size
+and one ``to_bf16_bits`` rounds it into y (on the host: a float32 product
+and base/precision.to_bf16_bits), the same bits.
 """
 import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import from_bf16_bits, is_bits
+from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import column_scratch, last_axis_rows, raw_kernels
 from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
@@ -84,12 +98,13 @@ def _lt_forward(x2d, w, y2d, bias, attrs):
                       float(attrs.get("negative_slope", 0.0)))
 
 
-def _bits_specs(kernel, a, b, rows=False):
+def _bits_specs(kernel, a, b, rows=False, c=None):
     """The scratch of a low-precision product (``scratch_specs``) of
     operands ``a`` and ``b``, each ``(2-D shape, dtype)``: where gpu/blas.
     gemm_low multiplies them as bfloat16, the uint16 bits of each float32
     one (none for an operand stored as bits); where it does not (GemmEx
-    refused), the float32 widening of each bits one; [] none."""
+    refused), the float32 widening of each bits one, and for a result ``c``
+    (``(2-D shape, dtype)``) stored as bits its float32 product; [] none."""
     from ..gpu.blas import low_products
     low = not rows and low_products(kernel.attrs.get("compute_dtype"))
     specs = []
@@ -98,6 +113,8 @@ def _bits_specs(kernel, a, b, rows=False):
             specs.append((tuple(shape), np.uint16))
         elif not low and is_bits(dtype):
             specs.append((tuple(shape), np.float32))
+    if c is not None and not low and is_bits(c[1]):
+        specs.append((tuple(c[0]), np.float32))
     return specs
 
 
@@ -106,7 +123,7 @@ def _product(kernel, ins, outs, a, b, c, **trans):
     reserved scratch when its ``scratch_specs`` has some or an operand is
     bfloat16 bits, else ``gemm``."""
     specs = kernel.scratch_specs(ins, outs)
-    if not specs and not (is_bits(a) or is_bits(b)):
+    if not specs and not (is_bits(a) or is_bits(b) or is_bits(c)):
         gemm(a, b, c, **trans)
         return
     from ..gpu.blas import gemm_low
@@ -144,15 +161,40 @@ class InnerProduct(OpKernel):
         if len(ins) == 3 and tuple(ins[2][0]) != (w_shape[0],):
             raise ShapeError(f"InnerProduct bias must have shape [{w_shape[0]}], got "
                              f"{list(ins[2][0])}")
-        return [(x_shape[:axis] + (w_shape[0],), _out_dtype(ins[0][1]))]
+        y = BITS if 0 in attrs.get("bits_out", ()) else _out_dtype(ins[0][1])
+        return [(x_shape[:axis] + (w_shape[0],), y)]
 
     @classmethod
     def bits_inputs(cls, attrs):
         return (0, 1)
 
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """y as bfloat16 bits (attr ``bits_out``: bf16 storage) for a
+        bfloat16 product with no fused ReLU (``bits_outputs_of``: and no
+        bias): GemmEx writes the bits of its float32 result's rounding."""
+        return (0,) if attrs.get("compute_dtype") == "bfloat16" and \
+            not attrs.get("relu") else ()
+
+    @classmethod
+    def bits_outputs_of(cls, op):
+        """No bits with a bias: GemmEx's result cannot add it before its
+        rounding, and a bias added to the rounded values would round twice
+        (not the float32 path's numbers)."""
+        return () if len(op.inputs) == 3 else cls.bits_outputs(op.attrs)
+
     def scratch_specs(self, ins, outs):
-        return _bits_specs(self, (_split(ins[0].shape, int(self.attrs.get("axis", 1))),
-                                  ins[0].dtype), (ins[1].shape, ins[1].dtype))
+        M, K = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
+        return _bits_specs(self, ((M, K), ins[0].dtype), (ins[1].shape, ins[1].dtype),
+                           c=((M, ins[1].shape[0]), outs[0].dtype) if outs else None)
+
+    def host_temporaries(self, ins, outs):
+        """y stored as bits: the float32 product and to_bf16_bits's chunk."""
+        if not outs or not is_bits(outs[0]):
+            return []
+        M, _ = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
+        return [((M, ins[1].shape[0]), np.float32),
+                (wire_scratch(outs[0].size).shape, np.uint32)]
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -163,6 +205,17 @@ class InnerProduct(OpKernel):
         M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
         y = outs[0].reshape(M, -1)
         bias = ins[2] if len(ins) == 3 else None
+        if is_bits(y):   # bf16 storage (no bias, no ReLU: bits_outputs_of)
+            if bias is not None or self.attrs.get("relu"):
+                raise ValueError(f"InnerProduct '{self.op.name}': an output stored as bits takes "
+                                 "no bias and no fused ReLU (bits_outputs_of)")
+            if xp is not np:
+                _product(self, ins, outs, x.reshape(M, K), w, y, trans_b=True)
+                return
+            wide, scratch = self.temporaries(y, *self.host_temporaries(ins, outs))
+            matmul(xp, _host(x).reshape(M, K), _host(w).T, out=wide)
+            to_bf16_bits(wide, y, scratch)
+            return
         bits = is_bits(x) or is_bits(w)
         if not bits and _on_gpu(xp, x, w, y, *(() if bias is None else (bias,))) and \
                 _lt_forward(x.reshape(M, K), w, y, bias, self.attrs):

@@ -161,6 +161,13 @@ class OpKernel:
         ``bits_out``; () none (the default)."""
         return ()
 
+    @classmethod
+    def bits_outputs_of(cls, op):
+        """``bits_outputs`` of the graph op ``op`` (its attrs); a kernel
+        whose answer depends on its inputs too (the fully connected layer's
+        bias) overrides it. What the precision pass asks."""
+        return cls.bits_outputs(op.attrs)
+
     def rounds_own_outputs(self, ins, outs):
         """The indices of the float32 outputs that the kernel's ``run`` on
         ``ins``/``outs`` rounds to ``round_dtype`` itself, in the pass that

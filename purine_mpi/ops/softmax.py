@@ -15,13 +15,35 @@ the gradient scale stay on the device, the per-position losses live in the
 op's scratch memory, labels of another dtype than int64 are copied there
 (no allocation per iteration). There a label outside [0, C) gives a NaN loss instead of the
 ValueError the CPU raises (checking would cost a device-to-host sync).
+
+From the logits (attr ``from_logits``, set by the precision pass,
+parallel/precision.loss_from_logits, where the logits are bfloat16 values
+and the probabilities are read by the loss's gradient alone): the loss has
+no ``prob`` output, and its gradient reads the logits instead and computes
+the probabilities again. The logits may then be stored as bfloat16 bits (2
+bytes an element, written so by the lm-head's GemmEx: bf16 storage), and
+no full-size float32 array of them, of the probabilities or of their
+gradient exists: both ops work ``LOSS_CHUNK`` elements of whole positions
+at a time, widening a chunk of the logits into float32 scratch (exact),
+running the same float32 kernels (the same code on the host) on it -- the
+same probabilities bit for bit, since each position's softmax reads its own
+row only -- and the gradient writes its chunk as bits where its readers
+take bits (the lm-head's backward products: ``bits_out``), the bits of the
+float32 gradient's rounding. In float32 throughout, as PyTorch's autocast
+computes ``cross_entropy`` of bfloat16 logits.
 """
 import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import raw_kernels
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, gradient, register, spans
+
+#: elements of logits (whole positions, at least one) the ``from_logits``
+#: loss and its gradient widen into float32 at a time: their scratch
+#: (256 MiB of float32)
+LOSS_CHUNK = 1 << 26
 
 
 def _axis(attrs, ndim):
@@ -101,9 +123,10 @@ def _labels(attrs, label, outer, channels, inner):
 
 
 def _loss_specs(x, axis=1):
-    """Scratch of the GPU loss: per-position loss and valid flags."""
+    """Scratch of the GPU loss: per-position loss and valid flags (float32
+    for logits stored as bits)."""
     outer, _, inner = _split_dims(x.shape, axis)
-    return [((outer * inner,), x.dtype), ((outer * inner,), x.dtype)]
+    return [((outer * inner,), _values(x.dtype))] * 2
 
 
 def _accuracy_specs(x, axis=1):
@@ -205,6 +228,43 @@ def _softmax_grad(g, op):
                {"axis": op.attrs.get("axis", 1)})
 
 
+def _values(dtype):
+    """The dtype of the values of a blob of ``dtype`` (float32 for bits)."""
+    return np.float32 if is_bits(dtype) else dtype
+
+
+def _chunk_positions(shape, axis):
+    """(outer rows a chunk, (rows, C, inner)) of ``from_logits``' float32
+    chunk of logits of ``shape``: ``LOSS_CHUNK`` elements of whole outer
+    rows, at least one row."""
+    outer, channels, inner = _split_dims(shape, axis)
+    rows = max(1, min(outer, LOSS_CHUNK // max(channels * inner, 1)))
+    return rows, (rows, channels, inner)
+
+
+def _widen(x, out):
+    """``x`` (a chunk of logits) as float32: bits widened into ``out``
+    (exact), float32 as it is."""
+    if not is_bits(x):
+        return x
+    if get_xp(x) is np:
+        return from_bf16_bits(x, out)
+    from ..gpu.kernels import from_bf16_bits_device
+    from_bf16_bits_device(x.reshape(-1), out.reshape(-1))
+    return out
+
+
+def _host_softmax(xp, x3, p3, lab):
+    """The host loss's softmax of ``x3`` ((outer, C, inner)) into ``p3``
+    before its normalisation: p3 = exp(x - max); returns (x[label] - max,
+    the sum of p3 over the classes)."""
+    # shifted (no overflow in exp) in prob's bytes: no temporary of x's size
+    xp.subtract(x3, x3.max(axis=1, keepdims=True), out=p3)
+    picked = xp.take_along_axis(p3, lab[:, None, :], axis=1)[:, 0, :]
+    xp.exp(p3, out=p3)
+    return picked, p3.sum(axis=1, keepdims=True)
+
+
 @register
 class SoftmaxLoss(OpKernel):
     """[x, label] -> [loss, prob]:  prob = softmax(x) over ``axis``;
@@ -224,13 +284,25 @@ class SoftmaxLoss(OpKernel):
     #: writing it (cuda/softmax_loss.cu); the host shifts x into prob's bytes
     in_place = ((0, 1),)
 
+    @classmethod
+    def bits_inputs(cls, attrs):
+        """The logits, ``from_logits``: widened a chunk at a time."""
+        return (0,) if attrs.get("from_logits") else ()
+
     def scratch_specs(self, ins, outs):
         axis = _axis(self.attrs, ins[0].ndim)
         # with a normaliser: the shard's own count (the kernel's mean's)
-        shard = [((1,), ins[0].dtype)] if len(ins) > 2 else []
-        return _raw_specs(ins[0], _loss_specs(ins[0], axis) + _label_specs(ins[1]) + shard)
+        dtype = _values(ins[0].dtype)
+        shard = [((1,), dtype)] if len(ins) > 2 else []
+        chunk = [(_chunk_positions(ins[0].shape, axis)[1], dtype)] \
+            if self.attrs.get("from_logits") else []
+        return _raw_specs(np.empty(0, dtype), _loss_specs(ins[0], axis) +
+                          _label_specs(ins[1]) + shard + chunk)
 
     def setup(self, ins, outs):
+        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
+            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+            return
         _reserve(self, ins[0], self.scratch_specs(ins, outs))
 
     @classmethod
@@ -238,9 +310,13 @@ class SoftmaxLoss(OpKernel):
         (xs, xd), (ls, _) = ins[:2]
         _check_label(attrs, xs, ls, cls.op_type)
         _check_normaliser(ins[2:], cls.op_type)
+        if attrs.get("from_logits"):   # no prob: the gradient computes it again
+            return [((), "float32" if is_bits(xd) else xd)]
         return [((), xd), (tuple(xs), xd)]
 
     def run(self, ins, outs):
+        if self.attrs.get("from_logits"):
+            return self._from_logits(ins, outs[0])
         xp = get_xp(ins[0])
         x, label = ins[:2]
         loss, prob = outs
@@ -265,22 +341,60 @@ class SoftmaxLoss(OpKernel):
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
         p3 = prob.reshape(outer, channels, inner)
-        # shifted (no overflow in exp) in prob's bytes: no temporary of x's size
-        xp.subtract(x3, x3.max(axis=1, keepdims=True), out=p3)
-        picked = xp.take_along_axis(p3, lab[:, None, :], axis=1)[:, 0, :]
-        xp.exp(p3, out=p3)
-        sumexp = p3.sum(axis=1, keepdims=True)
+        picked, sumexp = _host_softmax(xp, x3, p3, lab)
         p3 /= sumexp
         nll = xp.log(sumexp[:, 0, :]) - picked  # -log softmax at the label
+        loss[...] = (nll * valid).sum() / (ins[2] if len(ins) > 2 else count)
+
+    def _from_logits(self, ins, loss):
+        """The loss alone (``from_logits``), a chunk of positions at a time:
+        the logits (bits or float32) widened into the chunk's float32
+        scratch, the probabilities written there by the same kernels (the
+        same code on the host), the per-position losses kept whole for the
+        same batch mean."""
+        x, label = ins[:2]
+        xp = get_xp(x)
+        axis = _axis(self.attrs, x.ndim)
+        outer, channels, inner = _split_dims(x.shape, axis)
+        rows, _ = _chunk_positions(x.shape, axis)
+        x3 = x.reshape(outer, channels, inner)
+        k = raw_kernels(xp, loss)
+        if k is not None:
+            ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
+            nll, valid, *buf = self.temporaries(x, *self.scratch_specs(ins, [loss]))
+            wide = buf.pop()
+            shard = buf.pop() if len(ins) > 2 else None
+            lab = _device_labels(label, buf, (outer, inner))
+            nll2, valid2 = nll.reshape(outer, inner), valid.reshape(outer, inner)
+            for s in spans(outer, rows):
+                w3 = wide[:s.stop - s.start]
+                k.softmax_loss_forward(_widen(x3[s], w3), lab[s], ignore,
+                                       out=(w3, nll2[s], valid2[s]), pad_label=pad)
+            k.softmax_loss_mean(nll, valid, loss, count=shard)
+            if shard is not None:
+                loss *= shard.reshape(())
+                loss /= ins[2]
+            return
+        lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
+        nll = np.empty((outer, inner), loss.dtype)
+        (wide,) = self.temporaries(loss, self.host_temporaries(ins, [loss])[-1])
+        for s in spans(outer, rows):
+            w3 = wide[:s.stop - s.start]
+            picked, sumexp = _host_softmax(xp, _widen(x3[s], w3), w3, lab[s])
+            nll[s] = xp.log(sumexp[:, 0, :]) - picked
         loss[...] = (nll * valid).sum() / (ins[2] if len(ins) > 2 else count)
 
     def host_temporaries(self, ins, outs):
         """The host run's per-position arrays at its peak: the labels as
         int64 and the valid mask (``_labels``), the picked shifted score,
-        the sum of exponentials, its log and the loss."""
-        outer, _, inner = _split_dims(ins[0].shape, _axis(self.attrs, ins[0].ndim))
-        pos = (outer * inner,)
-        return [(pos, np.int64), (pos, np.bool_)] + [(pos, ins[0].dtype)] * 4
+        the sum of exponentials, its log and the loss; ``from_logits``
+        also the float32 chunk of the logits (the last)."""
+        axis = _axis(self.attrs, ins[0].ndim)
+        outer, _, inner = _split_dims(ins[0].shape, axis)
+        pos, dtype = (outer * inner,), _values(ins[0].dtype)
+        chunk = [(_chunk_positions(ins[0].shape, axis)[1], dtype)] \
+            if self.attrs.get("from_logits") else []
+        return [(pos, np.int64), (pos, np.bool_)] + [(pos, dtype)] * 4 + chunk
 
 
 @register
@@ -291,13 +405,35 @@ class SoftmaxLossGrad(OpKernel):
     forward op)."""
 
     op_type = "SoftmaxLossGrad"
-    #: dx over prob: element-wise (each element's prob read before its dx)
+    #: dx over prob: element-wise (each element's prob read before its dx);
+    #: ``from_logits``, dx over x: each chunk of x is read (widened) before
+    #: its dx is written, and dx has x's storage (bits for bits)
     in_place = ((1, 0),)
 
+    @classmethod
+    def bits_inputs(cls, attrs):
+        """The logits, ``from_logits`` (its second input in place of prob)."""
+        return (1,) if attrs.get("from_logits") else ()
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """dx as bfloat16 bits, ``from_logits``: a float32 chunk rounded."""
+        return (0,) if attrs.get("from_logits") else ()
+
     def scratch_specs(self, ins, outs):
-        return _raw_specs(ins[1], [((1,), ins[1].dtype)] + _label_specs(ins[2]))
+        dtype = _values(ins[1].dtype)
+        chunk = []
+        if self.attrs.get("from_logits"):   # the chunk's losses, valid flags, logits
+            axis = _axis(self.attrs, len(ins[1].shape))
+            rows, shape = _chunk_positions(ins[1].shape, axis)
+            pos = ((rows * shape[2],), dtype)
+            chunk = [pos, pos, (shape, dtype)]
+        return _raw_specs(np.empty(0, dtype), [((1,), dtype)] + _label_specs(ins[2]) + chunk)
 
     def setup(self, ins, outs):
+        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
+            self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
+            return
         _reserve(self, ins[1], self.scratch_specs(ins, outs))
 
     @classmethod
@@ -305,9 +441,13 @@ class SoftmaxLossGrad(OpKernel):
         _, (ps, pd), (ls, _) = ins[:3]
         _check_label(attrs, ps, ls, cls.op_type)
         _check_normaliser(ins[3:], cls.op_type)
+        if attrs.get("from_logits"):
+            return [(tuple(ps), BITS if 0 in attrs.get("bits_out", ()) else _values(pd))]
         return [(tuple(ps), pd)]
 
     def run(self, ins, outs):
+        if self.attrs.get("from_logits"):
+            return self._from_logits(ins, outs[0])
         xp = get_xp(ins[1])
         dloss, prob, label = ins[:3]
         axis = _axis(self.attrs, prob.ndim)
@@ -349,13 +489,82 @@ class SoftmaxLossGrad(OpKernel):
             dx *= valid[:, None, :]
         dx *= dloss / (ins[3] if len(ins) > 3 else count)
 
+    def _from_logits(self, ins, dx):
+        """dx from the logits (``from_logits``), a chunk of positions at a
+        time: the chunk widened into float32 scratch, its probabilities
+        computed as the forward computed them (the same kernel or code: the
+        same bits), dx = dloss * (prob - onehot) / count there by the
+        float32 path's kernel or code, then written into dx -- rounded into
+        bits where dx is bits (one ``to_bf16_bits``)."""
+        dloss, x, label = ins[:3]
+        xp = get_xp(x)
+        axis = _axis(self.attrs, x.ndim)
+        outer, channels, inner = _split_dims(x.shape, axis)
+        rows, _ = _chunk_positions(x.shape, axis)
+        x3 = x.reshape(outer, channels, inner)
+        dx3 = dx.reshape(outer, channels, inner)
+        bits = is_bits(dx)
+        if xp is not np:
+            from ..gpu.kernels import to_bf16_bits_device
+            k = raw_kernels(xp, np.empty(0, _values(x.dtype)))
+            ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
+            scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
+            count, *buf = self.temporaries(x, *self.scratch_specs(ins, [dx]))
+            wide, valid, nll = buf.pop(), buf.pop(), buf.pop()
+            lab = _device_labels(label, buf, (outer, inner))
+            plain = ignore is None and pad is None   # the normaliser: the positions
+            if not plain:
+                if len(ins) > 3:
+                    count[...] = ins[3].reshape(1)
+                else:
+                    k.softmax_loss_count(lab, ignore, count, pad_label=pad)
+            for s in spans(outer, rows):
+                n = s.stop - s.start
+                w3 = wide[:n]
+                k.softmax_loss_forward(_widen(x3[s], w3), lab[s], ignore,
+                                       out=(w3, nll[:n * inner].reshape(n, inner),
+                                            valid[:n * inner].reshape(n, inner)),
+                                       pad_label=pad)
+                out = w3 if bits else dx3[s]
+                if plain:
+                    k.softmax_loss_backward(w3, lab[s], scale, None, out=out,
+                                            scale_factor=1.0 / (outer * inner))
+                else:
+                    k.softmax_loss_backward(w3, lab[s], scale, ignore, out=out, count=count,
+                                            pad_label=pad)
+                if bits:
+                    to_bf16_bits_device(w3.reshape(-1), dx3[s].reshape(-1))
+            return
+        lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
+        *_, wide, scratch = self.temporaries(dx, *self.host_temporaries(ins, [dx]))
+        for s in spans(outer, rows):
+            d3 = wide[:s.stop - s.start]
+            _, sumexp = _host_softmax(xp, _widen(x3[s], d3), d3, lab[s])
+            d3 /= sumexp   # the probabilities, as the forward's
+            at = lab[s][:, None, :]
+            np.put_along_axis(d3, at, np.take_along_axis(d3, at, axis=1) - 1, axis=1)
+            if not bool(valid[s].all()):   # times 1 everywhere changes no bit
+                d3 *= valid[s][:, None, :]
+            d3 *= dloss / (ins[3] if len(ins) > 3 else count)
+            if bits:
+                to_bf16_bits(d3, dx3[s], scratch)
+            else:
+                dx3[s] = d3
+
     def host_temporaries(self, ins, outs):
         """The host run's labels as int64, the valid mask, and the label's
-        probabilities less 1 (taken, then the difference)."""
+        probabilities less 1 (taken, then the difference); ``from_logits``
+        also the float32 chunk of the logits and to_bf16_bits's chunk (the
+        last two)."""
         prob = ins[1]
-        outer, _, inner = _split_dims(prob.shape, _axis(self.attrs, prob.ndim))
-        pos = (outer * inner,)
-        return [(pos, np.int64), (pos, np.bool_), (pos, prob.dtype), (pos, prob.dtype)]
+        axis = _axis(self.attrs, len(prob.shape))
+        outer, _, inner = _split_dims(prob.shape, axis)
+        pos, dtype = (outer * inner,), _values(prob.dtype)
+        chunk = []
+        if self.attrs.get("from_logits"):
+            rows, shape = _chunk_positions(prob.shape, axis)
+            chunk = [(shape, dtype), (wire_scratch(int(np.prod(shape))).shape, np.uint32)]
+        return [(pos, np.int64), (pos, np.bool_), (pos, dtype), (pos, dtype)] + chunk
 
 
 @gradient("SoftmaxLoss")
@@ -470,7 +679,10 @@ class CountedPositions(OpKernel):
         return _raw_specs(outs[0], _label_specs(ins[0]))
 
     def setup(self, ins, outs):
-        _reserve(self, outs[0], self.scratch_specs(ins, outs))
+        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
+            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+            return
+        _reserve(self, ins[0], self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         label, count = ins[0], outs[0]

@@ -37,8 +37,12 @@ readers convert nothing, the memory plan sizes it at 2 bytes, and no
 float32 copy of it exists. Where such a copy's Cast is the only reader of
 a transient float32 blob whose producer can write bits itself (LayerNorm's
 y, GELU's y), the producer writes the bits and the Cast and the float32
-blob go (``fold_casts``). The same numbers: the bits are the upper halves
-of the float32 roundings. ``PURINE_BF16_STORAGE=0`` (or
+blob go (``fold_casts``). A bias-free bf16 product writes its output as
+bits too (its GemmEx's bfloat16 result): the lm-head's logits, where the
+softmax loss reads them ``from_logits`` (``loss_from_logits``: no
+probabilities kept, its gradient computes them again from the logits, a
+chunk at a time, and writes its own copy as bits). The same numbers: the
+bits are the upper halves of the float32 roundings. ``PURINE_BF16_STORAGE=0`` (or
 ``PURINE_BF16_GEMM=0``, whose products take float32 operands) keeps the
 float32 storage.
 
@@ -93,6 +97,8 @@ def apply_precision(graph, precision):
                 if graph.blobs[b].dtype == "float32":
                     graph.blobs[b].attrs["precision"] = dtype
     keep_attention_stats(graph)
+    if dtype == "bfloat16" and bits_storage():
+        loss_from_logits(graph)
     if dtype == "bfloat16" and store_bits(graph):
         fold_casts(graph)
     graph.infer_shapes()
@@ -145,6 +151,82 @@ def store_bits(graph):
         blob.dtype = BITS
         stored.append(name)
     return stored
+
+
+def loss_from_logits(graph):
+    """Make each ``SoftmaxLoss`` whose logits a product can write as bits
+    read them so (ops/softmax.py, ``from_logits``): where the logits are a
+    transient bfloat16 blob of float32 storage (attr ``precision``, no
+    views) written by one op that can write them as bits
+    (``_bits_writer``: the lm-head's bias-free product), every other
+    reader of them takes bits, and the loss's ``prob`` output is read by
+    ``SoftmaxLossGrad`` ops (as their probabilities) alone, all on the
+    writer's device, each of which can write its gradient as bits
+    (``_grad_as_bits``: a bf16 copy of it that products alone read): the
+    loss gets attr ``from_logits`` and loses its ``prob`` output (the blob
+    goes), and each of those gradients reads the logits in its place (attr
+    ``from_logits``), computing the probabilities again, after the loss (a
+    control input: the memory plan may then put its gradient on the
+    logits' bytes). ``store_bits`` then stores the logits as bits and the
+    gradient's copy as bits, which ``fold_casts`` has the gradient write
+    itself. Returns the names of the losses so marked. Call
+    ``graph.infer_shapes()`` after."""
+    from ..ops.catalog import get_kernel_class
+    prod, cons = graph.producers(), graph.consumers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    marked = []
+    for op in list(graph.ops.values()):
+        if op.op_type != "SoftmaxLoss" or op.attrs.get("from_logits") or len(op.outputs) != 2:
+            continue
+        x, prob = op.inputs[0], op.outputs[1]
+        blob = graph.blobs[x]
+        if blob.attrs.get("precision") != "bfloat16" or blob.dtype != "float32" or \
+                x in viewed or blob.alias_of or blob.kind in PERSISTENT_KINDS:
+            continue
+        w = _bits_writer(graph, x, prod, op.location)
+        grads = cons.get(prob, ())
+        if w is None or prob in viewed or graph.blobs[prob].alias_of or len(
+                prod.get(prob, ())) != 1 or not all(
+                g.op_type == "SoftmaxLossGrad" and g.inputs[1] == prob and
+                g.inputs.count(prob) == 1 and g.location == op.location and
+                x not in g.inputs for g in grads):
+            continue
+        if not all(r is op or _takes_bits(r, x, get_kernel_class(r.op_type, r.name), w.location)
+                   for r in cons.get(x, ())) or \
+                not all(_grad_as_bits(graph, g, cons, viewed) for g in grads):
+            continue
+        op.attrs["from_logits"] = True
+        op.outputs.pop(1)
+        del graph.blobs[prob]
+        for g in grads:   # after the loss, which read the logits (dx may take their bytes)
+            g.inputs[1] = x
+            g.attrs["from_logits"] = True
+            if op.name not in g.control_inputs:
+                g.control_inputs.append(op.name)
+        marked.append(op.name)
+    return marked
+
+
+def _grad_as_bits(graph, grad, cons, viewed):
+    """Whether ``store_bits`` and ``fold_casts`` will have the loss
+    gradient ``grad`` (from its logits) write its output as bits: the
+    output is a transient float32 blob (no views, not accumulated) that one
+    bfloat16 Cast alone reads, on ``grad``'s device, whose copy only ops
+    taking bits read (the lm-head's products; not a weight gradient of
+    rows). Else its float32 output could not take the logits' 2-byte bytes
+    in place, and reading the logits as bits would cost memory."""
+    (dx,) = grad.outputs
+    readers = cons.get(dx, ())
+    if grad.accumulate or len(readers) != 1 or readers[0].op_type != CAST or \
+            readers[0].attrs.get("dtype") != "bfloat16" or \
+            not _dies_at(graph, readers[0], None, cons, viewed) or \
+            readers[0].location != grad.location:
+        return False
+    from ..ops.catalog import get_kernel_class
+    copy = readers[0].outputs[0]
+    return bool(cons.get(copy)) and all(
+        _takes_bits(r, copy, get_kernel_class(r.op_type, r.name), grad.location)
+        for r in cons[copy])
 
 
 def fold_casts(graph):
@@ -203,8 +285,7 @@ def _bits_writer(graph, name, prod, location=None):
         return None
     w = writers[0]
     if w.accumulate or name in w.inputs or location not in (None, w.location) or \
-            w.outputs.index(name) not in get_kernel_class(w.op_type, w.name).bits_outputs(
-                w.attrs):
+            w.outputs.index(name) not in get_kernel_class(w.op_type, w.name).bits_outputs_of(w):
         return None
     return w
 

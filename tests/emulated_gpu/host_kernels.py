@@ -422,13 +422,25 @@ def widen_bits(bits, data_type):
     return bits.view(np.float16).astype(np.float32)
 
 
+def bf16_bits(x):
+    """The uint16 bits of the bfloat16 nearest each float32 of ``x`` (ties
+    to even; infinities and NaNs truncated): base/precision's rounding."""
+    from purine_mpi.base.precision import _round_bits
+    bits = np.array(x, dtype=np.float32).view(np.uint32)
+    _round_bits(np, bits, np.empty_like(bits), np.empty_like(bits))
+    return (bits >> np.uint32(16)).astype(np.uint16)
+
+
 def check_gemm_ex(a_type, b_type, c_type, compute_type, algo):
     """What a GemmEx here takes (cuBLAS takes more): A and B both bfloat16
-    or both float16, C float32, float32 compute, the default algorithm; the
-    reason it refuses anything else (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    or both float16, C float32 (or bfloat16 for bfloat16 operands: the
+    float32 result rounded once, to nearest even), float32 compute, the
+    default algorithm; the reason it refuses anything else
+    (CUBLAS_STATUS_NOT_SUPPORTED)."""
     if a_type != b_type or a_type not in (CUDA_R_16BF, CUDA_R_16F):
         return f"A and B of types {a_type} and {b_type}"
-    if c_type != CUDA_R_32F or compute_type != COMPUTE_32F or algo != GEMM_DEFAULT:
+    if c_type not in (CUDA_R_32F, a_type if a_type == CUDA_R_16BF else CUDA_R_32F) or \
+            compute_type != COMPUTE_32F or algo != GEMM_DEFAULT:
         return f"C type {c_type}, compute type {compute_type}, algorithm {algo}"
     return None
 
@@ -468,7 +480,7 @@ class HostCublas:
         return np.frombuffer((ctypes.c_char * item).from_address(ptr), dtype=dtype)[0]
 
     def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-              ldc, sC, batch, stream=None, workspace=None, tf32=False, low=None):
+              ldc, sC, batch, stream=None, workspace=None, tf32=False, low=None, c_low=None):
         """Check the arguments and read alpha and beta (host pointer mode) now,
         as cuBLAS does at the call; the product itself is device work on
         ``stream`` (``capture.device_work``: recorded on a capturing
@@ -476,7 +488,10 @@ class HostCublas:
         operand type (``CUDA_R_16BF``, ``CUDA_R_16F``): A and B are its
         uint16 bits, widened exactly to float32 for the product (each
         product of two such values is exact in float32, as on tensor
-        cores), C and the scalars ``dtype``."""
+        cores), C and the scalars ``dtype``; ``c_low`` ``CUDA_R_16BF``: C
+        is the uint16 bits of the float32 result rounded to bfloat16 (to
+        nearest, ties to even: cuBLAS's conversion of its float32
+        accumulator), with beta 0 (C not read)."""
         a_rows, b_rows = (m if transa == 0 else k), (k if transb == 0 else n)
         for name, ld, rows in (("lda", lda, a_rows), ("ldb", ldb, b_rows), ("ldc", ldc, m)):
             if ld < max(1, rows):
@@ -484,7 +499,7 @@ class HostCublas:
         ab = dtype if low is None else np.uint16
         a = self._view(A, ab, a_rows, k if transa == 0 else m, lda, sA, batch)
         b = self._view(B, ab, b_rows, n if transb == 0 else k, ldb, sB, batch)
-        c = self._view(C, dtype, m, n, ldc, sC, batch)
+        c = self._view(C, np.uint16 if c_low is not None else dtype, m, n, ldc, sC, batch)
         op_a = a if transa == 0 else a.transpose(0, 2, 1)
         op_b = b if transb == 0 else b.transpose(0, 2, 1)
         alpha, beta = self._scalar(alpha, dtype), self._scalar(beta, dtype)
@@ -498,6 +513,11 @@ class HostCublas:
                 product = np.matmul(op_a, op_b)
             if alpha != 1:   # a product by 1 is exact: the same numbers without the pass
                 product *= alpha
+            if c_low is not None:   # one rounding of the float32 result, into bits
+                if beta != 0:
+                    raise ValueError("the emulated GemmEx into bfloat16 takes beta 0 only")
+                c[...] = bf16_bits(np.ascontiguousarray(product, np.float32))
+                return
             c[...] = product if beta == 0 else product + beta * c  # beta 0: C is not read
 
         if workspace is not None:   # the scratch it uses (two replays must not share it)
@@ -538,7 +558,7 @@ class HostCublas:
             raise self.CUBLASError(f"CUBLAS_STATUS_NOT_SUPPORTED: {refused}")
         self.gemms.append((what, self.getMathMode(handle)))
         self._gemm(np.float32, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC,
-                   batch, stream=stream, low=Atype)
+                   batch, stream=stream, low=Atype, c_low=None if Ctype == CUDA_R_32F else Ctype)
 
     def gemmEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,  # noqa: N802
                beta, C, Ctype, ldc, computeType, algo):  # noqa: N803  (CuPy's names)
@@ -637,7 +657,7 @@ def emulated_nvmath_cublas():
     def get_math_mode(handle):
         return state(handle, "get_math_mode")["math"]
 
-    def gemm(what, dtype, handle, args, low=None):
+    def gemm(what, dtype, handle, args, low=None, c_low=None):
         s = state(handle, what)
         stream = capture.stream_of(s["stream"]) or DEFAULT_STREAM
         if s["pointer_mode"] != 0:
@@ -649,14 +669,15 @@ def emulated_nvmath_cublas():
         module.gemms.append((what, handle, s["math"]))
         host._gemm(dtype, *args, stream=stream,
                    workspace=s["workspace"][0] if s["workspace"] else None,
-                   tf32=s["math"] == TF32_MATH, low=low)
+                   tf32=s["math"] == TF32_MATH, low=low, c_low=c_low)
 
     def gemm_ex_call(what, handle, args, types):
         refused = check_gemm_ex(*types)
         if refused:
             state(handle, what)
             raise cuBLASError(f"{what}: CUBLAS_STATUS_NOT_SUPPORTED ({refused})")
-        gemm(what, np.float32, handle, args, low=types[0])
+        gemm(what, np.float32, handle, args, low=types[0],
+             c_low=None if types[2] == CUDA_R_32F else types[2])
 
     def gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c,
                 ctype, ldc, compute_type, algo):
