@@ -775,3 +775,54 @@ def test_the_prediction_reads_the_graphs_built_for_the_memory_plan(tmp_path):
             assert content(graph) == content(compose_for(job, 2, r)), (sets, r)
         assert predictor.predict(job, 2, graphs) == predictor.predict(job, 2), sets
     assert edges > 0  # the memory plans did add edges, taken out again
+
+
+def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tmp_path):
+    """``variants_to_try`` over constructed needs (no graph built): above
+    the job's count, ascending, while the last tried does not fit and past
+    the first while each holds less than the one before; below it,
+    descending, while the last tried fits. ``shown`` keeps one of each
+    setting's counts: the first that fits in the ranking, else the one
+    nearest to fitting."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Candidate, micro_batch_counts, micro_batched, shown, \
+        variants_to_try
+    job = load_job(_job(tmp_path), ("parallel.micro_batches=4",), check_files=False)
+    assert micro_batch_counts(job) == [1, 2, 8, 16]  # batch 16, the job's own 4 left out
+
+    def run(need_of, own=4, limit=100):
+        plain = Candidate(("parallel.scheme=data", "recompute=none"), "data, recompute none")
+        variants = micro_batched(plain, [m for m in (1, 2, 4, 8, 16) if m != own])
+        tried = []
+
+        def evaluate(c):
+            m = c.micro or own
+            c.need, c.limits, c.iter_s, c.samples = {"host": need_of[m]}, \
+                {"host": (limit, "--host-memory")}, float(m), 16
+            tried.append(m)
+        evaluate(plain)
+        tried.clear()
+        done = variants_to_try(plain, variants, own, evaluate)
+        assert [c.micro for c in done] == tried
+        return tried, plain, done
+    # the job's count does not fit: 8 holds less and does not fit, 16 fits
+    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 90})[0] == [8, 16]
+    # 8 fits: 16 (no faster) is not tried
+    assert run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})[0] == [8]
+    # 16 holds more than 8 (the weights' gradients, the readers' pools): stop
+    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 160})[0] == [8, 16]
+    assert run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})[0] == [8]
+    # the job's count fits: the smaller (faster) ones while they fit
+    assert run({1: 120, 2: 80, 4: 60, 8: 50, 16: 40})[0] == [2, 1]
+    tried, plain, done = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
+    assert tried == [2, 1]
+    # the table: of the variants, the first that fits in the ranking
+    from purine_mpi.tools.choose import rank
+    ranked = rank([plain] + done)
+    assert [c.label for c in shown(ranked)] == ["data, recompute none, 1 micro-batch",
+                                                 "data, recompute none"]
+    # none fits: the nearest to fitting
+    tried, plain, done = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120})
+    assert tried == [8, 16]
+    assert [c.label for c in shown(rank([plain] + done))] == [
+        "data, recompute none", "data, recompute none, 16 micro-batches"]
