@@ -599,7 +599,7 @@ def test_a_setting_whose_ranks_would_stall_is_listed_not_possible(tmp_path):
                                            tag=other)})
 
     class Stalls:
-        def predict(self, job, n):
+        def predict(self, job, n, built=None):
             return simulate([rank(0), rank(1)], 2)
 
     cand = evaluate(Candidate(("parallel.scheme=data",), "data"), _job(tmp_path), (), 2,
@@ -607,3 +607,222 @@ def test_a_setting_whose_ranks_would_stall_is_listed_not_possible(tmp_path):
     assert cand.error.startswith("its ranks would stall (simulation of rank ")
     line = format_choice(Choice(2, [cand], ("images", 1), "", 0.0)).splitlines()[2]
     assert "data" in line and "not possible: its ranks would stall" in line
+
+
+MICRO_NET = """name: micro_net
+seed: 3
+data:
+  train: {source: synthetic, shape: [3, 32, 32], classes: 10, num_samples: 256, batch_size: 32}
+net:
+  - {type: conv, name: c1, bottom: data, top: c1, num_output: 16, kernel: 3, pad: 1}
+  - {type: relu, name: r1, bottom: c1, top: c1}
+  - {type: conv, name: c2, bottom: c1, top: c2, num_output: 16, kernel: 3, pad: 1}
+  - {type: relu, name: r2, bottom: c2, top: c2}
+  - {type: pool, name: p1, bottom: c2, top: p1, pool: max, kernel: 4, stride: 4}
+  - {type: fc, name: fc, bottom: p1, top: fc, num_output: 10}
+  - {type: softmax_loss, name: loss, bottom: [fc, label], top: loss}
+solver: {type: sgd, base_lr: 0.01, momentum: 0.9, max_iter: 100, display: 1}
+parallel: {scheme: data}
+"""
+
+
+def _write_calibration(path, cal, seconds=1e-3):
+    """A calibration file (``choose.read_calibration``'s format) of the job
+    at ``path`` made of constructed traces (``_calibration_trace``: every
+    op ``seconds`` at the job's batch, 0.3 of it at the small batch), so
+    ``plan --choose`` prices from known op times and measures nothing."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools import choose
+    job = load_job(path, (), check_files=False)
+    small_b = choose.small_batch(job.train_batch)
+    big = _calibration_trace(choose._calibration_job(path, ()), seconds)
+    small = _calibration_trace(choose._calibration_job(
+        path, (), (f"data.train.batch_size={small_b}",)), 0.3 * seconds)
+
+    def entry(d):
+        return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
+                "iterations": d.iterations}
+    cal.write_text(json.dumps({"format": choose.CALIBRATION_FORMAT,
+                               "key": choose.calibration_key(job), "job": job.name,
+                               **entry(big), "small": dict(entry(small), batch=small_b),
+                               choose.ADD_RATE_KEY: 1e-10}))
+
+
+def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
+    """Gradient accumulation among the candidates: data parallelism (and
+    scheme sharded) at 2, 4, .. micro-batches dividing the per-rank batch,
+    each with its memory plan and predicted time, tried where its setting
+    does not fit at the job's count. The net's bytes are its activations
+    (two 16-channel 32x32 convolutions at batch 32, weights of a few KiB):
+    2 micro-batches hold less than the whole batch, with recompute full or
+    without (the recompute pass keeps about as much here); 4 hold more
+    again (each micro-batch's reader has its own pool of batches), so where
+    nothing fits 8 and 16 are not tried. On one rank, under a
+    --host-memory between the 2-micro-batch settings and every other, only
+    those fit, and the best is 2 micro-batches without recompute by
+    construction (the recompute pass adds the forward ops again, each
+    priced as traced); larger counts are not tried (by the model no
+    faster), and the table says so; the best's --set line and the --out
+    YAML train."""
+    path = tmp_path / "micro.yaml"
+    path.write_text(MICRO_NET)
+    cal = tmp_path / "cal.json"
+    _write_calibration(path, cal)
+    none_fits, res = _choose(path, cal, "--host-memory", "1MiB", np=1)
+    assert "calibration: timing" not in res.stderr and none_fits["best"] is None
+    rows = {r["label"]: r for r in none_fits["candidates"]}
+    # no sharding, no stages, no tensor shards on one rank
+    assert sorted(rows) == sorted(f"data, recompute {mode}{m}" for mode in ("none", "full")
+                                  for m in ("", ", 2 micro-batches", ", 4 micro-batches"))
+    for label, row in rows.items():
+        assert row["iter_s"] > 0 and not row["fits"]
+        if "micro" in label:
+            assert row["set"][-1] == f"parallel.micro_batches={label.split(', ')[-1][0]}"
+    need = {label: r["need_bytes"]["host"] for label, r in rows.items()}
+    for mode in ("none", "full"):
+        plain, two, four = (need[f"data, recompute {mode}{m}"] for m in (
+            "", ", 2 micro-batches", ", 4 micro-batches"))
+        assert two < plain and four > two, need
+    two = max(need[f"data, recompute {mode}, 2 micro-batches"] for mode in ("none", "full"))
+    others = min(v for label, v in need.items() if ", 2 micro-batches" not in label)
+    limit = (two + others) // 2
+    # the micro-batched time: per-micro-batch op times from the trace at
+    # their work, each op's fixed cost paid per call: slower than the
+    # whole batch's, faster than twice it
+    plain = rows["data, recompute none"]["iter_s"]
+    assert plain < rows["data, recompute none, 2 micro-batches"]["iter_s"] < 2 * plain
+    assert rows["data, recompute none, 2 micro-batches"]["iter_s"] < \
+        rows["data, recompute none, 4 micro-batches"]["iter_s"]
+    tight, res = _choose(path, cal, "--host-memory", limit, "--out", tmp_path / "best.yaml",
+                         np=1)
+    assert res.returncode == 0, res.stderr
+    fit = [r["label"] for r in tight["candidates"] if r.get("fits")]
+    assert sorted(fit) == ["data, recompute full, 2 micro-batches",
+                           "data, recompute none, 2 micro-batches"]
+    assert len(tight["candidates"]) == 4
+    assert tight["candidates"][0]["label"] == "data, recompute none, 2 micro-batches"
+    assert tight["best"] == ["parallel.scheme=data", "recompute=none",
+                             "parallel.micro_batches=2"]
+    for r in tight["candidates"]:  # the same figures as without a fitting one
+        assert r["iter_s"] == rows[r["label"]]["iter_s"]
+    text = run_cli_here("plan", path, "--np", 1, "--choose", "--calibration", cal,
+                        "--host-memory", limit)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert "4 settings tried, 4 shown" in lines[0]
+    table = [line for line in lines[2:] if re.match(r"\d+ ", line)]
+    assert [line.split("  ")[1].strip() for line in table] == [
+        "data, recompute none, 2 micro-batches", "data, recompute full, 2 micro-batches",
+        "data, recompute none", "data, recompute full"], table
+    assert " yes " in table[0] and "NO: host over" in table[2]
+    assert any(line.startswith("(6 setting(s) at other micro-batch counts not tried")
+               for line in lines)
+    assert lines[-2] == ("best: --set parallel.scheme=data --set recompute=none "
+                         "--set parallel.micro_batches=2")
+    # the net has no Sum to price the micro-batches' gradient sums from:
+    # said on the row and under the table, not priced as traced
+    assert table[0].split()[-2].endswith("*") and not table[2].split()[-2].endswith("*")
+    assert lines[-1].startswith("note: 6 op(s) of the best setting were not in the "
+                                "calibration's trace")
+    # the --set line and the YAML written train
+    sets = [a for s in tight["best"] for a in ("--set", s)]
+    res = run_mpi_cli(1, "train", path, *sets, "--iters", 2, "--host-memory", limit, "--out",
+                      tmp_path / "run", timeout=300)
+    assert res.returncode == 0, res.stderr
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["parallel"]["micro_batches"] == 2 and best["recompute"] == "none"
+    res = run_mpi_cli(1, "train", tmp_path / "best.yaml", "--iters", 2, "--host-memory", limit,
+                      "--out", tmp_path / "run_yaml", timeout=300)
+    assert res.returncode == 0, res.stderr
+    for run in ("run", "run_yaml"):
+        cfg = yaml.safe_load((tmp_path / run / "config.yaml").read_text())
+        assert cfg["parallel"]["micro_batches"] == 2
+
+
+def test_the_prediction_reads_the_graphs_built_for_the_memory_plan(tmp_path):
+    """``plan --choose`` predicts from the graphs it built for a setting's
+    memory plan (``plan.predictable_graph``: the memory plans' control
+    edges taken out again), not from a second composition: they are the
+    graphs ``compose_for`` composes, op by op and blob by blob, for
+    settings of each kind (micro-batches, recompute, ZeRO stages, stages,
+    tensor shards), and the prediction from them is the prediction from
+    composed graphs."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor, _calibration_job
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.plan import offline_footprints, predictable_graph
+    from purine_mpi.tools.scaling.link import make_link
+    path = _job(tmp_path)
+    calib_job = _calibration_job(path, ())
+    predictor = Predictor(calib_job, _calibration_trace(calib_job, 1e-3),
+                          make_link(None, None, None), add=1e-10)
+
+    def content(graph):
+        return ([(n, op.op_type, op.inputs, op.outputs, repr(op.attrs), op.location,
+                  op.thread, op.accumulate, op.control_inputs) for n, op in graph.ops.items()],
+                [(n, repr(b.__dict__)) for n, b in graph.blobs.items()])
+    edges = 0
+    for sets in (("parallel.micro_batches=2", "recompute=full"),
+                 ("parallel.scheme=sharded", "parallel.shard=3", "parallel.micro_batches=2"),
+                 ("parallel.scheme=pipeline", "parallel.stages=2", "parallel.micro_batches=2"),
+                 ("parallel.scheme=tensor", "parallel.tensor_parallel=2")):
+        job = load_job(path, sets, check_files=False)
+        built = {}
+        offline_footprints(job, 2, [0, 1], built=built)
+        edges += sum(len(p.edges) for _, plans in built.values() for p in [plans.host])
+        graphs = {r: predictable_graph(job, 2, *built[r]) for r in (0, 1)}
+        for r, graph in graphs.items():
+            assert content(graph) == content(compose_for(job, 2, r)), (sets, r)
+        assert predictor.predict(job, 2, graphs) == predictor.predict(job, 2), sets
+    assert edges > 0  # the memory plans did add edges, taken out again
+
+
+def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tmp_path):
+    """``variants_to_try`` over constructed needs (no graph built): above
+    the job's count, ascending, while the last tried does not fit and past
+    the first while each holds less than the one before; below it,
+    descending, while the last tried fits. ``shown`` keeps one of each
+    setting's counts: the first that fits in the ranking, else the one
+    nearest to fitting."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Candidate, micro_batch_counts, micro_batched, shown, \
+        variants_to_try
+    job = load_job(_job(tmp_path), ("parallel.micro_batches=4",), check_files=False)
+    assert micro_batch_counts(job) == [1, 2, 8, 16]  # batch 16, the job's own 4 left out
+
+    def run(need_of, own=4, limit=100):
+        plain = Candidate(("parallel.scheme=data", "recompute=none"), "data, recompute none")
+        variants = micro_batched(plain, [m for m in (1, 2, 4, 8, 16) if m != own])
+        tried = []
+
+        def evaluate(c):
+            m = c.micro or own
+            c.need, c.limits, c.iter_s, c.samples = {"host": need_of[m]}, \
+                {"host": (limit, "--host-memory")}, float(m), 16
+            tried.append(m)
+        evaluate(plain)
+        tried.clear()
+        done = variants_to_try(plain, variants, own, evaluate)
+        assert [c.micro for c in done] == tried
+        return tried, plain, done
+    # the job's count does not fit: 8 holds less and does not fit, 16 fits
+    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 90})[0] == [8, 16]
+    # 8 fits: 16 (no faster) is not tried
+    assert run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})[0] == [8]
+    # 16 holds more than 8 (the weights' gradients, the readers' pools): stop
+    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 160})[0] == [8, 16]
+    assert run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})[0] == [8]
+    # the job's count fits: the smaller (faster) ones while they fit
+    assert run({1: 120, 2: 80, 4: 60, 8: 50, 16: 40})[0] == [2, 1]
+    tried, plain, done = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
+    assert tried == [2, 1]
+    # the table: of the variants, the first that fits in the ranking
+    from purine_mpi.tools.choose import rank
+    ranked = rank([plain] + done)
+    assert [c.label for c in shown(ranked)] == ["data, recompute none, 1 micro-batch",
+                                                 "data, recompute none"]
+    # none fits: the nearest to fitting
+    tried, plain, done = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120})
+    assert tried == [8, 16]
+    assert [c.label for c in shown(rank([plain] + done))] == [
+        "data, recompute none", "data, recompute none, 16 micro-batches"]

@@ -6,7 +6,10 @@ The candidates (``candidates``): data parallelism; scheme sharded at each
 ZeRO stage the config language names (``job/schema.SHARD_STAGES``); each with
 recompute none and full (and selective where the net has attention layers;
 listed as "no effect" where they keep no (N, H, T, T) tensor to recompute:
-the fused Attention op);
+the fused Attention op), at the job's micro-batch count and at the others
+of ``micro_batch_counts`` (gradient accumulation; evaluated where they may
+be the fastest that fits: ``variants_to_try``; the table shows one of
+each setting's counts: ``shown``);
 pipelines of 2..N stages dividing N (hybrid when fewer stages than ranks),
 the layers cut into contiguous stages of about equal measured time, at a
 few micro-batch counts (1, S, 2S, 4S dividing the batch); where fewer
@@ -93,6 +96,9 @@ CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micr
 #: how a candidate that would run as another one is listed (``recompute:
 #: selective`` where the attention keeps no tensor for it to recompute)
 NO_EFFECT = "no effect"
+#: the most micro-batches (``parallel.micro_batches``) data parallelism and
+#: scheme sharded are tried at (``micro_batch_counts``: powers of two)
+MAX_MICRO_BATCHES = 16
 #: the parallel/recompute keys a candidate sets (the calibration ignores them)
 CHOSEN_KEYS = ("parallel", "recompute", "recompute_layers")
 #: the environment of an MPI launcher, left out of the calibration's process
@@ -262,6 +268,18 @@ class Candidate:
     samples: int = None
     untraced: int = 0
     after: object = None       # a Candidate whose refusal makes this one go unlisted
+    variant_of: object = None  # the plain setting this one is at other micro-batches of
+    micro: int = None          # its micro-batch count (a variant's)
+
+    @property
+    def listed(self):
+        """Whether it is listed: every Candidate it comes ``after`` possible."""
+        c = self.after
+        while c is not None:
+            if c.error is not None:
+                return False
+            c = c.after
+        return True
 
     @property
     def fits(self):
@@ -351,9 +369,12 @@ def candidates(job, n, durations, predictor=None):
     from ..parallel.tensor_parallel import splits_of
     out = []
     modes = ["none", "full"] + (["selective"] if has_attention(job) else [])
+    counts = micro_batch_counts(job)
     for mode in modes:
-        out.append(Candidate(("parallel.scheme=data", f"recompute={mode}"),
-                             f"data, recompute {mode}"))
+        plain = Candidate(("parallel.scheme=data", f"recompute={mode}"),
+                          f"data, recompute {mode}")
+        out.append(plain)
+        out += micro_batched(plain, counts)
     sharded = n > 1 and scheme_class("sharded") is not None
     if sharded:
         for stage in SHARD_STAGES:
@@ -366,6 +387,7 @@ def candidates(job, n, durations, predictor=None):
                               after=first)
                 first = first or c
                 out.append(c)
+                out += micro_batched(c, counts)
     for s in range(2, n + 1):
         if n % s:
             continue
@@ -414,6 +436,67 @@ def candidates(job, n, durations, predictor=None):
                                       f"parallel.tensor_parallel={t}"),
                                      f"pipeline {what} x tensor {t}-way"))
     return out
+
+
+def micro_batch_counts(job):
+    """The micro-batch counts (``parallel.micro_batches``: gradient
+    accumulation, the global batch unchanged) data parallelism and scheme
+    sharded are tried at besides the job's own: 1, 2, 4, .. up to
+    ``MAX_MICRO_BATCHES`` that divide the per-rank batch, less the job's
+    own count (its setting is the plain row)."""
+    batch, own = job.train_batch or 1, job.parallel.micro_batches
+    counts, m = [], 1
+    while m <= min(batch, MAX_MICRO_BATCHES):
+        if batch % m == 0 and m != own:
+            counts.append(m)
+        m *= 2
+    return counts
+
+
+def micro_batched(plain, counts):
+    """The Candidates of ``plain`` (a data or sharded setting at the job's
+    micro-batches) at each of ``counts`` (``micro_batch_counts``): listed
+    where ``plain`` is (``Candidate.after``), grouped under it
+    (``Candidate.variant_of``: the table shows one of them)."""
+    return [Candidate(plain.sets + (f"parallel.micro_batches={m}",),
+                      f"{plain.label}, {m} micro-batch{'es' if m > 1 else ''}",
+                      after=plain, variant_of=plain, micro=m) for m in counts]
+
+
+def variants_to_try(plain, variants, own, evaluate):
+    """Evaluate (``evaluate(candidate)``) the micro-batch variants of the
+    evaluated setting ``plain`` (at the job's own count ``own``) that may
+    be the fastest that fits; the list of those evaluated. By the model's
+    op costs a larger count is no faster (each op's fixed cost,
+    ``affine_costs``, is paid per micro-batch, the proportional part is
+    the same, and the gradient sums come on top; the search takes the
+    simulated iteration to follow its ops, as in every case measured: gpt_
+    small, cifar10_quick_wide, tests/test_choose.py's nets) and, over the
+    counts where the activations dominate, holds less. So the counts above ``own``, ascending, are
+    tried only while the last one tried (``plain`` first) is possible and
+    does not fit, and, past the first, while each held less than the one
+    before (where the weights' gradients or the readers' pools dominate, a
+    larger count holds more: it stops there); the counts below ``own``,
+    descending, only while the last one tried fits (a smaller count is
+    faster)."""
+    done = []
+    up = sorted((v for v in variants if v.micro > own), key=lambda v: v.micro)
+    prev, before = plain, None
+    for v in up:
+        if prev.error is not None or prev.fits or \
+                (before is not None and _overshoot(prev) >= _overshoot(before)):
+            break
+        evaluate(v)
+        done.append(v)
+        prev, before = v, prev
+    prev = plain
+    for v in sorted((v for v in variants if v.micro < own), key=lambda v: -v.micro):
+        if prev.error is not None or not prev.fits:
+            break
+        evaluate(v)
+        done.append(v)
+        prev = v
+    return done
 
 
 def staged_settings(job, s, durations, seconds=None):
@@ -568,14 +651,16 @@ class Predictor:
                                 compose_for(small_job, 1, 0) if small_job else None)
         self.rates = elementwise_rates(durations, self.traced)
 
-    def predict(self, job, n):
-        """(seconds per iteration, samples per iteration, untraced op count)."""
+    def predict(self, job, n, built=None):
+        """(seconds per iteration, samples per iteration, untraced op count).
+        ``built``: {rank: its composed training graph} already at hand (the
+        memory plan's, ``evaluate``), read instead of composing it again."""
         from .scaling.model import ITERATIONS, Scenario, Template
         from .scaling.simulate import simulate
         scenario = Scenario(job, n)
         graphs, untraced = [], set()
         for r in scenario.ranks:
-            t = Template(job, scenario, r)
+            t = Template(job, scenario, r, (built or {}).get(r))
             g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,
                                                  self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,
@@ -592,7 +677,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
     from .plan import limits_for, need_of, offline_footprints, plan_node_checks, \
-        ranks_to_build, set_transports
+        predictable_graph, ranks_to_build, set_transports
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -601,7 +686,8 @@ def evaluate(cand, path, overrides, n, limits, predictor):
             if why is not None:
                 raise UserError(f"{NO_EFFECT}: {why}")
         built, like = ranks_to_build(job, n)
-        by_rank = offline_footprints(job, n, built)[0]
+        graphs = {}
+        by_rank = offline_footprints(job, n, built, built=graphs)[0]
         set_transports(by_rank, n, limits)
         fps = list(by_rank.values())
         need, lims = {}, {}
@@ -616,7 +702,11 @@ def evaluate(cand, path, overrides, n, limits, predictor):
                     c["need_bytes"] - c["limit_bytes"] > need["node"] - lims["node"][0]:
                 need["node"], lims["node"] = c["need_bytes"], (c["limit_bytes"], c["limit_from"])
         cand.job, cand.need, cand.limits = job, need, lims
-        cand.iter_s, cand.samples, cand.untraced = predictor.predict(job, n)
+        # the prediction reads the graphs built for the memory plan where
+        # they are the ones it would compose (``plan.predictable_graph``)
+        ready = {r: predictable_graph(job, n, g, plans) for r, (g, plans) in graphs.items()}
+        cand.iter_s, cand.samples, cand.untraced = predictor.predict(
+            job, n, {r: g for r, g in ready.items() if g is not None})
     except UserError as exc:
         cand.error = str(exc).split("\n")[0]
     except SimulationStalled as exc:  # a composition whose ranks would wait for each other
@@ -649,6 +739,7 @@ class Choice:
     unit: tuple
     calibration: str
     seconds: float
+    untried: int = 0  # micro-batch variants not evaluated (``variants_to_try``)
 
     @property
     def best(self):
@@ -687,18 +778,61 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     with shared_dependencies(), shared_colourings():
         predictor = Predictor(calib_job, durations, link, algorithm, small, add)
         cands = candidates(job, n, durations, predictor)
+        variants = {}
         for c in cands:
-            if c.after is None or c.after.error is None:
-                evaluate(c, path, overrides, n, limits, predictor)
-    cands = [c for c in cands if c.after is None or c.after.error is None]
-    return Choice(n, rank(cands), samples_unit(job), calibration or "",
-                  time.perf_counter() - t0)
+            if c.variant_of is not None:
+                variants.setdefault(id(c.variant_of), []).append(c)
+        tried = set()
+        for c in cands:
+            if c.variant_of is not None or not c.listed:
+                continue
+            evaluate(c, path, overrides, n, limits, predictor)
+            tried.add(id(c))
+            if c.error is None:
+                tried.update(id(v) for v in variants_to_try(
+                    c, variants.get(id(c), ()), job.parallel.micro_batches,
+                    lambda v: evaluate(v, path, overrides, n, limits, predictor)))
+    listed = [c for c in cands if c.listed]
+    kept = [c for c in listed if id(c) in tried]
+    return Choice(n, rank(kept), samples_unit(job), calibration or "",
+                  time.perf_counter() - t0, untried=len(listed) - len(kept))
+
+
+def shown(ranked):
+    """The candidates the table shows, in ``ranked``'s order: of the
+    micro-batch variants of one setting (``Candidate.variant_of``) one, the
+    first that fits (the fastest), else the possible one nearest to fitting
+    (the least need over its limit), else the first refused; every other
+    candidate."""
+    groups = {}
+    for c in ranked:
+        if c.variant_of is not None:
+            groups.setdefault(id(c.variant_of), []).append(c)
+    keep = set()
+    for members in groups.values():
+        ok = [c for c in members if c.error is None]
+        fit = [c for c in ok if c.fits]
+        if fit:
+            pick = fit[0]
+        elif ok:
+            pick = min(ok, key=_overshoot)
+        else:
+            pick = members[0]
+        keep.add(id(pick))
+    return [c for c in ranked if c.variant_of is None or id(c) in keep]
+
+
+def _overshoot(c):
+    """The largest ratio of ``c``'s need to its limit (a possible candidate)."""
+    return max((c.need.get(w, 0) / lim for w, (lim, _) in c.limits.items() if lim > 0),
+               default=0.0)
 
 
 def format_choice(choice):
     unit, per = choice.unit
     rows = [("#", "setting", "memory/rank", "fits", "s/iter", f"{unit}/s")]
-    for i, c in enumerate(choice.ranked, 1):
+    table = shown(choice.ranked)
+    for i, c in enumerate(table, 1):
         if c.error is not None:
             why = c.error if c.error.startswith(NO_EFFECT) else f"not possible: {c.error}"
             rows.append((str(i), c.label, "-", "-", "-", why))
@@ -708,13 +842,33 @@ def format_choice(choice):
             f"{w} over {human_bytes(lim)} ({why})" for w, (lim, why) in c.limits.items()
             if c.need.get(w, 0) > lim)
         rate = c.samples * per / c.iter_s if c.iter_s else float("nan")
-        rows.append((str(i), c.label, mem, fits, f"{c.iter_s:.4g}", f"{rate:,.0f}"))
+        # "*": ops the calibration's trace does not time (``untraced``)
+        rows.append((str(i), c.label, mem, fits, f"{c.iter_s:.4g}" + ("*" if c.untraced else ""),
+                     f"{rate:,.0f}"))
     widths = [max(len(r[k]) for r in rows if len(r[k]) < 60) for k in range(5)]
-    lines = [f"plan --choose: {choice.n} rank{'s' if choice.n != 1 else ''}, ranked by "
+    tried = len(choice.ranked)
+    lines = [f"plan --choose: {choice.n} rank{'s' if choice.n != 1 else ''}, {tried} "
+             f"setting{'s' if tried != 1 else ''} tried, {len(table)} shown, ranked by "
              f"predicted {unit}/s (calibration: {choice.calibration or 'not cached'}; "
              f"{choice.seconds:.1f} s)"]
     for r in rows:
         lines.append("  ".join(r[k].ljust(widths[k]) for k in range(5)) + "  " + r[5])
+    marked = [c for c in table if c.error is None and c.untraced]
+    if marked:
+        lines.append(f"* ops the calibration's trace does not time, nor any traced op of "
+                     f"their kind (up to {max(c.untraced for c in marked)} in "
+                     f"{len(marked)} setting(s): a micro-batch's gradient sum where the trace "
+                     "has no Sum, ...): a sum or copy at the host's measured add rate, any "
+                     "other op 0 s (--json: untraced_ops)")
+    if tried > len(table):
+        lines.append(f"({tried - len(table)} setting(s) at other micro-batch counts not "
+                     "shown: of each data or sharded setting's counts (parallel.micro_batches) "
+                     "the table shows the first that fits, else the nearest to fitting; "
+                     "--json lists every one)")
+    if choice.untried:
+        lines.append(f"({choice.untried} setting(s) at other micro-batch counts not tried: "
+                     "by the model's op costs no faster than one that fits, or holding more "
+                     "than the count before)")
     b = choice.best
     if b is None:
         lines.append("no setting fits: give the ranks more memory, or more ranks")

@@ -228,12 +228,45 @@ def offline_footprint(job, size, rank, everyone=None, restore=None):
     return _footprint_of(job, graphs, rank, everyone, restore)
 
 
-def offline_footprints(job, size, ranks, restore=None):
+def offline_footprints(job, size, ranks, restore=None, built=None):
     """({rank: footprint} of ``ranks`` of ``size`` (``offline_footprint``),
-    every rank's part of a save (``save_metas``) their save's bytes come from)."""
-    built = {r: _offline_graphs(job, size, r) for r in ranks}
-    everyone = save_metas(job, size, built)
-    return {r: _footprint_of(job, g, r, everyone, restore) for r, g in built.items()}, everyone
+    every rank's part of a save (``save_metas``) their save's bytes come from).
+    ``built``: a dict that takes each rank's (graphs, their memory plans:
+    ``runtime/footprint.workspace_plans``; None for a parameter server)
+    (``plan --choose`` predicts from them: ``predictable_graph``)."""
+    graphs = {r: _offline_graphs(job, size, r) for r in ranks}
+    everyone = save_metas(job, size, graphs)
+    plans = {}
+    fps = {r: _footprint_of(job, g, r, everyone, restore, plans) for r, g in graphs.items()}
+    if built is not None:
+        built.update({r: (g, plans.get(r)) for r, g in graphs.items()})
+    return fps, everyone
+
+
+def predictable_graph(job, size, graphs, plans):
+    """The training graph of ``graphs`` (a rank's ``_offline_graphs``, laid
+    out by ``plans``: its ``workspace_plans``) made the graph ``tools/graph.
+    compose_for`` composes for that rank, so the scaling predictor may read
+    it instead of composing it again (``plan --choose``): the control
+    edges the memory plans added (``MemoryPlan.edges``, each appended to
+    its op's ``control_inputs``) taken out again, in place: the footprint
+    is counted, and the graph is no longer the one they planned. None where
+    the two are built apart: a parameter-server rank (``compose_for_rank``),
+    a complete ``graph:`` (partitioned over the ranks there), a GPU job
+    (``compose_for`` places and fuses it without a device), a backend other
+    than MPI (NCCL rewrites the buckets). Otherwise both are the scheme's
+    composition of the same replica graph, laid out by the same micro-batch
+    memory plan (tests/test_choose.py compares them op by op, blob by blob)."""
+    if is_server(graphs) or plans is None or (size > 1 and job.parallel.servers) \
+            or job.graph is not None or job.device >= 0 \
+            or getattr(graphs, "device", -1) >= 0 \
+            or getattr(graphs, "comm_backend", None) not in (None, "mpi"):
+        return None
+    graph = graphs.graph
+    for plan in (plans.host, *(plans.devices or {}).values()):
+        for a, dst in (plan.edges if plan is not None else ()):
+            graph.ops[dst].control_inputs.remove(a)
+    return graph
 
 
 def _offline_graphs(job, size, rank):
@@ -262,12 +295,16 @@ def _server_mode_rank(job, world):
                              WorkerScheme(job, world), check_memory=False)
 
 
-def _footprint_of(job, graphs, rank, everyone, restore=None):
+def _footprint_of(job, graphs, rank, everyone, restore=None, plans=None):
+    """``plans``: a dict that takes the rank's memory plans (``workspace_plans``)."""
     from ..runtime.footprint import footprint, workspace_plans
     if is_server(graphs):
         fp = graphs.footprint()
     else:
-        fp = footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
+        laid = workspace_plans(graphs, job.memory_plan)
+        if plans is not None:
+            plans[rank] = laid
+        fp = footprint(graphs, laid, rank,
                        cuda_graph=job.cuda_graph, save=save_bytes(job, graphs, everyone),
                        held=held_bytes(job, graphs))
     set_load(fp, job, graphs, **(restore or {}))

@@ -104,12 +104,16 @@ class Template:
     """A composed rank graph, its dependencies, priorities and deferred
     tail: what does not change with the link."""
 
-    def __init__(self, job, scenario, rank):
+    def __init__(self, job, scenario, rank, graph=None):
+        """``graph``: the rank's composed graph (``compose_for``'s), when
+        the caller has it already (``plan --choose``: the memory plan's);
+        composed here otherwise. It is read, not changed."""
         from ..graph import compose_for
         from ...ops.catalog import make_kernel
         from ...runtime.scheduler import feeds_comm, ready_priority
         from ...runtime.tail import deferred_tail
-        graph = compose_for(job, scenario.n, rank)
+        if graph is None:
+            graph = compose_for(job, scenario.n, rank)
         self.graph, self.rank = graph, rank
         self.kernels = {n: make_kernel(op) for n, op in graph.ops.items()}
         self.deps = graph.dependencies()
