@@ -43,3 +43,30 @@ def test_bench_reports_the_elapsed_throughput_of_its_timed_iterations(monkeypatc
     assert res["images_per_s_elapsed"] == pytest.approx(want, rel=0.03), (res, want)
     assert res["iter_ms_mean"] == pytest.approx(elapsed / iters * 1000, rel=0.03)
     assert res["images_per_s"] > 1.2 * res["images_per_s_elapsed"]  # the median skips the sleep
+
+
+def test_bench_times_a_net_of_fewer_than_ten_classes(tmp_path):
+    """bench replaces the train data by synthetic data of its shapes; the
+    labels were drawn from 10 classes whatever the net, so a binary
+    classifier on HDF5 data was refused (exit 2: 'synthetic source has 10
+    classes but layer 'loss' sees 2'). Now the synthetic labels take the
+    fewest classes a loss or accuracy reading them predicts."""
+    import h5py
+    import numpy as np
+    from purine_mpi.tools.bench import run_bench, synthetic_config
+    path = tmp_path / "two.h5"
+    with h5py.File(path, "w") as f:
+        f["train/data"] = np.random.default_rng(0).random((64, 1, 4, 4), dtype=np.float32)
+        f["train/label"] = np.arange(64, dtype=np.int64) % 2
+    job = make_job({
+        "name": "two", "seed": 1,
+        "data": {"train": {"source": "hdf5", "path": str(path), "split": "train",
+                           "batch_size": 16}},
+        "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 2},
+                {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                 "top": "loss"}],
+        "solver": {"base_lr": 0.01, "max_iter": 10, "display": 0, "test_interval": 0},
+        "checkpoint": {"interval": 0}})
+    assert synthetic_config(job).data.train.classes == 2
+    res = run_bench(job, 2, 1)
+    assert res["images_per_s"] > 0 and res["batch_per_rank"] == 16

@@ -89,20 +89,28 @@ def check_data_labels(graph, job=None):
     With ``job``, token data with a vocabulary also needs an embedding and
     scores as large as it (``check_vocabulary``)."""
     from ..data.sources import check_labels
-    from ..ops.softmax import _axis
     if job is not None:
         check_vocabulary(graph, job)
+    for op, reader, classes in label_classes(graph):
+        check_labels(reader.attrs["source"], classes, op.attrs.get("ignore_label"),
+                     layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+
+
+def label_classes(graph):
+    """[(op, data op, C)] of the loss and accuracy ops of ``graph`` that read
+    their label straight from a data op, C the class count of their
+    predictions: its labels must lie in [0, C)."""
+    from ..ops.softmax import _axis
     producers = graph.producers()
+    out = []
     for op in graph.ops.values():
         if op.op_type not in ("SoftmaxLoss", "Accuracy") or len(op.inputs) < 2:
             continue
         readers = [p for p in producers.get(op.inputs[1], []) if p.op_type == "DataReader"]
         x = graph.blobs[op.inputs[0]]
-        if not readers or x.shape is None:
-            continue
-        classes = int(x.shape[_axis(op.attrs, len(x.shape))])
-        check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
-                     layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+        if readers and x.shape is not None:
+            out.append((op, readers[0], int(x.shape[_axis(op.attrs, len(x.shape))])))
+    return out
 
 
 def check_graphs(job):

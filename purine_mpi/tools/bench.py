@@ -58,10 +58,21 @@ def synthetic_config(job):
         except UserError as exc:
             raise UserError(f"bench needs the shapes of data.train: {exc}") from None
         spec = DataSpec(source="synthetic", batch_size=spec.batch_size, shuffle=False,
-                        shape=tuple(int(s) for s in sample_shape), classes=10,
+                        shape=tuple(int(s) for s in sample_shape), classes=_classes(job),
                         num_samples=max(n, spec.batch_size * 4))
     return job.replace(data=dataclasses.replace(job.data, train=spec, test=None,
                                                 order=("train",)))
+
+
+def _classes(job):
+    """The classes of the synthetic labels: the fewest any loss or accuracy
+    reading the data's labels predicts (10 where none does), so a net of
+    fewer than 10 (a binary classifier) takes them (it was refused, exit 2)."""
+    from ..job.replica import forward_graph, label_classes
+    if job.graph is not None:  # a graph: job's own ops
+        return 10
+    graph = forward_graph(job, "train", job.data.train.with_batch(job.micro_batch))
+    return min((c for _, _, c in label_classes(graph)), default=10)
 
 
 def comm_timeline(events):
