@@ -133,12 +133,20 @@ def test_a_complete_graph_s_solver_section_is_its_ops(tmp_path, digits_h5):
     assert lrs[-1][1] > 0
 
 
-def test_a_dumped_graph_trains_as_its_config(tmp_path, digits_h5):
+@pytest.mark.parametrize("extra", [{}, {"micro_batches": 2, "clip_gradients": 0.05}],
+                         ids=["plain", "micro_batches_clip"])
+def test_a_dumped_graph_trains_as_its_config(tmp_path, digits_h5, extra):
     """``graph --format yaml`` wrote the name, the solver and the graph but
     not the seed, which draws the initial weights: the printed graph trained
     from other weights than its config (seed 1: after 3 iterations fc/weight
-    up to 0.41 apart, relative L2 difference 1.39). Now the seed is written:
-    bitwise the same."""
+    up to 0.41 apart, relative L2 difference 1.39). With 2 micro-batches
+    its two data readers (rows [0, 8) and [8, 16) of the batch, shards 0
+    and 1 of 2) were both set to the replica's shard, so both read the
+    same 8 rows (fc/bias 0.35 off, relative L2); with clip_gradients the
+    graph's clip ops were made again ('blob clip.sumsq is defined twice',
+    exit 2). Now the seed is written, a reader keeps its shard within the
+    replica and a graph's own clip ops stand for clip_gradients: bitwise
+    the same."""
     import h5py
     import numpy as np
     import yaml
@@ -150,14 +158,17 @@ def test_a_dumped_graph_trains_as_its_config(tmp_path, digits_h5):
                    {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
                     "top": "loss"}],
            "solver": {"base_lr": 0.1, "momentum": 0.9, "max_iter": 3, "display": 1},
+           "parallel": {"micro_batches": extra.get("micro_batches", 1)},
            "checkpoint": {"interval": 0}}
+    if "clip_gradients" in extra:
+        cfg["solver"]["clip_gradients"] = extra["clip_gradients"]
     res = run_cli_here("graph", write_config_file(tmp_path, cfg, "net.yaml"), "--format", "yaml")
     assert res.returncode == 0, res.stderr
     dumped = yaml.safe_load(res.stdout)
     assert dumped["seed"] == 1
     weights = []
     for name, config in (("net", cfg), ("graph", dumped)):
-        out = train_here(config, tmp_path / name)
+        out = train_here(write_config_file(tmp_path, config, f"{name}.yaml"), tmp_path / name)
         with h5py.File(out / "latest.h5", "r") as f:
             weights.append({k: f["params/fc"][k][()] for k in ("weight", "bias")})
     for k in ("weight", "bias"):

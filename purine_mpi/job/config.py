@@ -310,7 +310,7 @@ def _graph_solver_rules(out, given, path):
     given = given if isinstance(given, dict) else {}
     solver = out["solver"]
 
-    def agree(key, value, i, e, why):
+    def agree(key, value, i, e, why, attr=None):
         have = solver.get(key)
         same = have == value or (_number(have) and _number(value)
                                  and float(have) == float(value))
@@ -320,11 +320,11 @@ def _graph_solver_rules(out, given, path):
             raise ConfigError(path, f"solver.{key}",
                               f"{have!r} (given, or by --set / --iters) is not the "
                               f"{key} {value!r} of the graph's {e.get('op_type')} op "
-                              f"'{e.get('name')}' (graph.{i}.attrs.{key}), which {why}: a "
-                              "complete graph runs its own lr and update ops, whatever the "
+                              f"'{e.get('name')}' (graph.{i}.attrs.{attr or key}), which "
+                              f"{why}: a complete graph runs its own solver ops, whatever the "
                               "solver section says; give both the same value (--set "
-                              f"graph.{i}.attrs.{key}=...), or write the graph again with "
-                              "graph --format yaml")
+                              f"graph.{i}.attrs.{attr or key}=...), or write the graph again "
+                              "with graph --format yaml")
 
     first_i, first = updates[0]
     kind = kinds[first["op_type"]]
@@ -333,6 +333,16 @@ def _graph_solver_rules(out, given, path):
     for key in UPDATE_KEYS[kind]:
         if key in attrs:
             agree(key, attrs[key], first_i, first, "the updates apply")
+    # a graph that clips its gradients already (graph --format yaml of a job
+    # with clip_gradients): clipping them again made its blobs twice ('blob
+    # clip.sumsq is defined twice'); the ops' threshold must be the one given
+    clips = [(i, e) for i, e in ops if e.get("op_type") == "ClipScale"]
+    if clips:
+        i, e = clips[0]
+        clip = (e.get("attrs") or {}).get("clip")
+        if "clip_gradients" in given and given["clip_gradients"] is not None:
+            agree("clip_gradients", clip, i, e, "clips the gradients", "clip")
+        solver["clip_gradients"] = None  # the graph's own ops clip
     for i, e in ops:
         if e.get("op_type") != "LearningRate":
             continue

@@ -404,7 +404,12 @@ def graph_from_seed(job, rank=0, world_size=1, exchanged=True):
     g = seed_yaml.load([entry.to_dict() for entry in job.graph], path, job.name)
     for op in g.ops.values():
         if op.op_type == "DataReader":
-            op.attrs["rank"], op.attrs["world_size"] = rank, world_size
+            # the reader's own shard within the replica (copy k of M of a job with
+            # parallel.micro_batches that graph --format yaml wrote: rank k of M),
+            # as the micro-batch composition numbers it: r·M + k of W·M. Set to the
+            # replica's alone, every copy read the same rows (and the run half the data)
+            own, of = int(op.attrs.get("rank", 0)), int(op.attrs.get("world_size", 1))
+            op.attrs["rank"], op.attrs["world_size"] = rank * of + own, world_size * of
     _count_labels_over_shards(g, job, world_size, exchanged)
     g.infer_shapes()
     limit_token_ids(g)
