@@ -261,11 +261,12 @@ def validate_config(config, path="<config>", check_files=True):
         elif name in SECTION_KEYS:
             out[name] = check_section(name, value, SECTION_KEYS[name], path)
             _SECTION_RULES.get(name, lambda *a: None)(out, config.get(name), path)
+            if name == "solver":  # before the parallel rules read it (clip_gradients)
+                _graph_solver_rules(out, config.get("solver"), path)
         else:
             out[name] = key.check(name, value, path)
     _recompute_rules(out, path)
     _precision_rules(out, config, path)
-    _graph_solver_rules(out, config.get("solver"), path)
     net_keys = out.pop("_net_keys", None)
     out["_path"] = path
     if net_keys:
@@ -333,16 +334,15 @@ def _graph_solver_rules(out, given, path):
     for key in UPDATE_KEYS[kind]:
         if key in attrs:
             agree(key, attrs[key], first_i, first, "the updates apply")
-    # a graph that clips its gradients already (graph --format yaml of a job
-    # with clip_gradients): clipping them again made its blobs twice ('blob
-    # clip.sumsq is defined twice'); the ops' threshold must be the one given
+    # a graph that clips its gradients (graph --format yaml of a job with
+    # clip_gradients): its clip ops are its solver.clip_gradients, which the
+    # composition applies after the gradients' reduction, as a net's
+    # (replica.graph_from_seed takes them out: graph/clip.remove_clip)
     clips = [(i, e) for i, e in ops if e.get("op_type") == "ClipScale"]
     if clips:
         i, e = clips[0]
-        clip = (e.get("attrs") or {}).get("clip")
-        if "clip_gradients" in given and given["clip_gradients"] is not None:
-            agree("clip_gradients", clip, i, e, "clips the gradients", "clip")
-        solver["clip_gradients"] = None  # the graph's own ops clip
+        agree("clip_gradients", (e.get("attrs") or {}).get("clip"), i, e,
+              "clips the gradients", "clip")
     for i, e in ops:
         if e.get("op_type") != "LearningRate":
             continue

@@ -414,6 +414,11 @@ def graph_from_seed(job, rank=0, world_size=1, exchanged=True):
     g.infer_shapes()
     limit_token_ids(g)
     if any(op.op_type in UPDATE_OP_TYPES for op in g.ops.values()):
+        # its own clip ops go: the composition clips as the config says
+        # (solver.clip_gradients, their threshold: job/config.py), after the
+        # gradients' reduction
+        from ..graph.clip import remove_clip
+        remove_clip(g)
         grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values()
                  if op.op_type in UPDATE_OP_TYPES}
         g.validate()
