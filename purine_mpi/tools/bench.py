@@ -46,6 +46,8 @@ def synthetic_config(job):
     """The job with its train data replaced by synthetic data of the same
     shapes, and no test data."""
     spec = job.data.train
+    if spec is None:  # a graph: config: its own data ops (the file they name is read)
+        return job
     if spec.source == "text":  # token ids, not random floats: the (small) file is read
         return job.replace(data=dataclasses.replace(job.data, test=None, order=("train",)))
     if spec.source != "synthetic":
@@ -188,7 +190,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     post_latency = {n: round(float(v), 4) for n, v in zip(names, worst)}
     med = world_mean(world, statistics.median(times))
     mean = world_mean(world, float(np.mean(times)))
+    from ..train.progress import global_batch
     batch = job.train_batch
+    samples = global_batch(trainer)  # a graph: config's from its data ops
     comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
     compute_ms = sum(e["dur"] for e in events
                      if e["cat"] not in ("comm", "staging", "rma")) / 1000.0 / iters
@@ -201,14 +205,14 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "config": job.name,
         "world_size": gworld.size,
         "iters": iters,
-        "batch_per_rank": batch,
+        "batch_per_rank": batch if batch is not None else samples // max(1, replicas),
         # the samples of one iteration over every data replica: a pipeline's
         # or a tensor-parallel group's ranks share theirs (job.global_batch)
-        "images_per_s": round(job.global_batch(replicas) / med, 2),
+        "images_per_s": round(samples / med, 2),
         # the closed form over the wall clock: iterations x samples / elapsed
         # (the timed iterations back to back), which slow iterations lower
         # and the median above ignores
-        "images_per_s_elapsed": round(job.global_batch(replicas) / mean, 2),
+        "images_per_s_elapsed": round(samples / mean, 2),
         "iter_ms_median": round(med * 1000, 3),
         "iter_ms_mean": round(mean * 1000, 3),
         "compute_ms_per_iter": round(compute_ms, 3),
@@ -246,7 +250,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "mode": job.parallel.mode if servers is not None else None,
         **moved,
     }
-    if job.data.train.source == "text":  # a sample is a sequence of tokens
+    if job.data.train is not None and job.data.train.source == "text":  # tokens
         result["tokens_per_s"] = round(result["images_per_s"]
                                        * job.data.train.sequence_length, 2)
         result["tokens_per_s_elapsed"] = round(result["images_per_s_elapsed"]
@@ -319,8 +323,10 @@ def throughput_flops(job, result, gpu_graph=None, places=None):
     # recompute: model FLOPs count the forward once (PaLM's MFU; a recomputed
     # forward is hardware work, and would raise the MFU of the same model)
     graph, _ = build_train_graph(job.replace(recompute="none", recompute_layers=None))
-    micro = job.train_batch // max(1, job.parallel.micro_batches)
-    per_sample = graph_flops(graph) / micro
+    # the samples its data ops read: one micro-batch's (B/M), a graph: config's own
+    per_sample = graph_flops(graph) / sum(int(op.attrs.get("batch_size", 0))
+                                          for op in graph.ops.values()
+                                          if op.op_type == "DataReader")
     device, precision = None, "fp32"
     if gpu_graph is not None:
         from ..gpu.cudnn_tune import device_name

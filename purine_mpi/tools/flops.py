@@ -39,10 +39,15 @@ from ..graph.flops import QKV_INPUT, _size, op_flops  # noqa: F401 (re-exported)
 
 def graph_flops(graph):
     """The counted FLOPs of one run of ``graph`` (a training graph: forward,
-    backward; every micro-batch copy)."""
+    backward; every micro-batch copy), the forward once: an activation
+    recompute's copy of a forward op (``<op>@recompute``, graph/recompute.py;
+    a ``graph:`` config written with recompute holds them) is hardware work,
+    not model FLOPs."""
+    from ..graph.recompute import SUFFIX
+
     def shape(b):
         return graph.blobs[b].shape
-    return sum(op_flops(op, shape) for op in graph.ops.values())
+    return sum(op_flops(op, shape) for op in graph.ops.values() if SUFFIX not in op.name)
 
 
 def gpt_closed_form(n_params, layers, width, seq):
