@@ -166,6 +166,9 @@ def test_a_dumped_graph_trains_as_its_config(tmp_path, digits_h5, extra):
     assert res.returncode == 0, res.stderr
     dumped = yaml.safe_load(res.stdout)
     assert dumped["seed"] == 1
+    # plan's header names the batch its data ops read (it said 'batch None per rank')
+    res = run_cli_here("plan", write_config_file(tmp_path, dumped, "g.yaml"))
+    assert res.returncode == 0 and ", batch 16 per rank;" in res.stdout, res.stdout + res.stderr
     weights = []
     for name, config in (("net", cfg), ("graph", dumped)):
         out = train_here(write_config_file(tmp_path, config, f"{name}.yaml"), tmp_path / name)
