@@ -312,6 +312,8 @@ def _graph_solver_rules(out, given, path):
     solver = out["solver"]
 
     def agree(key, value, i, e, why, attr=None):
+        if key not in solver:  # an op's attr the config has no key for
+            return
         have = solver.get(key)
         same = have == value or (_number(have) and _number(value)
                                  and float(have) == float(value))
