@@ -199,10 +199,28 @@ def test_solver_fields():
     assert config["solver"] == {"type": "sgd", "base_lr": 0.05, "lr_policy": "step",
                                 "momentum": 0.9, "weight_decay": 0.0005, "max_iter": 900,
                                 "display": 100, "test_interval": 300, "gamma": 0.1,
-                                "stepsize": 600, "test_iter": 6}
+                                "stepsize": 600, "test_iter": 6, "test_initialization": True}
     assert config["checkpoint"] == {"interval": 300, "folder": os.path.abspath("lenet")}
     assert config["seed"] == 1 and any("snapshot_prefix 'lenet'" in n for n in notes)
     assert any("'solver_mode' (line 16) is ignored" in n for n in notes)
+    # Caffe tests at iteration 0 unless test_initialization: false (the converter
+    # said "'test_initialization' is ignored: no equivalent", and the converted
+    # job tested first at iteration 300)
+    assert not any("test_initialization" in n for n in notes)
+
+
+def test_test_initialization_converts_to_the_key(tmp_path):
+    with open(fixture("lenet_solver.prototxt")) as f:
+        text = f.read()
+    for line, want in (("test_initialization: false", False), ("test_initialization: true", True),
+                       ("test_interval: 0", None)):
+        path = tmp_path / "solver.prototxt"
+        path.write_text(text.replace("test_interval: 300", "test_interval: 0")
+                        if line == "test_interval: 0" else text + "\n" + line + "\n")
+        config, notes = convert(fixture("lenet_digits.prototxt"), str(path),
+                                data_path="/nonexistent/digits.h5")
+        assert config["solver"].get("test_initialization") is want, (line, config["solver"])
+        assert not any("test_initialization" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("ignore", [False, True])

@@ -96,6 +96,12 @@ def test_cpu_peak_names_its_figures(tmp_path):
     assert device_peak("NVIDIA H200", "tf32")[0] == 495e12
     assert device_peak("NVIDIA H100 80GB HBM3", "fp32")[0] == 67e12
     assert device_peak("Tesla V100", "fp32")[0] is None
+    # a PCIe or NVL card of those names has lower peaks than the SXM ones (an
+    # H100 PCIe 756 TFLOP/s dense bf16): none is claimed, rather than the
+    # SXM's 989 (before: 989e12, an MFU about a third too low)
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL"):
+        peak, words = device_peak(name, "bf16")
+        assert peak is None and "mfu is null" in words, (name, peak)
 
 
 def test_bench_json_fields_are_consistent(text_h5, tmp_path):

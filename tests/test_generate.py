@@ -198,6 +198,29 @@ def test_nan_weights_exit_3_naming_the_blob(trained, tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
 
 
+@pytest.mark.parametrize("extra", [["--temperature", "0"], []], ids=["greedy", "sampled"])
+def test_non_finite_scores_of_finite_weights_exit_3(trained, tmp_path, extra):
+    """Finite weights whose forward pass overflows (ln_f's scale 3e38, the
+    float32 largest's order: the logits are -inf and NaN): greedy decoding
+    took the first NaN's id (np.argmax) and printed it, exit 0; sampling
+    stopped with a traceback (NumPy's 'Probabilities contain NaN'). Now
+    exit 3 in one line saying the scores are not finite; no token is
+    drawn from them."""
+    import h5py
+    config, run, _ = trained
+    bad = tmp_path / "overflow.h5"
+    shutil.copy(os.path.join(run, "latest.h5"), bad)
+    with h5py.File(bad, "r+") as f:
+        weight = f["params/ln_f/weight"]
+        weight[...] = np.where(weight[...] < 0, -3e38, 3e38).astype(np.float32)
+    res = run_cli_args("generate", config, "--weights", bad, "--prompt", "def ", "--tokens", "3",
+                       "--no-prompt", *extra)
+    assert res.returncode == 3, (res.returncode, res.stdout, res.stderr)
+    assert "scores of the token after the prompt and 0 drawn token(s) are not finite" \
+        in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout.strip() == ""
+
+
 def test_a_prompt_that_is_not_utf8_exits_2(trained):
     config, run, _ = trained
     prompt = os.fsdecode(b"\xff abc")  # as Python gives a non-UTF-8 argument

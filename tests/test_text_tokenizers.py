@@ -318,3 +318,53 @@ def test_dropped_characters_is_the_per_character_reference():
         offsets = [tuple(sorted((rng.randint(0, n), rng.randint(0, n))))
                    for _ in range(rng.randint(0, 8))]
         assert dropped_characters(text, offsets) == reference(text, offsets), (text, offsets)
+
+
+def test_a_tokenizer_json_s_truncation_and_padding_are_not_applied(tmp_path):
+    """A tokenizer.json may carry truncation and padding (a model's
+    tokenizer saved for its fixed-length inputs). ``data text`` applied
+    them: truncation cut each file to ``max_length`` tokens (here 10 tokens
+    short of the file: 0.2% of the text, so only a note, calling the cut
+    characters ones "no token covers"), padding put pad ids into the
+    stream (6,650 tokens of text became 20,000), and the stored JSON
+    carried them into every checkpoint, so ``generate`` padded its prompt
+    (9 characters, 20,000 tokens: the context it continued was pads). Now
+    the stream is the library's encoding of the whole text, a note says
+    what was not applied, and the stored JSON has neither."""
+    import json
+
+    from tokenizers import Tokenizer
+    from purine_mpi.data.tokenizer import Vocabulary, train_bpe
+    text = "".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(400))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(text)
+    tok = train_bpe([text], 300)
+    plain = tok.encode(text, add_special_tokens=False).ids
+    assert len(plain) == 6650  # the whole text's tokens, the reference
+    tok.enable_truncation(max_length=len(plain) - 10)
+    tok.save(str(tmp_path / "cut.json"))
+    tok.no_truncation()
+    tok.enable_padding(length=20000, pad_id=0, pad_token="!")
+    tok.save(str(tmp_path / "pad.json"))
+    said = {"cut": f"asks for truncation to {len(plain) - 10} tokens; not applied",
+            "pad": "asks for padding with '!' (id 0) to 20000 tokens; not applied"}
+    import h5py
+    for name, words in said.items():
+        out = tmp_path / f"{name}.h5"
+        res = run_cli_here("data", "text", "--from", src, "--tokenizer",
+                           tmp_path / f"{name}.json", "--out", out)
+        assert res.returncode == 0, res.stderr
+        assert words in res.stderr and "drops" not in res.stderr, res.stderr
+        with h5py.File(out, "r") as f:
+            stream = np.concatenate([f["train/tokens"][...], f["val/tokens"][...]])
+            stored = f["tokenizer"][()].decode()
+            assert f.attrs["dropped_characters"] == 0
+        assert stream.tolist() == plain, f"{name}: {len(stream)} tokens, the text has {len(plain)}"
+        spec = json.loads(stored)
+        assert spec["truncation"] is None and spec["padding"] is None
+        assert Tokenizer.from_str(stored).encode(text).ids == plain
+    # a checkpoint written before the fix holds the padding: generate's prompt is not padded
+    vocab = Vocabulary((tmp_path / "pad.json").read_text())
+    tok.no_padding()
+    assert vocab.encode("def f(x):") == tok.encode("def f(x):").ids  # 5 ids, not 20,000

@@ -160,7 +160,11 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
     vocab = None
     if tokenizer is not None:  # before the text is read: a bad file fails at once
         from .tokenizer import from_file
-        vocab = from_file(tokenizer)
+        vocab, off = from_file(tokenizer)
+        if off and log:  # the stream is the whole text, as the stored JSON now says
+            log(f"note: --tokenizer {tokenizer} asks for {' and '.join(off)}; not applied: "
+                "each file is encoded whole, without pad tokens (the file keeps the "
+                "tokenizer without them)")
     parts = read_text(files)
     n_bytes = sum(len(p) for p in parts)
     if bpe_vocab is not None:

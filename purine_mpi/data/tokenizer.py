@@ -3,7 +3,8 @@ docs/transformers.md, "Tokenizers"), through Hugging Face's ``tokenizers``
 library, an optional extra (``pip install 'purine_mpi[text]'``), imported
 only when a vocabulary is asked for:
 
-    from_file(path)            a tokenizer.json the user has (e.g. GPT-2's)
+    from_file(path)            a tokenizer.json the user has (e.g. GPT-2's), with
+                               its truncation and padding turned off
     train_bpe(texts, n)        a byte-level BPE of n tokens trained on texts
     Vocabulary(json_text)      encode, decode, and decode a stream of ids
 
@@ -53,11 +54,35 @@ def from_file(path):
         raise UserError(f"data text: --tokenizer {path} not found (expected a tokenizer.json "
                         "saved by Hugging Face tokenizers)")
     try:
-        return tk.Tokenizer.from_file(str(path))
+        tokenizer = tk.Tokenizer.from_file(str(path))
     except Exception as e:  # the library's own parse errors (a Rust Exception)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"data text: --tokenizer {path} is not a Hugging Face tokenizer.json "
                         f"({first})") from None
+    return tokenizer, whole_text(tokenizer)
+
+
+def whole_text(tokenizer):
+    """Turn off the truncation and padding a tokenizer.json may carry
+    (``Tokenizer.enable_truncation`` / ``enable_padding``, saved with it by
+    a model's tokenizer for its fixed-length inputs): a token stream is the
+    whole text, each id a token of it. Kept, truncation cut every file (and
+    a prompt) to ``max_length`` tokens, the rest counted as characters "no
+    token covers", and padding put pad ids into the stream (a 9-character
+    prompt became 20,000 tokens). Returns the words naming what was turned
+    off (empty: nothing was on)."""
+    off = []
+    cut = tokenizer.truncation
+    if cut is not None:
+        off.append(f"truncation to {cut.get('max_length')} tokens")
+        tokenizer.no_truncation()
+    pad = tokenizer.padding
+    if pad is not None:
+        length = pad.get("length")
+        off.append(f"padding with {pad.get('pad_token')!r} (id {pad.get('pad_id')}) to "
+                   + (f"{length} tokens" if length else "the longest input"))
+        tokenizer.no_padding()
+    return off
 
 
 def train_bpe(texts, vocab_size):
@@ -170,6 +195,7 @@ class Vocabulary:
         tk = tokenizers_module(what)
         self.json = json_text
         self.tokenizer = tk.Tokenizer.from_str(json_text)
+        whole_text(self.tokenizer)  # a file written before data text turned them off
         self.size = vocab_size_of(self.tokenizer)
 
     def encode(self, text, what="--prompt"):

@@ -81,3 +81,36 @@ def add_clip(graph, clip, group=None, seq=None, thread=0):
 def _next_seq(graph):
     seqs = [int(op.attrs["seq"]) for op in graph.ops.values() if "seq" in op.attrs]
     return max(seqs) + 1 if seqs else 0
+
+
+#: the blobs ``add_clip`` makes for the norm
+NORM_BLOBS = ("clip.sumsq", "clip.partial", "clip.sumsq.all")
+
+
+def remove_clip(graph):
+    """Undo ``add_clip`` in place on a graph that carries its clip ops (a
+    ``graph:`` config that ``graph --format yaml`` wrote of a job with
+    ``solver.clip_gradients``): the updates read the gradients again, and
+    the clip ops and their blobs go. Returns the threshold they clipped to
+    (None: the graph clips nothing), which the job's composition clips to
+    again, after the gradients' reduction, as a net's. Kept, they clipped
+    each rank's own gradients before the reduction on several ranks, and
+    a second clip made their blobs twice."""
+    clips = [op for op in graph.ops.values() if op.op_type in CLIP_OPS[1:]]
+    if not clips:
+        return None
+    clip = float(clips[0].attrs["clip"])
+    back = {}
+    for op in clips:
+        back.update(zip(op.outputs, op.inputs[:len(op.outputs)]))
+    gone = {op.name for op in clips} | {
+        op.name for op in graph.ops.values()
+        if op.outputs and set(op.outputs) <= set(NORM_BLOBS)}
+    for name in gone:
+        graph.remove_op(name)
+    for blob in list(back) + [b for b in NORM_BLOBS if b in graph.blobs]:
+        del graph.blobs[blob]
+    for op in graph.ops.values():
+        op.inputs = [back.get(b, b) for b in op.inputs]
+        op.control_inputs = [c for c in op.control_inputs if c not in gone]
+    return clip

@@ -11,6 +11,8 @@
     snapshot_prefix P  checkpoint.folder P (absolute, resolved against the
                        working directory as Caffe does)
     random_seed S      the config's seed
+    test_initialization  solver.test_initialization (Caffe's default true: a
+                       test pass at iteration 0 where test_interval is set)
     type / solver_type SGD, Nesterov, AdaGrad, RMSProp, AdaDelta, Adam
 """
 import os
@@ -76,8 +78,10 @@ def convert_solver(msg, path, notes):
         notes.append(f"solver: snapshot_prefix {msg.get('snapshot_prefix')!r} -> "
                      f"checkpoint.folder {folder} (resolved against the working directory, as "
                      "Caffe does): runs without --out go to its numbered subfolders")
+    if solver["test_interval"]:  # Caffe tests at iteration 0 too unless told not to
+        solver["test_initialization"] = bool(msg.get("test_initialization", True))
     for field in ("solver_mode", "device_id", "net", "train_net", "test_net",
-                  "test_initialization", "average_loss", "debug_info", "snapshot_format",
+                  "average_loss", "debug_info", "snapshot_format",
                   "snapshot_diff", "snapshot_after_train"):
         if msg.has(field):
             what = {"solver_mode": "the device is chosen by the config's 'device' key",

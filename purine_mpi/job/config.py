@@ -261,6 +261,8 @@ def validate_config(config, path="<config>", check_files=True):
         elif name in SECTION_KEYS:
             out[name] = check_section(name, value, SECTION_KEYS[name], path)
             _SECTION_RULES.get(name, lambda *a: None)(out, config.get(name), path)
+            if name == "solver":  # before the parallel rules read it (clip_gradients)
+                _graph_solver_rules(out, config.get("solver"), path)
         else:
             out[name] = key.check(name, value, path)
     _recompute_rules(out, path)
@@ -275,6 +277,89 @@ def validate_config(config, path="<config>", check_files=True):
         out["parallel"]["stages"] = flop_stages(out)
         _check_pipeline(out, path)
     return out
+
+
+#: the LearningRate attrs each lr_policy reads (ops/lr_policy.learning_rate), with warm-up's
+_POLICY_KEYS = {"fixed": (), "step": ("gamma", "stepsize"), "multistep": ("gamma", "stepvalues"),
+                "exp": ("gamma",), "inv": ("gamma", "power"), "sigmoid": ("gamma", "stepsize"),
+                "poly": ("max_iter", "power"), "cosine": ("max_iter", "min_lr")}
+#: the defaults learning_rate takes for an attr a LearningRate op leaves out
+_LR_DEFAULTS = {"lr_policy": "fixed", "min_lr": 0.0, "warmup_iters": 0,
+                "warmup_start_factor": 0.0}
+
+
+def _graph_solver_rules(out, given, path):
+    """A complete ``graph:`` (its own update ops, as ``graph --format yaml``
+    writes it) runs its own LearningRate and update ops, whatever the
+    solver section says: ``--iters 20`` left a cosine op's ``max_iter: 10``
+    (the rate 0 from iteration 10 on), ``--set solver.base_lr=0.5`` and the
+    start-up block said 0.5 while the op trained at its own. So a solver
+    key the config gives (the file, ``--set``, ``--iters``) that an op reads
+    must equal the op's attr (a ConfigError naming both, and the op's key to
+    set), and a key it does not give is the op's (the start-up block, the
+    rows and the saved config say what runs)."""
+    graph = out.get("graph")
+    if not graph:
+        return
+    from ..graph.solver_graph import UPDATE_KEYS
+    from ..ops.updates import SOLVER_UPDATES
+    kinds = {op_type: kind for kind, (op_type, _) in SOLVER_UPDATES.items()}
+    ops = [(i, e) for i, e in enumerate(graph) if isinstance(e, dict) and e.get("type") == "op"]
+    updates = [(i, e) for i, e in ops if e.get("op_type") in kinds]
+    if not updates:  # a forward-only graph: the solver section makes its solver ops
+        return
+    given = given if isinstance(given, dict) else {}
+    solver = out["solver"]
+
+    def agree(key, value, i, e, why, attr=None):
+        if key not in solver:  # an op's attr the config has no key for
+            return
+        have = solver.get(key)
+        same = have == value or (_number(have) and _number(value)
+                                 and float(have) == float(value))
+        if key not in given:
+            solver[key] = value
+        elif not same:
+            raise ConfigError(path, f"solver.{key}",
+                              f"{have!r} (given, or by --set / --iters) is not the "
+                              f"{key} {value!r} of the graph's {e.get('op_type')} op "
+                              f"'{e.get('name')}' (graph.{i}.attrs.{attr or key}), which "
+                              f"{why}: a complete graph runs its own solver ops, whatever the "
+                              "solver section says; give both the same value (--set "
+                              f"graph.{i}.attrs.{attr or key}=...), or write the graph again "
+                              "with graph --format yaml")
+
+    first_i, first = updates[0]
+    kind = kinds[first["op_type"]]
+    agree("type", kind, first_i, first, "makes every update")
+    attrs = first.get("attrs") or {}
+    for key in UPDATE_KEYS[kind]:
+        if key in attrs:
+            agree(key, attrs[key], first_i, first, "the updates apply")
+    # a graph that clips its gradients (graph --format yaml of a job with
+    # clip_gradients): its clip ops are its solver.clip_gradients, which the
+    # composition applies after the gradients' reduction, as a net's
+    # (replica.graph_from_seed takes them out: graph/clip.remove_clip)
+    clips = [(i, e) for i, e in ops if e.get("op_type") == "ClipScale"]
+    if clips:
+        i, e = clips[0]
+        agree("clip_gradients", (e.get("attrs") or {}).get("clip"), i, e,
+              "clips the gradients", "clip")
+    for i, e in ops:
+        if e.get("op_type") != "LearningRate":
+            continue
+        attrs = dict(_LR_DEFAULTS, **(e.get("attrs") or {}))
+        policy = attrs["lr_policy"]
+        keys = ("base_lr", "lr_policy", "warmup_iters") + _POLICY_KEYS.get(policy, ()) + \
+            (("warmup_start_factor",) if _number(attrs["warmup_iters"])
+             and attrs["warmup_iters"] > 0 else ())
+        for key in keys:
+            if key in attrs:
+                agree(key, attrs[key], i, e, f"gives the rate ({policy} policy)")
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _recompute_rules(out, path):

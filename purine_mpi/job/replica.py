@@ -89,20 +89,28 @@ def check_data_labels(graph, job=None):
     With ``job``, token data with a vocabulary also needs an embedding and
     scores as large as it (``check_vocabulary``)."""
     from ..data.sources import check_labels
-    from ..ops.softmax import _axis
     if job is not None:
         check_vocabulary(graph, job)
+    for op, reader, classes in label_classes(graph):
+        check_labels(reader.attrs["source"], classes, op.attrs.get("ignore_label"),
+                     layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+
+
+def label_classes(graph):
+    """[(op, data op, C)] of the loss and accuracy ops of ``graph`` that read
+    their label straight from a data op, C the class count of their
+    predictions: its labels must lie in [0, C)."""
+    from ..ops.softmax import _axis
     producers = graph.producers()
+    out = []
     for op in graph.ops.values():
         if op.op_type not in ("SoftmaxLoss", "Accuracy") or len(op.inputs) < 2:
             continue
         readers = [p for p in producers.get(op.inputs[1], []) if p.op_type == "DataReader"]
         x = graph.blobs[op.inputs[0]]
-        if not readers or x.shape is None:
-            continue
-        classes = int(x.shape[_axis(op.attrs, len(x.shape))])
-        check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
-                     layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+        if readers and x.shape is not None:
+            out.append((op, readers[0], int(x.shape[_axis(op.attrs, len(x.shape))])))
+    return out
 
 
 def check_graphs(job):
@@ -396,11 +404,21 @@ def graph_from_seed(job, rank=0, world_size=1, exchanged=True):
     g = seed_yaml.load([entry.to_dict() for entry in job.graph], path, job.name)
     for op in g.ops.values():
         if op.op_type == "DataReader":
-            op.attrs["rank"], op.attrs["world_size"] = rank, world_size
+            # the reader's own shard within the replica (copy k of M of a job with
+            # parallel.micro_batches that graph --format yaml wrote: rank k of M),
+            # as the micro-batch composition numbers it: r·M + k of W·M. Set to the
+            # replica's alone, every copy read the same rows (and the run half the data)
+            own, of = int(op.attrs.get("rank", 0)), int(op.attrs.get("world_size", 1))
+            op.attrs["rank"], op.attrs["world_size"] = rank * of + own, world_size * of
     _count_labels_over_shards(g, job, world_size, exchanged)
     g.infer_shapes()
     limit_token_ids(g)
     if any(op.op_type in UPDATE_OP_TYPES for op in g.ops.values()):
+        # its own clip ops go: the composition clips as the config says
+        # (solver.clip_gradients, their threshold: job/config.py), after the
+        # gradients' reduction
+        from ..graph.clip import remove_clip
+        remove_clip(g)
         grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values()
                  if op.op_type in UPDATE_OP_TYPES}
         g.validate()

@@ -46,6 +46,8 @@ def synthetic_config(job):
     """The job with its train data replaced by synthetic data of the same
     shapes, and no test data."""
     spec = job.data.train
+    if spec is None:  # a graph: config: its own data ops (the file they name is read)
+        return job
     if spec.source == "text":  # token ids, not random floats: the (small) file is read
         return job.replace(data=dataclasses.replace(job.data, test=None, order=("train",)))
     if spec.source != "synthetic":
@@ -58,10 +60,21 @@ def synthetic_config(job):
         except UserError as exc:
             raise UserError(f"bench needs the shapes of data.train: {exc}") from None
         spec = DataSpec(source="synthetic", batch_size=spec.batch_size, shuffle=False,
-                        shape=tuple(int(s) for s in sample_shape), classes=10,
+                        shape=tuple(int(s) for s in sample_shape), classes=_classes(job),
                         num_samples=max(n, spec.batch_size * 4))
     return job.replace(data=dataclasses.replace(job.data, train=spec, test=None,
                                                 order=("train",)))
+
+
+def _classes(job):
+    """The classes of the synthetic labels: the fewest any loss or accuracy
+    reading the data's labels predicts (10 where none does), so a net of
+    fewer than 10 (a binary classifier) takes them (it was refused, exit 2)."""
+    from ..job.replica import forward_graph, label_classes
+    if job.graph is not None:  # a graph: job's own ops
+        return 10
+    graph = forward_graph(job, "train", job.data.train.with_batch(job.micro_batch))
+    return min((c for _, _, c in label_classes(graph)), default=10)
 
 
 def comm_timeline(events):
@@ -177,7 +190,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     post_latency = {n: round(float(v), 4) for n, v in zip(names, worst)}
     med = world_mean(world, statistics.median(times))
     mean = world_mean(world, float(np.mean(times)))
+    from ..train.progress import global_batch
     batch = job.train_batch
+    samples = global_batch(trainer)  # a graph: config's from its data ops
     comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
     compute_ms = sum(e["dur"] for e in events
                      if e["cat"] not in ("comm", "staging", "rma")) / 1000.0 / iters
@@ -190,14 +205,14 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "config": job.name,
         "world_size": gworld.size,
         "iters": iters,
-        "batch_per_rank": batch,
+        "batch_per_rank": batch if batch is not None else samples // max(1, replicas),
         # the samples of one iteration over every data replica: a pipeline's
         # or a tensor-parallel group's ranks share theirs (job.global_batch)
-        "images_per_s": round(job.global_batch(replicas) / med, 2),
+        "images_per_s": round(samples / med, 2),
         # the closed form over the wall clock: iterations x samples / elapsed
         # (the timed iterations back to back), which slow iterations lower
         # and the median above ignores
-        "images_per_s_elapsed": round(job.global_batch(replicas) / mean, 2),
+        "images_per_s_elapsed": round(samples / mean, 2),
         "iter_ms_median": round(med * 1000, 3),
         "iter_ms_mean": round(mean * 1000, 3),
         "compute_ms_per_iter": round(compute_ms, 3),
@@ -235,7 +250,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "mode": job.parallel.mode if servers is not None else None,
         **moved,
     }
-    if job.data.train.source == "text":  # a sample is a sequence of tokens
+    if job.data.train is not None and job.data.train.source == "text":  # tokens
         result["tokens_per_s"] = round(result["images_per_s"]
                                        * job.data.train.sequence_length, 2)
         result["tokens_per_s_elapsed"] = round(result["images_per_s_elapsed"]
@@ -308,8 +323,10 @@ def throughput_flops(job, result, gpu_graph=None, places=None):
     # recompute: model FLOPs count the forward once (PaLM's MFU; a recomputed
     # forward is hardware work, and would raise the MFU of the same model)
     graph, _ = build_train_graph(job.replace(recompute="none", recompute_layers=None))
-    micro = job.train_batch // max(1, job.parallel.micro_batches)
-    per_sample = graph_flops(graph) / micro
+    # the samples its data ops read: one micro-batch's (B/M), a graph: config's own
+    per_sample = graph_flops(graph) / sum(int(op.attrs.get("batch_size", 0))
+                                          for op in graph.ops.values()
+                                          if op.op_type == "DataReader")
     device, precision = None, "fp32"
     if gpu_graph is not None:
         from ..gpu.cudnn_tune import device_name

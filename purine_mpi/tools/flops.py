@@ -28,6 +28,10 @@ import socket
 #: datasheets, without sparsity): bf16 and fp16, TF32 tensor cores and plain fp32
 GPU_PEAKS = {"H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12},
              "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12}}
+#: the cards of those names whose peaks are lower than the SXM figures above
+#: (an "NVIDIA H100 PCIe": 756 TFLOP/s dense bf16, not 989): no peak is known
+#: for them, rather than the SXM one (an MFU about a third too low)
+OTHER_FORMS = ("PCIE", "NVL")
 
 
 from ..graph.flops import QKV_INPUT, _size, op_flops  # noqa: F401 (re-exported)
@@ -35,10 +39,15 @@ from ..graph.flops import QKV_INPUT, _size, op_flops  # noqa: F401 (re-exported)
 
 def graph_flops(graph):
     """The counted FLOPs of one run of ``graph`` (a training graph: forward,
-    backward; every micro-batch copy)."""
+    backward; every micro-batch copy), the forward once: an activation
+    recompute's copy of a forward op (``<op>@recompute``, graph/recompute.py;
+    a ``graph:`` config written with recompute holds them) is hardware work,
+    not model FLOPs."""
+    from ..graph.recompute import SUFFIX
+
     def shape(b):
         return graph.blobs[b].shape
-    return sum(op_flops(op, shape) for op in graph.ops.values())
+    return sum(op_flops(op, shape) for op in graph.ops.values() if SUFFIX not in op.name)
 
 
 def gpt_closed_form(n_params, layers, width, seq):
@@ -66,6 +75,11 @@ def device_peak(device_name=None, precision="fp32", cpuinfo="/proc/cpuinfo", cor
     from)``: a known GPU's datasheet figure for ``precision``, or, without a
     GPU (``device_name`` None), this host's cores' fp32 FMA peak."""
     if device_name is not None:
+        form = next((f for f in OTHER_FORMS if f in device_name.upper()), None)
+        if form is not None:
+            return None, (f"{device_name}: no dense {precision} peak is known for this GPU "
+                          f"(known: the SXM forms of {', '.join(GPU_PEAKS)}; a {form} card's "
+                          "peak is lower); mfu is null")
         for key, peaks in GPU_PEAKS.items():
             if key in device_name and precision in peaks:
                 return peaks[precision], (f"{device_name}: {peaks[precision] / 1e12:g} TFLOP/s "

@@ -9,7 +9,9 @@ byte values), and a run on subword tokens (``data text --tokenizer`` or
 ``--bpe-vocab``) kept its vocabulary's JSON in the checkpoint
 (``/tokenizer``, data/tokenizer.py), so the training data file is never
 needed. A weights file without one is byte-level. Non-finite weights exit
-3 naming the blob (as ``test`` and ``--init``); ``device: D >= 0`` runs on
+3 naming the blob (as ``test`` and ``--init``), and so do scores that are
+not finite (finite weights whose forward pass overflows: no token is drawn
+from a NaN); ``device: D >= 0`` runs on
 that GPU, and is refused (exit 2) where there is none, as ``train`` refuses
 it.
 
@@ -177,9 +179,22 @@ class Generator:
         return self._draw(context, tokens, temperature, top_k, np.random.default_rng(seed), top_p)
 
     def _draw(self, context, tokens, temperature, top_k, rng, top_p=None):
+        drawn = 0
         for _ in range(tokens):
-            token = pick(self.next_scores(context)[:self.drawn], temperature, top_k, rng, top_p)
+            scores = self.next_scores(context)[:self.drawn]
+            if not np.isfinite(scores).all():
+                # finite weights whose forward pass overflowed: a NaN is no
+                # score (the greedy argmax took the first NaN's id, a draw
+                # stopped with NumPy's 'Probabilities contain NaN')
+                from ..job.checkpoint_check import NonFiniteWeights
+                raise NonFiniteWeights(
+                    f"generate: the model's scores of the token after the prompt and {drawn} "
+                    f"drawn token(s) are not finite ({int(np.isnan(scores).sum())} NaN, "
+                    f"{int(np.isinf(scores).sum())} inf of {len(scores)}) although the weights "
+                    "are: the forward pass overflowed; no token is drawn from them")
+            token = pick(scores, temperature, top_k, rng, top_p)
             context.append(token)
+            drawn += 1
             yield token
 
 

@@ -144,9 +144,11 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
         raise ConfigError(job.path, None, f"the config has no {phase} graph")
     if fmt == "yaml":
         # the solver section too: the loop's keys (max_iter, display, ...) and
-        # the start-up block then match the lr op the graph carries
+        # the start-up block then match the lr op the graph carries; and the
+        # seed, which draws the initial weights (the fillers) and the dropout
+        # masks: without it the graph trained from other weights than the config
         solver = {k: v for k, v in job.solver.to_config().items() if v is not None}
-        return yaml.dump({"name": job.name, "solver": solver,
+        return yaml.dump({"name": job.name, "seed": job.seed, "solver": solver,
                           "graph": seed_yaml.dump(graph)},
                          Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None,
                          width=100)

@@ -725,8 +725,12 @@ def run_plan(job, size, limits, as_json=False, restore=None):
                  f"{ranks_word(ps['workers'])} workers, {ranks_word(ps['servers'])} "
                  f"server{'s' if len(ps['servers']) > 1 else ''}]")
         per = "worker"
+    batch = job.train_batch
+    if batch is None and job.graph is not None:  # a graph: config's own data ops
+        batch = sum(int((e.to_dict().get("attrs") or {}).get("batch_size", 0))
+                    for e in job.graph if e.to_dict().get("op_type") == "DataReader")
     lines = [f"plan {job.name}: {size} rank{'s' if size != 1 else ''} {shape}, "
-             f"batch {job.train_batch} per {per}; bytes each rank holds before its first "
+             f"batch {batch} per {per}; bytes each rank holds before its first "
              "iteration"]
     if lay.staged:  # the stage map (parallel.stages: S resolved at load: job/stage_cut.py)
         from ..job.stage_cut import job_stage_lines
