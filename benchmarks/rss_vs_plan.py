@@ -3,7 +3,12 @@
 For each (job, scheme) it runs ``plan JOB --np N --json`` (the host total of
 each rank) and ``mpiexec -n N python -m purine_mpi train JOB --iters K``,
 whose OUT/memory.json (train/trainer.write_memory) holds each rank's
-resident bytes before its graphs were built and at their high-water mark.
+resident bytes before its graphs were built and at their high-water mark,
+and the pages of the other ranks' shared-window regions resident in the
+rank after the last iteration (``peer_window_bytes``: in its resident bytes
+and in their owner's; ``plan`` counts a region once, on its owner). The
+table gives the gap of the measured bytes and of the measured bytes less
+those pages.
 The table in docs/running.md ("Will it fit?") is its output:
 
     python benchmarks/rss_vs_plan.py --out /tmp/rss [--cases cifar10_quick:data,...]
@@ -132,7 +137,10 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
             "loop_measured": [None if r.get("loop_peak_rss_bytes") is None
                               or r["baseline_rss_bytes"] is None
                               else r["loop_peak_rss_bytes"] - r["baseline_rss_bytes"]
-                              for r in ranks]}
+                              for r in ranks],
+            # the pages of other ranks' shared-window regions resident in the
+            # rank after the last iteration (memory.json's peer_window_bytes)
+            "peer_window": [r.get("peer_window_bytes") for r in ranks]}
 
 
 def mib(n):
@@ -149,16 +157,20 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cases = [c.split(":") for c in args.cases.split(",")] if args.cases else \
         [(j, s) for j in JOBS for s in SCHEMES]
-    print("| job | scheme | rank | baseline MiB | predicted MiB | measured MiB | gap |")
-    print("|---|---|---|---|---|---|---|")
+    print("| job | scheme | rank | baseline MiB | predicted MiB | measured MiB | gap "
+          "| peers' window pages MiB | gap without them |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for job, scheme in cases:
         res = measure(job, scheme, args.out, iters=args.iters)
         if "error" in res:
-            print(f"| {job} | {scheme} | - | - | - | - | {res['error']} |", flush=True)
+            print(f"| {job} | {scheme} | - | - | - | - | {res['error']} | - | - |", flush=True)
             continue
-        for r, (p, m, b) in enumerate(zip(res["predicted"], res["measured"], res["baseline"])):
+        for r, (p, m, b, w) in enumerate(zip(res["predicted"], res["measured"], res["baseline"],
+                                             res["peer_window"])):
+            own = "-" if w is None else f"{100 * (p - (m - w)) / (m - w):+.1f}%"
             print(f"| {job} | {scheme} | {r} | {mib(b)} | {mib(p)} | {mib(m)} | "
-                  f"{100 * (p - m) / m:+.1f}% |", flush=True)
+                  f"{100 * (p - m) / m:+.1f}% | {'-' if w is None else mib(w)} | {own} |",
+                  flush=True)
         with open(os.path.join(args.out, f"{job}-{scheme}.json"), "w") as f:
             json.dump(res, f)
 
