@@ -1,7 +1,7 @@
 """``plan``'s host figures against what the run holds: the data pool row is
 the readers' own bytes, and train's OUT/memory.json (the measured resident
 bytes above the baseline) is at least the predicted host total on every
-rank and within 15% of it (docs/running.md, "Will it fit?", has the table
+rank and within 10% of it, NIN's within 5% (docs/running.md, "Will it fit?", has the table
 and the gap); the host scratch and kernel temporaries rows are what the
 kernels hold after an iteration."""
 import json
@@ -190,17 +190,26 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path, email_h5):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-@pytest.mark.parametrize("job", ["cifar10_quick", "gpt_tiny"])
-def test_predicted_host_total_is_held(job, tmp_path, email_h5):
+@pytest.mark.parametrize("job,within", [("cifar10_quick", 0.10), ("gpt_tiny", 0.10),
+                                        ("nin_cifar10", 0.05)])
+def test_predicted_host_total_is_held(job, within, tmp_path, email_h5):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
     measured peak above the baseline is at least plan's host total less 3%
     (its kernel temporaries row adds each lane's largest op, which need not
     all be live at one moment: with one malloc arena gpt_tiny's plan was
     1.2% above the measured peak in 1 run of 13), and the total is within
-    15% of it (measured with one malloc arena, the default:
-    4.9-7.3% below, 5.5-8.3% on 2026-11-29, docs/running.md, 9.6-11.6%
-    with glibc's arena per thread; within 20% before the baseline followed the deferred imports
-    and the data pool counted the epoch order)."""
+    10% of it (15% before the baseline followed base/rss.warm_up_libraries:
+    2026-11-30, interleaved A/B of benchmarks/rss_vs_plan.py's cases, 2
+    runs each, the plan 4.3-6.6% (cifar10_quick) and 5.2-7.4% (gpt_tiny)
+    below the measured peak with the warm-up, 6.8-9.2% and 8.4-11.0%
+    without it: gpt_tiny failed this bound in 2 of those 4 rank figures
+    and in both of docs/running.md's "before" run;
+    earlier, with one malloc arena, the default: 4.9-7.3% below, 5.5-8.3%
+    on 2026-11-29, docs/running.md, 9.6-11.6% with glibc's arena per
+    thread; within 20% before the baseline followed the deferred imports
+    and the data pool counted the epoch order). NIN (472.3 MiB planned),
+    where the unplanned megabytes are a small part, is held to issue 44's
+    5%: 2.1-3.3% below in docs/running.md's before and after runs."""
     if job.startswith("gpt"):
         _text_data(tmp_path, email_h5)
     res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3, plan_with=run_cli_here)
@@ -209,7 +218,7 @@ def test_predicted_host_total_is_held(job, tmp_path, email_h5):
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
         assert b > 0 and p > 0
         assert m >= 0.97 * p, (job, p, m)
-        assert p >= 0.85 * m, (job, p, m)
+        assert p >= (1 - within) * m, (job, p, m)
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
 
 
