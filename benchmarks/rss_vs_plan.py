@@ -60,7 +60,8 @@ def sets_for(job, scheme, out):
         data = text_data(out)
         sets += [f"data.train.path={data}", f"data.test.path={data}"]
     if scheme in ("pipeline", "tppp"):
-        net = yaml.safe_load(open(path))["net"]
+        from purine_mpi.job.repeat import expand_net
+        net, _ = expand_net(yaml.safe_load(open(path))["net"], path)   # gpt_small's blocks
         names = [layer["name"] for layer in net]
         half = len(names) // 2
         stages = ", ".join(f"{n}: {0 if i < half else 1}" for i, n in enumerate(names))
@@ -68,7 +69,9 @@ def sets_for(job, scheme, out):
         if scheme == "tppp":
             sets += ["parallel.tensor_parallel=2"]
     elif scheme == "tensor":
-        sets += ["parallel.scheme=tensor"]
+        # 2-way tensor parallelism (without parallel.tensor_parallel the
+        # scheme's ranks are replicas of one shard: data parallelism)
+        sets += ["parallel.scheme=tensor", "parallel.tensor_parallel=2"]
     elif scheme.startswith("sharded"):
         sets += ["parallel.scheme=sharded", f"parallel.shard={scheme[-1]}"]
     elif scheme in ("sync_ps", "async"):
@@ -119,8 +122,8 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
     env = {**os.environ, **(env or {})}
     plan_with = plan_with or (lambda *a: run_command(*a, env=env))
     p = plan_with("plan", path, "--np", str(np_), "--json", *args)
-    if p.returncode not in (0, 2):
-        return {"error": "plan: " + p.stderr.strip().splitlines()[-1]}
+    if p.returncode not in (0, 2) or not p.stdout.strip():  # 2 with no JSON: a refusal
+        return {"error": "plan: " + (p.stderr.strip().splitlines() or ["?"])[-1]}
     plan = json.loads(p.stdout)
     predicted = [0] * np_
     for kind in plan["ranks"]:
