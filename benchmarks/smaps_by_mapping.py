@@ -43,7 +43,8 @@ MALLINFO = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks
 
 def smaps_by_class(files=None):
     """{class: resident bytes} of this process's mappings; ``files``, a
-    dict, gets each code mapping's file's resident bytes."""
+    dict, gets each code or file mapping's resident bytes ("code:PATH",
+    "file:PATH")."""
     out = dict.fromkeys(CLASSES, 0)
     kind = path = None
     with open("/proc/self/smaps") as f:
@@ -63,8 +64,9 @@ def smaps_by_class(files=None):
                     kind = "anonymous"
             elif p[0] == "Rss:":
                 out[kind] += int(p[1]) * 1024
-                if files is not None and kind == "code":
-                    files[path] = files.get(path, 0) + int(p[1]) * 1024
+                if files is not None and kind in ("code", "file"):
+                    files[kind + ":" + path] = files.get(kind + ":" + path, 0) + \
+                        int(p[1]) * 1024
     return out
 
 
@@ -114,11 +116,13 @@ def attribute(taken):
     res["total"] = mib(sum(a["smaps"].values()) - sum(b["smaps"].values()))
     res["mallinfo2"] = {k: mib(a["mallinfo2"][k] - b["mallinfo2"][k])
                         for k in ("arena", "uordblks", "fordblks", "hblkhd")}
-    if "code_files" in a:   # the code mappings that grew most, by file
-        grew = {os.path.basename(f): a["code_files"][f] - b["code_files"].get(f, 0)
-                for f in a["code_files"]}
-        res["code_by_file"] = {f: mib(v) for f, v in
-                               sorted(grew.items(), key=lambda kv: -kv[1])[:8] if v > 0}
+    if "code_files" in a:   # the code and file mappings that grew most, by file
+        for kind in ("code", "file"):
+            grew = {os.path.basename(f.split(":", 1)[1]): a["code_files"][f]
+                    - b["code_files"].get(f, 0) for f in a["code_files"]
+                    if f.startswith(kind + ":")}
+            res[kind + "_by_file"] = {f: mib(v) for f, v in
+                                      sorted(grew.items(), key=lambda kv: -kv[1])[:8] if v > 0}
     return res
 
 

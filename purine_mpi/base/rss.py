@@ -36,8 +36,12 @@ def warm_up_libraries():
     (the data order, the fillers, dropout's draws); libyaml's emitter (the
     run's config text); and an HDF5 file in memory, written and read back
     (h5py: data files and checkpoints). Each array is freed on return, the
-    largest 64 KiB, below glibc's mmap threshold. Returns nothing; an
-    error of a library here is raised (the run would meet it anyway)."""
+    largest 64 KiB, below glibc's mmap threshold; HDF5 frees a larger block
+    of its own when the file closes, which raises glibc's dynamic threshold
+    (here to between 512 KiB and 1 MiB: a 512 KiB array then comes from the
+    heap), as a run's first HDF5 file does (a text split, a checkpoint) and
+    its first freed temporary of that size. Returns nothing; an error of a
+    library here is raised (the run would meet it anyway)."""
     import numpy as np
     n = 4096
     for dtype in (np.float32, np.float64):
