@@ -253,7 +253,11 @@ def _wide_cifar(tmp_path):
 def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interval, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 1% and the total is within 6.5% of it (15% before). The MPI
+    less 1% and the total is within 5% of it, issue 44's target (6.5%
+    before the baseline followed base/rss.warm_up_libraries, 15% before
+    that): 2026-11-30, two runs of these cases each, every rank 1.2-3.6%
+    above plan with the warm-up (sync_ps 3.2-3.6% on the workers); at
+    30f4801, without it, one run: sync_ps 4.7-5.0%, async 1.7-3.8%. The MPI
     shared-memory cells are planned now (comm/mpi_transport.py: 1.5 MiB a
     rank here), but the sync_ps workers still measure 5.4-5.6% above plan
     on a quiet machine (5 runs, 2026-11-29 after the merges: rank 0 232.2
@@ -294,7 +298,7 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
         assert m >= 0.99 * p, (mode, r, p, m)
-        assert p >= m / 1.065, (mode, r, p, m)
+        assert p >= m / 1.05, (mode, r, p, m)
     kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
     server = kinds[ranks - 1]["host"]
     assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0
@@ -313,7 +317,12 @@ def test_parameter_servers_loading_init_hold_what_plan_init_says(mode, tmp_path)
     threshold fixed; measured 2026-11-29: workers 9.7-9.8% above plan, the
     ~16 MiB a process holds unplanned; async rank 0 1.1% below, its
     start-up rows holding 18 MiB it has not written yet; the servers 9.7%
-    and 10.5% above). A server reads the file before it allocates its
+    and 10.5% above. 2026-11-30, with base/rss.warm_up_libraries before the
+    baseline, async rank 0 measured 2.6-2.8% below, 'assert 185815040 >=
+    (0.98 * 191253768)': its `kept` row, the servers' momenta it keeps from
+    the first sync on (Scheme.held_bytes), was in its start-up figure; now
+    not (Footprint.held): every rank 7.9-8.8% above plan, sync_ps and
+    async). A server reads the file before it allocates its
     arrays, its windows alone (tools/plan.set_load): before, plan counted
     the file on every start-up row, the async server's receive and reply
     buffers too: 236.3 MiB planned, 160.1 measured."""
