@@ -255,8 +255,8 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     figures in memory.json since issue 44), holds at least plan's host total
     less 1% and the total is within 5% of it, issue 44's target (6.5%
     before the baseline followed base/rss.warm_up_libraries, 15% before
-    that): 2026-11-30, two runs of these cases each, every rank 1.2-3.6%
-    above plan with the warm-up (sync_ps 3.2-3.6% on the workers); at
+    that): 2026-11-30, four runs of these cases each, every rank 1.2-3.7%
+    above plan with the warm-up (sync_ps 3.2-3.7% on the workers); at
     30f4801, without it, one run: sync_ps 4.7-5.0%, async 1.7-3.8%. The MPI
     shared-memory cells are planned now (comm/mpi_transport.py: 1.5 MiB a
     rank here), but the sync_ps workers still measure 5.4-5.6% above plan
