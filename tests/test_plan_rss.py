@@ -259,7 +259,7 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     above plan with the warm-up (sync_ps 3.2-3.7% on the workers); at
     30f4801, without it, one run: sync_ps 4.7-5.0%, async 1.7-3.8%. The MPI
     shared-memory cells are planned now (comm/mpi_transport.py: 1.5 MiB a
-    rank here), but the sync_ps workers still measure 5.4-5.6% above plan
+    rank here), but before the warm-up the sync_ps workers measured 5.4-5.6% above plan
     on a quiet machine (5 runs, 2026-11-29 after the merges: rank 0 232.2
     MiB planned, 245.1 measured; rank 1 185.2 and 195.5): the 10-13 MiB
     every process holds unplanned (docs/running.md, "The sync_ps workers'
@@ -267,7 +267,9 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     request and communicator pools, 3.8 MiB, code pages, OpenBLAS's buffer
     and glibc's heap are the rest, none of them the job's), which a 5% bound at
     these sizes does not leave room for (a helper's two runs under load
-    read 4.7-4.8% and set 5%: it failed every quiet run); sync_ps with a
+    read 4.7-4.8% and set 5%: it failed every quiet run; the warm-up took
+    3.3-3.9 MiB off each worker's figure under the same load, so a quiet
+    run should read about 4.2% -- not measured: no quiet machine here); sync_ps with a
     save at iteration 2 of 3 (rank 0 takes the servers' momenta), async
     with the end's only (its servers send their state once their loops
     freed their receive and reply buffers: 129.0 MiB planned, 116.9
