@@ -268,8 +268,8 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     and glibc's heap are the rest, none of them the job's), which a 5% bound at
     these sizes does not leave room for (a helper's two runs under load
     read 4.7-4.8% and set 5%: it failed every quiet run; the warm-up took
-    3.3-3.9 MiB off each worker's figure under the same load, so a quiet
-    run should read about 4.2% -- not measured: no quiet machine here); sync_ps with a
+    2.1-3.5 MiB off each worker's figure under the same load, so a quiet
+    run should read about 4.0-4.4% -- not measured: no quiet machine here); sync_ps with a
     save at iteration 2 of 3 (rank 0 takes the servers' momenta), async
     with the end's only (its servers send their state once their loops
     freed their receive and reply buffers: 129.0 MiB planned, 116.9
