@@ -3,7 +3,12 @@
 For each (job, scheme) it runs ``plan JOB --np N --json`` (the host total of
 each rank) and ``mpiexec -n N python -m purine_mpi train JOB --iters K``,
 whose OUT/memory.json (train/trainer.write_memory) holds each rank's
-resident bytes before its graphs were built and at their high-water mark.
+resident bytes before its graphs were built and at their high-water mark,
+and the pages of the other ranks' shared-window regions resident in the
+rank after the last iteration (``peer_window_bytes``: in its resident bytes
+and in their owner's; ``plan`` counts a region once, on its owner). The
+table gives the gap of the measured bytes and of the measured bytes less
+those pages.
 The table in docs/running.md ("Will it fit?") is its output:
 
     python benchmarks/rss_vs_plan.py --out /tmp/rss [--cases cifar10_quick:data,...]
@@ -55,7 +60,8 @@ def sets_for(job, scheme, out):
         data = text_data(out)
         sets += [f"data.train.path={data}", f"data.test.path={data}"]
     if scheme in ("pipeline", "tppp"):
-        net = yaml.safe_load(open(path))["net"]
+        from purine_mpi.job.repeat import expand_net
+        net, _ = expand_net(yaml.safe_load(open(path))["net"], path)   # gpt_small's blocks
         names = [layer["name"] for layer in net]
         half = len(names) // 2
         stages = ", ".join(f"{n}: {0 if i < half else 1}" for i, n in enumerate(names))
@@ -63,7 +69,9 @@ def sets_for(job, scheme, out):
         if scheme == "tppp":
             sets += ["parallel.tensor_parallel=2"]
     elif scheme == "tensor":
-        sets += ["parallel.scheme=tensor"]
+        # 2-way tensor parallelism (without parallel.tensor_parallel the
+        # scheme's ranks are replicas of one shard: data parallelism)
+        sets += ["parallel.scheme=tensor", "parallel.tensor_parallel=2"]
     elif scheme.startswith("sharded"):
         sets += ["parallel.scheme=sharded", f"parallel.shard={scheme[-1]}"]
     elif scheme in ("sync_ps", "async"):
@@ -114,8 +122,8 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
     env = {**os.environ, **(env or {})}
     plan_with = plan_with or (lambda *a: run_command(*a, env=env))
     p = plan_with("plan", path, "--np", str(np_), "--json", *args)
-    if p.returncode not in (0, 2):
-        return {"error": "plan: " + p.stderr.strip().splitlines()[-1]}
+    if p.returncode not in (0, 2) or not p.stdout.strip():  # 2 with no JSON: a refusal
+        return {"error": "plan: " + (p.stderr.strip().splitlines() or ["?"])[-1]}
     plan = json.loads(p.stdout)
     predicted = [0] * np_
     for kind in plan["ranks"]:
@@ -132,7 +140,10 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
             "loop_measured": [None if r.get("loop_peak_rss_bytes") is None
                               or r["baseline_rss_bytes"] is None
                               else r["loop_peak_rss_bytes"] - r["baseline_rss_bytes"]
-                              for r in ranks]}
+                              for r in ranks],
+            # the pages of other ranks' shared-window regions resident in the
+            # rank after the last iteration (memory.json's peer_window_bytes)
+            "peer_window": [r.get("peer_window_bytes") for r in ranks]}
 
 
 def mib(n):
@@ -149,16 +160,20 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cases = [c.split(":") for c in args.cases.split(",")] if args.cases else \
         [(j, s) for j in JOBS for s in SCHEMES]
-    print("| job | scheme | rank | baseline MiB | predicted MiB | measured MiB | gap |")
-    print("|---|---|---|---|---|---|---|")
+    print("| job | scheme | rank | baseline MiB | predicted MiB | measured MiB | gap "
+          "| peers' window pages MiB | gap without them |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for job, scheme in cases:
         res = measure(job, scheme, args.out, iters=args.iters)
         if "error" in res:
-            print(f"| {job} | {scheme} | - | - | - | - | {res['error']} |", flush=True)
+            print(f"| {job} | {scheme} | - | - | - | - | {res['error']} | - | - |", flush=True)
             continue
-        for r, (p, m, b) in enumerate(zip(res["predicted"], res["measured"], res["baseline"])):
+        for r, (p, m, b, w) in enumerate(zip(res["predicted"], res["measured"], res["baseline"],
+                                             res["peer_window"])):
+            own = "-" if w is None else f"{100 * (p - (m - w)) / (m - w):+.1f}%"
             print(f"| {job} | {scheme} | {r} | {mib(b)} | {mib(p)} | {mib(m)} | "
-                  f"{100 * (p - m) / m:+.1f}% |", flush=True)
+                  f"{100 * (p - m) / m:+.1f}% | {'-' if w is None else mib(w)} | {own} |",
+                  flush=True)
         with open(os.path.join(args.out, f"{job}-{scheme}.json"), "w") as f:
             json.dump(res, f)
 

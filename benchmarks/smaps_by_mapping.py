@@ -41,10 +41,12 @@ MALLINFO = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks
             "uordblks", "fordblks", "keepcost")
 
 
-def smaps_by_class():
-    """{class: resident bytes} of this process's mappings."""
+def smaps_by_class(files=None):
+    """{class: resident bytes} of this process's mappings; ``files``, a
+    dict, gets each code or file mapping's resident bytes ("code:PATH",
+    "file:PATH")."""
     out = dict.fromkeys(CLASSES, 0)
-    kind = None
+    kind = path = None
     with open("/proc/self/smaps") as f:
         for line in f:
             p = line.split()
@@ -62,6 +64,9 @@ def smaps_by_class():
                     kind = "anonymous"
             elif p[0] == "Rss:":
                 out[kind] += int(p[1]) * 1024
+                if files is not None and kind in ("code", "file"):
+                    files[kind + ":" + path] = files.get(kind + ":" + path, 0) + \
+                        int(p[1]) * 1024
     return out
 
 
@@ -76,7 +81,8 @@ def mallinfo2():
 
 
 def snapshot():
-    return {"smaps": smaps_by_class(), "mallinfo2": mallinfo2()}
+    files = {}
+    return {"smaps": smaps_by_class(files), "mallinfo2": mallinfo2(), "code_files": files}
 
 
 def as_purine(out):
@@ -110,6 +116,13 @@ def attribute(taken):
     res["total"] = mib(sum(a["smaps"].values()) - sum(b["smaps"].values()))
     res["mallinfo2"] = {k: mib(a["mallinfo2"][k] - b["mallinfo2"][k])
                         for k in ("arena", "uordblks", "fordblks", "hblkhd")}
+    if "code_files" in a:   # the code and file mappings that grew most, by file
+        for kind in ("code", "file"):
+            grew = {os.path.basename(f.split(":", 1)[1]): a["code_files"][f]
+                    - b["code_files"].get(f, 0) for f in a["code_files"]
+                    if f.startswith(kind + ":")}
+            res[kind + "_by_file"] = {f: mib(v) for f, v in
+                                      sorted(grew.items(), key=lambda kv: -kv[1])[:8] if v > 0}
     return res
 
 

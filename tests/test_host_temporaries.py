@@ -131,6 +131,18 @@ def _cases():
          [big, np.full(big.size // 8, 0xB7, np.uint8)], [np.empty_like(big)]),
         ("DropoutReplay", {"ratio": 0.1}, [big, np.full(big.size // 8, 0xB7, np.uint8)],
          [np.empty_like(big)]),
+        # a 1x1 conv's weight gradient: a chunk's per-sample products and
+        # their sum (42 samples of 96 KiB columns a chunk here: 2.1 MiB)
+        ("ConvGradWeight", {}, [_f(64, 128, 16, 16), _f(64, 96, 16, 16)],
+         [np.empty((128, 96, 1, 1), np.float32)]),
+        # with groups
+        # the host accuracy: a byte a score for the comparison, the labels
+        ("Accuracy", {"axis": -1}, [_f(16, 256, 256), _ids(256, (16, 256))],
+         [np.empty((), np.float32)]),
+        ("Accuracy", {}, [_f(64, 100, 16, 16), _ids(100, (64, 16, 16))],
+         [np.empty((), np.float32)]),
+        ("ConvGradWeight", {"group": 2}, [_f(64, 128, 16, 16), _f(64, 96, 16, 16)],
+         [np.empty((128, 48, 1, 1), np.float32)]),
     ]
 
 

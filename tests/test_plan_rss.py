@@ -1,7 +1,7 @@
 """``plan``'s host figures against what the run holds: the data pool row is
 the readers' own bytes, and train's OUT/memory.json (the measured resident
 bytes above the baseline) is at least the predicted host total on every
-rank and within 15% of it (docs/running.md, "Will it fit?", has the table
+rank and within 10% of it, NIN's within 5% (docs/running.md, "Will it fit?", has the table
 and the gap); the host scratch and kernel temporaries rows are what the
 kernels hold after an iteration."""
 import json
@@ -99,29 +99,39 @@ def test_data_pool_counts_the_epoch_order(tmp_path, email_h5):
     assert pool("true") - pool("false") == held
 
 
-#: run in a fresh process: ``train`` for one iteration on one rank, and the
-#: extension modules first imported after memory.json's baseline was read
+#: run in a fresh process: ``train`` for one iteration on one rank, the
+#: extension modules first imported after memory.json's baseline was read,
+#: and the resident bytes of executable file mappings (the libraries' code:
+#: benchmarks/smaps_by_mapping.py's ``code`` class) then and at the end
 _AFTER_BASELINE = """
-import sys
+import json, sys
 import purine_mpi.train.trainer as T
 from purine_mpi.cli import main
-seen, real = [], T.rss_bytes
+sys.path.insert(0, "benchmarks")
+from smaps_by_mapping import smaps_by_class
+seen, code, real = [], [], T.rss_bytes
 def rss_bytes():
     seen.append(set(sys.modules))
+    code.append(smaps_by_class()["code"])
     return real()
 T.rss_bytes = rss_bytes
-code = main(sys.argv[1:])
+status = main(sys.argv[1:])
 new = [m for m in set(sys.modules) - seen[0]
        if str(getattr(sys.modules[m], "__file__", "") or "").endswith((".so", ".pyd"))]
 print("after:", sorted(new))
-sys.exit(code)
+print("code:", json.dumps(smaps_by_class()["code"] - code[0]))
+sys.exit(status)
 """
 
 
 def test_no_library_is_loaded_after_the_baseline(tmp_path, email_h5):
     """memory.json's baseline is read after the imports the run defers
     (base/rss.DEFERRED_IMPORTS: numpy.random's extension modules, ...): no
-    extension module's code joins the resident bytes above it. The test
+    extension module's code joins the resident bytes above it; and after
+    base/rss.warm_up_libraries ran the libraries' code once, so that the
+    library code the whole run first executes after the baseline is under
+    1 MiB (gpt_tiny here: 0.43-0.46 MiB; 2.27 before the warm-up, NumPy's loops,
+    HDF5's, libyaml's emitter, OpenBLAS's and numpy.random's). The test
     passes (before training and at the end) read one batch each
     (``solver.test_iter``: the same graph and code as the whole split's 10,
     7 s less)."""
@@ -135,6 +145,8 @@ def test_no_library_is_loaded_after_the_baseline(tmp_path, email_h5):
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "after: []" in p.stdout, p.stdout[-2000:]
+    code = json.loads(p.stdout.split("code:")[1].split()[0])
+    assert 0 <= code < 1 << 20, code / 2**20
 
 
 #: a test split for the CNN jobs (they have none): its graph's kernels run on
@@ -178,17 +190,26 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path, email_h5):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-@pytest.mark.parametrize("job", ["cifar10_quick", "gpt_tiny"])
-def test_predicted_host_total_is_held(job, tmp_path, email_h5):
+@pytest.mark.parametrize("job,within", [("cifar10_quick", 0.10), ("gpt_tiny", 0.10),
+                                        ("nin_cifar10", 0.05)])
+def test_predicted_host_total_is_held(job, within, tmp_path, email_h5):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
     measured peak above the baseline is at least plan's host total less 3%
     (its kernel temporaries row adds each lane's largest op, which need not
     all be live at one moment: with one malloc arena gpt_tiny's plan was
     1.2% above the measured peak in 1 run of 13), and the total is within
-    15% of it (measured with one malloc arena, the default:
-    4.9-7.3% below, 5.5-8.3% on 2026-11-29, docs/running.md, 9.6-11.6%
-    with glibc's arena per thread; within 20% before the baseline followed the deferred imports
-    and the data pool counted the epoch order)."""
+    10% of it (15% before the baseline followed base/rss.warm_up_libraries:
+    2026-11-30, interleaved A/B of benchmarks/rss_vs_plan.py's cases, 2
+    runs each, the plan 4.3-6.6% (cifar10_quick) and 5.2-7.4% (gpt_tiny)
+    below the measured peak with the warm-up, 6.8-9.2% and 8.4-11.0%
+    without it: gpt_tiny failed this bound in 2 of those 4 rank figures
+    and in both of docs/running.md's "before" run;
+    earlier, with one malloc arena, the default: 4.9-7.3% below, 5.5-8.3%
+    on 2026-11-29, docs/running.md, 9.6-11.6% with glibc's arena per
+    thread; within 20% before the baseline followed the deferred imports
+    and the data pool counted the epoch order). NIN (472.3 MiB planned),
+    where the unplanned megabytes are a small part, is held to issue 44's
+    5%: 2.1-3.3% below in docs/running.md's before and after runs."""
     if job.startswith("gpt"):
         _text_data(tmp_path, email_h5)
     res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3, plan_with=run_cli_here)
@@ -197,7 +218,7 @@ def test_predicted_host_total_is_held(job, tmp_path, email_h5):
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
         assert b > 0 and p > 0
         assert m >= 0.97 * p, (job, p, m)
-        assert p >= 0.85 * m, (job, p, m)
+        assert p >= (1 - within) * m, (job, p, m)
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
 
 
@@ -232,9 +253,13 @@ def _wide_cifar(tmp_path):
 def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interval, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 1% and the total is within 6.5% of it (15% before). The MPI
+    less 1% and the total is within 5% of it, issue 44's target (6.5%
+    before the baseline followed base/rss.warm_up_libraries, 15% before
+    that): 2026-11-30, four runs of these cases each, every rank 1.2-3.7%
+    above plan with the warm-up (sync_ps 3.2-3.7% on the workers); at
+    30f4801, without it, one run: sync_ps 4.7-5.0%, async 1.7-3.8%. The MPI
     shared-memory cells are planned now (comm/mpi_transport.py: 1.5 MiB a
-    rank here), but the sync_ps workers still measure 5.4-5.6% above plan
+    rank here), but before the warm-up the sync_ps workers measured 5.4-5.6% above plan
     on a quiet machine (5 runs, 2026-11-29 after the merges: rank 0 232.2
     MiB planned, 245.1 measured; rank 1 185.2 and 195.5): the 10-13 MiB
     every process holds unplanned (docs/running.md, "The sync_ps workers'
@@ -242,7 +267,9 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     request and communicator pools, 3.8 MiB, code pages, OpenBLAS's buffer
     and glibc's heap are the rest, none of them the job's), which a 5% bound at
     these sizes does not leave room for (a helper's two runs under load
-    read 4.7-4.8% and set 5%: it failed every quiet run); sync_ps with a
+    read 4.7-4.8% and set 5%: it failed every quiet run; the warm-up took
+    2.1-3.5 MiB off each worker's figure under the same load, so a quiet
+    run should read about 4.0-4.4% -- not measured: no quiet machine here); sync_ps with a
     save at iteration 2 of 3 (rank 0 takes the servers' momenta), async
     with the end's only (its servers send their state once their loops
     freed their receive and reply buffers: 129.0 MiB planned, 116.9
@@ -273,7 +300,7 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
         assert m >= 0.99 * p, (mode, r, p, m)
-        assert p >= m / 1.065, (mode, r, p, m)
+        assert p >= m / 1.05, (mode, r, p, m)
     kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
     server = kinds[ranks - 1]["host"]
     assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0
@@ -292,7 +319,12 @@ def test_parameter_servers_loading_init_hold_what_plan_init_says(mode, tmp_path)
     threshold fixed; measured 2026-11-29: workers 9.7-9.8% above plan, the
     ~16 MiB a process holds unplanned; async rank 0 1.1% below, its
     start-up rows holding 18 MiB it has not written yet; the servers 9.7%
-    and 10.5% above). A server reads the file before it allocates its
+    and 10.5% above. 2026-11-30, with base/rss.warm_up_libraries before the
+    baseline, async rank 0 measured 2.6-2.8% below, 'assert 185815040 >=
+    (0.98 * 191253768)': its `kept` row, the servers' momenta it keeps from
+    the first sync on (Scheme.held_bytes), was in its start-up figure; now
+    not (Footprint.held): every rank 7.9-8.8% above plan, sync_ps and
+    async). A server reads the file before it allocates its
     arrays, its windows alone (tools/plan.set_load): before, plan counted
     the file on every start-up row, the async server's receive and reply
     buffers too: 236.3 MiB planned, 160.1 measured."""
@@ -691,3 +723,44 @@ def test_one_malloc_arena_by_default():
     assert heaps(PURINE_MALLOC_ARENAS="0") == 5
     assert heaps(MALLOC_ARENA_MAX="3") == 3
     assert heaps(MALLOC_ARENA_MAX="8", PURINE_MALLOC_ARENAS="1") == 5
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's pagemap")
+def test_mapped_resident_bytes_counts_the_touched_pages():
+    """base/rss.mapped_resident_bytes: the pages of an array present in this
+    process's page table, whole pages: none of a fresh mapping, those a
+    write touched, all of it once filled."""
+    import mmap
+    from purine_mpi.base.rss import mapped_resident_bytes
+    page = os.sysconf("SC_PAGE_SIZE")
+    m = mmap.mmap(-1, 64 * page)
+    a = np.frombuffer(m, np.uint8)
+    assert mapped_resident_bytes(a) == 0
+    a[3 * page + 1:10 * page - 1] = 1       # pages 3..9
+    assert mapped_resident_bytes(a) == 7 * page
+    assert mapped_resident_bytes(a[5 * page:]) == 5 * page
+    a[:] = 2
+    assert mapped_resident_bytes(a) == 64 * page
+    del a
+    m.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's pagemap")
+def test_peer_window_pages_are_the_peers_windows_row(tmp_path):
+    """A 2-stage pipeline on one node moves its activations and gradients
+    through a shared window: each stage stores into or loads from the other's
+    regions, whose pages are then resident in both processes, while plan
+    counts a region once, on its owner (its ``windows`` row). memory.json's
+    ``peer_window_bytes`` is those pages: on each rank the other rank's
+    ``windows`` row, rounded up to whole pages (cifar10_quick: 0.78 MiB
+    each way; gpt_tiny's 2 stages 10.3 and 4.1 MiB)."""
+    res = rss_vs_plan.measure("cifar10_quick", "pipeline", str(tmp_path), iters=2,
+                              plan_with=run_cli_here)
+    assert "error" not in res, res
+    windows = {r: k["host"]["windows"] for k in res["plan"]["ranks"] for r in k["ranks"]}
+    assert windows[0] > 0 and windows[1] > 0
+    for r in (0, 1):
+        got = res["peer_window"][r]
+        assert windows[1 - r] <= got <= windows[1 - r] + (64 << 10), (r, got, windows)

@@ -506,6 +506,24 @@ class Windows(MemoryDevice):
         if freed and env.get("PURINE_DEBUG_WINDOWS"):  # tests: every exit path frees them
             os.write(2, f"rank {self.rank}: windows freed ({', '.join(freed)})\n".encode())
 
+    def peer_resident_bytes(self):
+        """The pages of the other ranks' regions of this shared window that
+        are resident in this process (base/rss.mapped_resident_bytes): a
+        page of a peer's region that this rank stored into or loaded from
+        counts in its resident bytes as well as in its owner's, while
+        ``plan`` counts each region once, on its owner (the node holds it
+        once). 0 without a shared window; None where /proc is missing."""
+        from ..base.rss import mapped_resident_bytes
+        total = 0
+        for (where, r), base in list(self._bases.items()):
+            if where != "shared" or r == self.rank:
+                continue
+            got = mapped_resident_bytes(base)
+            if got is None:
+                return None
+            total += got
+        return total
+
     def counters(self):
         return {"bytes_put": self.bytes_put, "bytes_got": self.bytes_got,
                 "bytes_accumulated": self.bytes_accumulated, "bytes_copied": self.bytes_copied}
@@ -519,6 +537,14 @@ def _bytes(a):
 def live_windows():
     """The windows of this process not freed yet."""
     return list(_LIVE)
+
+
+def peer_window_resident_bytes():
+    """``Windows.peer_resident_bytes`` summed over this process's live
+    windows (memory.json's ``peer_window_bytes``); None where /proc is
+    missing."""
+    got = [w.peer_resident_bytes() for w in live_windows()]
+    return None if None in got else sum(got)
 
 
 def find_windows(name):

@@ -221,6 +221,11 @@ class Footprint:
     #: never asks for mid-run saves once its loop returned, its receive and
     #: reply buffers freed (``ServerRank.footprint``)
     save_frees: tuple = ()
+    #: the part of the ``kept`` row that the loop's services keep from a
+    #: save or a test pass on (``Scheme.held_bytes``: async rank 0's copy of
+    #: the servers' momenta), not yet made before the first iteration, so
+    #: not in ``load_total``
+    held: int = 0
 
     @property
     def loop_total(self):
@@ -247,9 +252,12 @@ class Footprint:
         arena and the kernels' buffers are zeros from the system, not
         resident until an iteration writes them. A parameter server's
         load of files (``load_rows``) and its fill, on its rows
-        (``fill_rows``), apart."""
-        return max(sum(self.host.get(k, 0) for k in self.load_rows) + self.load,
-                   sum(self.host.get(k, 0) for k in self.fill_rows) + self.fill)
+        (``fill_rows``), apart. The kept bytes the loop's services make
+        later (``held``) are not held yet."""
+        def rows(names):
+            return sum(self.host.get(k, 0) for k in names) - \
+                (self.held if "kept" in names else 0)
+        return max(rows(self.load_rows) + self.load, rows(self.fill_rows) + self.fill)
 
     @property
     def host_total(self):
@@ -541,7 +549,7 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
                          "cache: their workspace counted at the cap gpu.workspace_limit")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
                      peak=peak, notes=notes, model_state=model_state_bytes(g),
-                     extras=extras, save=int(save))
+                     extras=extras, save=int(save), held=int(held or 0))
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)

@@ -37,6 +37,7 @@ import time
 import uuid
 
 from ..base.rss import peak_rss_bytes
+from ..comm.windows import peer_window_resident_bytes
 from ..runtime.stop import StopSignal
 
 
@@ -128,6 +129,9 @@ class RunState:
     # the resident high-water mark after the last iteration, before the end's
     # test pass and checkpoint (memory.json's ``loop_peak_rss_bytes``)
     loop_peak_rss: object = None
+    # then, the pages of other ranks' shared-window regions resident here
+    # (memory.json's ``peer_window_bytes``: comm/windows.peer_window_resident_bytes)
+    loop_peer_window: object = None
 
 
 class Loop:
@@ -237,6 +241,7 @@ class Loop:
             # the last evaluation and checkpoint (also after a resume past max_iter
             # into a folder without that run's latest.h5)
             st.loop_peak_rss = peak_rss_bytes()
+            st.loop_peer_window = peer_window_resident_bytes()
             st.result = {}
             self.emit("on_test", max_iter)
             self.emit("on_end")

@@ -316,7 +316,7 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     world.send_object({"rank": world.rank, "server": True, "baseline_rss_bytes": baseline,
                        "peak_rss_bytes": peak,
                        "above_baseline_bytes": None if baseline is None else peak - baseline,
-                       "loop_peak_rss_bytes": None,
+                       "loop_peak_rss_bytes": None, "peer_window_bytes": None,
                        "planned": planned_figures(res.get("planned"))}, 0, MEMORY_TAG,
                       "sending the server's memory figures")
     if res["stop_code"] == StopSignal.DIVERGED:

@@ -21,7 +21,7 @@ import time
 
 from ..base import logfile
 from ..base.runfiles import write_text_replacing
-from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes
+from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes, warm_up_libraries
 from ..job.checkpoint_file import LATEST, Checkpoint
 from ..job.inputs import run_inputs
 from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
@@ -191,9 +191,11 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world = get_world()
     install_abort_handler(world)
     world.stall_timeout = float(job.parallel.stall_timeout)
-    # the baseline of memory.json: after MPI's initialisation and the imports
-    # the run would otherwise make later (base/rss.DEFERRED_IMPORTS), before any graph
+    # the baseline of memory.json: after MPI's initialisation, the imports
+    # the run would otherwise make later (base/rss.DEFERRED_IMPORTS) and a
+    # first run of the libraries' code (base/rss.warm_up_libraries), before any graph
     preload_deferred_imports()
+    warm_up_libraries()
     baseline = rss_bytes()
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
     logfile.open_run_log(out_dir, world.rank)
@@ -250,7 +252,11 @@ def write_memory(trainer, baseline):
     ``plan``'s host total predicts), the high-water mark after the last
     iteration, before the end's test pass and checkpoint
     (``loop_peak_rss_bytes``: None when the run stopped early; a sharded
-    checkpoint streams every rank's shards to rank 0, a bucket at a time) and the rank's model state from its
+    checkpoint streams every rank's shards to rank 0, a bucket at a time),
+    then the pages of other ranks' shared-window regions resident in this
+    rank (``peer_window_bytes``, comm/windows.peer_window_resident_bytes:
+    in its resident bytes and in their owner's, counted by ``plan`` on the
+    owner only; None when the run stopped early) and the rank's model state from its
     memory plan (``model_state``: ``Trainer.model_state``'s weights,
     gradients, optimizer state, held, working and peak bytes, the start-up
     line's figures) and the host rows train's start-up check counted
@@ -265,6 +271,7 @@ def write_memory(trainer, baseline):
             "peak_rss_bytes": peak,
             "above_baseline_bytes": None if baseline is None else peak - baseline,
             "loop_peak_rss_bytes": trainer.state.loop_peak_rss,
+            "peer_window_bytes": trainer.state.loop_peer_window,
             "model_state": {k: int(v) for k, v in trainer.model_state().items()},
             "planned": planned_figures(getattr(trainer, "planned", None))}
     every = world_gather(trainer.world, mine, "the ranks' memory figures")
