@@ -691,10 +691,9 @@ class CountedPositions(OpKernel):
         return _raw_specs(outs[0], _label_specs(ins[0]))
 
     def setup(self, ins, outs):
-        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
-            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
-            return
-        _reserve(self, ins[0], self.scratch_specs(ins, outs))
+        # by the count's dtype (float64), as run takes the kernels: the label's
+        # (int32 from the text source) has no raw kernels, and nothing was reserved
+        _reserve(self, outs[0], self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         label, count = ins[0], outs[0]
