@@ -684,6 +684,31 @@ def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, 
             assert max(int(np.prod(s)) for s, _ in k.scratch_specs(ins, outs)) < xb.size
 
 
+def test_the_loss_from_bits_logits_reserves_its_chunk_at_setup(host_build_dir, monkeypatch):
+    """The loss and its gradient ``from_logits`` on logits stored as bits
+    (uint16, a dtype the raw kernels do not take) reserve their scratch
+    (the chunk of float32 logits, the per-position figures, the labels'
+    int64 copy) in setup on the logits' device, so that a run captured in
+    a CUDA graph allocates nothing: ops/softmax._reserve."""
+    from purine_mpi.gpu.raw import op_scratch
+    from purine_mpi.gpu.scratch import Scratch
+    from tests.emulated_gpu import use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    import cupy
+    rng = np.random.default_rng(3)
+    _, xb = _bf16_values(rng, (2, 3, 40))
+    xs = cupy.asarray(xb)
+    label = cupy.asarray(rng.integers(0, 40, (2, 3)).astype(np.int32))
+    fwd, bwd = _loss_kernels(True, bits_out=True, axis=-1)
+    for k, ins, outs in ((fwd, [xs, label], [cupy.asarray(np.zeros((), np.float32))]),
+                         (bwd, [cupy.asarray(np.float32(1)), xs, label],
+                          [cupy.asarray(np.zeros(xb.shape, np.uint16))])):
+        specs = k.scratch_specs(ins, outs)
+        assert ((6, 40, 1), np.float32) in [(tuple(s), d) for s, d in specs]   # 6 positions
+        k.setup(ins, outs)
+        assert op_scratch(k, 0).reserved >= Scratch._layout(specs)[1] > 0, k.op.op_type
+
+
 def test_the_loss_from_bits_logits_against_pytorch_autocast_cross_entropy():
     """PyTorch's CPU autocast(bfloat16) computes ``cross_entropy`` of
     bfloat16 logits in float32 (its float32 list) and hands their gradient

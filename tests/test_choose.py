@@ -826,3 +826,20 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
     assert tried == [8, 16]
     assert [c.label for c in shown(rank([plain] + done))] == [
         "data, recompute none", "data, recompute none, 16 micro-batches"]
+
+
+def test_choose_refuses_a_graph_config(tmp_path):
+    """A complete ``graph:`` (``graph --format yaml``) is one composition
+    already, with no batch of its own in the config (its data ops hold
+    it): ``plan --choose`` on it stopped with a traceback (TypeError in
+    job.global_batch: 'NoneType' and 'int', after 'timing ... at batch
+    None'). Now exit 2 naming the key, before any calibration."""
+    res = run_cli_here("graph", _job(tmp_path), "--format", "yaml")
+    assert res.returncode == 0, res.stderr
+    graph = tmp_path / "graph.yaml"
+    graph.write_text(res.stdout)
+    res = run_cli_here("plan", graph, "--np", 2, "--choose", "--calibration",
+                       tmp_path / "cal.json")
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr and "key 'graph'" in res.stderr, res.stderr
+    assert "calibration: timing" not in res.stderr and not (tmp_path / "cal.json").exists()

@@ -213,3 +213,39 @@ def test_a_dumped_graph_that_clips_trains_as_its_config_on_2_ranks(tmp_path, dig
     for k in ("weight", "bias"):
         assert np.array_equal(weights[0][k], weights[1][k]), \
             (k, float(np.abs(weights[0][k] - weights[1][k]).max()))
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_rank_slice_s_data_readers_take_the_loading_job_s_shards(tmp_path, digits_h5, micro):
+    """A graph printed for rank 1 of 2 (``graph --np 2 --rank 1 --format
+    yaml``) carries its readers' shards of that composition (rank 1 of 2;
+    with 2 micro-batches 2 and 3 of 4). Trained as a ``graph:`` config,
+    each reader takes the loading job's shard and keeps its micro-batch
+    copy's place within it (``micro_batch`` of ``micro_batches``): on 1
+    rank shard k of M, on rank r of 2 shard r·M + k of 2·M. Read from the
+    printed rank and world size, the 1-rank run read shard 1 of 2 (half
+    the data: rows 8..15 of each 16) and rank r of 2 shard 2r + 1 of 4."""
+    import yaml
+    from purine_mpi.job.replica import graph_from_seed
+    from tests.conftest import make_job, write_config_file
+    cfg = {"name": "sl", "seed": 1,
+           "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
+                              "batch_size": 16}},
+           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 10},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                    "top": "loss"}],
+           "solver": {"base_lr": 0.1, "max_iter": 3},
+           "parallel": {"micro_batches": micro}, "checkpoint": {"interval": 0}}
+    res = run_cli_here("graph", write_config_file(tmp_path, cfg, "net.yaml"), "--format", "yaml",
+                       "--np", "2", "--rank", "1")
+    assert res.returncode == 0, res.stderr
+    dumped = yaml.safe_load(res.stdout)
+    printed = sorted((e["attrs"]["rank"], e["attrs"]["world_size"]) for e in dumped["graph"]
+                     if e.get("op_type") == "DataReader")
+    assert printed == ([(1, 2)] if micro == 1 else [(2, 4), (3, 4)])
+    job = make_job(dumped)
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        g, _ = graph_from_seed(job, rank, world)
+        got = sorted((op.attrs["rank"], op.attrs["world_size"]) for op in g.ops.values()
+                     if op.op_type == "DataReader")
+        assert got == [(rank * micro + k, world * micro) for k in range(micro)], (rank, world)

@@ -341,7 +341,9 @@ def test_a_tokenizer_json_s_truncation_and_padding_are_not_applied(tmp_path):
     (src / "a.txt").write_text(text)
     tok = train_bpe([text], 300)
     plain = tok.encode(text, add_special_tokens=False).ids
-    assert len(plain) == 6650  # the whole text's tokens, the reference
+    # the whole text's tokens, the reference (6,650 with tokenizers 0.23: the count
+    # of a trained BPE is the library version's; the padding below must exceed it)
+    assert 1000 < len(plain) < 20000
     tok.enable_truncation(max_length=len(plain) - 10)
     tok.save(str(tmp_path / "cut.json"))
     tok.no_truncation()

@@ -93,3 +93,29 @@ def test_the_count_op_counts_what_the_loss_counts(device, label_dtype):
                                  ["softmax_loss_count"], np.float64)
         assert cpu.dtype == np.float64 and cpu.shape == ()
         assert float(cpu) == float(np.asarray(got)) == want
+
+
+def test_the_count_op_reserves_its_label_copy_at_setup(host_build_dir, monkeypatch):
+    """CountedPositions on int32 labels (the text source's): the int64 copy
+    the device kernel reads is reserved in setup, as the loss's is -- a
+    CUDA-graph capture of the run must allocate nothing. The reservation
+    goes by the count's dtype (float64, which the raw kernels take), not
+    the label's (int32, which they do not: nothing was reserved)."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.gpu.raw import op_scratch
+    from purine_mpi.gpu.scratch import Scratch
+    from purine_mpi.ops.catalog import get_kernel_class
+    from tests.emulated_gpu import use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    import cupy
+    attrs = {"ignore_label": 2}
+    cls = get_kernel_class("CountedPositions")
+    kernel = cls(Op("probe", "CountedPositions", [], [], dict(attrs)))
+    ins = [cupy.asarray(np.array([[0, 2, 1], [3, 2, 1]], np.int32))]
+    outs = [cupy.asarray(np.zeros((), np.float64))]
+    specs = kernel.scratch_specs(ins, outs)
+    assert specs == [((6,), np.int64)]
+    kernel.setup(ins, outs)
+    assert op_scratch(kernel, 0).reserved >= Scratch._layout(specs)[1]
+    kernel.run(ins, outs)
+    assert float(cupy.asnumpy(outs[0])) == 4.0

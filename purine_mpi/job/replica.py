@@ -405,10 +405,14 @@ def graph_from_seed(job, rank=0, world_size=1, exchanged=True):
     for op in g.ops.values():
         if op.op_type == "DataReader":
             # the reader's own shard within the replica (copy k of M of a job with
-            # parallel.micro_batches that graph --format yaml wrote: rank k of M),
-            # as the micro-batch composition numbers it: r·M + k of W·M. Set to the
-            # replica's alone, every copy read the same rows (and the run half the data)
-            own, of = int(op.attrs.get("rank", 0)), int(op.attrs.get("world_size", 1))
+            # parallel.micro_batches that graph --format yaml wrote: its attrs
+            # micro_batch k and micro_batches M), as the micro-batch composition
+            # numbers it: r·M + k of W·M. Set to the replica's alone, every copy read
+            # the same rows (and the run half the data); not from the printed rank
+            # and world size, which are the printed composition's (--np 2 --rank 1:
+            # shard 1 of 2, half the data again on one rank)
+            own = int(op.attrs.get("micro_batch", 0) or 0)
+            of = int(op.attrs.get("micro_batches", 1) or 1)
             op.attrs["rank"], op.attrs["world_size"] = rank * of + own, world_size * of
     _count_labels_over_shards(g, job, world_size, exchanged)
     g.infer_shapes()

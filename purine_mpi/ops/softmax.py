@@ -161,7 +161,13 @@ def _raw_specs(x, specs):
 
 
 def _reserve(kernel, x, specs):
-    if raw_kernels(get_xp(x), x) is not None:
+    """Make room in setup for the kernel's scratch ``specs`` on ``x``'s
+    device: where the raw kernels take ``x``'s dtype, and for a loss or
+    gradient ``from_logits`` whatever it is (logits stored as bits: their
+    kernels run on float32 chunks); nothing on the host."""
+    if kernel.attrs.get("from_logits"):
+        kernel.reserve_temporaries(x, *specs)
+    elif raw_kernels(get_xp(x), x) is not None:
         from ..gpu.raw import array_device, op_scratch
         op_scratch(kernel, array_device(x)).reserve(*specs)
 
@@ -300,9 +306,6 @@ class SoftmaxLoss(OpKernel):
                           _label_specs(ins[1]) + shard + chunk)
 
     def setup(self, ins, outs):
-        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
-            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
-            return
         _reserve(self, ins[0], self.scratch_specs(ins, outs))
 
     @classmethod
@@ -431,9 +434,6 @@ class SoftmaxLossGrad(OpKernel):
         return _raw_specs(np.empty(0, dtype), [((1,), dtype)] + _label_specs(ins[2]) + chunk)
 
     def setup(self, ins, outs):
-        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
-            self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
-            return
         _reserve(self, ins[1], self.scratch_specs(ins, outs))
 
     @classmethod
@@ -691,10 +691,9 @@ class CountedPositions(OpKernel):
         return _raw_specs(outs[0], _label_specs(ins[0]))
 
     def setup(self, ins, outs):
-        if self.attrs.get("from_logits"):   # on the logits' device (nothing on the host)
-            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
-            return
-        _reserve(self, ins[0], self.scratch_specs(ins, outs))
+        # by the count's dtype (float64), as run takes the kernels: the label's
+        # (int32 from the text source) has no raw kernels, and nothing was reserved
+        _reserve(self, outs[0], self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         label, count = ins[0], outs[0]

@@ -768,6 +768,12 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     from .scaling.link import make_link
     t0 = time.perf_counter()
     job = load_job(path, tuple(overrides), check_files=False)
+    if job.graph is not None:  # no settings to compare: before any calibration
+        from ..base.errors import ConfigError
+        raise ConfigError(path, "graph", "plan --choose compares the parallel and recompute "
+                          "settings of a 'net:' config; a complete 'graph:' is one composition "
+                          "already (its own ops and data readers): run plan on it, or "
+                          "plan --choose on the config it was printed from")
     durations, small, calib_job, add = calibrate(job, path, overrides, calibration, log)
     link = link or make_link(None, None, None, gamma=add)
     if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
