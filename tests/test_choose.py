@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-from tests.conftest import run_cli_here, run_mpi_cli
+from tests.conftest import run_cli_args, run_cli_here, run_mpi_cli
 
 NET = """name: choose_net
 seed: 3
@@ -843,3 +843,20 @@ def test_choose_refuses_a_graph_config(tmp_path):
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     assert "Traceback" not in res.stderr and "key 'graph'" in res.stderr, res.stderr
     assert "calibration: timing" not in res.stderr and not (tmp_path / "cal.json").exists()
+
+
+def test_predict_refuses_a_trace_of_a_graph_config(tmp_path):
+    """The same for ``predict TRACE_DIR --np N`` on a run of a complete
+    ``graph:``: it stopped with the same TypeError (Scenario, batch None).
+    Now exit 2 naming the run's config.yaml and the key."""
+    res = run_cli_here("graph", _job(tmp_path), "--format", "yaml")
+    assert res.returncode == 0, res.stderr
+    graph = tmp_path / "graph.yaml"
+    graph.write_text(res.stdout)
+    run = tmp_path / "run"
+    res = run_cli_args("train", graph, "--out", run, "--iters", 3, "--profile-iters", "1:3")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_cli_here("predict", run, "--np", 2)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr, res.stderr
+    assert f"{run / 'config.yaml'}: key 'graph'" in res.stderr, res.stderr

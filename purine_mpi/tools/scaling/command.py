@@ -12,9 +12,10 @@ Mixing the options of two forms, or giving none of ``--weights``, ``--np``
 and ``--calibrate``, is a usage error (exit 2) that names the forms.
 """
 import json
+import os
 import sys
 
-from ...base.errors import UserError
+from ...base.errors import ConfigError, UserError
 
 FORMS = ("predict has three forms: 'predict CONFIG --weights W.h5 --out PREDS.h5' "
          "(per-sample outputs), 'predict TRACE_DIR --np N[,N...] [--bandwidth R] "
@@ -99,6 +100,11 @@ def run_scaling(args):
     nps = parse_np(args.nps)
     link = make_link(args.bandwidth, args.latency, args.link)
     durations, job = read_traces(args.config)
+    if job.graph is not None:  # one composition already: no N to compose it for
+        raise ConfigError(os.path.join(args.config, "config.yaml"), "graph",
+                          "predict --np composes a 'net:' config's schemes on N ranks; a "
+                          "complete 'graph:' is one composition already (its own ops and data "
+                          "readers): trace the config it was printed from")
     algorithm = args.algorithm or "auto"
     table = predict_table(job, durations, nps, link, algorithm)
     data = to_json(table, link, algorithm, args.config, durations)
