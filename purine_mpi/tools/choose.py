@@ -80,8 +80,10 @@ from .scaling.simulate import SimulationStalled
 CALIBRATION_ITERS = 8
 CALIBRATION_WINDOW = "3:8"
 #: the calibration cache's format: 2 holds a second trace at a smaller batch
-#: (``small``: the affine op cost); a file of another format is measured again
-CALIBRATION_FORMAT = 2
+#: (``small``: the affine op cost); 3 each trace's dispatcher gap per op
+#: (``gaps``: trace_reader.dispatch_gap, the cost per op apart from the cost
+#: per iteration); a file of another format is measured again
+CALIBRATION_FORMAT = 3
 #: the calibration file's key of the host's add rate (seconds per byte,
 #: ``scaling/link.reduce_cost_per_byte``), measured with the traces: the
 #: predictions price local adds and untraced copies at it, so one
@@ -150,7 +152,8 @@ def read_calibration(cache, key, small_b):
 
     def durations(d):
         return Durations({int(r): ops for r, ops in d["per_rank"].items()},
-                         {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"])
+                         {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"],
+                         {int(r): v for r, v in (d.get("gaps") or {}).items()})
     small = data.get("small")
     if (small or {}).get("batch") != small_b:
         return None
@@ -213,7 +216,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
-                    "iterations": d.iterations}
+                    "iterations": d.iterations, "gaps": d.gaps}
         text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
                            **entry(durations),
                            "small": dict(entry(small), batch=small_b) if small else None,
@@ -643,8 +646,8 @@ class Predictor:
         from .scaling.model import dispatch_overhead
         self.durations, self.link, self.algorithm = durations, link, algorithm
         self.copy_cost = reduce_cost_per_byte() if add is None else add
-        self.overhead = dispatch_overhead(calib_job, durations, link, algorithm,
-                                          self.copy_cost, {})
+        self.overhead, self.per_iteration = dispatch_overhead(
+            calib_job, durations, link, algorithm, self.copy_cost, {})
         self.traced = compose_for(calib_job, 1, 0)
         small_d, small_job = small or (None, None)
         self.fit = affine_costs(durations, self.traced, small_d,
@@ -664,7 +667,8 @@ class Predictor:
             g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,
                                                  self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,
-                                         overhead=self.overhead)
+                                         overhead=self.overhead,
+                                         per_iteration=self.per_iteration)
             graphs.append(g)
             untraced.update(missing)
         return simulate(graphs, ITERATIONS).period(), scenario.images, len(untraced)
