@@ -15,9 +15,11 @@ file made where a text job's is absent):
 2. the predicted seconds per iteration at each rank count and micro-batch
    count (data parallel, the global batch unchanged), by the model
    (``Predictor``: the dispatcher's cost per op apart from its cost per
-   iteration, docs/scaling.md) and by the model that spreads the traced
-   iteration's whole remainder over the ops (``"per_op_only"``: the
-   calibration without its measured gaps, the rule before);
+   iteration, each op's cost per call fitted from its least traced times;
+   docs/scaling.md) and by the rule before (``"before"``: the same
+   calibration without its gaps and least times: the traced iteration's
+   whole remainder spread over the ops, the cost per call fitted from the
+   ops' medians);
 3. ``bench --json`` of each setting, rounds interleaved, the order rotating
    per round, ``mpiexec -n R`` for R > 1.
 
@@ -41,7 +43,7 @@ sys.path.insert(0, sharded.ROOT)
 
 
 def predictions(config, base, ranks, micro, cache):
-    """{n: {m: {"model": s, "per_op_only": s}}} and the calibration's costs."""
+    """{n: {m: {"model": s, "before": s}}} and the calibration's costs."""
     from purine_mpi.job.config import load_job
     from purine_mpi.tools.choose import Predictor, calibrate
     from purine_mpi.tools.scaling.link import make_link
@@ -51,8 +53,12 @@ def predictions(config, base, ranks, micro, cache):
     link = make_link(None, None, None, gamma=add)
     model = Predictor(calib_job, durations, link, small=small, add=add)
     bare = copy.copy(durations)
-    bare.gaps = {}
-    old = Predictor(calib_job, bare, link, small=small, add=add)
+    bare.gaps, bare.fastest = {}, {}
+    bare_small = None
+    if small is not None:
+        bare_small = (copy.copy(small[0]), small[1])
+        bare_small[0].fastest = {}
+    old = Predictor(calib_job, bare, link, small=bare_small, add=add)
     out = {}
     for n in ranks:
         out[n] = {}
@@ -60,10 +66,10 @@ def predictions(config, base, ranks, micro, cache):
             j = load_job(config, tuple(base) + ("parallel.scheme=data",
                                                 f"parallel.micro_batches={m}"),
                          check_files=False)
-            out[n][m] = {"model": model.predict(j, n)[0], "per_op_only": old.predict(j, n)[0]}
+            out[n][m] = {"model": model.predict(j, n)[0], "before": old.predict(j, n)[0]}
     costs = {"overhead_us_per_op": round(model.overhead * 1e6, 2),
              "per_iteration_ms": round(model.per_iteration * 1e3, 3),
-             "per_op_only_overhead_us_per_op": round(old.overhead * 1e6, 2),
+             "before_overhead_us_per_op": round(old.overhead * 1e6, 2),
              "traced_iter_ms": round(durations.iter_seconds[0] * 1e3, 3),
              "gap_us_per_op": round(durations.gaps.get(0, 0.0) * 1e6, 2)}
     return out, costs
@@ -120,9 +126,9 @@ def main(argv=None):
                 rows[m] = {
                     "predicted_s": round(pred[n][m]["model"], 5),
                     "predicted_ratio": round(pred[n][m]["model"] / pred[n][m1]["model"], 3),
-                    "per_op_only_s": round(pred[n][m]["per_op_only"], 5),
-                    "per_op_only_ratio": round(pred[n][m]["per_op_only"]
-                                               / pred[n][m1]["per_op_only"], 3),
+                    "before_s": round(pred[n][m]["before"], 5),
+                    "before_ratio": round(pred[n][m]["before"]
+                                               / pred[n][m1]["before"], 3),
                     "measured_s_rounds": [round(x, 5) for x in runs[m]],
                     "measured_ratio": round(statistics.median(ratios), 3),
                     "measured_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]}

@@ -82,7 +82,9 @@ CALIBRATION_WINDOW = "3:8"
 #: the calibration cache's format: 2 holds a second trace at a smaller batch
 #: (``small``: the affine op cost); 3 each trace's dispatcher gap per op
 #: (``gaps``: trace_reader.dispatch_gap, the cost per op apart from the cost
-#: per iteration); a file of another format is measured again
+#: per iteration) and each op's least time (``fastest``: trace_reader.
+#: op_minima, the fit of its cost per call); a file of another format is
+#: measured again
 CALIBRATION_FORMAT = 3
 #: the calibration file's key of the host's add rate (seconds per byte,
 #: ``scaling/link.reduce_cost_per_byte``), measured with the traces: the
@@ -153,7 +155,8 @@ def read_calibration(cache, key, small_b):
     def durations(d):
         return Durations({int(r): ops for r, ops in d["per_rank"].items()},
                          {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"],
-                         {int(r): v for r, v in (d.get("gaps") or {}).items()})
+                         {int(r): v for r, v in (d.get("gaps") or {}).items()},
+                         {int(r): v for r, v in (d.get("fastest") or {}).items()})
     small = data.get("small")
     if (small or {}).get("batch") != small_b:
         return None
@@ -216,7 +219,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
-                    "iterations": d.iterations, "gaps": d.gaps}
+                    "iterations": d.iterations, "gaps": d.gaps, "fastest": d.fastest}
         text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
                            **entry(durations),
                            "small": dict(entry(small), batch=small_b) if small else None,
@@ -592,7 +595,14 @@ def affine_costs(durations, traced, small, small_graph):
     graph ``traced`` at the job's batch and ``small`` of ``small_graph`` at
     a smaller one, where its work differs between them in one unit; ops of
     equal work (a weight's update) and ops of one trace are left out (the
-    proportional rule). Empty without a small trace."""
+    proportional rule). Empty without a small trace.
+
+    The fixed part (the cost per call) is fitted from the op's least time
+    in one traced iteration of each trace (``Durations.least``: the time
+    least disturbed by other work on the machine; a median of four
+    iterations, one or two of them slowed, made a max pool's call cost 3 ms
+    of its 8), at most either median; the rate then keeps the op's median
+    at the job's batch, so the job's own ops keep their traced times."""
     from .scaling.work import affine_fit, op_work, weight_blobs
     if small is None or small_graph is None:
         return {}
@@ -603,9 +613,11 @@ def affine_costs(durations, traced, small, small_graph):
         if name not in small_graph.ops or t_big is None or t_small is None:
             continue
         big, little = op_work(traced, name, weights[0]), op_work(small_graph, name, weights[1])
-        fit = affine_fit(t_big, big[1], t_small, little[1]) if big[0] == little[0] else None
+        fit = affine_fit(durations.least(name, 0), big[1], small.least(name, 0), little[1]) \
+            if big[0] == little[0] else None
         if fit is not None:
-            out[name] = (big[0],) + fit
+            fixed = min(fit[0], t_big, t_small)
+            out[name] = (big[0], fixed, (t_big - fixed) / big[1])
     return out
 
 

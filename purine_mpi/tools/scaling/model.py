@@ -35,10 +35,14 @@ their cost on the link model (``link.py``):
   receiver posts nothing and spends no CPU on matching; a Release (a notify
   word) costs α_put, a WaitFree nothing.
 
-Each compute op also takes the dispatcher's own cost per op, measured from
-the trace (``dispatch_overhead``): what the traced iterations took beyond
-the simulation of the traced rank count with its traced communication,
-spread over the ops of the busiest thread.
+What the traced iterations took beyond the simulation of the traced rank
+count with its traced communication (``dispatch_overhead``) is the
+dispatcher's own cost per op, which each compute op takes (the busiest
+thread's measured idle between two of its ops inside an iteration:
+trace_reader.dispatch_gap), and a cost per iteration for the rest (the
+trainer's loop; one op, ``ITERATION_OP``, first on the busiest lane):
+M micro-batches pay the first for each of their M times as many ops, the
+second once.
 
 A compute op absent from the trace (a row chunk of a split weight, a
 shard's update, a copy into a bucket) is estimated: a chunk takes its
