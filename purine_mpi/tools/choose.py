@@ -601,8 +601,11 @@ def affine_costs(durations, traced, small, small_graph):
     in one traced iteration of each trace (``Durations.least``: the time
     least disturbed by other work on the machine; a median of four
     iterations, one or two of them slowed, made a max pool's call cost 3 ms
-    of its 8), at most either median; the rate then keeps the op's median
-    at the job's batch, so the job's own ops keep their traced times."""
+    of its 8), as a share of the least time at the job's batch, and taken
+    at that share of the op's median there (other work slows the call's
+    fixed and proportional parts alike), at most either median; the rate
+    then keeps the op's median at the job's batch, so the job's own ops
+    keep their traced times."""
     from .scaling.work import affine_fit, op_work, weight_blobs
     if small is None or small_graph is None:
         return {}
@@ -613,10 +616,13 @@ def affine_costs(durations, traced, small, small_graph):
         if name not in small_graph.ops or t_big is None or t_small is None:
             continue
         big, little = op_work(traced, name, weights[0]), op_work(small_graph, name, weights[1])
-        fit = affine_fit(durations.least(name, 0), big[1], small.least(name, 0), little[1]) \
-            if big[0] == little[0] else None
+        least = durations.least(name, 0)
+        fit = affine_fit(least, big[1], small.least(name, 0), little[1]) \
+            if big[0] == little[0] and least > 0 else None
         if fit is not None:
-            fixed = min(fit[0], t_big, t_small)
+            # the fixed part's share of the op at the job's batch, undisturbed,
+            # of the op's median there (other work slows both parts alike)
+            fixed = min(fit[0] / least * t_big, t_big, t_small)
             out[name] = (big[0], fixed, (t_big - fixed) / big[1])
     return out
 
