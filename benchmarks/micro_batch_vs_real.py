@@ -93,7 +93,8 @@ def measure(config, base, n, micro, a):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=[
-        os.path.join("benchmarks", "cifar10_quick_wide.yaml"), os.path.join("jobs", "gpt_small.yaml")])
+        os.path.join("benchmarks", "cifar10_quick_wide.yaml"),
+        os.path.join("jobs", "gpt_small.yaml")])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--rounds", type=int, default=3)

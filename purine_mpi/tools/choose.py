@@ -474,8 +474,9 @@ def variants_to_try(plain, variants, own, evaluate):
     evaluated setting ``plain`` (at the job's own count ``own``) that may
     be the fastest that fits; the list of those evaluated. By the model's
     op costs a larger count is no faster (each op's fixed cost,
-    ``affine_costs``, is paid per micro-batch, the proportional part is
-    the same, and the gradient sums come on top; the search takes the
+    ``affine_costs``, and the dispatcher's cost per op are paid per
+    micro-batch, the proportional part is the same, and the gradient sums
+    come on top; the search takes the
     simulated iteration to follow its ops, as in every case measured: gpt_
     small, cifar10_quick_wide, tests/test_choose.py's nets) and, over the
     counts where the activations dominate, holds less. So the counts above ``own``, ascending, are
