@@ -280,6 +280,11 @@ def test_the_calibration_prices_its_own_job_as_traced(calibrated):
     job, cal, _, _ = calibrated
     data = json.loads(cal.read_text())
     assert data["small"]["batch"] == small_batch(16) == 4
+    # each run's dispatcher gap per op and each op's least time, at most its median
+    for run in (data, data["small"]):
+        assert 0 <= run["gaps"]["0"] < run["iter_seconds"]["0"]
+        assert set(run["fastest"]["0"]) == set(run["per_rank"]["0"])
+        assert all(run["fastest"]["0"][op] <= t for op, t in run["per_rank"]["0"].items())
     durations, small, calib_job, _ = calibrate(load_job(job, (), check_files=False), job, (),
                                                str(cal))
     assert small[1].train_batch == 4 and calib_job.train_batch == 16
@@ -290,12 +295,13 @@ def test_the_calibration_prices_its_own_job_as_traced(calibrated):
     assert not proportional.fit
     traced = durations.iter_seconds[0]
     assert affine.overhead == proportional.overhead
+    assert affine.per_iteration == proportional.per_iteration
     # the overhead is the rest of the traced iteration, never negative: the
     # job is predicted at its traced iteration, or at its ops' medians
     # scheduled where they take longer (a trace of a loaded machine:
     # test_a_noisy_calibration_trace_is_predicted_at_its_ops_medians)
     bare = Predictor(calib_job, durations, link, small=small)
-    bare.overhead = 0.0
+    bare.overhead = bare.per_iteration = 0.0
     assert affine.predict(calib_job, 1)[0] == pytest.approx(
         max(traced, bare.predict(calib_job, 1)[0]), rel=1e-3)
     assert affine.predict(calib_job, 1)[0] == pytest.approx(proportional.predict(calib_job, 1)[0])
@@ -545,7 +551,7 @@ def test_choose_lists_tensor_x_pipeline_prices_it_and_its_best_trains(tmp_path):
     slow = make_link(None, None, None)
     slow.alpha += 1e-3
     late = Predictor(calib_job, durations, slow, small=small)
-    late.overhead = predictor.overhead
+    late.overhead, late.per_iteration = predictor.overhead, predictor.per_iteration
     added = late.predict(tppp.job, 4)[0] - tppp.iter_s
     assert added >= 0.99 * 1e-3 * (len(groups[0]) + len(groups[2]))
     # under a host limit only it fits: the best, its --set line and YAML
