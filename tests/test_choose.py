@@ -280,6 +280,11 @@ def test_the_calibration_prices_its_own_job_as_traced(calibrated):
     job, cal, _, _ = calibrated
     data = json.loads(cal.read_text())
     assert data["small"]["batch"] == small_batch(16) == 4
+    # each run's dispatcher gap per op and each op's least time, at most its median
+    for run in (data, data["small"]):
+        assert 0 <= run["gaps"]["0"] < run["iter_seconds"]["0"]
+        assert set(run["fastest"]["0"]) == set(run["per_rank"]["0"])
+        assert all(run["fastest"]["0"][op] <= t for op, t in run["per_rank"]["0"].items())
     durations, small, calib_job, _ = calibrate(load_job(job, (), check_files=False), job, (),
                                                str(cal))
     assert small[1].train_batch == 4 and calib_job.train_batch == 16
@@ -290,69 +295,153 @@ def test_the_calibration_prices_its_own_job_as_traced(calibrated):
     assert not proportional.fit
     traced = durations.iter_seconds[0]
     assert affine.overhead == proportional.overhead
+    assert affine.per_iteration == proportional.per_iteration
     # the overhead is the rest of the traced iteration, never negative: the
     # job is predicted at its traced iteration, or at its ops' medians
     # scheduled where they take longer (a trace of a loaded machine:
     # test_a_noisy_calibration_trace_is_predicted_at_its_ops_medians)
     bare = Predictor(calib_job, durations, link, small=small)
-    bare.overhead = 0.0
+    bare.overhead = bare.per_iteration = 0.0
     assert affine.predict(calib_job, 1)[0] == pytest.approx(
         max(traced, bare.predict(calib_job, 1)[0]), rel=1e-3)
     assert affine.predict(calib_job, 1)[0] == pytest.approx(proportional.predict(calib_job, 1)[0])
 
 
-def _calibration_trace(calib_job, seconds, slow=None):
+def _calibration_trace(calib_job, seconds, slow=None, gap=0.0, after=None):
     """The Durations the trace reader makes of a constructed traced window
     (``CALIBRATION_WINDOW``) of ``calib_job``: its ops one after another,
-    each ``seconds`` long (``slow``: {(op, iteration): seconds} instead),
-    and after each iteration a tenth of its ops' time more (the
-    dispatcher's own)."""
+    each ``seconds`` long (a number, or a function of the graph and the op's
+    name; ``slow``: {(op, iteration): seconds} instead), ``gap`` seconds
+    apart (the dispatcher's cost per op), and after each iteration ``after``
+    seconds more, by default a tenth of its ops' time (the trainer's loop)."""
     from purine_mpi.tools.choose import CALIBRATION_WINDOW
     from purine_mpi.tools.graph import compose_for
-    from purine_mpi.tools.scaling.trace_reader import Durations, median_durations
+    from purine_mpi.tools.scaling.trace_reader import Durations, dispatch_gap, \
+        median_durations, op_minima
     graph = compose_for(calib_job, 1, 0)
     names = [op.name for op in graph.topo_order(graph.dependencies())]
+    cost = seconds if callable(seconds) else (lambda g, name: seconds)
     first, end = (int(v) for v in CALIBRATION_WINDOW.split(":"))
+    if after is None:
+        after = 0.1 * sum(cost(graph, n) for n in names)
     events, t = [], 0.0
     for it in range(first, end):
-        for name in names:
-            dur = (slow or {}).get((name, it), seconds) * 1e6
+        for i, name in enumerate(names):
+            dur = (slow or {}).get((name, it), cost(graph, name)) * 1e6
             events.append({"ph": "X", "name": name, "ts": t, "dur": dur, "args": {"iter": it}})
-            t += dur
-        t += 0.1 * seconds * 1e6 * len(names)
+            t += dur + (gap * 1e6 if i < len(names) - 1 else 0.0)
+        t += after * 1e6
     medians, period, n = median_durations(events)
-    return Durations({0: medians}, {0: period}, n)
+    return Durations({0: medians}, {0: period}, n, {0: dispatch_gap(events)},
+                     {0: op_minima(events)})
 
 
 def test_a_noisy_calibration_trace_is_predicted_at_its_ops_medians(tmp_path):
     """The calibration job is predicted at its traced iteration where its
-    ops' medians leave a remainder (the dispatcher's overhead, the same with
-    the affine law and without); a trace whose ops' medians, scheduled, take
-    longer than its median iteration (fc2.fwd 20 times slower in two of the
-    four iterations read, one of them the last, whose length the iteration
-    median never sees: a loaded machine) gets no overhead, never a negative
-    one, and is predicted at those medians, above its traced iteration."""
+    ops' medians leave a remainder: the dispatcher's cost per op (the gap
+    measured between two ops of an iteration) and the rest per iteration
+    (the loop between iterations), the same with the affine law and
+    without; a trace whose ops' medians, scheduled, take longer than its
+    median iteration (fc2.fwd 20 times slower in two of the four iterations
+    read, one of them the last, whose length the iteration median never
+    sees: a loaded machine) gets no overhead, never a negative one, and is
+    predicted at those medians, above its traced iteration."""
     from purine_mpi.tools.choose import Predictor, _calibration_job, small_batch
     from purine_mpi.tools.scaling.link import make_link
     path, link = _job(tmp_path), make_link(None, None, None)
     calib_job = _calibration_job(path, ())
     small_job = _calibration_job(path, (), (f"data.train.batch_size={small_batch(16)}",))
-    clean = _calibration_trace(calib_job, 1e-3)
-    small = (_calibration_trace(small_job, 0.5e-3), small_job)
+    clean = _calibration_trace(calib_job, 1e-3, gap=20e-6)
+    small = (_calibration_trace(small_job, 0.5e-3, gap=20e-6), small_job)
     affine = Predictor(calib_job, clean, link, small=small)
     proportional = Predictor(calib_job, clean, link)
     assert affine.fit and not proportional.fit
-    assert affine.overhead == proportional.overhead > 0
+    assert clean.gaps[0] == pytest.approx(20e-6)
+    assert affine.overhead == proportional.overhead == pytest.approx(20e-6)
+    assert affine.per_iteration == pytest.approx(proportional.per_iteration)
+    assert affine.per_iteration > 0
     for p in (affine, proportional):
         assert p.predict(calib_job, 1)[0] == pytest.approx(clean.iter_seconds[0], rel=1e-6)
     noisy = _calibration_trace(calib_job, 1e-3, {("fc2.fwd", 4): 20e-3, ("fc2.fwd", 7): 20e-3})
     assert noisy.lookup("fc2.fwd") == pytest.approx(10.5e-3)
-    assert noisy.iter_seconds[0] == pytest.approx(clean.iter_seconds[0])
+    assert noisy.iter_seconds[0] == pytest.approx(clean.iter_seconds[0] - 20e-6 * (
+        len(clean.per_rank[0]) - 1))
     p = Predictor(calib_job, noisy, link)
-    assert p.overhead == 0.0
+    assert p.overhead == 0.0 and p.per_iteration == 0.0
     medians = sum(noisy.per_rank[0].values()) - noisy.lookup("data")  # the reader beside lane 0
     assert p.predict(calib_job, 1)[0] == pytest.approx(medians, rel=1e-6)
     assert medians > 1.05 * noisy.iter_seconds[0]
+
+
+def test_a_micro_batched_iteration_is_priced_op_by_op_in_closed_form(tmp_path):
+    """M micro-batches priced from two constructed traces whose every op
+    takes fixed + rate x its work (``scaling/work.op_work``: FLOPs, batch
+    bytes, or all bytes for an update), the ops ``gap`` apart, the loop
+    ``after`` seconds between iterations. The fit gives each op's fixed
+    part exactly, from each op's least time in a traced iteration (fc2.fwd
+    slowed in half the small trace's iterations is fitted as the others);
+    the dispatcher's cost per op is the gap, and the rest of the traced
+    iteration (the reader's op beside the busiest lane, and the loop) is
+    paid once an iteration. So an iteration of M micro-batches is that cost
+    per iteration plus, over the busiest lane's ops and the readers of
+    micro-batches 1..M-1 (each waits for the micro-batch before it), each
+    op's fixed + rate x work + gap (a micro-batch's gradient sum, untraced,
+    at the add rate 0 here: the gap alone). Spread over the ops as before
+    (the calibration without its gaps), the once-an-iteration cost would
+    be paid n_M / n_1 times over (n_M: the ops on the path at M
+    micro-batches): 4 micro-batches priced that much more."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor, _calibration_job, small_batch
+    from purine_mpi.tools.scaling.link import make_link
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.model import Scenario, Template
+    from purine_mpi.tools.scaling.work import op_work
+    fixed, gap, after = 50e-6, 30e-6, 4e-3
+    rate = {"flops": 2e-11, "bytes": 1e-9, "all bytes": 1e-10}
+
+    def cost(graph, name):
+        unit, work = op_work(graph, name)
+        return fixed + rate[unit] * work
+    path, link = _job(tmp_path), make_link(None, None, None)
+    calib_job = _calibration_job(path, ())
+    small_job = _calibration_job(path, (), (f"data.train.batch_size={small_batch(16)}",))
+    big = _calibration_trace(calib_job, cost, gap=gap, after=after)
+    # fc2.fwd of the small trace slowed in two of the four iterations read
+    # (a loaded machine): its median is not its cost, its least time is
+    graph = compose_for(small_job, 1, 0)
+    late = {("fc2.fwd", it): 3 * cost(graph, "fc2.fwd") for it in (4, 7)}
+    small = (_calibration_trace(small_job, cost, late, gap=gap, after=after), small_job)
+    assert small[0].lookup("fc2.fwd") == pytest.approx(2 * cost(graph, "fc2.fwd"))
+    p = Predictor(calib_job, big, link, small=small, add=0.0)
+    traced = p.traced
+    assert all(f[1] == pytest.approx(fixed, rel=1e-6) for f in p.fit.values())
+    assert p.overhead == pytest.approx(gap, rel=1e-6)
+    # what the traced iteration holds beside the busiest lane's ops and gaps
+    assert p.per_iteration == pytest.approx(after + cost(traced, "data"), rel=1e-6)
+    bare = Predictor(calib_job, type(big)(big.per_rank, big.iter_seconds, big.iterations),
+                     link, small=small, add=0.0)
+    predicted, spread, lane_ops = {}, {}, {}
+    for m in (1, 2, 4):
+        job = load_job(path, (f"parallel.micro_batches={m}",), check_files=False)
+        graph = Template(job, Scenario(job, 1), 0).graph
+        deps = graph.dependencies()
+        lane = [n for n, op in graph.ops.items() if str(op.thread) == "0"]
+        # a later micro-batch's reader (data@mbK, K >= 1) waits for the
+        # previous micro-batch's weight gradients: on the path between them
+        readers = [n for n, op in graph.ops.items() if str(op.thread) != "0" and deps[n]]
+        assert len(readers) == m - 1
+        expected = p.per_iteration
+        for name in lane + readers:
+            base = re.sub(r"(@mb\d+)+$", "", name)
+            expected += gap + (cost(graph, name) if base in traced.ops else 0.0)
+        predicted[m], spread[m] = p.predict(job, 1)[0], bare.predict(job, 1)[0]
+        lane_ops[m] = len(lane + readers)  # the ops on the iteration's path
+        assert predicted[m] == pytest.approx(expected, rel=1e-6), m
+    assert lane_ops[4] > 3 * lane_ops[1]
+    assert predicted[1] == pytest.approx(big.iter_seconds[0], rel=1e-6)
+    assert spread[1] == pytest.approx(predicted[1], rel=1e-6)
+    assert spread[4] - predicted[4] == pytest.approx(
+        p.per_iteration * (lane_ops[4] / lane_ops[1] - 1), rel=1e-3)
 
 
 def test_an_old_calibration_file_is_measured_again(tmp_path, monkeypatch):
@@ -462,7 +551,7 @@ def test_choose_lists_tensor_x_pipeline_prices_it_and_its_best_trains(tmp_path):
     slow = make_link(None, None, None)
     slow.alpha += 1e-3
     late = Predictor(calib_job, durations, slow, small=small)
-    late.overhead = predictor.overhead
+    late.overhead, late.per_iteration = predictor.overhead, predictor.per_iteration
     added = late.predict(tppp.job, 4)[0] - tppp.iter_s
     assert added >= 0.99 * 1e-3 * (len(groups[0]) + len(groups[2]))
     # under a host limit only it fits: the best, its --set line and YAML

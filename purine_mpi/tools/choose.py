@@ -80,8 +80,12 @@ from .scaling.simulate import SimulationStalled
 CALIBRATION_ITERS = 8
 CALIBRATION_WINDOW = "3:8"
 #: the calibration cache's format: 2 holds a second trace at a smaller batch
-#: (``small``: the affine op cost); a file of another format is measured again
-CALIBRATION_FORMAT = 2
+#: (``small``: the affine op cost); 3 each trace's dispatcher gap per op
+#: (``gaps``: trace_reader.dispatch_gap, the cost per op apart from the cost
+#: per iteration) and each op's least time (``fastest``: trace_reader.
+#: op_minima, the fit of its cost per call); a file of another format is
+#: measured again
+CALIBRATION_FORMAT = 3
 #: the calibration file's key of the host's add rate (seconds per byte,
 #: ``scaling/link.reduce_cost_per_byte``), measured with the traces: the
 #: predictions price local adds and untraced copies at it, so one
@@ -150,7 +154,9 @@ def read_calibration(cache, key, small_b):
 
     def durations(d):
         return Durations({int(r): ops for r, ops in d["per_rank"].items()},
-                         {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"])
+                         {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"],
+                         {int(r): v for r, v in (d.get("gaps") or {}).items()},
+                         {int(r): v for r, v in (d.get("fastest") or {}).items()})
     small = data.get("small")
     if (small or {}).get("batch") != small_b:
         return None
@@ -213,7 +219,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
-                    "iterations": d.iterations}
+                    "iterations": d.iterations, "gaps": d.gaps, "fastest": d.fastest}
         text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
                            **entry(durations),
                            "small": dict(entry(small), batch=small_b) if small else None,
@@ -468,8 +474,9 @@ def variants_to_try(plain, variants, own, evaluate):
     evaluated setting ``plain`` (at the job's own count ``own``) that may
     be the fastest that fits; the list of those evaluated. By the model's
     op costs a larger count is no faster (each op's fixed cost,
-    ``affine_costs``, is paid per micro-batch, the proportional part is
-    the same, and the gradient sums come on top; the search takes the
+    ``affine_costs``, and the dispatcher's cost per op are paid per
+    micro-batch, the proportional part is the same, and the gradient sums
+    come on top; the search takes the
     simulated iteration to follow its ops, as in every case measured: gpt_
     small, cifar10_quick_wide, tests/test_choose.py's nets) and, over the
     counts where the activations dominate, holds less. So the counts above ``own``, ascending, are
@@ -589,7 +596,17 @@ def affine_costs(durations, traced, small, small_graph):
     graph ``traced`` at the job's batch and ``small`` of ``small_graph`` at
     a smaller one, where its work differs between them in one unit; ops of
     equal work (a weight's update) and ops of one trace are left out (the
-    proportional rule). Empty without a small trace."""
+    proportional rule). Empty without a small trace.
+
+    The fixed part (the cost per call) is fitted from the op's least time
+    in one traced iteration of each trace (``Durations.least``: the time
+    least disturbed by other work on the machine; a median of four
+    iterations, one or two of them slowed, made a max pool's call cost 3 ms
+    of its 8), as a share of the least time at the job's batch, and taken
+    at that share of the op's median there (other work slows the call's
+    fixed and proportional parts alike), at most either median; the rate
+    then keeps the op's median at the job's batch, so the job's own ops
+    keep their traced times."""
     from .scaling.work import affine_fit, op_work, weight_blobs
     if small is None or small_graph is None:
         return {}
@@ -600,9 +617,14 @@ def affine_costs(durations, traced, small, small_graph):
         if name not in small_graph.ops or t_big is None or t_small is None:
             continue
         big, little = op_work(traced, name, weights[0]), op_work(small_graph, name, weights[1])
-        fit = affine_fit(t_big, big[1], t_small, little[1]) if big[0] == little[0] else None
+        least = durations.least(name, 0)
+        fit = affine_fit(least, big[1], small.least(name, 0), little[1]) \
+            if big[0] == little[0] and least > 0 else None
         if fit is not None:
-            out[name] = (big[0],) + fit
+            # the fixed part's share of the op at the job's batch, undisturbed,
+            # of the op's median there (other work slows both parts alike)
+            fixed = min(fit[0] / least * t_big, t_big, t_small)
+            out[name] = (big[0], fixed, (t_big - fixed) / big[1])
     return out
 
 
@@ -643,8 +665,8 @@ class Predictor:
         from .scaling.model import dispatch_overhead
         self.durations, self.link, self.algorithm = durations, link, algorithm
         self.copy_cost = reduce_cost_per_byte() if add is None else add
-        self.overhead = dispatch_overhead(calib_job, durations, link, algorithm,
-                                          self.copy_cost, {})
+        self.overhead, self.per_iteration = dispatch_overhead(
+            calib_job, durations, link, algorithm, self.copy_cost, {})
         self.traced = compose_for(calib_job, 1, 0)
         small_d, small_job = small or (None, None)
         self.fit = affine_costs(durations, self.traced, small_d,
@@ -664,7 +686,8 @@ class Predictor:
             g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,
                                                  self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,
-                                         overhead=self.overhead)
+                                         overhead=self.overhead,
+                                         per_iteration=self.per_iteration)
             graphs.append(g)
             untraced.update(missing)
         return simulate(graphs, ITERATIONS).period(), scenario.images, len(untraced)

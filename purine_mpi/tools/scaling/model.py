@@ -35,10 +35,14 @@ their cost on the link model (``link.py``):
   receiver posts nothing and spends no CPU on matching; a Release (a notify
   word) costs α_put, a WaitFree nothing.
 
-Each compute op also takes the dispatcher's own cost per op, measured from
-the trace (``dispatch_overhead``): what the traced iterations took beyond
-the simulation of the traced rank count with its traced communication,
-spread over the ops of the busiest thread.
+What the traced iterations took beyond the simulation of the traced rank
+count with its traced communication (``dispatch_overhead``) is the
+dispatcher's own cost per op, which each compute op takes (the busiest
+thread's measured idle between two of its ops inside an iteration:
+trace_reader.dispatch_gap), and a cost per iteration for the rest (the
+trainer's loop; one op, ``ITERATION_OP``, first on the busiest lane):
+M micro-batches pay the first for each of their M times as many ops, the
+second once.
 
 A compute op absent from the trace (a row chunk of a split weight, a
 shard's update, a copy into a bucket) is estimated: a chunk takes its
@@ -67,6 +71,11 @@ HOST_RATE_TYPES = ("Copy", "Sum")
 
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
+
+#: the simulated op that stands for a rank's cost per iteration (``Template.
+#: rank_graph``'s ``per_iteration``: what the traced iteration took beyond its
+#: ops and the dispatcher's gaps between them), first on the busiest lane
+ITERATION_OP = "(iteration)"
 
 
 class Scenario:
@@ -136,10 +145,13 @@ class Template:
                                   b if whole is None else graph.blobs[whole].size)
 
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
-                   overhead=0.0, traced_comm=False):
+                   overhead=0.0, traced_comm=False, per_iteration=0.0):
         """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
         ``overhead``: seconds added to every compute op (the dispatcher's own
-        cost per op); ``traced_comm``: comm ops take their traced durations."""
+        cost per op); ``per_iteration``: seconds the busiest lane spends once
+        an iteration, before its ops (``ITERATION_OP``: the trainer's loop,
+        ``dispatch_overhead``); ``traced_comm``: comm ops take their traced
+        durations."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
@@ -162,6 +174,15 @@ class Template:
                 sim = SimOp(name, seconds + overhead, deps, lane=str(op.thread))
             sim.priority = self.priority[name]
             ops[name] = sim
+        if per_iteration > 0:
+            lanes = {}
+            for sim in ops.values():
+                if sim.kind == "compute":
+                    lanes[sim.lane] = lanes.get(sim.lane, 0) + 1
+            if lanes:
+                busiest = max(lanes, key=lambda k: (lanes[k], k))
+                ops[ITERATION_OP] = SimOp(ITERATION_OP, per_iteration, (), lane=busiest,
+                                          priority=(False, -1))
         return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
 
     def _comm_op(self, op, deps, durations, link, algorithm, scenario):
@@ -260,23 +281,33 @@ def _templates(job, scenario, cache):
 
 
 def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
-    """Seconds per compute op that the traced run spent beyond its ops'
-    durations (the dispatcher's own work, the wake-ups of its threads):
-    the traced iteration less the simulated one at the traced rank count,
-    with the traced communication, over the ops of the busiest lane. 0 when
-    the trace has no iteration time or the simulation is not faster."""
+    """(seconds per compute op, seconds per iteration): what the traced run
+    spent beyond its ops' durations, the traced iteration less the simulated
+    one at the traced rank count with the traced communication, split into
+    the dispatcher's cost per op and a cost per iteration. The cost per op
+    is the busiest thread's measured idle between two of its ops inside an
+    iteration (``durations.gaps``: trace_reader.dispatch_gap), at most the
+    whole remainder over that lane's ops; the rest of the remainder is per
+    iteration (the trainer's loop between iterations, and on a loaded
+    machine the ops' medians summing to less than the median iteration):
+    M micro-batches run M times the ops, so they pay the first M times and
+    the second once. Without measured gaps (a constructed trace, an older
+    calibration file) the whole remainder is per op, spread over the ops of
+    the busiest lane. (0, 0) when the trace has no iteration time or the
+    simulation is not faster."""
     traced = [v for v in durations.iter_seconds.values() if v]
     if not traced:
-        return 0.0
+        return 0.0, 0.0
     try:
         scenario = Scenario(job, len(durations.per_rank))
         templates = _templates(job, scenario, cache)
     except UserError:  # traced on ranks the scheme reads otherwise: no correction
-        return 0.0
+        return 0.0, 0.0
 
-    def period(overhead):
+    def period(overhead, per_iteration=0.0):
         graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
-                               overhead=overhead, traced_comm=True)[0] for t in templates]
+                               overhead=overhead, traced_comm=True,
+                               per_iteration=per_iteration)[0] for t in templates]
         return simulate(graphs, ITERATIONS).period(), graphs
 
     target = sorted(traced)[len(traced) // 2]
@@ -287,23 +318,34 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
             lanes[op.lane] = lanes.get(op.lane, 0) + 1
     ops = max(lanes.values(), default=0)
     if not ops or target <= simulated:
-        return 0.0
+        return 0.0, 0.0
     overhead = (target - simulated) / ops
+    gaps = sorted(durations.gaps.values())
+    if gaps:
+        overhead = min(overhead, gaps[len(gaps) // 2])
+        simulated, _ = period(overhead)
+        per_iteration = max(0.0, target - simulated)
+        if per_iteration > 0:  # it need not lengthen the iteration by all of itself
+            simulated, _ = period(overhead, per_iteration)
+            per_iteration = max(0.0, per_iteration + target - simulated)
+        return overhead, per_iteration
     for _ in range(2):  # the busiest lane need not be the whole critical path
         simulated, _ = period(overhead)
         overhead = max(0.0, overhead + (target - simulated) / ops)
-    return overhead
+    return overhead, 0.0
 
 
-def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0):
+def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0,
+                per_iteration=0.0):
     """The prediction at ``n`` ranks: a dict of seconds and counts."""
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache)
-    built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead)
+    built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
+                          per_iteration=per_iteration)
              for t in templates]
     period = simulate([b[0] for b in built], ITERATIONS).period()
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                         overhead=overhead)[0] for t in templates]
+                         overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
     compute = simulate(bare, ITERATIONS).period()
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
@@ -321,13 +363,16 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
     t0 = time.perf_counter()
     copy_cost = reduce_cost_per_byte()
     cache = {}
-    overhead = dispatch_overhead(job, durations, link, algorithm, copy_cost, cache)
-    one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead)
+    overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
+                                                cache)
+    one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
+                      per_iteration)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
-            row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead)
+            row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead,
+                              per_iteration)
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue
@@ -337,4 +382,5 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
         rows.append(row)
     one["images_per_s"] = ips1
     return {"rows": rows, "one_rank": one, "overhead_s": overhead,
+            "per_iteration_s": per_iteration,
             "seconds": time.perf_counter() - t0}

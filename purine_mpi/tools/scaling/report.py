@@ -60,6 +60,7 @@ def to_json(table, link, algorithm, folder, durations):
             "traced_iter_ms": {str(k): ms(v) for k, v in traced.items()},
             "one_rank_iter_ms": ms(one["iter_s"]),
             "dispatch_overhead_us_per_op": round(1e6 * table.get("overhead_s", 0.0), 2),
+            "per_iteration_ms": ms(table.get("per_iteration_s", 0.0)),
             "link": {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta,
                      "gamma_s_per_byte": link.gamma, "origin": link.origin},
             "algorithm": algorithm, "rows": rows, "seconds": round(table["seconds"], 3)}
@@ -73,7 +74,8 @@ def format_table(data):
             f"iterations; traced iteration "
             + ", ".join(f"{v} ms" for v in data["traced_iter_ms"].values() if v is not None)
             + f"; simulated on 1 rank: {data['one_rank_iter_ms']} ms, with "
-            f"{data['dispatch_overhead_us_per_op']} µs of dispatch per op)",
+            f"{data['dispatch_overhead_us_per_op']} µs of dispatch per op and "
+            f"{data['per_iteration_ms']} ms per iteration)",
             f"link: α = {link['alpha_s'] * 1e6:.3g} µs, β = {link['beta_bytes_per_s'] * 8 / 1e9:.4g} "
             f"Gbit/s, γ = {link['gamma_s_per_byte'] * 1e9:.3g} ns/byte, allreduce "
             f"{data['algorithm']} ({link['origin']})"]

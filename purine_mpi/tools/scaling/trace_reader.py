@@ -21,10 +21,19 @@ _RANK = re.compile(r"trace\.rank(\d+)\.json$")
 class Durations:
     """{rank: {op name: median seconds}} and the lookup the model uses."""
 
-    def __init__(self, per_rank, iter_seconds=None, iterations=0):
+    def __init__(self, per_rank, iter_seconds=None, iterations=0, gaps=None, fastest=None):
         self.per_rank = per_rank
         self.iter_seconds = iter_seconds or {}
         self.iterations = iterations
+        #: {rank: seconds the busiest thread idled between two of its ops
+        #: inside an iteration, per op} (``dispatch_gap``); empty where not
+        #: measured (a constructed trace, a calibration file of an older format)
+        self.gaps = gaps or {}
+        #: {rank: {op name: its least seconds in one traced iteration}}
+        #: (``op_minima``): the op's time least disturbed by other work on
+        #: the machine, which the fit of its cost per call reads
+        #: (tools/choose.affine_costs); empty where not measured
+        self.fastest = fastest or {}
         self._rows = {}  # base name -> total rows of its [a:b] chunks
         # base name -> the names of its chunks on any rank: ``lookup`` asks
         # for every op of every candidate's graph (a name matched against
@@ -57,6 +66,12 @@ class Durations:
         if parts and all(p is not None for p in parts):
             return sum(parts)
         return None
+
+    def least(self, name, rank=0):
+        """The least seconds of op ``name`` in one traced iteration of
+        ``rank`` (``fastest``), else its median (``lookup``)."""
+        found = self.fastest.get(rank, {}).get(name)
+        return found if found is not None else self.lookup(name, rank)
 
     def _exact(self, name, rank):
         mine = self.per_rank.get(rank, {})
@@ -138,15 +153,71 @@ def median_durations(events, skip_first=True):
     return medians, (statistics.median(gaps) if gaps else None), len(iters)
 
 
+def op_minima(events, skip_first=True):
+    """{op name: its least seconds in one iteration} over the iterations
+    ``median_durations`` reads (an op that runs several times in one
+    iteration counts its sum there)."""
+    per = defaultdict(lambda: defaultdict(float))
+    for e in events:
+        it = (e.get("args") or {}).get("iter")
+        if it is not None:
+            per[e["name"]][it] += e["dur"] * 1e-6
+    iters = sorted({it for by_it in per.values() for it in by_it})
+    if skip_first and len(iters) >= 3:
+        iters = iters[1:]
+    return {name: min(by_it.get(i, 0.0) for i in iters) for name, by_it in per.items()
+            if iters}
+
+
+def dispatch_gap(events, skip_first=True):
+    """Seconds per op the busiest thread (the ``tid`` with the most op
+    events) was idle between the end of one of its ops and the start of its
+    next one inside the same iteration: the dispatcher's own cost per op
+    (finding the next ready op, waking its worker), medians over the
+    iterations ``median_durations`` reads; None without two ops in one
+    iteration. The time between iterations (the trainer's loop) is not in
+    it: a cost per iteration, not per op (scaling/model.dispatch_overhead)."""
+    per = defaultdict(lambda: defaultdict(list))
+    counts = defaultdict(int)
+    for e in events:
+        it = (e.get("args") or {}).get("iter")
+        if it is None:
+            continue
+        per[it][e.get("tid")].append((e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
+        counts[e.get("tid")] += 1
+    if not counts:
+        return None
+    busiest = max(counts, key=lambda t: (counts[t], str(t)))
+    iters = sorted(per)
+    if skip_first and len(iters) >= 3:
+        iters = iters[1:]
+    gaps = []
+    for it in iters:
+        spans = sorted(per[it].get(busiest, ()))
+        if len(spans) < 2:
+            continue
+        idle, end = 0.0, spans[0][1]
+        for a, b in spans[1:]:
+            idle += max(0.0, a - end)
+            end = max(end, b)
+        gaps.append(idle / (len(spans) - 1))
+    return statistics.median(gaps) if gaps else None
+
+
 def read_traces(folder):
     """(Durations, job) of a trace folder (the job of its config.yaml,
     job/job.py); a UserError when the folder lacks the traces or the run's
     config.yaml."""
     from ...job.config import load_job
     files = trace_files(folder)
-    per_rank, iter_s, counts = {}, {}, []
+    per_rank, iter_s, counts, gaps, fastest = {}, {}, [], {}, {}
     for rank, path in files.items():
-        medians, period, n = median_durations(load_events(path))
+        events = load_events(path)
+        medians, period, n = median_durations(events)
+        gap = dispatch_gap(events)
+        fastest[rank] = op_minima(events)
+        if gap is not None:
+            gaps[rank] = gap
         if not medians:
             raise UserError(f"predict: {path} holds no op events (was the traced window "
                             "--profile-iters A:B inside the run?)")
@@ -157,4 +228,4 @@ def read_traces(folder):
         raise UserError(f"predict {folder}: no config.yaml there (the run folder of train "
                         "--profile-iters holds one; the predictor rebuilds the graph from it)")
     job = load_job(cfg_path, check_files=False)
-    return Durations(per_rank, iter_s, min(counts)), job
+    return Durations(per_rank, iter_s, min(counts), gaps, fastest), job
