@@ -57,6 +57,11 @@ A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
 see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
 the data output has the transformed sample shape.
 
+Readers of one spec and seed in a process share the source and its epoch
+order (``data/sources.shared_source``): the M micro-batch copies of a
+replica's reader hold one synthetic pool or text split, not M, while each
+gathers its own rows in its own prefetch thread.
+
 The kernel keeps the iteration index of the next batch (``position``); it is
 saved in checkpoints through ``state_dict``. A long-lived daemon thread
 gathers batch t+1 while batch t is in use; an exception there is raised by the next
