@@ -743,12 +743,13 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
     each with its memory plan and predicted time, tried where its setting
     does not fit at the job's count. The net's bytes are its activations
     (two 16-channel 32x32 convolutions at batch 32, weights of a few KiB):
-    2 micro-batches hold less than the whole batch, with recompute full or
-    without (the recompute pass keeps about as much here); 4 hold more
-    again (each micro-batch's reader has its own pool of batches), so where
-    nothing fits 8 and 16 are not tried. On one rank, under a
-    --host-memory between the 2-micro-batch settings and every other, only
-    those fit, and the best is 2 micro-batches without recompute by
+    each count holds less than the one before, with recompute full or
+    without (the recompute pass keeps about as much here), so where nothing
+    fits every count dividing the batch is tried, up to 16 (before the
+    micro-batches' readers shared their source, 4 held more than 2, each
+    reader a synthetic pool of its own, and 8 and 16 were not tried). On one rank, under a
+    --host-memory between the 2-micro-batch settings and the whole batch's,
+    of the settings tried only those fit, and the best is 2 micro-batches without recompute by
     construction (the recompute pass adds the forward ops again, each
     priced as traced); larger counts are not tried (by the model no
     faster), and the table says so; the best's --set line and the --out
@@ -761,19 +762,23 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
     assert "calibration: timing" not in res.stderr and none_fits["best"] is None
     rows = {r["label"]: r for r in none_fits["candidates"]}
     # no sharding, no stages, no tensor shards on one rank
+    counts = ("", ", 2 micro-batches", ", 4 micro-batches", ", 8 micro-batches",
+              ", 16 micro-batches")
     assert sorted(rows) == sorted(f"data, recompute {mode}{m}" for mode in ("none", "full")
-                                  for m in ("", ", 2 micro-batches", ", 4 micro-batches"))
+                                  for m in counts)
     for label, row in rows.items():
         assert row["iter_s"] > 0 and not row["fits"]
         if "micro" in label:
-            assert row["set"][-1] == f"parallel.micro_batches={label.split(', ')[-1][0]}"
+            assert row["set"][-1] == \
+                f"parallel.micro_batches={label.split(', ')[-1].split()[0]}"
     need = {label: r["need_bytes"]["host"] for label, r in rows.items()}
     for mode in ("none", "full"):
-        plain, two, four = (need[f"data, recompute {mode}{m}"] for m in (
-            "", ", 2 micro-batches", ", 4 micro-batches"))
-        assert two < plain and four > two, need
+        held = [need[f"data, recompute {mode}{m}"] for m in counts]
+        assert all(b < a for a, b in zip(held, held[1:])), need
     two = max(need[f"data, recompute {mode}, 2 micro-batches"] for mode in ("none", "full"))
-    others = min(v for label, v in need.items() if ", 2 micro-batches" not in label)
+    # between the 2-micro-batch settings and the whole batch's: every count
+    # fits, and those above 2 are not tried (by the model no faster)
+    others = min(v for label, v in need.items() if "micro" not in label)
     limit = (two + others) // 2
     # the micro-batched time: per-micro-batch op times from the trace at
     # their work, each op's fixed cost paid per call: slower than the

@@ -78,9 +78,10 @@ def test_gradient_accumulation_equals_the_whole_batch(micro, schedule):
     np.testing.assert_allclose(ref_loss, got_loss, rtol=1e-5)
 
 
-def _one_sum(graph, grads, micro):
+def _one_sum(graph, grads, micro, in_place=False):
     """replicate_micro_batches as it was: each parameter's M gradients added
-    by one M-input Sum after the last copy, not by running sums."""
+    by one M-input Sum after the last copy, not by running sums (each copy's
+    gradient a buffer of its own)."""
     from purine_mpi.parallel.micro_batch import micro_name, replicate_micro_batches, sum_name
     copies = replicate_micro_batches(graph, grads, micro)
     for grad in grads.values():

@@ -273,5 +273,10 @@ def test_each_copy_adds_its_gradient_before_the_next_copy_starts():
         assert reader.name == grad[:-len("@mb1")] + ".micro_sum1"
         assert reader.inputs == [grad[:-len("@mb1")] + "@mb0", grad]
         assert all(reader.name in ancestors(n) for n in copy2)
-    assert not any(b.alias_of and copy_index(b.alias_of) != copy_index(n)
+        # copy 0's gradient is the gradient the update reads (the running
+        # sums add into it in place): no buffer of its own, none of a copy
+        final = g.blobs[grad[:-len("@mb1")]]
+        assert g.blobs[grad[:-len("@mb1")] + "@mb0"].alias_of == final.name
+    assert not any(b.alias_of and copy_index(b.alias_of) is not None
+                   and copy_index(b.alias_of) != copy_index(n)
                    for n, b in g.blobs.items() if copy_index(n) is not None)

@@ -55,8 +55,8 @@ def test_each_copy_replays_its_own_masks(email_h5, tmp_path, monkeypatch):
     from purine_mpi.parallel.schemes import steps
     real = steps.replicate_micro_batches
 
-    def crossed(graph, grads, m):
-        copies = real(graph, grads, m)
+    def crossed(graph, grads, m, **options):
+        copies = real(graph, grads, m, **options)
         for op in graph.ops.values():
             if op.op_type == "DropoutReplay" and op.name.endswith("@mb1"):
                 op.inputs[1] = op.inputs[1].replace("@mb1", "@mb0")

@@ -22,10 +22,12 @@ and the positions there wrap around as above but are padding, not samples:
 ``pass_counts`` says how many samples of each rank's batch count (those at
 positions < n), so every sample counts exactly once on any number of ranks.
 """
+import json
 import os
 import resource
 import stat
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -380,6 +382,71 @@ def make_source(spec, seed=0):
                     "'synthetic'")
 
 
+class SharedSource:
+    """A source and its epoch order, held by every data reader of one
+    process that reads the same spec with the same seed (``shared_source``)."""
+
+    def __init__(self, source, order):
+        self.source, self.order = source, order
+
+
+#: {source_key: SharedSource} of the readers alive in this process: an
+#: entry goes with its last reader
+_SHARED = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shares_source(spec):
+    """Whether data readers of ``spec`` share one source (``shared_source``):
+    every kind whose ``gather`` is safe from several threads at once
+    (synthetic and text: read-only arrays; HDF5: its data in memory, or
+    the open file behind the source's lock), not an LMDB (its read
+    transactions are per thread; its environment is shared already)."""
+    return spec.get("source", "hdf5") in ("synthetic", "text", "hdf5")
+
+
+def source_key(spec, seed=0):
+    """The key under which readers of data spec ``spec`` at run seed
+    ``seed`` share their source and epoch order (``shared_source``; plan's
+    data pool row counts one per key): the spec (every key, canonically),
+    the seed, and a file's identity (a rewritten file is read again)."""
+    ident = None
+    path = spec.get("path")
+    if path is not None:
+        try:
+            st = os.stat(path)
+            ident = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            ident = (str(path),)
+    return (json.dumps(spec, sort_keys=True, default=str), int(seed), ident)
+
+
+def shared_source(spec, seed=0):
+    """(source, EpochOrder) of data spec ``spec`` at run seed ``seed``
+    (the spec's own ``seed`` wins, as ``make_source``): one pair per
+    ``source_key`` in this process while some reader holds it, so the M
+    micro-batch copies of a replica's data reader (parallel/micro_batch.py)
+    hold one source -- a synthetic pool, a text split's tokens, an HDF5
+    file's chunk cache -- and one epoch's permutation, not M. Each reader
+    still gathers its own rows in its own prefetch thread; what it reads
+    depends only on its batch positions, so the samples are those of
+    readers with sources of their own. An LMDB (``shares_source``) gets a
+    pair of its own each call."""
+    def make():
+        source = make_source(spec, seed)
+        own = spec.get("seed")  # the spec's seed of the shuffle, else the run's
+        return SharedSource(source, EpochOrder(source.n_samples, spec.get("shuffle", False),
+                                               seed if own is None else own))
+    if not shares_source(spec):
+        return make()
+    key = source_key(spec, seed)
+    with _SHARED_LOCK:
+        held = _SHARED.get(key)
+        if held is None:
+            held = _SHARED[key] = make()
+        return held
+
+
 def check_labels(spec, classes, ignore_label=None, layer="?"):
     """Raise a UserError naming the file and dataset when a label of the
     data spec lies outside [0, ``classes``) (``ignore_label`` excepted):
@@ -507,22 +574,27 @@ def order_bytes(spec):
 class EpochOrder:
     """The permutation of each epoch: depends only on (seed, epoch) when
     ``shuffle``, the identity otherwise. Keeps the last few epochs' orders
-    (``cache``; each ``order_bytes``)."""
+    (``cache``; each ``order_bytes``). Thread-safe: the micro-batch copies
+    of a data reader share one (``shared_source``), each asking from its
+    own prefetch thread."""
 
     def __init__(self, n_samples, shuffle, seed=0, cache=2):
         self.n, self.shuffle, self.seed = int(n_samples), bool(shuffle), int(seed)
         self._cache, self._cache_size = OrderedDict(), cache
+        self._lock = threading.Lock()
 
     def __call__(self, epoch):
         if not self.shuffle:
             return None
-        order = self._cache.get(epoch)
-        if order is None:
-            order = np.random.default_rng([self.seed, int(epoch), 0x0DE5]).permutation(self.n)
-            self._cache[epoch] = order
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return order
+        with self._lock:
+            order = self._cache.get(epoch)
+            if order is None:
+                order = np.random.default_rng([self.seed, int(epoch),
+                                               0x0DE5]).permutation(self.n)
+                self._cache[epoch] = order
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            return order
 
     def indices(self, start, count):
         """Sample indices at global positions [start, start + count)."""

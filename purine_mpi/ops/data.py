@@ -57,6 +57,11 @@ A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
 see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
 the data output has the transformed sample shape.
 
+Readers of one spec and seed in a process share the source and its epoch
+order (``data/sources.shared_source``): the M micro-batch copies of a
+replica's reader hold one synthetic pool or text split, not M, while each
+gathers its own rows in its own prefetch thread.
+
 The kernel keeps the iteration index of the next batch (``position``); it is
 saved in checkpoints through ``state_dict``. A long-lived daemon thread
 gathers batch t+1 while batch t is in use; an exception there is raised by the next
@@ -87,8 +92,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_start,
-                            batch_types, gather_labels, make_source, source_info)
+from ..data.sources import (batch_indices, batch_positions, batch_start, batch_types,
+                            gather_labels, shared_source, source_info)
 from ..data.transform import apply_transform, output_shape
 from .embedding import check_ids
 from .registry import OpKernel, register
@@ -136,7 +141,7 @@ class DataReader(OpKernel):
         self.seed = int(self.attrs.get("seed", 0))
         self.train = bool(self.attrs.get("train", True))
         self.position = 0  # iteration index of the next batch run() delivers
-        self._source = self._order = None
+        self._source = self._order = self._shared = None
         self._pending = None  # (iteration, result slot)
         #: on a GPU: two page-locked (data, label) staging pairs, the event of
         #: the last copy out of each (None: none queued yet), the pair the next
@@ -149,11 +154,11 @@ class DataReader(OpKernel):
     # ------------------------------------------------------------- batches
     def _ensure_source(self):
         if self._source is None:
-            spec = self.attrs["source"]
-            self._source = make_source(spec, self.seed)
-            own = spec.get("seed")  # the spec's seed of the shuffle, else the run's
-            self._order = EpochOrder(self._source.n_samples, spec.get("shuffle", False),
-                                     self.seed if own is None else own)
+            # readers of one spec and seed share the source and its epoch
+            # order (the micro-batch copies of a replica's reader: one
+            # synthetic pool, not M; data/sources.shared_source)
+            held = self._shared = shared_source(self.attrs["source"], self.seed)
+            self._source, self._order = held.source, held.order
 
     def prepare(self, iteration, pad_limit=None):
         """(data, labels) NumPy arrays of batch ``iteration`` (no prefetch);

@@ -464,25 +464,36 @@ def _layout_ranks(layout):
 def data_pool_bytes(graphs):
     """Host bytes the data readers of ``graphs`` hold besides their output
     blobs (ops/data.py): each source's resident data (data/sources.
-    resident_bytes: an HDF5 split in memory is shared by the readers of the
-    same file and split, every other source is the reader's own), the
-    reader's epoch order (data/sources.order_bytes: a shuffled source's
-    permutation of its samples, one epoch's) and the one batch its
-    prefetch thread gathers ahead (``DataReader._start``: one request in
-    flight, the prepared data and labels kept until ``run`` copies them
-    into the outputs)."""
-    from ..data.sources import order_bytes, resident_bytes
+    resident_bytes) and the reader's epoch order (data/sources.order_bytes:
+    a shuffled source's permutation of its samples, one epoch's), once per
+    ``source_key`` -- readers of one spec and seed share both
+    (data/sources.shared_source: the M micro-batch copies of a replica's
+    reader hold one synthetic pool, not M; an HDF5 split in memory is
+    shared by every reader of the same file and split; an LMDB reader's
+    order is its own) -- and the one batch each reader's prefetch thread
+    gathers ahead (``DataReader._start``: one request in flight, the
+    prepared data and labels kept until ``run`` copies them into the
+    outputs; M copies of B/M rows: one batch)."""
+    from ..data.sources import order_bytes, resident_bytes, shares_source, source_key
     shared, total = {}, 0
     for graph in graphs:
         for op in graph.ops.values():
             if op.op_type != "DataReader":
                 continue
-            key, held = resident_bytes(op.attrs["source"])
+            spec = op.attrs["source"]
+            key, held = resident_bytes(spec)
+            order = order_bytes(spec)
+            if shares_source(spec):
+                reader = ("reader", source_key(spec, int(op.attrs.get("seed", 0))))
+                if key is None:
+                    key = reader
+                shared[("order",) + reader] = order
+            else:
+                total += order
             if key is None:
                 total += held
             else:
                 shared[key] = held
-            total += order_bytes(op.attrs["source"])
             total += sum(_root_nbytes(graph.blobs[b]) for b in op.outputs)
     return total + sum(shared.values())
 

@@ -482,7 +482,7 @@ def variants_to_try(plain, variants, own, evaluate):
     counts where the activations dominate, holds less. So the counts above ``own``, ascending, are
     tried only while the last one tried (``plain`` first) is possible and
     does not fit, and, past the first, while each held less than the one
-    before (where the weights' gradients or the readers' pools dominate, a
+    before (where the weights' gradients dominate, a
     larger count holds more: it stops there); the counts below ``own``,
     descending, only while the last one tried fits (a smaller count is
     faster)."""

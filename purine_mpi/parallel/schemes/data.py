@@ -21,7 +21,9 @@ class DataParallel(Scheme):
         micro-batches accumulated); then fp16's loss scaling (every rank skips
         the same steps) and ``solver.clip_gradients``."""
         from .steps import accumulate, clipped, loss_scaled
-        accumulate(graph, grads, job)
+        # the gradients persist (buckets, or the replica's own): the running
+        # sums may add into them (micro_batch.replicate_micro_batches)
+        accumulate(graph, grads, job, in_place=True)
         lay = self.layout(job, world)
         if world.size == 1:
             return clipped(loss_scaled(Composition(graph.validate(), lay), job, world), job,

@@ -12,7 +12,9 @@ class NoScheme(Scheme):
 
     def compose(self, graph, grads, job, world):
         from .steps import accumulate, clipped, loss_scaled
-        accumulate(graph, grads, job)
+        # the gradients persist (buckets, or the replica's own): the running
+        # sums may add into them (micro_batch.replicate_micro_batches)
+        accumulate(graph, grads, job, in_place=True)
         return clipped(loss_scaled(self.composition(graph.validate(), job, world), job, world),
                        job, world)
 

@@ -11,15 +11,19 @@ def _layout(job, world):
     return scheme_of(job).layout(job, world)
 
 
-def micro_copies(graph, grads, job):
-    """The micro-batch copies of ``graph`` (parallel.micro_batches), or None."""
+def micro_copies(graph, grads, job, in_place=False):
+    """The micro-batch copies of ``graph`` (parallel.micro_batches), or None;
+    ``in_place``: the running sums add into the gradients the update reads
+    (micro_batch.replicate_micro_batches)."""
     micro = job.parallel.micro_batches
-    return replicate_micro_batches(graph, grads, micro) if micro > 1 else None
+    return replicate_micro_batches(graph, grads, micro, in_place=in_place) \
+        if micro > 1 else None
 
 
-def accumulate(graph, grads, job):
-    """One stage: the micro-batch copies, their gradients accumulated."""
-    copies = micro_copies(graph, grads, job)
+def accumulate(graph, grads, job, in_place=False):
+    """One stage: the micro-batch copies, their gradients accumulated
+    (``in_place``: as ``micro_copies``)."""
+    copies = micro_copies(graph, grads, job, in_place)
     if copies:
         par = job.parallel
         add_schedule(graph, copies, par.micro_batches, par.schedule, lambda op: 0, 1)
