@@ -225,6 +225,12 @@ class _Task:
             np.matmul(x, y, out=o)
         except BaseException as exc:  # raised by the caller
             self.error = exc
+        # the operands and the result go with the product: a worker holds
+        # its last task while it waits for the next, and a task the caller
+        # took back stays in the queue until a worker drops it (a chunked
+        # 1x1 ConvGradWeight's product stayed alive through the next
+        # chunk's: 1 MiB above the temporaries plan counts, with 2 threads)
+        self.job = None
         self.done.set()
 
 
