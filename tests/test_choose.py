@@ -954,3 +954,32 @@ def test_predict_refuses_a_trace_of_a_graph_config(tmp_path):
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     assert "Traceback" not in res.stderr, res.stderr
     assert f"{run / 'config.yaml'}: key 'graph'" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d.pop("per_rank"),
+    lambda d: d.__setitem__("gaps", [1e-5]),
+    lambda d: d.__setitem__("fastest", {"0": 3.0}),
+    lambda d: d.__setitem__("iter_seconds", {"zero": 1.0}),
+    lambda d: d.__setitem__("small", [4]),
+])
+def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
+    """A calibration file of this format and job whose entries are not what
+    ``_measure`` writes (a key missing, ``gaps`` a list, a rank's
+    ``fastest`` a number, a rank that is no integer) is unreadable, as
+    broken JSON is: ``read_calibration`` says None (measured again), not a
+    traceback. Before: a KeyError, AttributeError or ValueError out of
+    ``read_calibration``."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools import choose
+    path = _job(tmp_path)
+    cal = tmp_path / "cal.json"
+    _write_calibration(path, cal)
+    job = load_job(path, (), check_files=False)
+    small_b = choose.small_batch(job.train_batch)
+    key = choose.calibration_key(job)
+    assert choose.read_calibration(str(cal), key, small_b) is not None
+    data = json.loads(cal.read_text())
+    damage(data)
+    cal.write_text(json.dumps(data))
+    assert choose.read_calibration(str(cal), key, small_b) is None

@@ -129,3 +129,32 @@ def test_gradient_accumulation_holds_one_copys_gradients():
         assert fp.peak["gradients_bytes"] <= weights, (m, fp.peak, weights)
         assert fp.host["activations"] < one.host["activations"], (m, fp.host, one.host)
         assert fp.loop_total < one.loop_total, (m, fp.loop_total, one.loop_total)
+
+
+def test_readers_that_read_other_samples_share_no_source(tmp_path):
+    """``source_key`` keeps apart what reads other samples or another order:
+    the train and test splits of one file, shuffled or not, another spec
+    seed, and a file rewritten while a reader of the old one is alive (its
+    new values are read, not the old file's)."""
+    import h5py
+
+    from purine_mpi.data.sources import shared_source
+    path = str(tmp_path / "d.h5")
+
+    def write(value):
+        with h5py.File(path, "w") as f:
+            for split in ("train", "test"):
+                f.create_dataset(f"{split}/data", data=np.full((6, 1, 2, 2), value, np.float32))
+                f.create_dataset(f"{split}/label", data=np.arange(6) % 2)
+    write(1.0)
+    spec = {"source": "hdf5", "path": path, "split": "train", "shuffle": True}
+    train = shared_source(spec, 0)
+    assert shared_source(dict(spec), 0) is train
+    assert shared_source(dict(spec, split="test"), 0) is not train
+    assert shared_source(dict(spec, shuffle=False), 0) is not train
+    assert shared_source(dict(spec, seed=5), 0).order.seed == 5 != train.order.seed
+    write(2.0)
+    fresh = shared_source(spec, 0)
+    assert fresh is not train
+    assert fresh.source.gather([0])[0][0, 0, 0, 0] == 2.0
+    assert train.source.gather([0])[0][0, 0, 0, 0] == 1.0  # read into memory before

@@ -138,8 +138,8 @@ def read_calibration(cache, key, small_b):
     (``CALIBRATION_FORMAT``) with its second trace at ``small_b``
     (``small_batch``); None otherwise: a file of another job, unreadable,
     or of an older format (one trace: measured again rather than read
-    without its second run). The add rate is None in a file written before
-    it was kept there."""
+    without its second run, or damaged: an entry not as ``_measure`` writes
+    it). The add rate is None in a file written before it was kept there."""
     from .scaling.trace_reader import Durations
     if not cache or not os.path.isfile(cache):
         return None
@@ -152,17 +152,38 @@ def read_calibration(cache, key, small_b):
             or data.get("key") != key:
         return None
 
+    def ranks(d, key, value, optional=False):
+        # {rank: value} of entry ``key`` as _measure writes it; ValueError
+        # where it is not (a damaged file: measured again)
+        got = d.get(key) if optional else d[key]
+        if got is None and optional:
+            return {}
+        if not isinstance(got, dict) or not all(value(v) for v in got.values()):
+            raise ValueError(key)
+        return {int(r): v for r, v in got.items()}
+
+    def seconds(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def by_op(v):
+        return isinstance(v, dict) and all(seconds(t) for t in v.values())
+
     def durations(d):
-        return Durations({int(r): ops for r, ops in d["per_rank"].items()},
-                         {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"],
-                         {int(r): v for r, v in (d.get("gaps") or {}).items()},
-                         {int(r): v for r, v in (d.get("fastest") or {}).items()})
+        if not isinstance(d, dict) or not isinstance(d.get("iterations"), int):
+            raise ValueError("iterations")
+        return Durations(ranks(d, "per_rank", by_op),
+                         ranks(d, "iter_seconds", lambda v: v is None or seconds(v)),
+                         d["iterations"], ranks(d, "gaps", seconds, True),
+                         ranks(d, "fastest", by_op, True))
     small = data.get("small")
-    if (small or {}).get("batch") != small_b:
+    if not isinstance(small, (dict, type(None))) or (small or {}).get("batch") != small_b:
         return None
     add = data.get(ADD_RATE_KEY)
-    return durations(data), (durations(small) if small else None), \
-        (float(add) if isinstance(add, (int, float)) and add >= 0 else None)
+    try:  # a file damaged or edited by hand is unreadable: measured again
+        found = durations(data), (durations(small) if small else None)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return found + ((float(add) if seconds(add) and add >= 0 else None),)
 
 
 def calibrate(job, path, overrides, cache, log=None):
