@@ -89,7 +89,8 @@ def test_memory_json_is_never_written_through_a_link(tmp_path):
         (run / name).unlink()
     (run / "memory.json").symlink_to(victim)  # planted after the set-up
     trainer = SimpleNamespace(world=FakeWorld(), out_dir=str(run), model_state=dict,
-                              state=SimpleNamespace(loop_peak_rss=None), scheme=None)
+                              state=SimpleNamespace(loop_peak_rss=None, loop_peer_window=None),
+                              scheme=None)
     write_memory(trainer, None)
     assert victim.read_text() == "another user's file\n"
     assert not (run / "memory.json").is_symlink()
