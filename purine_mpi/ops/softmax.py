@@ -260,6 +260,52 @@ def _widen(x, out):
     return out
 
 
+def _minus_onehot(d3, lab, valid):
+    """The host gradient's prob - onehot(label) in ``d3`` (holding the
+    probabilities, (outer, C, inner)): 1 off at each position's label (the
+    bits of subtracting the one-hot mask, with no mask of prob's size), 0
+    at positions not counted."""
+    at = lab[:, None, :]
+    np.put_along_axis(d3, at, np.take_along_axis(d3, at, axis=1) - 1, axis=1)
+    if not bool(valid.all()):   # times 1 everywhere changes no bit
+        d3 *= valid[:, None, :]
+
+
+def _device_mean(k, nll, valid, loss, shard, normaliser):
+    """The device loss: the mean of the per-position losses ``nll`` over
+    the counted positions, or with a ``normaliser`` input (a list of at
+    most one) their sum over it: mean x the shard's count (``shard``) / it."""
+    k.softmax_loss_mean(nll, valid, loss, count=shard)
+    if shard is not None:
+        loss *= shard.reshape(())
+        loss /= normaliser[0]
+
+
+def _device_count(k, ins, lab, count, attrs):
+    """The device gradient's normaliser into ``count`` where it is not the
+    number of positions (an ``ignore_label`` or ``pad_label``): the
+    forward's normaliser input, else the counted labels. Returns whether it
+    is the number of positions (``_device_backward``'s ``plain``)."""
+    ignore, pad = attrs.get("ignore_label"), attrs.get("pad_label")
+    if ignore is None and pad is None:
+        return True
+    if len(ins) > 3:  # the forward's normaliser, in prob's dtype
+        count[...] = ins[3].reshape(1)
+    else:
+        k.softmax_loss_count(lab, ignore, count, pad_label=pad)
+    return False
+
+
+def _device_backward(k, p3, lab, scale, attrs, out, count, positions, plain):
+    """The fused gradient kernel on probabilities ``p3``: scaled by the
+    number of ``positions`` when ``plain``, else by ``count``."""
+    if plain:
+        k.softmax_loss_backward(p3, lab, scale, None, out=out, scale_factor=1.0 / positions)
+    else:
+        k.softmax_loss_backward(p3, lab, scale, attrs.get("ignore_label"), out=out,
+                                count=count, pad_label=attrs.get("pad_label"))
+
+
 def _host_softmax(xp, x3, p3, lab):
     """The host loss's softmax of ``x3`` ((outer, C, inner)) into ``p3``
     before its normalisation: p3 = exp(x - max); returns (x[label] - max,
@@ -336,10 +382,7 @@ class SoftmaxLoss(OpKernel):
                                    _device_labels(label, buf, pos), ignore,
                                    out=(prob.reshape(outer, channels, inner),
                                         nll.reshape(pos), valid.reshape(pos)), pad_label=pad)
-            k.softmax_loss_mean(nll, valid, loss, count=shard)
-            if shard is not None:  # the sum over the normaliser: mean x count / it
-                loss *= shard.reshape(())
-                loss /= ins[2]
+            _device_mean(k, nll, valid, loss, shard, ins[2:])
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
@@ -373,10 +416,7 @@ class SoftmaxLoss(OpKernel):
                 w3 = wide[:s.stop - s.start]
                 k.softmax_loss_forward(_widen(x3[s], w3), lab[s], ignore,
                                        out=(w3, nll2[s], valid2[s]), pad_label=pad)
-            k.softmax_loss_mean(nll, valid, loss, count=shard)
-            if shard is not None:
-                loss *= shard.reshape(())
-                loss /= ins[2]
+            _device_mean(k, nll, valid, loss, shard, ins[2:])
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         nll = np.empty((outer, inner), loss.dtype)
@@ -454,32 +494,19 @@ class SoftmaxLossGrad(OpKernel):
         outer, channels, inner = _split_dims(prob.shape, axis)
         k = raw_kernels(xp, prob)
         if k is not None and _contiguous(prob, outs[0]):  # GPU: fused kernel, scale on device
-            ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
             count, *buf = self.temporaries(prob, *self.scratch_specs(ins, outs))
             planes = (outer, channels, inner)
             lab = _device_labels(label, buf, (outer, inner))
-            p3, dx3 = prob.reshape(planes), outs[0].reshape(planes)
-            if ignore is None and pad is None:  # the normaliser is the number of positions
-                k.softmax_loss_backward(p3, lab, scale, None, out=dx3,
-                                        scale_factor=1.0 / (outer * inner))
-                return
-            if len(ins) > 3:  # the forward's normaliser, in prob's dtype
-                count[...] = ins[3].reshape(1)
-            else:
-                k.softmax_loss_count(lab, ignore, count, pad_label=pad)
-            k.softmax_loss_backward(p3, lab, scale, ignore, out=dx3, count=count, pad_label=pad)
+            plain = _device_count(k, ins, lab, count, self.attrs)
+            _device_backward(k, prob.reshape(planes), lab, scale, self.attrs,
+                             outs[0].reshape(planes), count, outer * inner, plain)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         dx = outs[0].reshape(outer, channels, inner)
         if xp is np:
-            # prob - onehot(label): prob, and 1 off at each position's label
-            # (the bits of subtracting the one-hot mask, with no mask of prob's size)
             dx[...] = prob.reshape(outer, channels, inner)
-            at = lab[:, None, :]
-            np.put_along_axis(dx, at, np.take_along_axis(dx, at, axis=1) - 1, axis=1)
-            if not bool(valid.all()):   # times 1 everywhere changes no bit
-                dx *= valid[:, None, :]
+            _minus_onehot(dx, lab, valid)
         else:
             # a device array without the fused kernel (another dtype, strides):
             # no read back to the host (bool(...) would end a stream capture)
@@ -512,12 +539,7 @@ class SoftmaxLossGrad(OpKernel):
             count, *buf = self.temporaries(x, *self.scratch_specs(ins, [dx]))
             wide, valid, nll = buf.pop(), buf.pop(), buf.pop()
             lab = _device_labels(label, buf, (outer, inner))
-            plain = ignore is None and pad is None   # the normaliser: the positions
-            if not plain:
-                if len(ins) > 3:
-                    count[...] = ins[3].reshape(1)
-                else:
-                    k.softmax_loss_count(lab, ignore, count, pad_label=pad)
+            plain = _device_count(k, ins, lab, count, self.attrs)
             for s in spans(outer, rows):
                 n = s.stop - s.start
                 w3 = wide[:n]
@@ -525,13 +547,8 @@ class SoftmaxLossGrad(OpKernel):
                                        out=(w3, nll[:n * inner].reshape(n, inner),
                                             valid[:n * inner].reshape(n, inner)),
                                        pad_label=pad)
-                out = w3 if bits else dx3[s]
-                if plain:
-                    k.softmax_loss_backward(w3, lab[s], scale, None, out=out,
-                                            scale_factor=1.0 / (outer * inner))
-                else:
-                    k.softmax_loss_backward(w3, lab[s], scale, ignore, out=out, count=count,
-                                            pad_label=pad)
+                _device_backward(k, w3, lab[s], scale, self.attrs, w3 if bits else dx3[s],
+                                 count, outer * inner, plain)
                 if bits:
                     to_bf16_bits_device(w3.reshape(-1), dx3[s].reshape(-1))
             return
@@ -541,10 +558,7 @@ class SoftmaxLossGrad(OpKernel):
             d3 = wide[:s.stop - s.start]
             _, sumexp = _host_softmax(xp, _widen(x3[s], d3), d3, lab[s])
             d3 /= sumexp   # the probabilities, as the forward's
-            at = lab[s][:, None, :]
-            np.put_along_axis(d3, at, np.take_along_axis(d3, at, axis=1) - 1, axis=1)
-            if not bool(valid[s].all()):   # times 1 everywhere changes no bit
-                d3 *= valid[s][:, None, :]
+            _minus_onehot(d3, lab[s], valid[s])
             d3 *= dloss / (ins[3] if len(ins) > 3 else count)
             if bits:
                 to_bf16_bits(d3, dx3[s], scratch)
