@@ -78,6 +78,15 @@ ITERATIONS = 6
 ITERATION_OP = "(iteration)"
 
 
+def compute_lanes(ops):
+    """{lane: how many of the simulated ``ops`` (SimOp) compute on it}."""
+    lanes = {}
+    for op in ops:
+        if op.kind == "compute":
+            lanes[op.lane] = lanes.get(op.lane, 0) + 1
+    return lanes
+
+
 class Scenario:
     """The ranks to simulate at N ranks and what an iteration processes."""
 
@@ -175,10 +184,7 @@ class Template:
             sim.priority = self.priority[name]
             ops[name] = sim
         if per_iteration > 0:
-            lanes = {}
-            for sim in ops.values():
-                if sim.kind == "compute":
-                    lanes[sim.lane] = lanes.get(sim.lane, 0) + 1
+            lanes = compute_lanes(ops.values())
             if lanes:
                 busiest = max(lanes, key=lambda k: (lanes[k], k))
                 ops[ITERATION_OP] = SimOp(ITERATION_OP, per_iteration, (), lane=busiest,
@@ -312,11 +318,7 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
 
     target = sorted(traced)[len(traced) // 2]
     simulated, graphs = period(0.0)
-    lanes = {}
-    for op in graphs[0].ops.values():
-        if op.kind == "compute":
-            lanes[op.lane] = lanes.get(op.lane, 0) + 1
-    ops = max(lanes.values(), default=0)
+    ops = max(compute_lanes(graphs[0].ops.values()).values(), default=0)
     if not ops or target <= simulated:
         return 0.0, 0.0
     overhead = (target - simulated) / ops
