@@ -10,12 +10,16 @@ by its producer, and the products take it as it is.
   where GemmEx is refused (the bits widened);
 - the pass stores what it should in the 2-block GPT (the layer norms and
   GELU writing their copies themselves, their Casts and float32 outputs
-  gone; the logits written by the lm-head, their gradient's copy by the
+  gone; the MLP's fc output and qkv written by their biased products; the
+  logits written by the lm-head, their gradient's copy by the
   loss's gradient, on the logits' bytes), nothing where a reader
   cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
-- GemmEx into a bfloat16 result, the bias-free fc writing its output as
-  bits, the softmax loss and its gradient ``from_logits`` on bits logits
-  (in chunks) against the float32 path bit for bit and against PyTorch's
+- GELU and its gradient reading x as bits, the fused attention and its
+  gradient reading qkv as bits, against the float32 storage bit for bit;
+- GemmEx into a bfloat16 result, the fc writing its output as bits
+  (without a bias from GemmEx, with one through bias_bits: one rounding
+  after the bias), the softmax loss and its gradient ``from_logits`` on
+  bits logits (in chunks) against the float32 path bit for bit and against PyTorch's
   CPU autocast ``cross_entropy``; the pass's ``loss_from_logits`` only
   where the gradient's copy becomes bits;
 - the bf16 GPT trained a few steps on the emulated device, captured in CUDA

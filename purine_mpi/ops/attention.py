@@ -87,6 +87,12 @@ writing ctx, dqkv in place (no transposed copies); the softmax and its
 gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
 mask one element-wise add of a (T, T) mask made once, the intermediate
 (N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
+
+With bf16 storage (parallel/precision.store_bits) the fused ops take qkv
+stored as bfloat16 bits (``bits_inputs``): cuDNN's SDPA reads them as they
+are; the cuBLAS path widens them exactly into a float32 array of qkv's
+size in its scratch (``_wide_qkv``; the host path into a new array) and
+computes as from the float32 storage of the same values: the same bits.
 """
 import functools
 import math
