@@ -432,6 +432,29 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
                for b in _gpt(monkeypatch, host_build_dir, "fp16").blobs.values())
 
 
+def test_the_biased_outputs_as_bits_shrink_the_device_plan(host_build_dir, monkeypatch):
+    """The 2-block GPT's device arena (runtime/memory_plan) is smaller with
+    the fc outputs that have a bias stored as bits (the MLP's fc output and
+    qkv: 4 more blobs of bits) than under the former rule, where a product
+    with a bias could not write bits (``bits_outputs_of``)."""
+    from purine_mpi.ops.fc import InnerProduct
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+
+    def plan(former):
+        with monkeypatch.context() as m:
+            if former:
+                m.setattr(InnerProduct, "bits_outputs_of", classmethod(
+                    lambda cls, op: () if len(op.inputs) == 3 else cls.bits_outputs(op.attrs)))
+            g = _gpt(m, host_build_dir)
+        _, devices = memory_plans(g, keep=batch_blobs(g))
+        return devices[0].total_bytes, {n for n, b in g.blobs.items() if b.dtype == "uint16"}
+
+    (now, bits), (before, bits_before) = plan(False), plan(True)
+    assert bits - bits_before == {"h0_m", "h1_m", "h0_attn.qkv", "h1_attn.qkv"}
+    assert now < before, (now, before)
+
+
 def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
     """A copy read by a product and by an op that takes no bits (here a
     weight gradient of rows, whose dy is a strided slice) stays float32;
