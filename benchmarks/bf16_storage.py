@@ -5,7 +5,8 @@ and without it (``PURINE_BF16_STORAGE``):
 - ``launches``: the kernel launches of one eager training step (the second)
   of the test GPT (``gpt_net`` of tests/gpt_oracle.py, width 16, ``--blocks`` blocks)
   in bf16, by kernel (``to_bf16_bits``, ``round_bf16``, ``from_bf16_bits``,
-  ``bias_bits_f32``, all), and whether
+  ``bias_bits_f32``, ``add_bits_f32``, all: our raw kernels, not CuPy's
+  element-wise ones or cuBLAS calls), and whether
   the losses and weights after ``--iters`` steps are bit for bit the same;
 - ``plan``: ``python -m purine_mpi plan`` of a job (``--plan-job``, with
   ``--set`` overrides) on the emulated device: the GPU total, the arena,
@@ -127,7 +128,7 @@ def main():
     build_dir = pathlib.Path(tempfile.mkdtemp(prefix="bf16_storage_kernels_"))
     out = {"blocks": args.blocks}
     runs = {s: launches(s, args.blocks, args.iters, build_dir) for s in ("0", "1")}
-    keys = ("to_bf16_bits", "round_bf16", "from_bf16_bits", "bias_bits_f32")
+    keys = ("to_bf16_bits", "round_bf16", "from_bf16_bits", "bias_bits_f32", "add_bits_f32")
     for s, name in (("0", "float32_storage"), ("1", "bits_storage")):
         counts = runs[s][0]
         out[name] = dict({k: counts.get(k, 0) for k in keys}, all=sum(counts.values()))

@@ -46,7 +46,8 @@
 // float32 the float32 storage holds, then the same float32 arithmetic: the
 // same y / dx bit for bit. bias_bits_f32 adds the bias of a fully connected
 // layer whose output is stored as bits to its float32 product and rounds
-// once (bias_act then round_bf16, in one pass).
+// once (bias_act then round_bf16, in one pass); add_bits_f32 is the
+// residual add of a float32 term and one stored as bits.
 // Memory-bound: 8 bytes per element forward, 12 backward (float32), grid-
 // stride loops of 256-thread blocks, consecutive threads on consecutive
 // elements (coalesced); no atomics, no sums: the same bits every run.
@@ -303,6 +304,16 @@ extern "C" __global__ void bias_bits_f32(long long total, const float* src, cons
     v += bias[i % channels];
     y[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
   }
+}
+
+// A residual add whose second term is stored as bits (an fc output with a
+// bias, bf16 storage): y[i] = a[i] + the float32 value of the bfloat16 bits
+// b[i] (exact), one float32 addition -- the Eltwise sum's of the float32
+// storage (an addition commutes exactly, so b may be either input); y may
+// be a (each element read before it is written).
+extern "C" __global__ void add_bits_f32(long long total, const float* a,
+                                        const unsigned short* b, float* y) {
+  CUDA_KERNEL_LOOP(i, total) { y[i] = a[i] + purine_bf16_float(b[i]); }
 }
 
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \

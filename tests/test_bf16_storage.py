@@ -32,7 +32,7 @@ import collections
 import numpy as np
 import pytest
 
-from purine_mpi.base.precision import _round_bits
+from purine_mpi.base.precision import _round_bits, is_bits
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.registry import make_kernel
 from tests.emulated_gpu.fixtures import device  # noqa: F401
@@ -244,6 +244,51 @@ def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, 
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("case", ["second", "first", "both", "coeff"])
+def test_the_residual_add_reads_a_term_stored_as_bits(device, case):
+    """Eltwise sum with inputs stored as bfloat16 bits (an fc output with a
+    bias, bf16 storage): y float32, the float32 storage's sum of the same
+    values bit for bit -- one add_bits_f32 launch for two inputs, one of
+    them bits, coefficients 1 (either order: the addition commutes
+    exactly); otherwise each bits input widened (from_bf16_bits) first;
+    the host path too. prod and max take no bits."""
+    from purine_mpi.ops.tensor import Eltwise
+    rng = np.random.default_rng(13)
+    shape = (3, 7, 5)
+    x, h = rng.standard_normal(shape).astype(np.float32), _bf16_values(rng, shape)
+    attrs = {"operation": "sum"}
+    values, stored = [x, h[0]], [x, h[1]]
+    if case == "first":
+        values, stored = values[::-1], stored[::-1]
+    elif case == "both":
+        g = _bf16_values(rng, shape)
+        values, stored = [g[0], h[0]], [g[1], h[1]]
+    elif case == "coeff":
+        attrs["coeff"] = [1.0, -0.5]
+    ((out_shape, out_dtype),) = Eltwise.infer(attrs, [(shape, a.dtype) for a in stored])
+    assert out_shape == shape and np.dtype(out_dtype) == np.float32
+    assert Eltwise.bits_inputs(attrs) == (0, 1)
+    assert Eltwise.bits_inputs({"operation": "prod"}) == ()
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        got = {}
+        for name, ins in (("float32", values), ("bits", stored)):
+            k = make_kernel(Op("add", "Eltwise", ["a", "b"], ["y"], attrs))
+            on = [put(a) for a in ins]
+            y = put(np.full(shape, np.nan, np.float32))
+            if dev:
+                device.launched.clear()
+            k.run(on, [y])
+            got[name] = get(y)
+            if dev and name == "bits":
+                fused = case in ("first", "second")
+                assert device.launched.count("add_bits_f32") == fused
+                assert device.launched.count("from_bf16_bits") == (
+                    0 if fused else sum(is_bits(a) for a in ins))
+        np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
+
+
 def test_the_producers_infer_bits_storage_only_with_bits_out():
     from purine_mpi.ops.activation import Gelu
     from purine_mpi.ops.layernorm import LayerNorm
@@ -357,20 +402,19 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     outputs' copies, the attention's output and the gradients the products
     read are bits, each read by fc products (and the attention's output by
     the SDPA gradient) only and written by a producer marked ``bits_out``;
-    so are the MLP's first fc output (a product with a bias), read by GELU
-    and its gradient, and the attention's qkv (a product with a bias), read
-    by the fused attention and its gradient; the biases' copies (read by
-    the forward's epilogue)
-    and the qkv gradient (read by the bias gradient too) stay float32, and
-    so do the fc outputs the residual adds read. Nothing with
-    PURINE_BF16_STORAGE=0 or in fp16."""
+    so are the outputs of the products with a bias: the MLP's first fc
+    output, read by GELU and its gradient, the attention's qkv, read by the
+    fused attention and its gradient, and the projections' outputs, read by
+    the residual adds; the biases' copies (read by the forward's epilogue)
+    and the qkv gradient (read by the bias gradient too) stay float32.
+    Nothing with PURINE_BF16_STORAGE=0 or in fp16."""
     g = _gpt(monkeypatch, host_build_dir)
     cons, prod = g.consumers(), g.producers()
     bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
     for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
                  "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16",
                  "h0_attn.ctx", "h1_attn.ctx", "logits", "logits.grad@bf16", "h0_m", "h1_m",
-                 "h0_attn.qkv", "h1_attn.qkv"):
+                 "h0_attn.qkv", "h1_attn.qkv", "h0_a", "h1_mo"):
         assert name in bits, name
     for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad"):
         assert g.blobs[name].dtype == "float32", name
@@ -383,8 +427,8 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         writers[name] = w.op_type
         assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
                                  "InnerProductGradWeight", "AttentionGrad", "SoftmaxLoss",
-                                 "SoftmaxLossGrad", "Gelu", "GeluGrad", "Attention")
-                   for r in cons[name])
+                                 "SoftmaxLossGrad", "Gelu", "GeluGrad", "Attention",
+                                 "Eltwise") for r in cons[name])
     # the layer norms and GELU write their copies themselves: no Cast, and
     # their float32 outputs are gone; the weights and gradients by a Cast
     assert {n for n, t in writers.items() if t == "LayerNorm"} == {
@@ -402,6 +446,11 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         assert writers[f"h{i}_attn.qkv"] == "InnerProduct"
         assert sorted(r.op_type for r in cons[f"h{i}_attn.qkv"]) == ["Attention",
                                                                     "AttentionGrad"]
+        for out in (f"h{i}_a", f"h{i}_mo"):   # the projections, read by the residual adds
+            assert writers[out] == "InnerProduct" and [r.op_type for r in cons[out]] == [
+                "Eltwise"]
+            (add,) = cons[out]
+            assert g.blobs[add.outputs[0]].dtype == "float32"
     # the logits: written by the lm-head's GemmEx (no bias), read by the loss
     # and its gradient from_logits (no probabilities: the gradient computes
     # them again), whose own gradient is written as bits by it (no Cast)
@@ -434,9 +483,10 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
 
 def test_the_biased_outputs_as_bits_shrink_the_device_plan(host_build_dir, monkeypatch):
     """The 2-block GPT's device arena (runtime/memory_plan) is smaller with
-    the fc outputs that have a bias stored as bits (the MLP's fc output and
-    qkv: 4 more blobs of bits) than under the former rule, where a product
-    with a bias could not write bits (``bits_outputs_of``)."""
+    the fc outputs that have a bias stored as bits (the MLP's fc output,
+    qkv and the projections': 8 more blobs of bits) than under the former
+    rule, where a product with a bias could not write bits
+    (``bits_outputs_of``)."""
     from purine_mpi.ops.fc import InnerProduct
     from purine_mpi.runtime.factory import memory_plans
     from purine_mpi.runtime.memory_plan import batch_blobs
@@ -451,7 +501,8 @@ def test_the_biased_outputs_as_bits_shrink_the_device_plan(host_build_dir, monke
         return devices[0].total_bytes, {n for n, b in g.blobs.items() if b.dtype == "uint16"}
 
     (now, bits), (before, bits_before) = plan(False), plan(True)
-    assert bits - bits_before == {"h0_m", "h1_m", "h0_attn.qkv", "h1_attn.qkv"}
+    assert bits - bits_before == {f"h{i}_{n}" for i in (0, 1)
+                                  for n in ("m", "attn.qkv", "a", "mo")}
     assert now < before, (now, before)
 
 
@@ -568,12 +619,16 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     assert first_on["to_bf16_bits"] < first_off["to_bf16_bits"]
     assert first_on["round_bf16"] < first_off["round_bf16"]
     # the MLP's fc1 (with a bias) writes its output as bits, GELU and its
-    # gradient read them (one launch each per block), none without bits storage
+    # gradient read them (one launch each per block), none without bits
+    # storage
     gelu = first_on["gelu_forward_bx_bits_f32"]
     assert gelu > 0 and first_on["gelu_backward_bx_f32"] == gelu
-    # qkv and fc1 (with their biases) write bits: two for each GELU
-    assert first_on["bias_bits_f32"] == 2 * gelu
-    for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32"):
+    # qkv, the attention's projection, fc1 and fc2 (with their biases)
+    # write bits: four for each GELU; the two residual adds read them
+    assert first_on["bias_bits_f32"] == 4 * gelu
+    assert first_on["add_bits_f32"] == 2 * gelu
+    for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
+                 "add_bits_f32"):
         assert first_off[func] == 0, func
 
 

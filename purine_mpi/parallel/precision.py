@@ -32,7 +32,8 @@ but for bf16 storage (``store_bits``): a bfloat16 blob whose producer can
 write it as bits (``OpKernel.bits_outputs``: a Cast, a bf16 product, the
 attention's ctx) and whose every reader takes it as bits
 (``OpKernel.bits_inputs``: the fully connected products' operands, GELU's
-and its gradient's x, the fused attention's and its gradient's qkv) is
+and its gradient's x, the fused attention's and its gradient's qkv, an
+Eltwise sum's terms) is
 stored as the uint16 bits of its values (base/precision.BITS, 2 bytes an
 element) and written so (the producer's attr ``bits_out``): its readers
 widen it where they read it or take it as it is (GemmEx, cuDNN's SDPA),
@@ -44,12 +45,12 @@ producer writes the bits and the Cast and the float32 blob go
 too: without a bias its GemmEx's bfloat16 result; with one its GemmEx's
 float32 result into scratch, to which one kernel adds the bias before the
 one rounding (ops/fc.py). In GPT-2: the MLP's fc output (read by GELU and
-its gradient), qkv (read by the fused attention and its gradient) and the
-lm-head's logits, where the softmax loss reads them ``from_logits``
+its gradient), qkv (read by the fused attention and its gradient), the
+projections' outputs (read by the residual adds) and the lm-head's
+logits, where the softmax loss reads them ``from_logits``
 (``loss_from_logits``: no probabilities kept, its gradient computes them
 again from the logits, a chunk at a time, and writes its own copy as
-bits); not the outputs the residual adds read (Eltwise takes no bits).
-The same numbers: the bits are the upper halves of the float32 roundings.
+bits). The same numbers: the bits are the upper halves of the float32 roundings.
 ``PURINE_BF16_STORAGE=0`` (or ``PURINE_BF16_GEMM=0``, whose products take
 float32 operands) keeps the float32 storage.
 

@@ -162,6 +162,22 @@ def bias_bits(src, bias, out):
     return out
 
 
+def add_bits(a, b, out):
+    """``out`` = float32 ``a`` + the bfloat16 values whose bits are ``b``
+    (uint16, widened exactly), one kernel (cuda/activation.cu
+    ``add_bits_f32``): a residual add of a term stored as bits, the float32
+    sum of the same values bit for bit. All C-contiguous, one size; ``out``
+    may be ``a``."""
+    import_cupy()
+    _bits_array(a, np.float32, "add_bits: a")
+    _bits_array(b, np.uint16, "add_bits: b")
+    _bits_array(out, np.float32, "add_bits: out")
+    if not a.size == b.size == out.size:
+        raise ValueError(f"add_bits: sizes {a.size}, {b.size} and {out.size} differ")
+    _plain_launch("add_bits_f32", a.size, (a, b, out))
+    return out
+
+
 #: the ``round`` argument of cuda/activation.cu's GELU kernels: the low type
 #: their float32 output is rounded to in the same pass (precision.cuh)
 ROUND_MODES = {None: 0, "bfloat16": 1, "float16": 2}
