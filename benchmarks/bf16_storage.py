@@ -4,11 +4,16 @@ and without it (``PURINE_BF16_STORAGE``):
 
 - ``launches``: the kernel launches of one eager training step (the second)
   of the test GPT (``gpt_net`` of tests/gpt_oracle.py, width 16, ``--blocks`` blocks)
-  in bf16, by kernel (``to_bf16_bits``, ``round_bf16``, all), and whether
+  in bf16, by kernel (``to_bf16_bits``, ``round_bf16``, ``from_bf16_bits``,
+  ``bias_bits_f32``, ``add_bits_f32``, all: our raw kernels, not CuPy's
+  element-wise ones or cuBLAS calls), and whether
   the losses and weights after ``--iters`` steps are bit for bit the same;
 - ``plan``: ``python -m purine_mpi plan`` of a job (``--plan-job``, with
   ``--set`` overrides) on the emulated device: the GPU total, the arena,
   the scratch slot and the peak's op.
+
+``DATA.h5``: any token file of the job's vocabulary, e.g. a byte-token one,
+``python -m purine_mpi data text --from DIR --glob '*.py' --out DATA.h5``.
 
     PYTHONPATH=. python benchmarks/bf16_storage.py --blocks 12 --plan-job jobs/gpt2_124m.yaml \\
         --set precision=bf16 --set device=0 --set data.train.batch_size=16 \\
@@ -123,7 +128,7 @@ def main():
     build_dir = pathlib.Path(tempfile.mkdtemp(prefix="bf16_storage_kernels_"))
     out = {"blocks": args.blocks}
     runs = {s: launches(s, args.blocks, args.iters, build_dir) for s in ("0", "1")}
-    keys = ("to_bf16_bits", "round_bf16")
+    keys = ("to_bf16_bits", "round_bf16", "from_bf16_bits", "bias_bits_f32", "add_bits_f32")
     for s, name in (("0", "float32_storage"), ("1", "bits_storage")):
         counts = runs[s][0]
         out[name] = dict({k: counts.get(k, 0) for k in keys}, all=sum(counts.values()))

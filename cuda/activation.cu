@@ -41,6 +41,13 @@
 // gelu_forward_bits_f32 writes y as bfloat16 bits (uint16, the upper halves
 // of round_bf16's float32: a y stored as bits, purine_mpi/parallel/
 // precision.store_bits): the bits of a float32 run followed by to_bf16_bits.
+// The _bx entry points read x as bfloat16 bits (uint16: the fc output GELU
+// reads, stored as bits by precision.store_bits), widened exactly to the
+// float32 the float32 storage holds, then the same float32 arithmetic: the
+// same y / dx bit for bit. bias_bits_f32 adds the bias of a fully connected
+// layer whose output is stored as bits to its float32 product and rounds
+// once (bias_act then round_bf16, in one pass); add_bits_f32 is the
+// residual add of a float32 term and one stored as bits.
 // Memory-bound: 8 bytes per element forward, 12 backward (float32), grid-
 // stride loops of 256-thread blocks, consecutive threads on consecutive
 // elements (coalesced); no atomics, no sums: the same bits every run.
@@ -176,47 +183,74 @@ __device__ __forceinline__ void purine_gelu_tanh(T x, T* s, T* s1s) {
   *s1s = e * r * r;
 }
 
-template <typename T, bool TANH>
-__device__ void gelu_forward_loop(long long total, const T* x, int round, T* y) {
+// An element of x as the value computed with: a float32 / float64 one as it
+// is, bfloat16 bits (a blob stored as bits) widened exactly to float32 --
+// the value the float32 storage of the same blob holds, so the same result.
+template <typename T>
+__device__ __forceinline__ T purine_load(const T* x, long long i) { return x[i]; }
+__device__ __forceinline__ float purine_load(const unsigned short* x, long long i) {
+  return purine_bf16_float(x[i]);
+}
+
+// y[i] = v: rounded to the pass's low type (`round`) for a float32 / float64
+// y, or as the bits of the bfloat16 nearest v (a y stored as bits: the upper
+// half of round_bf16's float32, `round` unused)
+template <typename T>
+__device__ __forceinline__ void purine_store(T* y, long long i, T v, int round) {
+  y[i] = purine_round_low(v, round);
+}
+__device__ __forceinline__ void purine_store(unsigned short* y, long long i, float v, int) {
+  y[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
+}
+
+// T: the type computed in; X, Y: x's and y's storage (T, or bfloat16 bits
+// for T float)
+template <typename T, typename X, typename Y, bool TANH>
+__device__ void gelu_forward_loop(long long total, const X* x, int round, Y* y) {
   CUDA_KERNEL_LOOP(i, total) {
-    const T v = x[i];
+    const T v = purine_load(x, i);
     T factor, unused;
     if (TANH) {
       purine_gelu_tanh(v, &factor, &unused);
     } else {
       purine_normal(v, &factor, &unused);
     }
-    y[i] = purine_round_low(v * factor, round);
+    purine_store(y, i, T(v * factor), round);
   }
 }
 
-template <bool TANH>
-__device__ void gelu_forward_bits_loop(long long total, const float* x, unsigned short* y) {
-  CUDA_KERNEL_LOOP(i, total) {
-    const float v = x[i];
-    float factor, unused;
-    if (TANH) {
-      purine_gelu_tanh(v, &factor, &unused);
-    } else {
-      purine_normal(v, &factor, &unused);
-    }
-    y[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v * factor)) >> 16);
+template <typename X, typename Y>
+__device__ void gelu_forward_f32(long long total, const X* x, int tanh_form, int round, Y* y) {
+  if (tanh_form) {
+    gelu_forward_loop<float, X, Y, true>(total, x, round, y);
+  } else {
+    gelu_forward_loop<float, X, Y, false>(total, x, round, y);
   }
 }
 
+// float32 x, y as bits
 extern "C" __global__ void gelu_forward_bits_f32(long long total, const float* x,
                                                  int tanh_form, unsigned short* y) {
-  if (tanh_form) {
-    gelu_forward_bits_loop<true>(total, x, y);
-  } else {
-    gelu_forward_bits_loop<false>(total, x, y);
-  }
+  gelu_forward_f32(total, x, tanh_form, 0, y);
 }
 
-template <typename T, bool TANH>
-__device__ void gelu_backward_loop(long long total, const T* dy, const T* x, int round, T* dx) {
+// x as bits (a blob stored as bits: the fully connected output GELU reads),
+// y float32 (rounded to `round`) or as bits; a bits y may be x (each element
+// is read before it is written)
+extern "C" __global__ void gelu_forward_bx_f32(long long total, const unsigned short* x,
+                                               int tanh_form, int round, float* y) {
+  gelu_forward_f32(total, x, tanh_form, round, y);
+}
+
+extern "C" __global__ void gelu_forward_bx_bits_f32(long long total, const unsigned short* x,
+                                                    int tanh_form, unsigned short* y) {
+  gelu_forward_f32(total, x, tanh_form, 0, y);
+}
+
+template <typename T, typename X, bool TANH>
+__device__ void gelu_backward_loop(long long total, const T* dy, const X* x, int round, T* dx) {
   CUDA_KERNEL_LOOP(i, total) {
-    const T v = x[i];
+    const T v = purine_load(x, i);
     T d;
     if (TANH) {
       T s, s1s;
@@ -235,20 +269,51 @@ __device__ void gelu_backward_loop(long long total, const T* dy, const T* x, int
 template <typename T>
 __device__ void gelu_forward_impl(long long total, const T* x, int tanh_form, int round, T* y) {
   if (tanh_form) {
-    gelu_forward_loop<T, true>(total, x, round, y);
+    gelu_forward_loop<T, T, T, true>(total, x, round, y);
   } else {
-    gelu_forward_loop<T, false>(total, x, round, y);
+    gelu_forward_loop<T, T, T, false>(total, x, round, y);
   }
 }
 
-template <typename T>
-__device__ void gelu_backward_impl(long long total, const T* dy, const T* x, int tanh_form,
+template <typename T, typename X>
+__device__ void gelu_backward_impl(long long total, const T* dy, const X* x, int tanh_form,
                                    int round, T* dx) {
   if (tanh_form) {
-    gelu_backward_loop<T, true>(total, dy, x, round, dx);
+    gelu_backward_loop<T, X, true>(total, dy, x, round, dx);
   } else {
-    gelu_backward_loop<T, false>(total, dy, x, round, dx);
+    gelu_backward_loop<T, X, false>(total, dy, x, round, dx);
   }
+}
+
+// float32 dy and dx, x as bits
+extern "C" __global__ void gelu_backward_bx_f32(long long total, const float* dy,
+                                                const unsigned short* x, int tanh_form,
+                                                int round, float* dx) {
+  gelu_backward_impl<float, unsigned short>(total, dy, x, tanh_form, round, dx);
+}
+
+// The bias of a fully connected layer whose output is stored as bits: y[i]
+// = the bfloat16 bits of the float32 src[i] + bias[i % channels] (src: the
+// float32 product, row-major (rows, channels)) -- the float32 storage path's
+// bias_act (relu 0, inner 1) followed by round_bf16, one rounding, in one
+// pass. No fused ReLU (the pass stores no such output as bits).
+extern "C" __global__ void bias_bits_f32(long long total, const float* src, const float* bias,
+                                         long long channels, unsigned short* y) {
+  CUDA_KERNEL_LOOP(i, total) {
+    float v = src[i];
+    v += bias[i % channels];
+    y[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
+  }
+}
+
+// A residual add whose second term is stored as bits (an fc output with a
+// bias, bf16 storage): y[i] = a[i] + the float32 value of the bfloat16 bits
+// b[i] (exact), one float32 addition -- the Eltwise sum's of the float32
+// storage (an addition commutes exactly, so b may be either input); y may
+// be a (each element read before it is written).
+extern "C" __global__ void add_bits_f32(long long total, const float* a,
+                                        const unsigned short* b, float* y) {
+  CUDA_KERNEL_LOOP(i, total) { y[i] = a[i] + purine_bf16_float(b[i]); }
 }
 
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \
@@ -275,7 +340,7 @@ __device__ void gelu_backward_impl(long long total, const T* dy, const T* x, int
   extern "C" __global__ void gelu_backward_##SUFFIX(long long total, const T* dy,      \
                                                     const T* x, int tanh_form,         \
                                                     int round, T* dx) {                \
-    gelu_backward_impl<T>(total, dy, x, tanh_form, round, dx);                         \
+    gelu_backward_impl<T, T>(total, dy, x, tanh_form, round, dx);                         \
   }
 
 PURINE_ACTIVATION_ENTRY(f32, float)

@@ -26,6 +26,11 @@ __device__ __forceinline__ unsigned int purine_float_bits(float value) {
   return v.u;
 }
 
+// The float32 value of bfloat16 bits (uint16): exact (the upper half)
+__device__ __forceinline__ float purine_bf16_float(unsigned short bits) {
+  return purine_bits_float((unsigned int)bits << 16);
+}
+
 __device__ __forceinline__ unsigned int purine_round_bf16(unsigned int b) {
   // the bit that decides a tie, plus 0x7fff; none for infinities and NaNs
   const unsigned int inc = (b & PURINE_EXPONENT) == PURINE_EXPONENT ? 0u

@@ -10,12 +10,16 @@ by its producer, and the products take it as it is.
   where GemmEx is refused (the bits widened);
 - the pass stores what it should in the 2-block GPT (the layer norms and
   GELU writing their copies themselves, their Casts and float32 outputs
-  gone; the logits written by the lm-head, their gradient's copy by the
+  gone; the MLP's fc output and qkv written by their biased products; the
+  logits written by the lm-head, their gradient's copy by the
   loss's gradient, on the logits' bytes), nothing where a reader
   cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
-- GemmEx into a bfloat16 result, the bias-free fc writing its output as
-  bits, the softmax loss and its gradient ``from_logits`` on bits logits
-  (in chunks) against the float32 path bit for bit and against PyTorch's
+- GELU and its gradient reading x as bits, the fused attention and its
+  gradient reading qkv as bits, against the float32 storage bit for bit;
+- GemmEx into a bfloat16 result, the fc writing its output as bits
+  (without a bias from GemmEx, with one through bias_bits: one rounding
+  after the bias), the softmax loss and its gradient ``from_logits`` on
+  bits logits (in chunks) against the float32 path bit for bit and against PyTorch's
   CPU autocast ``cross_entropy``; the pass's ``loss_from_logits`` only
   where the gradient's copy becomes bits;
 - the bf16 GPT trained a few steps on the emulated device, captured in CUDA
@@ -28,7 +32,7 @@ import collections
 import numpy as np
 import pytest
 
-from purine_mpi.base.precision import _round_bits
+from purine_mpi.base.precision import _round_bits, is_bits
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.registry import make_kernel
 from tests.emulated_gpu.fixtures import device  # noqa: F401
@@ -140,11 +144,163 @@ def test_gelu_and_layer_norm_write_numpys_bits_of_their_float32_output(device, o
             np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows,cols", [(3, 5), (64, 128)])
+def test_gelu_and_its_gradient_read_an_x_stored_as_bits(device, approximate, rows, cols):
+    """Gelu (y float32 or as bits, the latter also in place on x's bytes) and
+    GeluGrad with x stored as bfloat16 bits (the fc output they read, bf16
+    storage): the same bits as from the float32 storage of the same values,
+    in one launch each (x widened in the kernel: gelu_forward_bx_f32,
+    gelu_forward_bx_bits_f32, gelu_backward_bx_f32), no scratch; the host
+    path (NumPy, chunked) too. x holds the adversarial values rounded to
+    bfloat16 (ties after the op, large and tiny ones)."""
+    from purine_mpi.ops.activation import HOST_CHUNK
+    _, (x32,), _ = _producer_case("Gelu", rows, cols)
+    xb = _numpy_bits(x32)
+    x = (xb.astype(np.uint32) << np.uint32(16)).view(np.float32)   # the bf16 values
+    dy = np.random.default_rng(8).standard_normal(x.shape).astype(np.float32)
+    attrs = {"approximate": approximate}
+    if rows * cols > 1000:   # the host path over several chunks
+        x, xb, dy = (np.resize(a, (3, HOST_CHUNK // 2 + 7)) for a in (x, xb, dy))
+
+    def ops(bits_out):
+        return (make_kernel(Op("g", "Gelu", ["x"], ["y"],
+                               dict(attrs, **({"bits_out": [0]} if bits_out else {})))),
+                make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs)))
+
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        results = {}
+        for name, xs in (("float32", x), ("bits", xb)):
+            (fwd, grad), (fwd_bits, _) = ops(False), ops(True)
+            on, d = put(xs), put(dy)
+            y = put(np.full(x.shape, np.nan, np.float32))
+            yb = put(np.zeros(x.shape, np.uint16))
+            dx = put(np.full(x.shape, np.nan, np.float32))
+            for k, ins, out in ((fwd, [on], y), (fwd_bits, [on], yb), (grad, [d, on], dx)):
+                assert k.scratch_specs(ins, [out]) == []
+                k.setup(ins, [out])
+                if dev:
+                    device.launched.clear()
+                k.run(ins, [out])
+                if dev and name == "bits":
+                    assert device.launched == [{"Gelu": "gelu_forward_bx_f32",
+                                                "GeluGrad": "gelu_backward_bx_f32"}[
+                        k.op.op_type] if out is not yb else "gelu_forward_bx_bits_f32"]
+            results[name] = [get(a) for a in (y, yb, dx)]
+            if name == "bits":   # in place: the bits of y over x's own bits
+                fwd_bits.run([on], [on])
+                results["in_place"] = get(on)
+        for got, want in zip(results["bits"], results["float32"]):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint16 if got.dtype == np.uint16
+                                                   else np.uint32),
+                                          want.view(np.uint16 if want.dtype == np.uint16
+                                                    else np.uint32))
+        np.testing.assert_array_equal(results["in_place"], results["float32"][1])
+        np.testing.assert_array_equal(results["float32"][1], _numpy_bits(results["float32"][0]))
+
+
+@pytest.mark.parametrize("n,t,heads", [(2, 8, 2), (3, 5, 1)])
+def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, n, t, heads):
+    """Attention and AttentionGrad (bf16, the cuBLAS path) with qkv stored
+    as bfloat16 bits (the qkv product's output, bf16 storage): ctx and dqkv
+    the same bits as from the float32 storage of the same values, qkv
+    widened exactly into the op's scratch (one from_bf16_bits launch each;
+    the scratch grows by qkv's float32), float32 outputs; the host path too."""
+    from purine_mpi.ops.attention import Attention, AttentionGrad
+    rng = np.random.default_rng(12)
+    c = 4 * heads
+    qkv, qkvb = _bf16_values(rng, (n, t, 3 * c))
+    dctx = _bf16_values(rng, (n, t, c))[0]
+    attrs = {"num_heads": heads, "compute_dtype": BF16}
+    assert Attention.bits_inputs(attrs) == (0,) and AttentionGrad.bits_inputs(attrs) == (1,)
+    assert Attention.infer(attrs, [((n, t, 3 * c), "uint16")]) == [((n, t, c), np.float32)]
+    assert AttentionGrad.infer(attrs, [((n, t, c), "float32"), ((n, t, 3 * c), "uint16")]) \
+        == [((n, t, 3 * c), np.float32)]
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        results = {}
+        for name, x in (("float32", qkv), ("bits", qkvb)):
+            fwd = make_kernel(Op("a", "Attention", ["qkv"], ["ctx"], attrs))
+            grad = make_kernel(Op("ag", "AttentionGrad", ["dctx", "qkv"], ["dqkv"], attrs))
+            on, d = put(x), put(dctx)
+            ctx = put(np.full((n, t, c), np.nan, np.float32))
+            dqkv = put(np.full((n, t, 3 * c), np.nan, np.float32))
+            for k, ins, out in ((fwd, [on], ctx), (grad, [d, on], dqkv)):
+                k.setup(ins, [out])
+                if dev:
+                    specs = k.scratch_specs(ins, [out])
+                    assert (((n, t, 3 * c), np.float32) in specs) == (name == "bits")
+                    device.launched.clear()
+                k.run(ins, [out])
+                if dev:
+                    assert device.launched.count("from_bf16_bits") == (name == "bits")
+            results[name] = [get(a) for a in (ctx, dqkv)]
+        for got, want in zip(results["bits"], results["float32"]):
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", ["second", "first", "both", "coeff"])
+def test_the_residual_add_reads_a_term_stored_as_bits(device, case):
+    """Eltwise sum with inputs stored as bfloat16 bits (an fc output with a
+    bias, bf16 storage): y float32, the float32 storage's sum of the same
+    values bit for bit -- one add_bits_f32 launch for two inputs, one of
+    them bits, coefficients 1 (either order: the addition commutes
+    exactly); otherwise each bits input widened (from_bf16_bits) first;
+    the host path too. prod and max take no bits."""
+    from purine_mpi.ops.tensor import Eltwise
+    rng = np.random.default_rng(13)
+    shape = (3, 7, 5)
+    x, h = rng.standard_normal(shape).astype(np.float32), _bf16_values(rng, shape)
+    attrs = {"operation": "sum"}
+    values, stored = [x, h[0]], [x, h[1]]
+    if case == "first":
+        values, stored = values[::-1], stored[::-1]
+    elif case == "both":
+        g = _bf16_values(rng, shape)
+        values, stored = [g[0], h[0]], [g[1], h[1]]
+    elif case == "coeff":
+        attrs["coeff"] = [1.0, -0.5]
+    ((out_shape, out_dtype),) = Eltwise.infer(attrs, [(shape, a.dtype) for a in stored])
+    assert out_shape == shape and np.dtype(out_dtype) == np.float32
+    assert Eltwise.bits_inputs(attrs) == (0, 1)
+    assert Eltwise.bits_inputs({"operation": "prod"}) == ()
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        got = {}
+        for name, ins in (("float32", values), ("bits", stored)):
+            k = make_kernel(Op("add", "Eltwise", ["a", "b"], ["y"], attrs))
+            on = [put(a) for a in ins]
+            y = put(np.full(shape, np.nan, np.float32))
+            if dev:
+                device.launched.clear()
+            k.run(on, [y])
+            got[name] = get(y)
+            if dev and name == "bits":
+                fused = case in ("first", "second")
+                assert device.launched.count("add_bits_f32") == fused
+                assert device.launched.count("from_bf16_bits") == (
+                    0 if fused else sum(is_bits(a) for a in ins))
+        np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
+
+
 def test_the_producers_infer_bits_storage_only_with_bits_out():
     from purine_mpi.ops.activation import Gelu
     from purine_mpi.ops.layernorm import LayerNorm
     assert Gelu.infer({"bits_out": [0]}, [((2, 3), "float32")]) == [((2, 3), "uint16")]
     assert Gelu.infer({}, [((2, 3), "float32")]) == [((2, 3), "float32")]
+    # an x stored as bits: y float32 unless written as bits
+    assert Gelu.infer({}, [((2, 3), "uint16")]) == [((2, 3), np.float32)]
+    assert Gelu.infer({"bits_out": [0]}, [((2, 3), "uint16")]) == [((2, 3), "uint16")]
+    from purine_mpi.ops.activation import GeluGrad
+    assert GeluGrad.infer({}, [((2, 3), "float32"), ((2, 3), "uint16")]) == [((2, 3),
+                                                                              "float32")]
+    assert Gelu.bits_inputs({}) == (0,) and GeluGrad.bits_inputs({}) == (1,)
     ln = [((2, 3), "float32"), ((3,), "float32"), ((3,), "float32")]
     assert [d for _, d in LayerNorm.infer({"bits_out": [0]}, ln)] == ["uint16", "float32",
                                                                       "float32"]
@@ -246,15 +402,19 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     outputs' copies, the attention's output and the gradients the products
     read are bits, each read by fc products (and the attention's output by
     the SDPA gradient) only and written by a producer marked ``bits_out``;
-    the biases' copies (read by the forward's epilogue) and the qkv gradient
-    (read by the bias gradient too) stay float32. Nothing with PURINE_BF16_STORAGE=0
-    or in fp16."""
+    so are the outputs of the products with a bias: the MLP's first fc
+    output, read by GELU and its gradient, the attention's qkv, read by the
+    fused attention and its gradient, and the projections' outputs, read by
+    the residual adds; the biases' copies (read by the forward's epilogue)
+    and the qkv gradient (read by the bias gradient too) stay float32.
+    Nothing with PURINE_BF16_STORAGE=0 or in fp16."""
     g = _gpt(monkeypatch, host_build_dir)
     cons, prod = g.consumers(), g.producers()
     bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
     for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
                  "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16",
-                 "h0_attn.ctx", "h1_attn.ctx", "logits", "logits.grad@bf16"):
+                 "h0_attn.ctx", "h1_attn.ctx", "logits", "logits.grad@bf16", "h0_m", "h1_m",
+                 "h0_attn.qkv", "h1_attn.qkv", "h0_a", "h1_mo"):
         assert name in bits, name
     for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad"):
         assert g.blobs[name].dtype == "float32", name
@@ -267,7 +427,8 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         writers[name] = w.op_type
         assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
                                  "InnerProductGradWeight", "AttentionGrad", "SoftmaxLoss",
-                                 "SoftmaxLossGrad") for r in cons[name])
+                                 "SoftmaxLossGrad", "Gelu", "GeluGrad", "Attention",
+                                 "Eltwise") for r in cons[name])
     # the layer norms and GELU write their copies themselves: no Cast, and
     # their float32 outputs are gone; the weights and gradients by a Cast
     assert {n for n, t in writers.items() if t == "LayerNorm"} == {
@@ -277,6 +438,19 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     assert all(t == "Cast" for n, t in writers.items() if "weight" in n or
                (".grad" in n and "logits" not in n))
     assert writers["h0_attn.ctx"] == "Attention"
+    # the MLP's first fc (with its bias) writes its output as bits, which
+    # GELU and its gradient read
+    for i in (0, 1):
+        assert writers[f"h{i}_m"] == "InnerProduct" and len(prod[f"h{i}_m"][0].inputs) == 3
+        assert sorted(r.op_type for r in cons[f"h{i}_m"]) == ["Gelu", "GeluGrad"]
+        assert writers[f"h{i}_attn.qkv"] == "InnerProduct"
+        assert sorted(r.op_type for r in cons[f"h{i}_attn.qkv"]) == ["Attention",
+                                                                    "AttentionGrad"]
+        for out in (f"h{i}_a", f"h{i}_mo"):   # the projections, read by the residual adds
+            assert writers[out] == "InnerProduct" and [r.op_type for r in cons[out]] == [
+                "Eltwise"]
+            (add,) = cons[out]
+            assert g.blobs[add.outputs[0]].dtype == "float32"
     # the logits: written by the lm-head's GemmEx (no bias), read by the loss
     # and its gradient from_logits (no probabilities: the gradient computes
     # them again), whose own gradient is written as bits by it (no Cast)
@@ -295,7 +469,8 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     from purine_mpi.runtime.memory_plan import batch_blobs
     _, devices = memory_plans(g, keep=batch_blobs(g))
     plan = devices[0]
-    for name in ("h0_n1@bf16", "h0_m.grad@bf16", "logits", "logits.grad@bf16"):
+    for name in ("h0_n1@bf16", "h0_m.grad@bf16", "logits", "logits.grad@bf16", "h0_m",
+                 "h0_attn.qkv"):
         assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
     # the logits' gradient on the logits' bytes (each chunk read before written)
     assert plan.in_place["logits.grad@bf16"][0] == "logits"
@@ -304,6 +479,31 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     monkeypatch.delenv("PURINE_BF16_STORAGE")
     assert all(b.dtype != "uint16"
                for b in _gpt(monkeypatch, host_build_dir, "fp16").blobs.values())
+
+
+def test_the_biased_outputs_as_bits_shrink_the_device_plan(host_build_dir, monkeypatch):
+    """The 2-block GPT's device arena (runtime/memory_plan) is smaller with
+    the fc outputs that have a bias stored as bits (the MLP's fc output,
+    qkv and the projections': 8 more blobs of bits) than under the former
+    rule, where a product with a bias could not write bits
+    (``bits_outputs_of``)."""
+    from purine_mpi.ops.fc import InnerProduct
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+
+    def plan(former):
+        with monkeypatch.context() as m:
+            if former:
+                m.setattr(InnerProduct, "bits_outputs_of", classmethod(
+                    lambda cls, op: () if len(op.inputs) == 3 else cls.bits_outputs(op.attrs)))
+            g = _gpt(m, host_build_dir)
+        _, devices = memory_plans(g, keep=batch_blobs(g))
+        return devices[0].total_bytes, {n for n, b in g.blobs.items() if b.dtype == "uint16"}
+
+    (now, bits), (before, bits_before) = plan(False), plan(True)
+    assert bits - bits_before == {f"h{i}_{n}" for i in (0, 1)
+                                  for n in ("m", "attn.qkv", "a", "mo")}
+    assert now < before, (now, before)
 
 
 def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
@@ -418,6 +618,18 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     first_on, first_off = on[2][0], off[2][0]
     assert first_on["to_bf16_bits"] < first_off["to_bf16_bits"]
     assert first_on["round_bf16"] < first_off["round_bf16"]
+    # the MLP's fc1 (with a bias) writes its output as bits, GELU and its
+    # gradient read them (one launch each per block), none without bits
+    # storage
+    gelu = first_on["gelu_forward_bx_bits_f32"]
+    assert gelu > 0 and first_on["gelu_backward_bx_f32"] == gelu
+    # qkv, the attention's projection, fc1 and fc2 (with their biases)
+    # write bits: four for each GELU; the two residual adds read them
+    assert first_on["bias_bits_f32"] == 4 * gelu
+    assert first_on["add_bits_f32"] == 2 * gelu
+    for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
+                 "add_bits_f32"):
+        assert first_off[func] == 0, func
 
 
 @pytest.mark.parametrize("way", ["micro_batches", "recompute"])
@@ -546,50 +758,64 @@ def test_gemm_ex_writes_the_bits_of_its_float32_results_rounding(device):
         gemm_ex(device.to_device(ab), device.to_device(bb), bits, "float16", trans_b=True)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
-def test_an_fc_without_bias_writes_its_output_as_the_float32_paths_bits(device, monkeypatch,
-                                                                       where):
-    """InnerProduct with ``bits_out: [0]`` (no bias): y is the bits of the
-    float32 path's y (its product, then round_bf16), bit for bit: one GemmEx
-    with a bfloat16 result and no rounding or conversion launch; where
-    GemmEx is refused, the float32 product in the op's scratch and one
-    to_bf16_bits; on the host the float32 product and base/precision's
-    rounding. With a bias (or a fused ReLU) it cannot write bits."""
+def test_an_fc_writes_its_output_as_the_float32_paths_bits(device, monkeypatch, where, bias):
+    """InnerProduct with ``bits_out: [0]``: y is the bits of the float32
+    path's y (its product, the bias added in float32, then round_bf16), bit
+    for bit. Without a bias: one GemmEx with a bfloat16 result and no
+    rounding or conversion launch; where GemmEx is refused, the float32
+    product in the op's scratch and one to_bf16_bits. With a bias: GemmEx's
+    float32 result in the op's scratch (the refused path's) and one
+    bias_bits launch that adds the bias and rounds once -- not the bits of
+    the rounded product plus the bias rounded again (which differ). On the
+    host the float32 product (+ bias) and base/precision's rounding. With a
+    fused ReLU (or in float16) it cannot write bits."""
     from purine_mpi.gpu import blas
     from purine_mpi.ops.fc import InnerProduct
     rng = np.random.default_rng(9)
-    # the operands as bits, as the lm-head's (the last layer norm's copy, the
-    # tied weight's copy): nothing else to convert
+    # the operands as bits, as the lm-head's or fc1's (the layer norm's copy,
+    # the weight's copy): nothing else to convert
     (_, x), (_, w) = _bf16_values(rng, (10, 3, 4)), _bf16_values(rng, (6, 12))
+    b = rng.standard_normal(6).astype(np.float32)   # the master bias: float32
+    names = ["x", "w"] + (["b"] if bias else [])
     attrs = {"num_output": 6, "compute_dtype": BF16}
     host = where == "host"
     put = np.array if host else device.to_device
     get = np.asarray if host else (lambda a: np.asarray(device.to_host(a)))
-    wide = make_kernel(Op("fc", "InnerProduct", ["x", "w"], ["y"], attrs))
-    ins, y = [put(x), put(w)], put(np.full((10, 6), np.nan, np.float32))
+    wide = make_kernel(Op("fc", "InnerProduct", names, ["y"], attrs))
+    ins, y = [put(x), put(w)] + ([put(b)] if bias else []), \
+        put(np.full((10, 6), np.nan, np.float32))
     wide.setup(ins, [y])
     wide.run(ins, [y])
     want = _numpy_bits(get(y))
     if where == "refused":
         monkeypatch.setitem(blas._state, "ex_refused", "provoked by the test")
-    k = make_kernel(Op("fc", "InnerProduct", ["x", "w"], ["y"], dict(attrs, bits_out=[0])))
+    k = make_kernel(Op("fc", "InnerProduct", names, ["y"], dict(attrs, bits_out=[0])))
     out = put(np.zeros((10, 6), np.uint16))
     k.setup(ins, [out])
     device.launched.clear()
     k.run(ins, [out])
     np.testing.assert_array_equal(get(out), want)
+    if bias:   # rounding before the bias and again after it gives other bits
+        widen = (lambda u: (u.astype(np.uint32) << np.uint32(16)).view(np.float32))
+        product = (widen(x).reshape(10, 12) @ widen(w).T).astype(np.float32)
+        twice = _numpy_bits(widen(_numpy_bits(product)) + b)
+        assert (twice != want).any()
     if not host:
         assert "round_bf16" not in device.launched
-        assert device.launched.count("to_bf16_bits") == (where == "refused")
+        assert device.launched.count("bias_bits_f32") == bias
+        assert device.launched.count("to_bf16_bits") == (where == "refused" and not bias)
         assert device.launched.count("from_bf16_bits") == 2 * (where == "refused")
         specs = k.scratch_specs(ins, [out])
-        assert ((10, 6), np.float32) in specs if where == "refused" else \
-            all(dtype == np.uint16 for _, dtype in specs)
+        # the float32 product in scratch where it is rounded after the GemmEx
+        assert (((10, 6), np.float32) in specs) == (where == "refused" or bias)
+        assert all(dtype == np.float32 for _, dtype in specs)
     assert InnerProduct.infer(dict(attrs, bits_out=[0]), [((10, 3, 4), "uint16"),
                                                           ((6, 12), "float32")]) == [
         ((10, 6), "uint16")]
     assert InnerProduct.bits_outputs_of(Op("fc", "InnerProduct", ["x", "w", "b"], ["y"],
-                                           attrs)) == ()
+                                           attrs)) == (0,)
     assert InnerProduct.bits_outputs(dict(attrs, relu=True)) == ()
     assert InnerProduct.bits_outputs({"compute_dtype": "float16"}) == ()
 
@@ -740,13 +966,13 @@ def test_the_loss_from_bits_logits_against_pytorch_autocast_cross_entropy():
 
 
 def test_the_loss_reads_the_logits_as_bits_only_where_its_gradient_goes_to_bits():
-    """``loss_from_logits`` on an lm-head (bias-free bf16 product) and its
-    loss: the loss reads the logits as bits (its probabilities gone, its
-    gradient after it, reading the logits and writing its copy as bits)
-    where the gradient's copy is read by products that take bits; not
-    where a weight gradient of rows reads it (its float32 gradient could
-    not take the 2-byte logits' bytes: more memory, not less), nor for an
-    lm-head with a bias (its product cannot write bits)."""
+    """``loss_from_logits`` on an lm-head (bf16 product, with or without a
+    bias: both write bits) and its loss: the loss reads the logits as bits
+    (its probabilities gone, its gradient after it, reading the logits and
+    writing its copy as bits) where the gradient's copy is read by products
+    that take bits; not where a weight gradient of rows reads it (its
+    float32 gradient could not take the 2-byte logits' bytes: more memory,
+    not less)."""
     from purine_mpi.graph.core import Graph
     from purine_mpi.parallel.precision import fold_casts, loss_from_logits, store_bits
 
@@ -783,15 +1009,16 @@ def test_the_loss_reads_the_logits_as_bits_only_where_its_gradient_goes_to_bits(
         g.infer_shapes()
         return g, marked
 
-    g, marked = graph()
-    assert marked == ["loss"]
-    assert g.ops["loss"].outputs == ["loss"] and "prob" not in g.blobs
-    assert g.ops["dl"].inputs == ["dloss", "logits", "label"] and \
-        g.ops["dl"].control_inputs == ["loss"]
-    assert g.blobs["logits"].dtype == g.blobs["dlogits@bf16"].dtype == "uint16"
-    assert "cast" not in g.ops and g.ops["dl"].outputs == ["dlogits@bf16"]
-    assert g.ops["fc"].attrs["bits_out"] == [0] and g.ops["dl"].attrs["bits_out"] == [0]
-    for kwargs in ({"rows": True}, {"bias": True}):
+    for bias in (False, True):
+        g, marked = graph(bias=bias)
+        assert marked == ["loss"]
+        assert g.ops["loss"].outputs == ["loss"] and "prob" not in g.blobs
+        assert g.ops["dl"].inputs == ["dloss", "logits", "label"] and \
+            g.ops["dl"].control_inputs == ["loss"]
+        assert g.blobs["logits"].dtype == g.blobs["dlogits@bf16"].dtype == "uint16"
+        assert "cast" not in g.ops and g.ops["dl"].outputs == ["dlogits@bf16"]
+        assert g.ops["fc"].attrs["bits_out"] == [0] and g.ops["dl"].attrs["bits_out"] == [0]
+    for kwargs in ({"rows": True},):
         g, marked = graph(**kwargs)
         assert marked == [] and "prob" in g.blobs, kwargs
         assert g.blobs["logits"].dtype == "float32" and "from_logits" not in g.ops["dl"].attrs

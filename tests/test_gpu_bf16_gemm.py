@@ -188,8 +188,9 @@ def test_a_bf16_gpt_allocates_nothing_and_plan_counts_the_bits(host_build_dir, m
     the bits live in the scratch the ops reserved in setup -- and the
     device's scratch is what ``plan`` counts (runtime/footprint.
     device_extras: the bits of each fc op's float32 operands -- none for an
-    operand stored as bits, parallel/precision.store_bits; none with
-    PURINE_BF16_GEMM=0)."""
+    operand stored as bits, parallel/precision.store_bits -- and the float32
+    product of a forward fc with a bias whose output is stored as bits;
+    none with PURINE_BF16_GEMM=0)."""
     from purine_mpi.gpu.scratch import Scratch
     from purine_mpi.layers.fillers import fill
     from purine_mpi.parallel.placement import prepare_for_device
@@ -215,6 +216,11 @@ def test_a_bf16_gpt_allocates_nothing_and_plan_counts_the_bits(host_build_dir, m
         floats = [(s, np.uint16) for s, n in zip((a, b), op.inputs[:2])
                   if g.blobs[n].dtype == "float32"]
         stored += 2 - len(floats)
+        y = g.blobs[op.outputs[0]]
+        if op.op_type == "InnerProduct" and len(op.inputs) == 3 and y.dtype == "uint16":
+            # an output stored as bits with a bias: GemmEx's float32 product,
+            # to which bias_bits adds the bias before the one rounding
+            floats.append(((a[0], y.shape[-1]), np.float32))
         want = Scratch._layout(floats)[1] if floats else 0
         assert extras["ops"].get(op.name, (0,))[0] == want, op.name
     assert stored >= 12   # the weights' copies and the operands stored as bits

@@ -28,7 +28,9 @@ storage (base/precision.py), cuDNN reads and writes the 16-bit type: the op
 copies qkv, ctx and dctx into 16-bit scratch (bfloat16 as uint16: the upper
 half of each float32, exact since the values are bfloat16 already) and
 widens the results back; the copies, the plans' workspace and nothing else
-are the op's scratch, reserved at setup.
+are the op's scratch, reserved at setup. A qkv or ctx stored as bfloat16
+bits (bf16 storage: parallel/precision.store_bits) is read as it is, no
+copy (its 16-bit scratch then goes unused).
 
 Dropout (the ops' attr ``dropout`` > 0, the layer's ``attn_dropout``;
 ``dropout=(p, seed, offset)`` in both graphs): cuDNN's Philox, the seed a
@@ -227,7 +229,7 @@ class SdpaPlans:
         device int64 arrays, with a dropout ratio (read when it runs)."""
         qkv16, o16, workspace = scratch
         bits = np.dtype(ctx.dtype) == np.dtype(np.uint16)   # ctx stored as the 16-bit values
-        narrow(qkv, qkv16, self.dtype)
+        qkv16 = _narrowed(qkv, qkv16, self.dtype)
         arrays = dict(self._packed(qkv16), o=(ctx if bits else o16, 0), stats=(stats, 0))
         arrays.update(self._dropout(dropout))
         self._run(self.fwd, self.fwd_t, arrays, workspace)
@@ -238,7 +240,7 @@ class SdpaPlans:
         """dqkv <- SDPA's gradient from dctx, qkv, the forward's ctx and stats
         (and with dropout the forward's seed and offset: the same mask)."""
         qkv16, o16, do16, dqkv16, workspace = scratch
-        narrow(qkv, qkv16, self.dtype)
+        qkv16 = _narrowed(qkv, qkv16, self.dtype)
         if np.dtype(ctx.dtype) == np.dtype(np.uint16):   # stored as the 16-bit values
             o16 = ctx
         else:
@@ -266,6 +268,15 @@ def _bits_kernels(*arrays):
     each, where CuPy's strided copies took two passes to widen."""
     from ..base.backend import get_xp
     return get_xp(arrays[0]) is not np and all(a.flags.c_contiguous for a in arrays)
+
+
+def _narrowed(x, out, dtype):
+    """x's 16-bit values: ``x`` itself where it is stored as them (uint16,
+    bfloat16 bits: bf16 storage), else ``narrow``-ed into ``out``."""
+    if np.dtype(x.dtype) == np.dtype(np.uint16):
+        return x
+    narrow(x, out, dtype)
+    return out
 
 
 def narrow(x, out, dtype):

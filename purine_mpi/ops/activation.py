@@ -13,7 +13,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
@@ -310,8 +310,9 @@ HOST_CHUNK = 1 << 15
 
 
 def _gelu_host_specs(x, count):
-    """``count`` flat temporaries of a host chunk (``HOST_CHUNK``) of ``x``."""
-    return [((min(int(x.size), HOST_CHUNK),), x.dtype)] * count
+    """``count`` flat temporaries of a host chunk (``HOST_CHUNK``) of ``x``
+    (float32 for an ``x`` stored as bfloat16 bits)."""
+    return [((min(int(x.size), HOST_CHUNK),), np.float32 if is_bits(x) else x.dtype)] * count
 
 
 def _approximate(attrs):
@@ -323,10 +324,24 @@ def _approximate(attrs):
 
 def _fused_gelu(*arrays):
     """Whether a GPU Gelu / GeluGrad of these inputs runs cuda/activation.cu's
-    one kernel (float32 or float64: ``raw_kernels``' dtypes), which takes no
-    scratch; other dtypes on a GPU run ``_gelu_factor``'s CuPy chain over
-    full-size temporaries."""
-    return all(np.dtype(a.dtype) in KERNEL_DTYPES for a in arrays)
+    one kernel (float32 or float64: ``raw_kernels``' dtypes, or an x stored
+    as bfloat16 bits), which takes no scratch; other dtypes on a GPU run
+    ``_gelu_factor``'s CuPy chain over full-size temporaries."""
+    return all(np.dtype(a.dtype) in KERNEL_DTYPES or is_bits(a) for a in arrays)
+
+
+def _gelu_kernels(xp, *arrays):
+    """``raw_kernels`` for a GELU's arrays, those stored as bfloat16 bits
+    left out (the kernels take them: ``_bx`` entry points)."""
+    return raw_kernels(xp, *(a for a in arrays if not is_bits(a)))
+
+
+def _host_x(flat, s, wide):
+    """The host chunk ``s`` of the flat x: as it is, or where x is bfloat16
+    bits its float32 values widened (exactly) into ``wide``."""
+    if not is_bits(flat):
+        return flat[s]
+    return from_bf16_bits(flat[s], wide[:s.stop - s.start])
 
 
 def _rounds_own(kernel, out):
@@ -361,10 +376,18 @@ class Gelu(OpKernel):
     y stored as bfloat16 bits (attr ``bits_out: [0]``, bf16 storage:
     parallel/precision.store_bits): the bits of the bfloat16 nearest each
     float32 y, on a GPU in the same kernel (``gelu_forward_bits_f32``), on
-    the host a chunk at a time -- the bits of a float32 y and a Cast."""
+    the host a chunk at a time -- the bits of a float32 y and a Cast.
+    x may be stored as bfloat16 bits (``bits_inputs``: the fc output it
+    reads, bf16 storage), widened exactly where it is read -- in the kernel
+    on a GPU (``gelu_forward_bx_f32``, ``gelu_forward_bx_bits_f32``), a chunk
+    at a time on the host: the float32 x's y bit for bit."""
 
     op_type = "Gelu"
     in_place = ((0, 0),)  # y = x * t, t computed from x first
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0,)
 
     @classmethod
     def bits_outputs(cls, attrs):
@@ -383,13 +406,19 @@ class Gelu(OpKernel):
         _approximate(attrs)
         if 0 in attrs.get("bits_out", ()):
             return [(ins[0][0], BITS)]
-        return [ins[0]]
+        return [(ins[0][0], np.float32 if is_bits(ins[0][1]) else ins[0][1])]
 
     def host_temporaries(self, ins, outs):
-        if is_bits(outs[0]):   # and a chunk's float32 y, to_bf16_bits's scratch
-            n = min(int(ins[0].size), HOST_CHUNK)
-            return _gelu_host_specs(ins[0], 4) + [(wire_scratch(n).shape, np.uint32)]
-        return _gelu_host_specs(ins[0], 3)
+        """A chunk's t, e, f; for a bits y a chunk's float32 y and
+        to_bf16_bits's scratch; for a bits x a chunk's float32 x."""
+        x = ins[0]
+        n = min(int(x.size), HOST_CHUNK)
+        specs = _gelu_host_specs(x, 3)
+        if is_bits(outs[0]):
+            specs += [((n,), np.float32), (wire_scratch(n).shape, np.uint32)]
+        if is_bits(x):
+            specs += [((n,), np.float32)]
+        return specs
 
     def rounds_own_outputs(self, ins, outs):
         return _rounds_own(self, outs[0]) if _fused_gelu(ins[0]) else ()
@@ -398,7 +427,7 @@ class Gelu(OpKernel):
         x = ins[0]
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
-        k = raw_kernels(xp, x)
+        k = _gelu_kernels(xp, x, outs[0])
         bits = is_bits(outs[0])
         if k is not None and bits:
             k.gelu_forward_bits(x, approximate, outs[0])
@@ -408,8 +437,9 @@ class Gelu(OpKernel):
                            round_to=_own_rounding(self, ins, outs))
             return
         if xp is not np:
-            if bits:
-                raise TypeError(f"Gelu: bfloat16 bits y from a float32 x, got {x.dtype}")
+            if bits or is_bits(x):
+                raise TypeError(f"Gelu: bfloat16 bits take a float32 x or y, got {x.dtype} "
+                                f"and {outs[0].dtype}")
             t, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
             _gelu_factor(xp, x, approximate, t, e=e, f=f)
             xp.multiply(x, t, out=outs[0])
@@ -418,22 +448,29 @@ class Gelu(OpKernel):
         temps = self.temporaries(x, *self.host_temporaries(ins, outs))
         for s in spans(flat.size, HOST_CHUNK):
             t, e, f = (a[:s.stop - s.start] for a in temps[:3])
-            _gelu_factor(xp, flat[s], approximate, t, e=e, f=f)
+            xs = _host_x(flat, s, temps[-1])   # x's chunk read before y's is written
+            _gelu_factor(xp, xs, approximate, t, e=e, f=f)
             if not bits:
-                np.multiply(flat[s], t, out=y[s])
+                np.multiply(xs, t, out=y[s])
                 continue
             wide = temps[3][:s.stop - s.start]
-            np.multiply(flat[s], t, out=wide)
+            np.multiply(xs, t, out=wide)
             to_bf16_bits(wide, y[s], temps[4])
 
 
 @register
 class GeluGrad(OpKernel):
     """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``). On a GPU
-    one kernel (cuda/activation.cu ``gelu_backward``), as Gelu's."""
+    one kernel (cuda/activation.cu ``gelu_backward``), as Gelu's. x may be
+    stored as bfloat16 bits (``bits_inputs``; ``gelu_backward_bx_f32``), as
+    Gelu's x; dy and dx are float32 then."""
 
     op_type = "GeluGrad"
     in_place = ((0, 0),)  # dx over dy
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (1,)
 
     def scratch_specs(self, ins, outs):
         if _fused_gelu(*ins):
@@ -448,7 +485,11 @@ class GeluGrad(OpKernel):
         return _same_shape(cls.op_type, ins)
 
     def host_temporaries(self, ins, outs):
-        return _gelu_host_specs(ins[1], 4)
+        """A chunk's t, d, e, f; for a bits x a chunk's float32 x."""
+        if not is_bits(ins[1]):
+            return _gelu_host_specs(ins[1], 4)
+        return _gelu_host_specs(ins[0], 4) + [((min(int(ins[1].size), HOST_CHUNK),),
+                                               np.float32)]
 
     def rounds_own_outputs(self, ins, outs):
         return _rounds_own(self, outs[0]) if _fused_gelu(*ins) else ()
@@ -457,21 +498,24 @@ class GeluGrad(OpKernel):
         dy, x = ins
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
-        k = raw_kernels(xp, dy, x)
+        k = _gelu_kernels(xp, dy, x)
         if k is not None:
             k.gelu_backward(dy, x, approximate, out=outs[0],
                             round_to=_own_rounding(self, ins, outs))
             return
         if xp is not np:
+            if is_bits(x):
+                raise TypeError(f"GeluGrad: a bfloat16 bits x takes a float32 dy, got "
+                                f"{dy.dtype}")
             t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
             _gelu_factor(xp, x, approximate, t, d, e, f)
             xp.multiply(dy, d, out=outs[0])
             return
         flat, g, dx = x.reshape(-1), dy.reshape(-1), outs[0].reshape(-1)   # dx may be dy
-        temps = self.temporaries(x, *self.host_temporaries(ins, outs))
+        temps = self.temporaries(dy, *self.host_temporaries(ins, outs))
         for s in spans(flat.size, HOST_CHUNK):
-            t, d, e, f = (a[:s.stop - s.start] for a in temps)
-            _gelu_factor(xp, flat[s], approximate, t, d, e, f)
+            t, d, e, f = (a[:s.stop - s.start] for a in temps[:4])
+            _gelu_factor(xp, _host_x(flat, s, temps[-1]), approximate, t, d, e, f)
             np.multiply(g[s], d, out=dx[s])
 
 

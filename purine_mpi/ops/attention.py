@@ -87,6 +87,12 @@ writing ctx, dqkv in place (no transposed copies); the softmax and its
 gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
 mask one element-wise add of a (T, T) mask made once, the intermediate
 (N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
+
+With bf16 storage (parallel/precision.store_bits) the fused ops take qkv
+stored as bfloat16 bits (``bits_inputs``): cuDNN's SDPA reads them as they
+are; the cuBLAS path widens them exactly into a float32 array of qkv's
+size in its scratch (``_wide_qkv``; the host path into a new array) and
+computes as from the float32 storage of the same values: the same bits.
 """
 import functools
 import math
@@ -95,7 +101,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import raw_kernels
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
@@ -214,7 +220,7 @@ class _AttentionKernel(OpKernel):
 
     def setup_mask(self, like, t):
         if get_xp(like) is not np:
-            self.mask(get_xp(like), t, like.dtype)
+            self.mask(get_xp(like), t, value_dtype(like.dtype))
 
 
 def key_sums(pt):
@@ -375,9 +381,39 @@ def _context_grad(g, op):
                {"num_heads": op.attrs["num_heads"], "outputs": [n for n, _ in wanted]})
 
 
+def value_dtype(dtype):
+    """The dtype the fused ops compute in for a qkv of ``dtype``: float32
+    for one stored as bfloat16 bits (bf16 storage), else its own."""
+    return np.dtype(np.float32) if is_bits(dtype) else np.dtype(dtype)
+
+
+def _wide_qkv(qkv, sdpa=False):
+    """[the float32 widening of qkv] where qkv is stored as bfloat16 bits and
+    the cuBLAS (or host) path computes from it; [] else (cuDNN's SDPA reads
+    the bits themselves)."""
+    if sdpa or not is_bits(qkv.dtype):
+        return []
+    return [(tuple(qkv.shape), np.float32)]
+
+
+def _widened(qkv, temps):
+    """qkv as float32 values: as it is, or where it is bfloat16 bits widened
+    (exactly) into the first of ``temps`` (``_wide_qkv``), which is taken
+    off; returns (qkv, the rest of temps)."""
+    if not is_bits(qkv):
+        return qkv, temps
+    wide, *rest = temps
+    if get_xp(qkv) is np:
+        from_bf16_bits(qkv, wide)
+    else:
+        from ..gpu.kernels import from_bf16_bits_device
+        from_bf16_bits_device(qkv.reshape(-1), wide.reshape(-1))
+    return wide, rest
+
+
 def _scores_spec(qkv, heads):
     n, t = qkv.shape[:2]
-    return ((n, heads, t, t), qkv.dtype)
+    return ((n, heads, t, t), value_dtype(qkv.dtype))
 
 
 def _scores_spec_of(attrs, qkv_shape):
@@ -391,7 +427,8 @@ def _sdpa_key(kernel, qkv):
     bf16/fp16 whose arrays live on a GPU, else None (today's path)."""
     dtype = kernel.attrs.get("compute_dtype")
     if not kernel.attrs.get("sdpa") or dtype not in ("bfloat16", "float16") \
-            or get_xp(qkv) is np or qkv.dtype != np.float32:
+            or get_xp(qkv) is np or qkv.dtype != np.float32 and not (
+                is_bits(qkv) and dtype == "bfloat16"):
         return None
     n, t, _, h, d = _dims(kernel.attrs, qkv.shape)
     return (n, h, t, d, dtype, bool(kernel.attrs.get("causal", True)), kernel.ratio)
@@ -486,7 +523,8 @@ def host_group(kernel, qkv):
     # one head: two sequences at least, so a group is a batch of matrices
     # (hostgemm.matmul cuts a lone 2-D product, whose bits can differ)
     least = 1 if h > 1 else 2
-    return min(n, max(least, HOST_GROUP_BYTES // (h * t * t * np.dtype(qkv.dtype).itemsize)))
+    item = value_dtype(qkv.dtype).itemsize
+    return min(n, max(least, HOST_GROUP_BYTES // (h * t * t * item)))
 
 
 def _host_specs(kernel, qkv, count):
@@ -496,7 +534,7 @@ def _host_specs(kernel, qkv, count):
     if g is None:
         return _probs_specs(kernel, qkv, count)
     _, t, _, h, _ = _dims(kernel.attrs, qkv.shape)
-    return [((g, h, t, t), qkv.dtype)] * count
+    return [((g, h, t, t), value_dtype(qkv.dtype))] * count
 
 
 def _dropout_temporaries(kernel, qkv, unpacks=False):
@@ -551,12 +589,19 @@ class Attention(PhiloxStream, _AttentionKernel):
         n, t, c, h, _ = _dims(attrs, ins[0][0])
         if replay:
             _check_packed("Attention", (n, h, t, t), ins[1])
-        outs = [((n, t, c), BITS if 0 in attrs.get("bits_out", ()) else ins[0][1])]
+        outs = [((n, t, c), BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1]))]
         if attrs.get("sdpa"):
             outs.append(((n, h, t, 1), "float32"))
         if packed(attrs):   # the bit-packed keep-mask, for the gradient
             outs.append((packed_shape((n, h, t, t)), "uint8"))
         return outs
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        """qkv (bf16 storage): cuDNN's SDPA reads the bits themselves (no
+        narrowing); the cuBLAS path widens them into its scratch (exactly,
+        ``_wide_qkv``) and the host path into a new array."""
+        return (0,)
 
     @classmethod
     def bits_outputs(cls, attrs):
@@ -572,16 +617,17 @@ class Attention(PhiloxStream, _AttentionKernel):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
-        """P (and with dropout its mask; a float32 ctx where ctx is bits),
-        or the SDPA plans' scratch."""
+        """(a float32 qkv where qkv is bits,) P (and with dropout its mask;
+        a float32 ctx where ctx is bits), or the SDPA plans' scratch."""
         if self._sdpa is not None:
             return self._sdpa.scratch_specs(backward=False)
-        return _probs_specs(self, ins[0], 1) + _wide_ctx(outs)
+        return _wide_qkv(ins[0]) + _probs_specs(self, ins[0], 1) + _wide_ctx(outs)
 
     def host_specs(self, ins, outs):
-        """P of a host group (``host_group``), or P and the mask (dropout);
-        a float32 ctx and to_bf16_bits's scratch where ctx is bits."""
-        return _host_specs(self, ins[0], 1) + _wide_ctx(outs, host=True)
+        """(a float32 qkv where qkv is bits,) P of a host group
+        (``host_group``), or P and the mask (dropout); a float32 ctx and
+        to_bf16_bits's scratch where ctx is bits."""
+        return _wide_qkv(ins[0]) + _host_specs(self, ins[0], 1) + _wide_ctx(outs, host=True)
 
     def host_temporaries(self, ins, outs):
         """P (a group's), or P, the mask and the draw's (or the kept mask's
@@ -598,10 +644,10 @@ class Attention(PhiloxStream, _AttentionKernel):
             return
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
-        q, k, v = split_heads(qkv, heads)
         host = xp is np
-        p, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
-                                               else self.scratch_specs(ins, outs)))
+        qkv, (p, *mask) = _widened(qkv, self.temporaries(
+            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        q, k, v = split_heads(qkv, heads)
         bits = is_bits(outs[0])
         if bits:   # ctx's float32 into the scratch, then rounded into the bits
             wide, *rest = mask[-(2 if host else 1):]
@@ -653,9 +699,9 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
 
     @classmethod
     def bits_inputs(cls, attrs):
-        """ctx (marked ``sdpa``): cuDNN's SDPA backward reads it as bfloat16
-        (no narrowing), the cuBLAS path not at all."""
-        return (2,) if attrs.get("sdpa") else ()
+        """qkv, as Attention's; ctx (marked ``sdpa``): cuDNN's SDPA backward
+        reads it as bfloat16 (no narrowing), the cuBLAS path not at all."""
+        return (1, 2) if attrs.get("sdpa") else (1,)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -663,7 +709,7 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         _check_dropout_inputs("AttentionGrad", attrs, ins, base)
         if packed(attrs):
             _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
-        return [ins[1]]
+        return [(ins[1][0], value_dtype(ins[1][1]))]
 
     def setup(self, ins, outs):
         self._sdpa = _sdpa_plans(self, ins[1])
@@ -672,10 +718,11 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
-        """P, dP (and with dropout the mask), or the SDPA plans' scratch."""
+        """(a float32 qkv where qkv is bits,) P, dP (and with dropout the
+        mask), or the SDPA plans' scratch."""
         if self._sdpa is not None:
             return self._sdpa.scratch_specs(backward=True)
-        return _probs_specs(self, ins[1], 2)
+        return _wide_qkv(ins[1]) + _probs_specs(self, ins[1], 2)
 
     def run(self, ins, outs):
         dctx, qkv = ins[:2]
@@ -687,12 +734,12 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
             return
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
+        host = xp is np
+        qkv, (p, dp, *mask) = _widened(qkv, self.temporaries(
+            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
         q, k, v = split_heads(qkv, heads)
         dq, dk, dv = split_heads(outs[0], heads)
         do = heads_view(dctx, heads)
-        host = xp is np
-        p, dp, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
-                                                       else self.scratch_specs(ins, outs)))
         scale = 1.0 / math.sqrt(q.shape[-1])
         if host and not mask:   # transposed: P^T, dP^T = v dO^T, dS^T
             for s in spans(qkv.shape[0], host_group(self, qkv)):
@@ -724,9 +771,9 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
     def host_specs(self, ins, outs):
-        """P and dP of a host group (``host_group``), or P, dP and the mask
-        (dropout)."""
-        return _host_specs(self, ins[1], 2)
+        """(a float32 qkv where qkv is bits,) P and dP of a host group
+        (``host_group``), or P, dP and the mask (dropout)."""
+        return _wide_qkv(ins[1]) + _host_specs(self, ins[1], 2)
 
     def host_temporaries(self, ins, outs):
         """P^T and dP^T of a group without dropout (the rowsum is einsum's,
@@ -739,8 +786,9 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         specs = self.host_specs(ins, outs)
         if self.ratio <= 0:
             return specs
-        if packed(self.attrs):
-            return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=specs_nbytes)
+        if packed(self.attrs):   # P's spec: after qkv's widening, where there is one
+            probs = specs[len(_wide_qkv(ins[1])):][:1]
+            return specs + max(unpack_temporaries(probs[0][0]), probs, key=specs_nbytes)
         return specs + _dropout_temporaries(self, ins[1])
 
 

@@ -39,18 +39,24 @@ scratch for it. The output stays float32. Where GemmEx is refused the bits
 are widened into float32 (exactly) for the float32 product.
 
 The forward's output y is stored as bits too where every reader of it takes
-bits (the softmax loss of the logits, reading them ``from_logits``; attr
-``bits_out``) and the product has no bias and no fused ReLU
-(``bits_outputs_of``): GemmEx then writes it with a ``CUDA_R_16BF`` result
--- its float32 accumulator rounded once to the nearest bfloat16, the bits
-of the float32 result's rounding the float32 storage path makes after the
-product (``round_bf16``), so no float32 y exists. With a bias, y stays
-float32: GemmEx cannot add a float32 bias before its rounding (and
-cuBLASLt's bias epilogue, which can, comes through nvmath-python's
-``Matmul.execute``, which allocates its result at each call: gpu/blaslt.py).
-Where GemmEx is refused, the product goes to float32 scratch of y's size
-and one ``to_bf16_bits`` rounds it into y (on the host: a float32 product
-and base/precision.to_bf16_bits), the same bits.
+bits (the softmax loss of the logits, reading them ``from_logits``; GELU;
+the fused attention; a residual add; attr ``bits_out``) and the product has no fused ReLU (``bits_outputs``).
+Without a bias GemmEx writes it with a ``CUDA_R_16BF`` result -- its
+float32 accumulator rounded once to the nearest bfloat16, the bits of the
+float32 result's rounding the float32 storage path makes after the product
+(``round_bf16``), so no float32 y exists. With a bias, GemmEx cannot add a
+float32 bias before its rounding (and a bias added to rounded values would
+round twice; cuBLASLt's bias epilogue, which can, comes through
+nvmath-python's ``Matmul.execute``, which allocates its result at each
+call: gpu/blaslt.py): GemmEx writes its float32 result into the op's
+scratch (the float32 product of y's size, the same scratch a refused
+GemmEx multiplies into) and one kernel (gpu/kernels ``bias_bits``,
+cuda/activation.cu) adds the bias in float32 and rounds once into y: the
+float32 path's epilogue (``bias_act``) and ``round_bf16``, bit for bit.
+Where GemmEx is refused, the product goes to that float32 scratch and one
+``to_bf16_bits`` (or ``bias_bits``) rounds it into y (on the host: a
+float32 product, the bias added, and base/precision.to_bf16_bits), the same
+bits.
 """
 import numpy as np
 
@@ -98,13 +104,16 @@ def _lt_forward(x2d, w, y2d, bias, attrs):
                       float(attrs.get("negative_slope", 0.0)))
 
 
-def _bits_specs(kernel, a, b, rows=False, c=None):
+def _bits_specs(kernel, a, b, rows=False, c=None, bias=False):
     """The scratch of a low-precision product (``scratch_specs``) of
     operands ``a`` and ``b``, each ``(2-D shape, dtype)``: where gpu/blas.
     gemm_low multiplies them as bfloat16, the uint16 bits of each float32
     one (none for an operand stored as bits); where it does not (GemmEx
     refused), the float32 widening of each bits one, and for a result ``c``
-    (``(2-D shape, dtype)``) stored as bits its float32 product; [] none."""
+    (``(2-D shape, dtype)``) stored as bits its float32 product -- also with
+    GemmEx where a ``bias`` is added to that product before its one rounding
+    (``bias_bits``); [] none. The product's, where there is one, comes
+    last."""
     from ..gpu.blas import low_products
     low = not rows and low_products(kernel.attrs.get("compute_dtype"))
     specs = []
@@ -113,7 +122,7 @@ def _bits_specs(kernel, a, b, rows=False, c=None):
             specs.append((tuple(shape), np.uint16))
         elif not low and is_bits(dtype):
             specs.append((tuple(shape), np.float32))
-    if c is not None and not low and is_bits(c[1]):
+    if c is not None and (not low or bias) and is_bits(c[1]):
         specs.append((tuple(c[0]), np.float32))
     return specs
 
@@ -171,25 +180,22 @@ class InnerProduct(OpKernel):
     @classmethod
     def bits_outputs(cls, attrs):
         """y as bfloat16 bits (attr ``bits_out``: bf16 storage) for a
-        bfloat16 product with no fused ReLU (``bits_outputs_of``: and no
-        bias): GemmEx writes the bits of its float32 result's rounding."""
+        bfloat16 product with no fused ReLU: without a bias GemmEx writes
+        the bits of its float32 result's rounding; with one its float32
+        result goes to scratch and ``bias_bits`` adds the bias and rounds
+        once (the module docstring)."""
         return (0,) if attrs.get("compute_dtype") == "bfloat16" and \
             not attrs.get("relu") else ()
-
-    @classmethod
-    def bits_outputs_of(cls, op):
-        """No bits with a bias: GemmEx's result cannot add it before its
-        rounding, and a bias added to the rounded values would round twice
-        (not the float32 path's numbers)."""
-        return () if len(op.inputs) == 3 else cls.bits_outputs(op.attrs)
 
     def scratch_specs(self, ins, outs):
         M, K = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
         return _bits_specs(self, ((M, K), ins[0].dtype), (ins[1].shape, ins[1].dtype),
-                           c=((M, ins[1].shape[0]), outs[0].dtype) if outs else None)
+                           c=((M, ins[1].shape[0]), outs[0].dtype) if outs else None,
+                           bias=len(ins) == 3)
 
     def host_temporaries(self, ins, outs):
-        """y stored as bits: the float32 product and to_bf16_bits's chunk."""
+        """y stored as bits: the float32 product (the bias added to it) and
+        to_bf16_bits's chunk."""
         if not outs or not is_bits(outs[0]):
             return []
         M, _ = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
@@ -205,15 +211,24 @@ class InnerProduct(OpKernel):
         M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
         y = outs[0].reshape(M, -1)
         bias = ins[2] if len(ins) == 3 else None
-        if is_bits(y):   # bf16 storage (no bias, no ReLU: bits_outputs_of)
-            if bias is not None or self.attrs.get("relu"):
+        if is_bits(y):   # bf16 storage (no fused ReLU: bits_outputs)
+            if self.attrs.get("relu"):
                 raise ValueError(f"InnerProduct '{self.op.name}': an output stored as bits takes "
-                                 "no bias and no fused ReLU (bits_outputs_of)")
-            if xp is not np:
+                                 "no fused ReLU (bits_outputs)")
+            if xp is not np and bias is None:
                 _product(self, ins, outs, x.reshape(M, K), w, y, trans_b=True)
+                return
+            if xp is not np:   # the float32 product in scratch, + bias, one rounding
+                *operands, wide = self.temporaries(y, *self.scratch_specs(ins, outs))
+                from ..gpu.blas import gemm_low
+                gemm_low(x.reshape(M, K), w, wide, self.attrs["compute_dtype"], operands,
+                         trans_b=True)
+                raw_kernels(xp, wide, bias).bias_bits(wide, bias, y)
                 return
             wide, scratch = self.temporaries(y, *self.host_temporaries(ins, outs))
             matmul(xp, _host(x).reshape(M, K), _host(w).T, out=wide)
+            if bias is not None:   # the float32 path's epilogue (_epilogue), then one rounding
+                wide += bias.reshape(1, -1)
             to_bf16_bits(wide, y, scratch)
             return
         bits = is_bits(x) or is_bits(w)

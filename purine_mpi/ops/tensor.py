@@ -9,6 +9,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import GraphError, ShapeError
+from ..base.precision import from_bf16_bits, is_bits
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 
 
@@ -209,7 +211,14 @@ class Eltwise(OpKernel):
     max:  y = max_i x_i
     Gradient (one EltwiseGrad per input i): sum: dx_i = coeff_i * dy;
     prod: dx_i = dy * prod_{j != i} x_j; max: dx_i = dy where x_i is the
-    maximum (on ties, only the lowest i), else 0."""
+    maximum (on ties, only the lowest i), else 0.
+
+    A sum takes its first two inputs stored as bfloat16 bits too
+    (``bits_inputs``, bf16 storage: the residual add of an fc output with a
+    bias), y float32: a sum of two, coefficients 1, one of them bits, is one
+    kernel on a GPU (``add_bits``: the float32 addition of the widened
+    values); otherwise each bits input is widened exactly into a temporary
+    first. The float32 storage's sum of the same values, bit for bit."""
 
     op_type = "Eltwise"
 
@@ -219,13 +228,35 @@ class Eltwise(OpKernel):
         if len(set(shapes)) != 1:
             raise ShapeError(f"Eltwise needs inputs of one shape, got {[list(s) for s in shapes]}")
         _eltwise_attrs(attrs, len(ins))
-        return [ins[0]]
+        floats = [d for _, d in ins if not is_bits(d)]
+        return [(ins[0][0], floats[0] if floats else np.float32)]
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0, 1) if str(attrs.get("operation", "sum")).lower() == "sum" else ()
 
     def run(self, ins, outs):
         xp = get_xp(ins[0])
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         y = outs[0]
+        bits = [i for i, x in enumerate(ins) if is_bits(x)]
+        if bits and xp is not np and len(ins) == 2 and len(bits) == 1 and coeff == [1.0, 1.0]:
+            a, b = ins[1 - bits[0]], ins[bits[0]]   # an addition commutes exactly
+            k = raw_kernels(xp, a, y)
+            if k is not None and a.flags.c_contiguous and y.flags.c_contiguous:
+                k.add_bits(a, b, y)
+                return
         acc, *term = self.temporaries(y, *self.host_temporaries(ins, outs))
+        if bits:   # each widened exactly into its temporary (the last ones)
+            wide, term = term[len(term) - len(bits):], term[:len(term) - len(bits)]
+            ins = list(ins)
+            for i, w in zip(bits, wide):
+                if xp is np:
+                    from_bf16_bits(ins[i], w)
+                else:
+                    from ..gpu.kernels import from_bf16_bits_device
+                    from_bf16_bits_device(ins[i].reshape(-1), w.reshape(-1))
+                ins[i] = w
         if operation == "sum" and coeff[0] != 1.0:
             xp.multiply(ins[0], coeff[0], out=acc)
         else:
@@ -244,10 +275,12 @@ class Eltwise(OpKernel):
     def host_temporaries(self, ins, outs):
         """The result is built in a temporary, so y may share an input's
         storage; temporaries, not new arrays, so a CUDA graph captures it
-        (and a second for coeff_i * x_i where a coefficient is not 1)."""
+        (and a second for coeff_i * x_i where a coefficient is not 1, and a
+        float32 copy of each input stored as bits)."""
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         scaled = operation == "sum" and any(c != 1.0 for c in coeff[1:])
-        return [(outs[0].shape, outs[0].dtype)] * (1 + scaled)
+        widened = sum(1 for x in ins if is_bits(x))   # a float32 copy of each bits input
+        return [(outs[0].shape, outs[0].dtype)] * (1 + scaled + widened)
 
 
 @register

@@ -29,22 +29,30 @@ made from the masters each iteration, the copy is no state of its own
 The storage stays float32 -- the copies and outputs hold bfloat16 (float16)
 values, the numbers a GPU's bf16 GEMM with float32 accumulation gives --
 but for bf16 storage (``store_bits``): a bfloat16 blob whose producer can
-write it as bits (``OpKernel.bits_outputs``: a Cast) and whose every reader
-takes it as bits (``OpKernel.bits_inputs``: the fully connected products'
-operands) is stored as the uint16 bits of its values (base/precision.BITS,
-2 bytes an element) and written so (the producer's attr ``bits_out``): its
-readers convert nothing, the memory plan sizes it at 2 bytes, and no
-float32 copy of it exists. Where such a copy's Cast is the only reader of
-a transient float32 blob whose producer can write bits itself (LayerNorm's
-y, GELU's y), the producer writes the bits and the Cast and the float32
-blob go (``fold_casts``). A bias-free bf16 product writes its output as
-bits too (its GemmEx's bfloat16 result): the lm-head's logits, where the
-softmax loss reads them ``from_logits`` (``loss_from_logits``: no
-probabilities kept, its gradient computes them again from the logits, a
-chunk at a time, and writes its own copy as bits). The same numbers: the
-bits are the upper halves of the float32 roundings. ``PURINE_BF16_STORAGE=0`` (or
-``PURINE_BF16_GEMM=0``, whose products take float32 operands) keeps the
-float32 storage.
+write it as bits (``OpKernel.bits_outputs``: a Cast, a bf16 product, the
+attention's ctx) and whose every reader takes it as bits
+(``OpKernel.bits_inputs``: the fully connected products' operands, GELU's
+and its gradient's x, the fused attention's and its gradient's qkv, an
+Eltwise sum's terms) is
+stored as the uint16 bits of its values (base/precision.BITS, 2 bytes an
+element) and written so (the producer's attr ``bits_out``): its readers
+widen it where they read it or take it as it is (GemmEx, cuDNN's SDPA),
+the memory plan sizes it at 2 bytes, and no float32 copy of it exists.
+Where such a copy's Cast is the only reader of a transient float32 blob
+whose producer can write bits itself (LayerNorm's y, GELU's y), the
+producer writes the bits and the Cast and the float32 blob go
+(``fold_casts``). A bf16 product (no fused ReLU) writes its output as bits
+too: without a bias its GemmEx's bfloat16 result; with one its GemmEx's
+float32 result into scratch, to which one kernel adds the bias before the
+one rounding (ops/fc.py). In GPT-2: the MLP's fc output (read by GELU and
+its gradient), qkv (read by the fused attention and its gradient), the
+projections' outputs (read by the residual adds) and the lm-head's
+logits, where the softmax loss reads them ``from_logits``
+(``loss_from_logits``: no probabilities kept, its gradient computes them
+again from the logits, a chunk at a time, and writes its own copy as
+bits). The same numbers: the bits are the upper halves of the float32 roundings.
+``PURINE_BF16_STORAGE=0`` (or ``PURINE_BF16_GEMM=0``, whose products take
+float32 operands) keeps the float32 storage.
 
 A fused ``Attention`` op in bf16/fp16 and its gradient are marked ``sdpa``
 (``keep_attention_stats``): on a GPU they run cuDNN's fused attention
@@ -158,7 +166,7 @@ def loss_from_logits(graph):
     read them so (ops/softmax.py, ``from_logits``): where the logits are a
     transient bfloat16 blob of float32 storage (attr ``precision``, no
     views) written by one op that can write them as bits
-    (``_bits_writer``: the lm-head's bias-free product), every other
+    (``_bits_writer``: the lm-head's product), every other
     reader of them takes bits, and the loss's ``prob`` output is read by
     ``SoftmaxLossGrad`` ops (as their probabilities) alone, all on the
     writer's device, each of which can write its gradient as bits

@@ -32,7 +32,9 @@ ENTRY_POINTS = {
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
-    "activation": ("gelu_forward_bits_f32",),   # float32 in, bfloat16 bits out
+    # float32 or bfloat16 bits (bx: x as bits) in, bfloat16 bits or float32 out
+    "activation": ("gelu_forward_bits_f32", "gelu_forward_bx_f32", "gelu_forward_bx_bits_f32",
+                   "gelu_backward_bx_f32", "bias_bits_f32", "add_bits_f32"),
     "layernorm": ("layernorm_forward_bits_f32",),
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),

@@ -141,6 +141,43 @@ def bias_act(y, bias=None, relu=False, negative_slope=0.0):
     return y
 
 
+def bias_bits(src, bias, out):
+    """``out`` (uint16, C-contiguous, ``src``'s shape) = the bfloat16 bits
+    of the float32 ``src`` (rows, C) plus ``bias`` (C,) along its last axis,
+    one kernel (cuda/activation.cu ``bias_bits_f32``): the bits of
+    ``bias_act(src, bias)`` then ``round_in_place`` -- one rounding, after
+    the bias (a fully connected output stored as bits, from its float32
+    product in scratch)."""
+    cupy = import_cupy()
+    _bits_array(src, np.float32, "bias_bits: src")
+    _bits_array(out, np.uint16, "bias_bits: out")
+    if src.ndim != 2 or tuple(out.shape) != tuple(src.shape):
+        raise ValueError(f"bias_bits: a (rows, C) src and out of its shape, got "
+                         f"{tuple(src.shape)} and {tuple(out.shape)}")
+    bias = _input(cupy, bias, "bias_bits: bias")
+    if bias.size != src.shape[1] or np.dtype(bias.dtype) != np.dtype(np.float32):
+        raise ValueError(f"bias_bits: bias has shape {tuple(bias.shape)} {bias.dtype}, "
+                         f"expected ({src.shape[1]},) float32")
+    _plain_launch("bias_bits_f32", src.size, (src, bias, np.int64(src.shape[1]), out))
+    return out
+
+
+def add_bits(a, b, out):
+    """``out`` = float32 ``a`` + the bfloat16 values whose bits are ``b``
+    (uint16, widened exactly), one kernel (cuda/activation.cu
+    ``add_bits_f32``): a residual add of a term stored as bits, the float32
+    sum of the same values bit for bit. All C-contiguous, one size; ``out``
+    may be ``a``."""
+    import_cupy()
+    _bits_array(a, np.float32, "add_bits: a")
+    _bits_array(b, np.uint16, "add_bits: b")
+    _bits_array(out, np.float32, "add_bits: out")
+    if not a.size == b.size == out.size:
+        raise ValueError(f"add_bits: sizes {a.size}, {b.size} and {out.size} differ")
+    _plain_launch("add_bits_f32", a.size, (a, b, out))
+    return out
+
+
 #: the ``round`` argument of cuda/activation.cu's GELU kernels: the low type
 #: their float32 output is rounded to in the same pass (precision.cuh)
 ROUND_MODES = {None: 0, "bfloat16": 1, "float16": 2}
@@ -158,13 +195,46 @@ def _gelu_args(what, approximate, round_to, dtype):
     return _int(approximate == "tanh"), _int(ROUND_MODES[round_to])
 
 
+def _is_bits(x):
+    """Whether array ``x`` holds bfloat16 bits (uint16: a blob stored as bits)."""
+    return np.dtype(x.dtype) == np.dtype(np.uint16)
+
+
+def _plain_launch(func, n, args):
+    """Launch the plain entry point ``func`` of cuda/activation.cu over ``n``
+    items, grid-stride."""
+    if n:
+        _base._launch_blocks("activation", func, None, min((n + _BLOCK - 1) // _BLOCK,
+                                                           _MAX_BLOCKS), _BLOCK,
+                             (np.int64(n),) + tuple(args))
+
+
+def _bits_x(x, what, like=None):
+    """A bfloat16-bits ``x`` checked (C-contiguous uint16; ``like``'s shape)."""
+    _bits_array(x, np.uint16, what)
+    if like is not None and tuple(x.shape) != tuple(like.shape):
+        raise ValueError(f"{what}: shape {tuple(x.shape)}, expected {tuple(like.shape)}")
+    return x
+
+
 def gelu_forward(x, approximate="none", out=None, round_to=None):
     """y = x Phi(x) (``approximate`` none) or x (1 + tanh(sqrt(2/pi) (x +
     0.044715 x^3))) / 2 (tanh), one kernel, no scratch (cuda/activation.cu);
     ``out`` may be ``x`` (in place). ``round_to`` (bfloat16, float16; float32
     only): y rounded to that type in the same pass, the bits of
-    ``round_in_place`` after an unrounded run."""
+    ``round_in_place`` after an unrounded run. ``x`` may be bfloat16 bits
+    (uint16, C-contiguous; bf16 storage): widened exactly in the kernel
+    (``gelu_forward_bx_f32``), ``out`` a float32 array of x's shape, the
+    float32 ``x``'s y bit for bit."""
     cupy = import_cupy()
+    if _is_bits(x):
+        args = _gelu_args("gelu_forward", approximate, round_to, np.float32)
+        if out is None:
+            raise ValueError("gelu_forward: a bits x takes a float32 out")
+        _bits_array(out, np.float32, "gelu_forward: out")
+        _bits_x(x, "gelu_forward: x", like=out)
+        _plain_launch("gelu_forward_bx_f32", x.size, (x, *args, out))
+        return out
     x = _input(cupy, x, "gelu_forward: x")
     args = _gelu_args("gelu_forward", approximate, round_to, x.dtype)
     y, target = _output(cupy, out, x.shape, x.dtype, "gelu_forward")
@@ -176,8 +246,16 @@ def gelu_forward_bits(x, approximate, out):
     """``out`` (uint16, x's shape, C-contiguous) = the bfloat16 bits of
     ``gelu_forward(x, approximate)`` for float32 ``x``, one kernel
     (cuda/activation.cu ``gelu_forward_bits_f32``): the bits of the float32
-    run followed by ``to_bf16_bits_device``, in the same pass."""
+    run followed by ``to_bf16_bits_device``, in the same pass. ``x`` may be
+    bfloat16 bits (``gelu_forward_bx_bits_f32``: widened exactly; ``out``
+    may be ``x``)."""
     cupy = import_cupy()
+    if _is_bits(x):
+        tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, np.float32)
+        _bits_array(out, np.uint16, "gelu_forward_bits")
+        _bits_x(x, "gelu_forward_bits: x", like=out)
+        _plain_launch("gelu_forward_bx_bits_f32", x.size, (x, tanh_form, out))
+        return out
     x = _input(cupy, x, "gelu_forward_bits: x")
     tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, x.dtype)
     if np.dtype(x.dtype) != np.dtype(np.float32):
@@ -196,8 +274,19 @@ def gelu_forward_bits(x, approximate, out):
 def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
     """dx = dy * dGELU/dx at ``x`` (``approximate`` as ``gelu_forward``), one
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
-    ``gelu_forward``'s."""
+    ``gelu_forward``'s. ``x`` may be bfloat16 bits (uint16, C-contiguous, dy's
+    shape; dy float32): widened exactly in the kernel (``gelu_backward_bx_f32``),
+    the float32 ``x``'s dx bit for bit."""
     cupy = import_cupy()
+    if _is_bits(x):
+        dy = _input(cupy, dy, "gelu_backward: dy")
+        if np.dtype(dy.dtype) != np.dtype(np.float32):
+            raise TypeError(f"gelu_backward: a bits x takes a float32 dy, got {dy.dtype}")
+        _bits_x(x, "gelu_backward: x", like=dy)
+        args = _gelu_args("gelu_backward", approximate, round_to, dy.dtype)
+        dx, target = _output(cupy, out, dy.shape, dy.dtype, "gelu_backward")
+        _plain_launch("gelu_backward_bx_f32", dy.size, (dy, x, *args, dx))
+        return _finish(dx, target)
     dy = _input(cupy, dy, "gelu_backward: dy")
     x = _input(cupy, x, "gelu_backward: x")
     _same_as("gelu_backward", "dy", dy, x=x)
