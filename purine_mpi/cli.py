@@ -424,11 +424,14 @@ def cmd_export(args):
         summary = export_hf(job, args.weights, args.out)
         print(f"wrote {args.out}: {summary}")
         return 0
-    from .interop.onnx_export import export_onnx
+    from .interop.onnx_export import export_onnx, precision_note
     job = _load(args)
     check_out(args.out, args.config, args.weights, job)
     summary = export_onnx(job, args.weights, args.out, batch=args.batch,
                           raw_input=args.raw_input)
+    note = precision_note(job)
+    if note is not None:  # a bf16/fp16/tf32 run's forward is not the float32 model's
+        print(note, file=sys.stderr)
     print(f"wrote {args.out}: {summary}")
     return 0
 

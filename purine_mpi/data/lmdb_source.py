@@ -158,7 +158,7 @@ def check_record(path, key, array, shape, dtype, first_key):
 def lmdb_meta(path):
     """The database's _Meta, scanned once per process and file version."""
     data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
-    return per_file_version(path, _Meta, stat_path=data_file)
+    return per_file_version(path, _Meta, stat_path=data_file, digest=False)
 
 
 def lmdb_file_bytes(path):

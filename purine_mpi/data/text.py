@@ -327,15 +327,18 @@ def text_vocabulary(path):
 def shared_vocabulary(paths):
     """The vocabulary JSON (None: bytes) of the text data files ``paths``
     ([(key, path)], e.g. ('data.train', 'x.h5')), which must all have the
-    same one: a UserError names the two that differ. Unreadable files are
-    skipped (the source names them)."""
-    from .tokenizer import digest
+    same one (compared with their truncation and padding off, as they
+    encode: data/tokenizer.py's ``vocabulary_digest``): a UserError names
+    the two that differ. Unreadable files are skipped (the source names them)."""
+    from .tokenizer import vocabulary_digest
     seen = None
     for key, path in paths:
         size, text = text_vocabulary(path)
         if size is None:
             continue
-        mine = (key, path, None if text is None else digest(text), text)
+        # truncation and padding off in both: a file written before data text
+        # turned them off agrees with a new one of the same tokenizer
+        mine = (key, path, None if text is None else vocabulary_digest(text), text)
         if seen is not None and seen[2] != mine[2]:
             def say(k, p, d):
                 return f"{k} '{p}' is " + ("byte-level" if d is None else f"vocabulary {d[:12]}")
@@ -396,7 +399,7 @@ def _tokens_meta(path, split):
     read = _META_READERS.get(split)
     if read is None:
         read = _META_READERS.setdefault(split, functools.partial(_read_tokens_meta, split=split))
-    return per_file_version(path, read)
+    return per_file_version(path, read, digest=False)  # metadata only: no digest
 
 
 def _read_tokens_meta(path, split):
