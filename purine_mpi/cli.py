@@ -281,6 +281,8 @@ def cmd_generate(args):
 
 def cmd_graph(args):
     from .tools.graph import render_graph
+    if args.np is not None and args.np < 1:  # not composed for one rank in its place
+        raise UserError(f"--np {args.np}: give a number of ranks >= 1")
     job = _load(args, check_files=False)
     print(render_graph(job, args.np, args.rank, args.format, args.phase, memory=args.memory))
     return 0

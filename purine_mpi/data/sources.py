@@ -147,9 +147,12 @@ def _layout(f, path, split):
     if label.ndim != 1 or label.dtype.kind not in "iu":
         raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
                         f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
-    if label.shape[0] != data.shape[0] or data.shape[0] == 0:
+    if data.shape[0] == 0:  # not "has 0 samples but ... has 0"
+        raise UserError(f"data file '{path}': '{where}data' holds no samples (shape "
+                        f"{list(data.shape)}); a split needs at least 1")
+    if label.shape[0] != data.shape[0]:
         raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
-                        f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
+                        f"'{where}label' has {label.shape[0]}; they must agree")
     return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
 
 
