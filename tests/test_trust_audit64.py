@@ -164,3 +164,20 @@ def test_an_empty_split_is_named_as_such(tmp_path):
         f["t/label"] = np.zeros(0, np.int64)
     with pytest.raises(UserError, match=r"'/t/data' holds no samples \(shape \[0, 1, 2, 2\]\)"):
         hdf5_info(str(tmp_path / "e.h5"), "t")
+
+
+def test_predict_of_a_batch_figure_is_one_line(tiny, tmp_path):
+    """``predict --blob loss`` (a scalar: one figure per batch) was NumPy's
+    "zero-dimensional arrays cannot be concatenated" traceback; a blob
+    whose first axis is not the batch's would have been cut into wrong rows."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.tools.predict import predict
+    t = _trainer(tiny["cfg"], tmp_path / "r", init=str(tiny["weights"]), log=lambda m: None)
+    try:
+        with pytest.raises(UserError, match=r"blob\(s\) loss \[\] hold no row per sample .* "
+                                            r"choose among .*fc1"):
+            predict(t, str(tmp_path / "p.h5"), str(tiny["weights"]), ["loss"])
+        assert predict(t, str(tmp_path / "q.h5"), str(tiny["weights"]), ["fc1"])["samples"] > 0
+    finally:
+        t.close()
+    assert not (tmp_path / "p.h5").exists()

@@ -137,6 +137,9 @@ def test_an_old_file_is_not_hashed(tmp_path, monkeypatch):
     path.write_bytes(b"abc")
     assert filecache.file_identity(str(path))[-1] == filecache.content_digest(str(path))
     assert filecache.file_identity(str(path), digest=False)[-1] == filecache.RACY
+    assert filecache.file_identity(str(path), digest=2)[-1] == filecache.RACY  # over 2 bytes
+    assert filecache.file_identity(str(path), digest=3)[-1] == filecache.content_digest(
+        str(path))
     later = time.time_ns() + (filecache.RACY_SECONDS + 1) * 10**9
     monkeypatch.setattr(filecache, "content_digest", lambda p: pytest.fail("hashed"))
     assert filecache.file_identity(str(path), now_ns=later)[-1] is None

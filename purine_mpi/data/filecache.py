@@ -40,6 +40,10 @@ _CACHE, _LOCK = {}, threading.Lock()
 RACY_SECONDS = 10
 #: file_identity's digest field of a racy file when no digest is asked for
 RACY = "racy"
+#: the largest racy file whose digest keys a cache of its header (a
+#: header's reader asks ~25 times a start-up: hashing 64 MiB takes ~50 ms,
+#: a larger file's header is read again each time instead)
+HEADER_DIGEST_BYTES = 64 << 20
 #: the block the digest reads at a time
 _BLOCK = 1 << 20
 
@@ -61,17 +65,19 @@ def file_identity(path, digest=True, now_ns=None):
     """``(real path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns,
     digest)`` of ``path``: ``digest`` is None unless the file is racy (its
     mtime or ctime within ``RACY_SECONDS`` of now, or in the future): then
-    a regular file's content digest, or, where ``digest`` is False (a
-    caller that reads only a header of a large file), ``RACY``, and the
+    a regular file's content digest, or ``RACY`` where ``digest`` is False
+    or a number of bytes the file is larger than (a caller that reads only
+    a header of a possibly large file: ``HEADER_DIGEST_BYTES``), and the
     caller keeps nothing it read (a header is cheap to read again). Raises
     OSError when the file cannot be stat'ed."""
     st = _stat(path)
     now = time.time_ns() if now_ns is None else now_ns
     changed = max(st.st_mtime_ns, st.st_ctime_ns)
     hashed = None
-    if now - changed < RACY_SECONDS * 10**9 and not digest:
+    racy = now - changed < RACY_SECONDS * 10**9
+    if racy and (digest is False or (digest is not True and st.st_size > digest)):
         hashed = RACY  # the caller keeps nothing of a racy file
-    elif now - changed < RACY_SECONDS * 10**9 and _stat_mod.S_ISREG(st.st_mode):
+    elif racy and _stat_mod.S_ISREG(st.st_mode):
         try:
             hashed = content_digest(path)
         except OSError:  # unreadable: its reader says why
@@ -82,9 +88,9 @@ def file_identity(path, digest=True, now_ns=None):
 
 def per_file_version(path, load, stat_path=None, digest=True):
     """``load(path)``, once per ``file_identity`` of ``stat_path``
-    (``digest``: False where ``load`` reads only a small header of a
-    large file, an LMDB's metadata: the stat fields, ctime included, key
-    it, and a racy file's header is read every time)."""
+    (``digest``: ``HEADER_DIGEST_BYTES`` where ``load`` reads only a
+    header of a possibly large file, an LMDB's metadata: a larger racy
+    file's header is read every time)."""
     try:
         tag = (load, os.path.abspath(path), file_identity(stat_path or path, digest))
     except OSError:

@@ -35,7 +35,7 @@ import numpy as np
 from ..base import env
 from ..base.errors import DataSpecError, UserError
 from ..base.progress_bar import human_bytes
-from .filecache import RACY, file_identity
+from .filecache import HEADER_DIGEST_BYTES, RACY, file_identity
 from .h5links import check_sources, link_outside
 
 #: synthetic sources hold at most this many bytes of distinct samples and
@@ -89,10 +89,12 @@ def data_hint(data_path, what="data file"):
 
 
 #: hdf5_info's answers in this process, by the file's identity (device,
-#: inode, size, mtime, ctime; a file changed within filecache.RACY_SECONDS
-#: is read every time, as coarse timestamps may not move): a start-up asks it ~25 times of the same file (each
-#: op's shapes, the plan, the notes), 5 ms an open; a file replaced or
-#: rewritten is read again. Only answers are kept, never errors.
+#: inode, size, mtime, ctime, and a file changed within the last
+#: filecache.RACY_SECONDS its digest, or, over HEADER_DIGEST_BYTES, no
+#: answer kept: coarse timestamps may not move): a start-up asks it ~25
+#: times of the same file (each op's shapes, the plan, the notes), 5 ms an
+#: open; a file replaced or rewritten is read again. Only answers are kept,
+#: never errors.
 _HDF5_INFO = {}
 
 
@@ -111,8 +113,8 @@ def hdf5_info(path, split=None, external=False):
         raise UserError(f"data file '{path}' is a folder, not a file; give the file's path")
     if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(f"data file '{path}' not found; {data_hint(path)}")
-    try:  # metadata only: the stat fields (ctime too), no digest (filecache.file_identity)
-        key = (split, bool(external), file_identity(path, digest=False))
+    try:  # metadata only: a large racy file is not hashed (filecache.file_identity)
+        key = (split, bool(external), file_identity(path, HEADER_DIGEST_BYTES))
     except OSError:
         key = None
     if key is None or key[-1][-1] == RACY:  # changed just now: read again, keep nothing
