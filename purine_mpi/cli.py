@@ -427,6 +427,9 @@ def cmd_export(args):
         print(f"wrote {args.out}: {summary}")
         return 0
     from .interop.onnx_export import export_onnx, precision_note
+    if args.batch is not None and args.batch < 1:  # -1 was written as the input's dimension
+        raise UserError(f"--batch {args.batch}: give a batch size >= 1, or no --batch (the "
+                        "model's batch axis is then free)")
     job = _load(args)
     check_out(args.out, args.config, args.weights, job)
     summary = export_onnx(job, args.weights, args.out, batch=args.batch,

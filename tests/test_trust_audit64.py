@@ -181,3 +181,14 @@ def test_predict_of_a_batch_figure_is_one_line(tiny, tmp_path):
     finally:
         t.close()
     assert not (tmp_path / "p.h5").exists()
+
+
+def test_export_onnx_batch_below_one_is_refused(tiny, tmp_path):
+    """``export onnx --batch -1`` wrote a model whose input's first
+    dimension is -1 (and --batch 0 a free batch), exit 0."""
+    pytest.importorskip("onnx")
+    for n in (0, -1):
+        res = run_cli_here("export", "onnx", tiny["path"], "--weights", tiny["weights"],
+                           "--out", tmp_path / "m.onnx", "--batch", n)
+        assert_user_error(res, f"--batch {n}", ">= 1")
+    assert not (tmp_path / "m.onnx").exists()
