@@ -192,3 +192,20 @@ def test_export_onnx_batch_below_one_is_refused(tiny, tmp_path):
                            "--out", tmp_path / "m.onnx", "--batch", n)
         assert_user_error(res, f"--batch {n}", ">= 1")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_inspect_json_of_bytes_and_complex_attributes(tmp_path):
+    """``inspect --json`` of a file whose attributes are raw bytes (np.void)
+    or complex: json's "Object of type bytes is not JSON serializable"
+    traceback; the text form printed them. Now strict JSON with their text."""
+    import json
+
+    import h5py
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f.attrs["v"] = np.void(b"\x00\xff")
+        f.attrs["c"] = 1 + 2j
+        f["x"] = np.arange(3.0)
+    res = run_cli_here("inspect", tmp_path / "a.h5", "--json")
+    assert res.returncode == 0, res.stderr
+    attrs = json.loads(res.stdout)["attrs"]
+    assert attrs == {"v": "\x00\\xff", "c": "(1+2j)"}, attrs

@@ -255,8 +255,9 @@ def _set_up(name, out, resume, force, runs_root, init=None, job=None):
     blocker = where if os.path.lexists(where) and not os.path.isdir(where) else \
         file_in_the_way(where)
     if blocker is not None:  # not OSError's bare "File exists"
+        given = "--out" if out else "--out, or another checkpoint.folder"
         return None, (f"run folder {where}: {blocker} is a file, not a folder; give another "
-                      "--out (a folder, or a path where one can be made)")
+                      f"{given} (a folder, or a path where one can be made)")
     try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,

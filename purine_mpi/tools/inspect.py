@@ -338,7 +338,11 @@ def _jsonable(value):
         return _jsonable(value.item())
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # strict JSON has no NaN / Infinity
-    return value
+    if isinstance(value, bytes):  # an attribute of raw bytes (np.void, np.bytes_)
+        return value.decode("utf-8", errors="backslashreplace")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # JSON has no complex number (nor any other type): its text
 
 
 def _fmt(value):
