@@ -52,7 +52,7 @@ from .base import env, logfile
 from .cli_args import build_parser
 from .comm.launcher import launched_rank, launched_size
 from .base.errors import InitMismatch, OpError, UserError
-from .job.outputs import check_out
+from .job.outputs import check_out, refuse_replacing, refuse_under_a_file
 
 
 def _load(args, check_files=True):
@@ -422,7 +422,10 @@ def cmd_export(args):
                             "model takes any batch)")
         job = _load(args, check_files=False)
         args.weights = _weights_file(args.weights)
-        check_out(args.out, args.config, args.weights)
+        # a folder (made if missing, docs/formats.md): an existing one is written into
+        refuse_under_a_file(args.out)
+        refuse_replacing(args.out, "--out", [("the config", args.config),
+                                             ("the --weights file", args.weights)])
         summary = export_hf(job, args.weights, args.out)
         print(f"wrote {args.out}: {summary}")
         return 0

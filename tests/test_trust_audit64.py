@@ -2,6 +2,7 @@
 traceback or a silent choice before, and is now one ``error:`` line (exit
 2) naming the file and what was expected, or a note. All small; the
 subprocess cases are the ones that start MPI (``train``)."""
+import os
 import shutil
 
 import numpy as np
@@ -209,3 +210,25 @@ def test_inspect_json_of_bytes_and_complex_attributes(tmp_path):
     assert res.returncode == 0, res.stderr
     attrs = json.loads(res.stdout)["attrs"]
     assert attrs == {"v": "\x00\\xff", "c": "(1+2j)"}, attrs
+
+
+def test_export_hf_writes_into_an_existing_folder(tmp_path):
+    """``export hf --out DIR`` writes a folder, "made if missing"
+    (docs/formats.md); an existing DIR (an empty one, or the same export
+    again) was refused with "is a folder, but the output is one file". A
+    byte-level model into a DIR holding another export's tokenizer.json,
+    which Hugging Face would load with it, is refused."""
+    pytest.importorskip("safetensors.numpy")
+    from .gpt_nets import gpt_config, text_h5
+    cfg = gpt_config(text_h5(tmp_path), layers=1, iters=1)
+    path = write_config_file(tmp_path, cfg)
+    weights = train_here(path, tmp_path / "run") / "latest.h5"
+    out = tmp_path / "hf"
+    out.mkdir()
+    for _ in range(2):  # an empty folder, then the export it holds
+        res = run_cli_here("export", "hf", path, "--weights", weights, "--out", out)
+        assert res.returncode == 0, res.stderr
+        assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    (out / "tokenizer.json").write_text("{}")
+    res = run_cli_here("export", "hf", path, "--weights", weights, "--out", out)
+    assert_user_error(res, "tokenizer.json", "byte-level")
