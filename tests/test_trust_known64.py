@@ -179,3 +179,28 @@ def test_an_old_files_truncation_and_padding_do_not_make_another_vocabulary(tmp_
         write_json(f, other.to_str())
     with pytest.raises(UserError, match="disagree on the vocabulary"):
         shared_vocabulary(paths)
+
+
+def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch):
+    """A racy file over WAIT_BYTES is not read whole: file_identity waits
+    until it is RACY_SECONDS old (a clock of its own here), then keys it by
+    its stat fields."""
+    from purine_mpi.data import filecache
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"x" * 100)
+    clock = {"now": time.time_ns(), "slept": 0.0}
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            return clock["now"]
+
+        @staticmethod
+        def sleep(seconds):
+            clock["slept"] += seconds
+            clock["now"] += int(seconds * 1e9)
+    monkeypatch.setattr(filecache, "time", Clock)
+    monkeypatch.setattr(filecache, "WAIT_BYTES", 10)
+    monkeypatch.setattr(filecache, "content_digest", lambda p: pytest.fail("hashed"))
+    ident = filecache.file_identity(str(path))
+    assert ident[-1] is None and 0 < clock["slept"] <= filecache.RACY_SECONDS + 0.1, clock

@@ -20,7 +20,8 @@ moving one of them (a later write stamps a later tick); a file changed
 more recently than that is racy, and its identity adds a BLAKE2b digest
 of its content, so two versions of it differ whatever the clock says.
 The digest reads the whole file, but only a file changed within the last
-``RACY_SECONDS``; a header or attribute digest would not do (a rewrite
+``RACY_SECONDS`` (and of at most ``WAIT_BYTES``: a larger one is waited
+out instead, at most ``RACY_SECONDS`` once); a header or attribute digest would not do (a rewrite
 with other values and the same shapes leaves the HDF5 header as it was).
 The ctime also catches what keeps the mtime on purpose (``cp -p``,
 ``rsync -t``, ``touch -d``: a ctime cannot be set back).
@@ -44,6 +45,9 @@ RACY = "racy"
 #: header's reader asks ~25 times a start-up: hashing 64 MiB takes ~50 ms,
 #: a larger file's header is read again each time instead)
 HEADER_DIGEST_BYTES = 64 << 20
+#: a racy file larger than this is not hashed: file_identity waits until
+#: it is RACY_SECONDS old (once; a time in the future is hashed)
+WAIT_BYTES = 256 << 20
 #: the block the digest reads at a time
 _BLOCK = 1 << 20
 
@@ -68,13 +72,21 @@ def file_identity(path, digest=True, now_ns=None):
     a regular file's content digest, or ``RACY`` where ``digest`` is False
     or a number of bytes the file is larger than (a caller that reads only
     a header of a possibly large file: ``HEADER_DIGEST_BYTES``), and the
-    caller keeps nothing it read (a header is cheap to read again). Raises
+    caller keeps nothing it read (a header is cheap to read again). A racy
+    file over ``WAIT_BYTES`` whose digest is asked for is not read: the call
+    waits until it is no longer racy (at most ``RACY_SECONDS``). Raises
     OSError when the file cannot be stat'ed."""
     st = _stat(path)
     now = time.time_ns() if now_ns is None else now_ns
     changed = max(st.st_mtime_ns, st.st_ctime_ns)
     hashed = None
     racy = now - changed < RACY_SECONDS * 10**9
+    if racy and digest is True and st.st_size > WAIT_BYTES and now_ns is None and \
+            0 <= now - changed:
+        # a large file just written (data made, then a run started): waiting
+        # out the window (at most RACY_SECONDS) costs less than reading it all
+        time.sleep((RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01)
+        return file_identity(path, digest)
     if racy and (digest is False or (digest is not True and st.st_size > digest)):
         hashed = RACY  # the caller keeps nothing of a racy file
     elif racy and _stat_mod.S_ISREG(st.st_mode):
