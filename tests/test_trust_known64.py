@@ -172,6 +172,13 @@ def test_an_old_files_truncation_and_padding_do_not_make_another_vocabulary(tmp_
              ("data.test.path", str(tmp_path / "old.h5"))]
     got = shared_vocabulary(paths)
     assert json.loads(got)["model"] == json.loads(tok.to_str())["model"]
+    # the old file first: the JSON a run keeps (its checkpoints, export hf's
+    # tokenizer.json, which Hugging Face applies) has neither, as it encodes
+    from tokenizers import Tokenizer
+    got = shared_vocabulary(paths[::-1])
+    assert json.loads(got)["model"] == json.loads(tok.to_str())["model"]
+    loaded = Tokenizer.from_str(got)
+    assert loaded.truncation is None and loaded.padding is None
     # another tokenizer is still refused
     other = train_bpe([text], 280)
     with h5py.File(tmp_path / "old.h5", "a") as f:

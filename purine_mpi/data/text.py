@@ -330,7 +330,7 @@ def shared_vocabulary(paths):
     same one (compared with their truncation and padding off, as they
     encode: data/tokenizer.py's ``vocabulary_digest``): a UserError names
     the two that differ. Unreadable files are skipped (the source names them)."""
-    from .tokenizer import vocabulary_digest
+    from .tokenizer import vocabulary_digest, whole_text_json
     seen = None
     for key, path in paths:
         size, text = text_vocabulary(path)
@@ -346,7 +346,8 @@ def shared_vocabulary(paths):
                             f"{say(*seen[:3])}, {say(*mine[:3])}; make both with the same "
                             "--tokenizer (or the same file: train and val splits)")
         seen = seen or mine
-    return None if seen is None else seen[3]
+    # as every reader encodes (a file written before data text turned them off)
+    return None if seen is None or seen[3] is None else whole_text_json(seen[3])
 
 
 # ------------------------------------------------------------------ reading

@@ -157,6 +157,26 @@ def digest(json_text):
     return hashlib.sha256(json_text.encode("utf-8")).hexdigest()
 
 
+def whole_text_json(json_text):
+    """A vocabulary's JSON with its ``truncation`` and ``padding`` off (null),
+    as ``whole_text`` leaves a tokenizer and ``data text`` stores it now:
+    the JSON a file written before that fix holds, made what every reader
+    encodes with, so a checkpoint and an ``export hf`` folder's
+    tokenizer.json carry neither (Hugging Face applies them). Unchanged
+    when both are off already, or the JSON does not parse (plain JSON,
+    without the tokenizers library)."""
+    import json
+    try:
+        spec = json.loads(json_text)
+    except ValueError:
+        return json_text
+    if not isinstance(spec, dict) or (spec.get("truncation") is None and
+                                      spec.get("padding") is None):
+        return json_text
+    spec["truncation"] = spec["padding"] = None
+    return json.dumps(spec, ensure_ascii=False)
+
+
 def vocabulary_digest(json_text):
     """SHA-256 (hex) of what a vocabulary's JSON encodes with: the JSON with
     its ``truncation`` and ``padding`` off (null, as ``whole_text`` leaves

@@ -517,6 +517,9 @@ def export_hf(job, weights_path, out_dir):
         raise UserError(f"--out {out_dir} is a file; export hf writes a folder "
                         f"({WEIGHTS} and config.json)")
     vocabulary = saved_tokenizer(weights_path)  # the run's subword vocabulary, or None: bytes
+    if vocabulary is not None:  # a checkpoint of an old data file's JSON: HF would truncate/pad
+        from ..data.tokenizer import whole_text_json
+        vocabulary = whole_text_json(vocabulary)
     if vocabulary is None and os.path.lexists(os.path.join(out_dir, TOKENIZER)):
         # AutoTokenizer.from_pretrained(out_dir) would read another model's vocabulary
         raise UserError(f"--out {out_dir} holds a {TOKENIZER} (an earlier export's?), but this "
