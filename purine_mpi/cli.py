@@ -52,7 +52,7 @@ from .base import env, logfile
 from .cli_args import build_parser
 from .comm.launcher import launched_rank, launched_size
 from .base.errors import InitMismatch, OpError, UserError
-from .job.outputs import check_out
+from .job.outputs import check_out, refuse_replacing, refuse_under_a_file
 
 
 def _load(args, check_files=True):
@@ -281,6 +281,8 @@ def cmd_generate(args):
 
 def cmd_graph(args):
     from .tools.graph import render_graph
+    if args.np is not None and args.np < 1:  # not composed for one rank in its place
+        raise UserError(f"--np {args.np}: give a number of ranks >= 1")
     job = _load(args, check_files=False)
     print(render_graph(job, args.np, args.rank, args.format, args.phase, memory=args.memory))
     return 0
@@ -420,15 +422,24 @@ def cmd_export(args):
                             "model takes any batch)")
         job = _load(args, check_files=False)
         args.weights = _weights_file(args.weights)
-        check_out(args.out, args.config, args.weights)
+        # a folder (made if missing, docs/formats.md): an existing one is written into
+        refuse_under_a_file(args.out)
+        refuse_replacing(args.out, "--out", [("the config", args.config),
+                                             ("the --weights file", args.weights)])
         summary = export_hf(job, args.weights, args.out)
         print(f"wrote {args.out}: {summary}")
         return 0
-    from .interop.onnx_export import export_onnx
+    from .interop.onnx_export import export_onnx, precision_note
+    if args.batch is not None and args.batch < 1:  # -1 was written as the input's dimension
+        raise UserError(f"--batch {args.batch}: give a batch size >= 1, or no --batch (the "
+                        "model's batch axis is then free)")
     job = _load(args)
     check_out(args.out, args.config, args.weights, job)
     summary = export_onnx(job, args.weights, args.out, batch=args.batch,
                           raw_input=args.raw_input)
+    note = precision_note(job)
+    if note is not None:  # a bf16/fp16/tf32 run's forward is not the float32 model's
+        print(note, file=sys.stderr)
     print(f"wrote {args.out}: {summary}")
     return 0
 

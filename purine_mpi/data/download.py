@@ -97,7 +97,11 @@ def unpack(archive, folder):
             else:  # Python before 3.11.4 / 3.12: the checks above are the filter
                 tar.extractall(folder, members=members)
     except (tarfile.TarError, OSError) as exc:
-        raise UserError(f"{archive}: not a readable .tar.gz ({exc})") from None
+        # tarfile lists each compression it tried on a line of its own: one line here
+        said = "; ".join(line.strip().lstrip("- ").rstrip(":") for line in str(exc).splitlines()
+                         if line.strip())
+        raise UserError(f"{archive}: not a readable .tar.gz ({said or type(exc).__name__})") \
+            from None
     return folder
 
 

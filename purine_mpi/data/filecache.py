@@ -1,22 +1,113 @@
 """What a data file holds, read once per process and file version.
 
 ``per_file_version(path, load, stat_path=None)`` returns ``load(path)``,
-kept per (absolute path, modification time, size) of ``stat_path`` (default
-``path``): the readers' prefetch threads and the ranks' start-up checks
-share one read, and a file rewritten in between is read again. A file that
-cannot be stat'ed is read every time (its error then comes from ``load``).
+kept per ``file_identity`` of ``stat_path`` (default ``path``): the
+readers' prefetch threads and the ranks' start-up checks share one read,
+and a file rewritten in between is read again. A file that cannot be
+stat'ed is read every time (its error then comes from ``load``).
+
+``file_identity(path)`` is the version of a file that every per-process
+cache of what a data file holds keys on (here, data/sources.py's shared
+sources and in-memory HDF5 splits): the real path, device, inode, size,
+modification and status-change times (``st_mtime_ns``, ``st_ctime_ns``),
+and, for a *racy* file, a digest of its bytes. The times alone cannot
+tell two versions apart on a file system with coarse timestamps (FAT: 2 s;
+ext3, HFS+, some NFS servers: 1 s): a same-size rewrite within one tick
+keeps every stat field, and ``st_ctime_ns`` is as coarse as the mtime.
+Git's "racily clean" rule settles it: a file whose mtime or ctime lies
+more than ``RACY_SECONDS`` before now has not changed since without
+moving one of them (a later write stamps a later tick); a file changed
+more recently than that is racy, and its identity adds a BLAKE2b digest
+of its content, so two versions of it differ whatever the clock says.
+The digest reads the whole file, but only a file changed within the last
+``RACY_SECONDS`` (and of at most ``WAIT_BYTES``: a larger one is waited
+out instead, at most ``RACY_SECONDS`` once); a header or attribute digest would not do (a rewrite
+with other values and the same shapes leaves the HDF5 header as it was).
+The ctime also catches what keeps the mtime on purpose (``cp -p``,
+``rsync -t``, ``touch -d``: a ctime cannot be set back).
 """
+import hashlib
 import os
+import stat as _stat_mod
 import threading
+import time
 
 _CACHE, _LOCK = {}, threading.Lock()
 
+#: a file changed within this many seconds of now is racy (its stat fields
+#: may not move on a rewrite): its identity holds a digest of its bytes.
+#: Larger than the coarsest file-system tick (FAT's 2 s) plus a margin for
+#: a file server's clock against this host's.
+RACY_SECONDS = 10
+#: file_identity's digest field of a racy file when no digest is asked for
+RACY = "racy"
+#: the largest racy file whose digest keys a cache of its header (a
+#: header's reader asks ~25 times a start-up: hashing 64 MiB takes ~50 ms,
+#: a larger file's header is read again each time instead)
+HEADER_DIGEST_BYTES = 64 << 20
+#: a racy file larger than this is not hashed: file_identity waits until
+#: it is RACY_SECONDS old (once; a time in the future is hashed)
+WAIT_BYTES = 256 << 20
+#: the block the digest reads at a time
+_BLOCK = 1 << 20
 
-def per_file_version(path, load, stat_path=None):
+
+def _stat(path):
+    return os.stat(path)
+
+
+def content_digest(path):
+    """BLAKE2b (16 bytes, hex) of a file's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_identity(path, digest=True, now_ns=None):
+    """``(real path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns,
+    digest)`` of ``path``: ``digest`` is None unless the file is racy (its
+    mtime or ctime within ``RACY_SECONDS`` of now, or in the future): then
+    a regular file's content digest, or ``RACY`` where ``digest`` is False
+    or a number of bytes the file is larger than (a caller that reads only
+    a header of a possibly large file: ``HEADER_DIGEST_BYTES``), and the
+    caller keeps nothing it read (a header is cheap to read again). A racy
+    file over ``WAIT_BYTES`` whose digest is asked for is not read: the call
+    waits until it is no longer racy (at most ``RACY_SECONDS``). Raises
+    OSError when the file cannot be stat'ed."""
+    st = _stat(path)
+    now = time.time_ns() if now_ns is None else now_ns
+    changed = max(st.st_mtime_ns, st.st_ctime_ns)
+    hashed = None
+    racy = now - changed < RACY_SECONDS * 10**9
+    if racy and digest is True and st.st_size > WAIT_BYTES and now_ns is None and \
+            0 <= now - changed:
+        # a large file just written (data made, then a run started): waiting
+        # out the window (at most RACY_SECONDS) costs less than reading it all
+        time.sleep((RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01)
+        return file_identity(path, digest)
+    if racy and (digest is False or (digest is not True and st.st_size > digest)):
+        hashed = RACY  # the caller keeps nothing of a racy file
+    elif racy and _stat_mod.S_ISREG(st.st_mode):
+        try:
+            hashed = content_digest(path)
+        except OSError:  # unreadable: its reader says why
+            hashed = ("unreadable", now)
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns, hashed)
+
+
+def per_file_version(path, load, stat_path=None, digest=True):
+    """``load(path)``, once per ``file_identity`` of ``stat_path``
+    (``digest``: ``HEADER_DIGEST_BYTES`` where ``load`` reads only a
+    header of a possibly large file, an LMDB's metadata: a larger racy
+    file's header is read every time)."""
     try:
-        stat = os.stat(stat_path or path)
-        tag = (load, os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+        tag = (load, os.path.abspath(path), file_identity(stat_path or path, digest))
     except OSError:
+        return load(path)
+    if tag[-1][-1] == RACY:  # changed just now, no digest asked: read, keep nothing
         return load(path)
     with _LOCK:
         value = _CACHE.get(tag)

@@ -29,7 +29,7 @@ import threading
 import numpy as np
 
 from ..base.errors import UserError
-from .filecache import per_file_version
+from .filecache import HEADER_DIGEST_BYTES, per_file_version
 from .protowire import read_datum
 
 EXTRA_HINT = "pip install 'purine_mpi[caffe]'"
@@ -158,7 +158,8 @@ def check_record(path, key, array, shape, dtype, first_key):
 def lmdb_meta(path):
     """The database's _Meta, scanned once per process and file version."""
     data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
-    return per_file_version(path, _Meta, stat_path=data_file)
+    return per_file_version(path, _Meta, stat_path=data_file,
+                            digest=HEADER_DIGEST_BYTES)
 
 
 def lmdb_file_bytes(path):

@@ -35,6 +35,7 @@ import numpy as np
 from ..base import env
 from ..base.errors import DataSpecError, UserError
 from ..base.progress_bar import human_bytes
+from .filecache import HEADER_DIGEST_BYTES, RACY, file_identity
 from .h5links import check_sources, link_outside
 
 #: synthetic sources hold at most this many bytes of distinct samples and
@@ -88,9 +89,12 @@ def data_hint(data_path, what="data file"):
 
 
 #: hdf5_info's answers in this process, by the file's identity (device,
-#: inode, size, mtime): a start-up asks it ~25 times of the same file (each
-#: op's shapes, the plan, the notes), 5 ms an open; a file replaced or
-#: rewritten is read again. Only answers are kept, never errors.
+#: inode, size, mtime, ctime, and a file changed within the last
+#: filecache.RACY_SECONDS its digest, or, over HEADER_DIGEST_BYTES, no
+#: answer kept: coarse timestamps may not move): a start-up asks it ~25
+#: times of the same file (each op's shapes, the plan, the notes), 5 ms an
+#: open; a file replaced or rewritten is read again. Only answers are kept,
+#: never errors.
 _HDF5_INFO = {}
 
 
@@ -109,8 +113,12 @@ def hdf5_info(path, split=None, external=False):
         raise UserError(f"data file '{path}' is a folder, not a file; give the file's path")
     if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(f"data file '{path}' not found; {data_hint(path)}")
-    key = (os.path.realpath(path), split, bool(external), st.st_dev, st.st_ino, st.st_size,
-           st.st_mtime_ns)
+    try:  # metadata only: a large racy file is not hashed (filecache.file_identity)
+        key = (split, bool(external), file_identity(path, HEADER_DIGEST_BYTES))
+    except OSError:
+        key = None
+    if key is None or key[-1][-1] == RACY:  # changed just now: read again, keep nothing
+        return _read_hdf5_info(path, split, external)
     if key not in _HDF5_INFO:
         _HDF5_INFO[key] = _read_hdf5_info(path, split, external)
     return _HDF5_INFO[key]
@@ -141,9 +149,12 @@ def _layout(f, path, split):
     if label.ndim != 1 or label.dtype.kind not in "iu":
         raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
                         f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
-    if label.shape[0] != data.shape[0] or data.shape[0] == 0:
+    if data.shape[0] == 0:  # not "has 0 samples but ... has 0"
+        raise UserError(f"data file '{path}': '{where}data' holds no samples (shape "
+                        f"{list(data.shape)}); a split needs at least 1")
+    if label.shape[0] != data.shape[0]:
         raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
-                        f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
+                        f"'{where}label' has {label.shape[0]}; they must agree")
     return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
 
 
@@ -243,8 +254,8 @@ class HDF5Source(DataSource):
                 "memory is there")
         self.in_memory = in_memory is True or (in_memory in ("auto", None)
                                                and decoded <= budget)
-        stat = os.stat(path)
-        key = (os.path.abspath(path), split, stat.st_mtime_ns, stat.st_size, self.in_memory)
+        # the file's version (filecache.file_identity: a racy file's digest too)
+        key = (os.path.abspath(path), split, file_identity(path), self.in_memory)
         with self._cache_lock:
             cached = self._cache.get(key)
             if cached is None:
@@ -409,13 +420,14 @@ def source_key(spec, seed=0):
     """The key under which readers of data spec ``spec`` at run seed
     ``seed`` share their source and epoch order (``shared_source``; plan's
     data pool row counts one per key): the spec (every key, canonically),
-    the seed, and a file's identity (a rewritten file is read again)."""
+    the seed, and a file's identity (a rewritten file is read again, also
+    within one tick of a file system's coarse timestamps:
+    data/filecache.py's ``file_identity``)."""
     ident = None
     path = spec.get("path")
     if path is not None:
-        try:
-            st = os.stat(path)
-            ident = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        try:  # coarse timestamps: a racy file's digest (filecache.file_identity)
+            ident = file_identity(path)
         except OSError:
             ident = (str(path),)
     return (json.dumps(spec, sort_keys=True, default=str), int(seed), ident)

@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
-from .filecache import per_file_version
+from .filecache import HEADER_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
 VOCAB_SIZE = 256
@@ -327,15 +327,18 @@ def text_vocabulary(path):
 def shared_vocabulary(paths):
     """The vocabulary JSON (None: bytes) of the text data files ``paths``
     ([(key, path)], e.g. ('data.train', 'x.h5')), which must all have the
-    same one: a UserError names the two that differ. Unreadable files are
-    skipped (the source names them)."""
-    from .tokenizer import digest
+    same one (compared with their truncation and padding off, as they
+    encode: data/tokenizer.py's ``vocabulary_digest``): a UserError names
+    the two that differ. Unreadable files are skipped (the source names them)."""
+    from .tokenizer import vocabulary_digest, whole_text_json
     seen = None
     for key, path in paths:
         size, text = text_vocabulary(path)
         if size is None:
             continue
-        mine = (key, path, None if text is None else digest(text), text)
+        # truncation and padding off in both: a file written before data text
+        # turned them off agrees with a new one of the same tokenizer
+        mine = (key, path, None if text is None else vocabulary_digest(text), text)
         if seen is not None and seen[2] != mine[2]:
             def say(k, p, d):
                 return f"{k} '{p}' is " + ("byte-level" if d is None else f"vocabulary {d[:12]}")
@@ -343,7 +346,8 @@ def shared_vocabulary(paths):
                             f"{say(*seen[:3])}, {say(*mine[:3])}; make both with the same "
                             "--tokenizer (or the same file: train and val splits)")
         seen = seen or mine
-    return None if seen is None else seen[3]
+    # as every reader encodes (a file written before data text turned them off)
+    return None if seen is None or seen[3] is None else whole_text_json(seen[3])
 
 
 # ------------------------------------------------------------------ reading
@@ -396,7 +400,7 @@ def _tokens_meta(path, split):
     read = _META_READERS.get(split)
     if read is None:
         read = _META_READERS.setdefault(split, functools.partial(_read_tokens_meta, split=split))
-    return per_file_version(path, read)
+    return per_file_version(path, read, digest=HEADER_DIGEST_BYTES)  # metadata only
 
 
 def _read_tokens_meta(path, split):

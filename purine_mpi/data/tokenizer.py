@@ -151,8 +151,50 @@ def vocab_size_of(tokenizer):
 
 
 def digest(json_text):
-    """SHA-256 (hex) of a vocabulary's JSON: two files agree when it does."""
+    """SHA-256 (hex) of a vocabulary's JSON text as stored (the ``sha256``
+    attribute: the text's integrity); whether two files' vocabularies agree
+    is ``vocabulary_digest``'s."""
     return hashlib.sha256(json_text.encode("utf-8")).hexdigest()
+
+
+def whole_text_json(json_text):
+    """A vocabulary's JSON with its ``truncation`` and ``padding`` off (null),
+    as ``whole_text`` leaves a tokenizer and ``data text`` stores it now:
+    the JSON a file written before that fix holds, made what every reader
+    encodes with, so a checkpoint and an ``export hf`` folder's
+    tokenizer.json carry neither (Hugging Face applies them). Unchanged
+    when both are off already, or the JSON does not parse (plain JSON,
+    without the tokenizers library)."""
+    import json
+    try:
+        spec = json.loads(json_text)
+    except ValueError:
+        return json_text
+    if not isinstance(spec, dict) or (spec.get("truncation") is None and
+                                      spec.get("padding") is None):
+        return json_text
+    spec["truncation"] = spec["padding"] = None
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def vocabulary_digest(json_text):
+    """SHA-256 (hex) of what a vocabulary's JSON encodes with: the JSON with
+    its ``truncation`` and ``padding`` off (null, as ``whole_text`` leaves
+    them, which every reader does: ``Vocabulary``) and its keys in a
+    canonical order, so a file written before ``data text`` turned them
+    off agrees with a new one of the same tokenizer, while any other
+    difference (the model, its merges, the normaliser, the added tokens)
+    still tells two vocabularies apart. A JSON that does not parse is
+    digested as it is (it matches only itself)."""
+    import json
+    try:
+        spec = json.loads(json_text)
+    except ValueError:
+        return digest(json_text)
+    if not isinstance(spec, dict):
+        return digest(json_text)
+    spec = dict(spec, truncation=None, padding=None)
+    return digest(json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 
 def write_json(h5obj, json_text):

@@ -516,12 +516,21 @@ def export_hf(job, weights_path, out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; export hf writes a folder "
                         f"({WEIGHTS} and config.json)")
+    vocabulary = saved_tokenizer(weights_path)  # the run's subword vocabulary, or None: bytes
+    if vocabulary is not None:  # a checkpoint of an old data file's JSON: HF would truncate/pad
+        from ..data.tokenizer import whole_text_json
+        vocabulary = whole_text_json(vocabulary)
+    if vocabulary is None and os.path.lexists(os.path.join(out_dir, TOKENIZER)):
+        # AutoTokenizer.from_pretrained(out_dir) would read another model's vocabulary
+        raise UserError(f"--out {out_dir} holds a {TOKENIZER} (an earlier export's?), but this "
+                        "model is byte-level (its token ids are UTF-8 bytes): Hugging Face "
+                        f"would load that vocabulary with it; remove {TOKENIZER} or give "
+                        "another --out. Nothing written")
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS)
     write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(layout.config, indent=2) + "\n"
     write_text_replacing(os.path.join(out_dir, "config.json"), text)
-    vocabulary = saved_tokenizer(weights_path)  # the run's subword vocabulary, or None: bytes
     if vocabulary is not None:  # AutoTokenizer.from_pretrained(out_dir) reads it
         write_text_replacing(os.path.join(out_dir, TOKENIZER), vocabulary)
     c = layout.config

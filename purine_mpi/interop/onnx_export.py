@@ -75,6 +75,11 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                 "meta": {"input": "tokens", "dtype": np.dtype(ids.dtype).name}}
     entry = model.metadata_props.add()
     entry.key, entry.value = "purine.preprocessing", json.dumps(said["meta"])
+    note = precision_note(job)
+    if note is not None:  # the model computes in float32, not as the run's forward did
+        entry = model.metadata_props.add()
+        entry.key, entry.value = "purine.precision", json.dumps(
+            {"trained": job.precision, "model": "float32", "note": note})
     onnx.checker.check_model(model)
     try:  # the shapes ONNX infers op by op must be ours: a file that loads, as declared
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
@@ -89,6 +94,22 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     write_replacing(out_path, lambda tmp: onnx.save(model, tmp))
     outputs = ", ".join(o.name for o in model.graph.output)
     return f"{len(model.graph.node)} nodes, outputs {outputs}; {said['line']}"
+
+
+def precision_note(job):
+    """None for an fp32 config; else the one line saying that the exported
+    model (float32 master weights, float32 ops) does not compute what the
+    config's ``precision`` forward computes: its outputs differ by the
+    rounding of bf16/fp16 GEMMs (or TF32's), they are not that forward's."""
+    precision = getattr(job, "precision", "fp32")
+    if precision in (None, "fp32"):
+        return None
+    how = {"tf32": "TensorFloat-32 GEMMs and convolutions",
+           "bf16": "bfloat16 GEMMs, convolutions and attention",
+           "fp16": "float16 GEMMs, convolutions and attention"}.get(precision, precision)
+    return (f"note: precision is {precision}: the model holds the float32 master weights and "
+            f"computes in float32, so its outputs are not those of the {precision} forward "
+            f"({how}); they differ by that rounding")
 
 
 # ------------------------------------------------------------ the transform

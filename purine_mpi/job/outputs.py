@@ -44,12 +44,37 @@ def refuse_replacing(out, option, inputs):
                         f"would replace it; give another {option}")
 
 
+def file_in_the_way(path):
+    """The first existing ancestor of ``path`` (its folders, nearest the
+    root first) that is not a folder, or None: the folder an output goes
+    into cannot be made under a file."""
+    parts = []
+    head = os.path.dirname(os.path.abspath(path))
+    while head and head not in parts:
+        parts.append(head)
+        head = os.path.dirname(head)
+    for folder in reversed(parts):
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            return folder
+    return None
+
+
+def refuse_under_a_file(out, option="--out", what="the output"):
+    """A UserError when one of ``out``'s folders is an existing file."""
+    blocker = file_in_the_way(out) if out else None
+    if blocker is not None:
+        raise UserError(f"{option} {out}: {blocker} is a file, not a folder, so {what} "
+                        f"cannot be written under it; give another {option}")
+
+
 def check_out(out, config=None, weights=None, job=None, more=()):
     """``refuse_replacing`` for a command's ``--out``: its config, its
     ``--weights``, the job's data files and ``more`` ([(what, path)]); and
-    a UserError when ``out`` is an existing folder (the output is a file)."""
+    a UserError when ``out`` is an existing folder (the output is a file)
+    or lies under a file (its folder cannot be made)."""
     if out and os.path.isdir(out):
         raise UserError(f"--out {out} is a folder, but the output is one file: give the "
                         "file's path")
+    refuse_under_a_file(out)
     inputs = [("the config", config), ("the --weights file", weights), *more]
     refuse_replacing(out, "--out", inputs + job_inputs(job))

@@ -535,6 +535,13 @@ def init_params(loaded, params, job, path, skip=()):
                            f"(the file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
                            f"{' ...' if len(loaded) > 8 else ''})", "; to leave a layer at its "
                            "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
+    for p in wanted:  # strings or records would reach the workspace as a traceback
+        kind = getattr(getattr(loaded[p], "dtype", None), "kind", "f")
+        if kind not in "fiu":
+            raise UserError(f"weights file '{path}': dataset '/params/{p}' holds "
+                            f"non-numeric values (dtype {loaded[p].dtype}), expected numbers "
+                            "(float32, as a checkpoint writes them); it was written by another "
+                            "tool or edited")
     if not str(path).endswith((".caffemodel", ".safetensors")):  # ours: saved with its config
         from .checkpoint_check import check_same_meaning
         from .checkpoint_file import saved_config_text

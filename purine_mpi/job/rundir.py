@@ -47,6 +47,7 @@ from ..base import logfile
 from ..base.errors import UserError
 from ..base.runfiles import disk_error, open_run_file, refuse_link
 from .checkpoint_file import LATEST, load_checkpoint, load_params
+from .outputs import file_in_the_way
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
 from .rundir_force import delete_our_run
 
@@ -251,6 +252,12 @@ def refuse_linked_run_files(folder):
 def _set_up(name, out, resume, force, runs_root, init=None, job=None):
     """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
     where = out or os.path.join(runs_root, name)
+    blocker = where if os.path.lexists(where) and not os.path.isdir(where) else \
+        file_in_the_way(where)
+    if blocker is not None:  # not OSError's bare "File exists"
+        given = "--out" if out else "--out, or another checkpoint.folder"
+        return None, (f"run folder {where}: {blocker} is a file, not a folder; give another "
+                      f"{given} (a folder, or a path where one can be made)")
     try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,

@@ -38,6 +38,9 @@ class RankGraphs:
     params: list              # this rank's parameter blobs
     net_params: list          # the whole net's parameter blobs (before any split)
     param_summary: tuple      # (count, bytes, blobs, dtypes) of the whole net
+    # (the trained parameters' (count, bytes, blobs, dtypes), the rest's
+    # (count, bytes, blobs, kinds)) of the whole net: param_counts
+    param_counts: tuple
     test_graph: object = None  # the composed, placed test graph (or None)
     test_losses: list = dataclasses.field(default_factory=list)
     test_names: list = dataclasses.field(default_factory=list)  # blobs a test pass reduces
@@ -107,6 +110,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     check_data_labels(graph, job)
     vocabulary = job_vocabulary(job)  # train and test agree; checkpoints keep it
     summary = param_summary(graph)  # the whole net's, before any split
+    counts = param_counts(graph)
     shapes = param_shapes(graph)  # the test graph runs on these arrays
     net_params = [b.name for b in graph.params()]
     composition = scheme.compose(graph, grads, job, world)
@@ -139,7 +143,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
                      loss_shares=shares, watch=watch, deferred=deferred,
                      defer_update=defer_update, memory_plan=plan,
                      params=[b.name for b in graph.params()], net_params=net_params,
-                     param_summary=summary, comm_backend=backend,
+                     param_summary=summary, param_counts=counts, comm_backend=backend,
                      comm_backend_note=backend_note, composition=composition,
                      vocabulary=vocabulary,
                      apart=scheme.trains_apart(job, layout))
@@ -206,6 +210,28 @@ def _add_count(graph, blob):
                  if op.attrs.get(k) is not None}, op.location, op.thread)])
             return count
     return None
+
+
+def param_counts(graph):
+    """``(trained, rest)`` of a graph's parameter blobs: ``trained`` the
+    (count, bytes, blobs, dtypes) of those that take a gradient
+    (graph/grad.py's ``trained``), ``rest`` the (count, bytes, blobs,
+    kinds) of the others: running statistics (batch norm's mean and
+    variance, ``learnable: false``) and frozen parameters (``lr_mult: 0``),
+    state a checkpoint holds but no solver trains."""
+    from ..graph.grad import trained
+    params = graph.params()
+    used = [b for b in params if trained(b)]
+    rest = [b for b in params if not trained(b)]
+    kinds = []
+    if any(not b.attrs.get("learnable", True) for b in rest):
+        kinds.append("running statistics")
+    if any(b.attrs.get("learnable", True) for b in rest):
+        kinds.append("frozen")
+    return ((sum(int(np.prod(b.shape)) for b in used), sum(int(b.nbytes) for b in used),
+             len(used), sorted({str(np.dtype(b.dtype)) for b in used})),
+            (sum(int(np.prod(b.shape)) for b in rest), sum(int(b.nbytes) for b in rest),
+             len(rest), kinds))
 
 
 def param_summary(graph):

@@ -58,14 +58,18 @@ def gpt_closed_form(n_params, layers, width, seq):
 def gpt_figures(graph):
     """``(N, L, width, T)`` of a transformer training graph for the closed
     form (N: every parameter but the position embeddings' tables; L: its
-    attention ops), or None without attention."""
+    attention ops), or None without attention. Running statistics
+    (``learnable: false``) are not counted."""
     attn = [op for op in graph.ops.values() if op.op_type in ("Attention", "AttentionScores")]
     if not attn:
         return None
     qkv = graph.blobs[attn[0].inputs[QKV_INPUT[attn[0].op_type]]].shape
     positional = {b for op in graph.ops.values() if op.op_type == "PositionEmbedding"
                   for b in op.inputs[1:]}
-    n = sum(_size(b.shape) for b in graph.params() if b.name not in positional)
+    # running statistics (a batch norm's mean and variance) are state, not
+    # parameters: no matrix product reads them
+    n = sum(_size(b.shape) for b in graph.params()
+            if b.name not in positional and b.attrs.get("learnable", True))
     return n, len(attn), int(qkv[2]) // 3, int(qkv[1])
 
 

@@ -305,9 +305,8 @@ def _diff(path, other):
                 row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
             else:
                 x, y = _small_value(a), _small_value(b)
-                row["equal"] = (x is not None and y is not None and
-                                (bool(np.array_equal(x, y)) if isinstance(x, np.ndarray)
-                                 else _same(x, y)))
+                # values of other kinds (a record array beside floats) are not equal
+                row["equal"] = x is not None and y is not None and _same(x, y)
             rows.append(row)
     attrs = {k: [a_attrs.get(k), b_attrs.get(k)] for k in list(a_attrs) + [
         k for k in b_attrs if k not in a_attrs] if not _same(a_attrs.get(k), b_attrs.get(k))}
@@ -318,8 +317,12 @@ def _diff(path, other):
 
 
 def _same(a, b):
+    """Whether two values (arrays, strings, numbers) are equal; values that
+    cannot be compared (a record array and floats) are not."""
     try:
-        return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else a == b
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return bool(np.array_equal(a, b))
+        return bool(a == b)
     except Exception:
         return False
 
@@ -335,7 +338,11 @@ def _jsonable(value):
         return _jsonable(value.item())
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # strict JSON has no NaN / Infinity
-    return value
+    if isinstance(value, bytes):  # an attribute of raw bytes (np.void, np.bytes_)
+        return value.decode("utf-8", errors="backslashreplace")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # JSON has no complex number (nor any other type): its text
 
 
 def _fmt(value):

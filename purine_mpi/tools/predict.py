@@ -95,6 +95,13 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     if missing:
         raise UserError(f"predict: blob(s) {', '.join(missing)} are not computed in the test "
                         f"phase; choose among {', '.join(sorted(_outputs(graph))[:20])}")
+    per_sample = sorted(b for b in _outputs(graph) if _per_sample(graph, b, trainer))
+    figures = [b for b in blobs if not _per_sample(graph, reads[b], trainer)]
+    if figures:  # a loss or accuracy: one figure per batch, no row per sample
+        shapes = ", ".join(f"{b} {list(graph.blobs[reads[b]].shape)}" for b in figures)
+        raise UserError(f"predict: blob(s) {shapes} hold no row per sample (their first axis "
+                        f"is not the batch's, {trainer.job.data.test.batch_size}): predict "
+                        f"writes per-sample outputs; choose among {', '.join(per_sample[:20])}")
     splits = tensor_splits(trainer, graph, [reads[b] for b in blobs])
     readers = [k for k in dispatcher.kernels.values() if k.op.op_type == "DataReader"]
     label_blob = readers[0].op.outputs[1] if readers else None
@@ -188,6 +195,13 @@ def tensor_splits(trainer, graph, names):
 
 def _outputs(graph):
     return {b for op in graph.ops.values() for b in op.outputs}
+
+
+def _per_sample(graph, name, trainer):
+    """Whether blob ``name`` holds a row per sample of the test batch (its
+    first axis the batch's), not a figure of the batch (a loss, an accuracy)."""
+    shape = tuple(graph.blobs[name].shape)
+    return bool(shape) and shape[0] == trainer.job.data.test.batch_size
 
 
 def read_blob(graph, ws, name):

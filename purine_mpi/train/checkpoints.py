@@ -58,7 +58,11 @@ class Checkpoints(Service):
         (weights), then ``resume`` (a checkpoint, or ``"auto"``)."""
         self._init_params(loop, init, init_skip)
         if resume:
-            self._resume(loop, resume)
+            path = self._resume(loop, resume)
+            if init and path is not None:  # not silently: the checkpoint's weights won
+                loop.say(f"note: --init {init} is not used: the run resumed from {path}, "
+                         "whose weights replace it (--init starts a run; beside --resume "
+                         "auto it counts only when there is no checkpoint to resume)")
 
     def _init_params(self, loop, init, init_skip=()):
         scheme = scheme_of(loop.job)
@@ -197,6 +201,8 @@ class Checkpoints(Service):
                 k.rng.bit_generator.state = _plain(s["rng"])
 
     def _resume(self, loop, resume):
+        """Load the checkpoint ``resume`` names; returns its path, or None
+        where ``"auto"`` found none (a fresh run)."""
         # "auto": latest.h5, else the newest ckpt_<iter>.h5 that loads; or a
         # path; or the Checkpoint the ranks agreed on (trainer.run_training)
         ck = resolve_resume(loop.out_dir, resume, loop.say)
@@ -278,6 +284,7 @@ class Checkpoints(Service):
                      f"({b} per rank x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
                      "(keep the global batch with --set data.train.batch_size=G/N)")
+        return path
 
     @staticmethod
     def _adam_step0(loop, ck, fresh):

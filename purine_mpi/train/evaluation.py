@@ -33,6 +33,7 @@ def give_test_weights(loop):
 class Evaluation(Service):
     def __init__(self):
         self._wrap_noted = False
+        self._empty_noted = False
 
     def on_test(self, loop, done):
         res = self.evaluate(loop)
@@ -135,5 +136,13 @@ class Evaluation(Service):
                 for c, p in zip(total[len(names):], by_position)]
         for key, v in zip(loop.graphs.test_keys, total[:len(names)] / np.array(over)):
             out[key] = out.get(key, 0.0) + float(v)
+        # that 0 measures nothing: said (once a run), not passed off as a result
+        empty = sorted({key for key, c, p in zip(loop.graphs.test_keys, total[len(names):],
+                                                 by_position) if p and c == 0})
+        if empty and not self._empty_noted:
+            self._empty_noted = True
+            loop.say(f"note: the test pass counted no position for {', '.join(empty)}: every "
+                     "label is the layer's ignore_label; its figure 0 is Caffe's for nothing "
+                     "counted, not a measurement")
         out["samples"] = int(counted)
         return out

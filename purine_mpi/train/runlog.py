@@ -170,6 +170,22 @@ def gradient_line(graph, grad_dtype):
             "local gradients and the update stay float32")
 
 
+def parameters_text(graphs):
+    """The ``parameters`` row: the trained parameters' count (those a
+    solver updates), then, where the net has any, the state that is not
+    trained (batch norm's running statistics, frozen parameters) apart:
+    ``13,706 in 8 blobs (53.5 KiB, float32); not trained: 64 in 2 blobs
+    (256 B: running statistics)``."""
+    (n_params, n_bytes, n_blobs, dtypes), (n_rest, rest_bytes, rest_blobs, kinds) = \
+        graphs.param_counts
+    text = (f"{n_params:,} in {_count(n_blobs, 'blob')} "
+            f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})")
+    if rest_blobs:
+        text += (f"; not trained: {n_rest:,} in {_count(rest_blobs, 'blob')} "
+                 f"({human_bytes(rest_bytes)}: {' and '.join(kinds)})")
+    return text
+
+
 def startup_lines(trainer, infos, setup_seconds):
     """The start-up block (see the module docstring). ``infos``: {rank:
     (host, device)} of the trainer's world."""
@@ -211,9 +227,7 @@ def startup_lines(trainer, infos, setup_seconds):
         if data.test is not None:
             text += f"; test {data.test.batch_size:,} per {per}"
         rows.append(("batch", text))
-    n_params, n_bytes, n_blobs, dtypes = trainer.graphs.param_summary
-    rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
-                 f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
+    rows.append(("parameters", parameters_text(trainer.graphs)))
     rows.append(("memory", memory_text(trainer)))
     planned = planned_text(getattr(trainer, "planned", None))
     if planned:  # the start-up check's footprint: plan's figures for rank 0

@@ -1,0 +1,213 @@
+"""Four results that looked good and were not (trust audit, session 64):
+
+- ``export onnx`` of a ``precision: bf16`` config wrote the float32 model
+  without a word: its outputs are not the bf16 forward's. Now one note on
+  stderr and the metadata property ``purine.precision`` say so.
+- the start-up block's ``parameters`` counted batch norm's running
+  statistics as parameters; now the trained ones, the rest apart.
+- shared data sources (and the in-memory HDF5 splits) were keyed by the
+  file's stat fields: on a file system with coarse timestamps a same-size
+  rewrite within one tick kept the key and the old data was read; now a
+  file changed within ``RACY_SECONDS`` is keyed by its content's digest.
+- a text data file written before ``data text`` turned a tokenizer's
+  truncation and padding off was refused beside a new file of the same
+  tokenizer (the digests of the stored JSON differed).
+All in-process and small."""
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from purine_mpi.base.errors import UserError
+
+from .conftest import run_cli_here, small_net_config, train_here, write_config_file
+
+
+# ------------------------------------------------------ (a) export of bf16
+def test_export_onnx_of_a_bf16_config_says_the_model_is_float32(tmp_path, digits_h5):
+    onnx = pytest.importorskip("onnx")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"]["max_iter"] = 1
+    weights = train_here(cfg, tmp_path / "run") / "latest.h5"
+    fp32 = write_config_file(tmp_path, cfg, "fp32.yaml")
+    res = run_cli_here("export", "onnx", fp32, "--weights", weights, "--out", tmp_path / "a.onnx")
+    assert res.returncode == 0, res.stderr
+    assert "precision" not in res.stderr, res.stderr  # an fp32 config: nothing to say
+    keys = [p.key for p in onnx.load(str(tmp_path / "a.onnx")).metadata_props]
+    assert "purine.precision" not in keys
+    bf16 = write_config_file(tmp_path, dict(cfg, device=0, precision="bf16"), "bf16.yaml")
+    res = run_cli_here("export", "onnx", bf16, "--weights", weights, "--out", tmp_path / "b.onnx")
+    assert res.returncode == 0, res.stderr  # written, not refused
+    notes = [line for line in res.stderr.splitlines() if "bf16" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: precision is bf16"), res.stderr
+    assert "float32" in notes[0] and "not those of the bf16 forward" in notes[0], notes
+    assert "wrote" in res.stdout and "note" not in res.stdout, res.stdout
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "b.onnx")).metadata_props}
+    said = json.loads(props["purine.precision"])
+    assert said["trained"] == "bf16" and said["model"] == "float32", said
+
+
+# ------------------------------------------- (b) parameters: trained only
+def test_startup_parameters_leave_the_running_statistics_apart(tmp_path, digits_h5):
+    cfg = small_net_config(digits_h5)
+    cfg["solver"]["max_iter"] = 1
+    cfg["net"].insert(1, {"type": "batch_norm", "name": "bn1", "bottom": "conv1",
+                          "top": "conv1"})
+    lines = []
+    train_here(cfg, tmp_path / "run", lines=lines)
+    row = next(line for line in lines if line.startswith("  parameters"))
+    # conv1 1->4 3x3 (36 + 4), bn1 scale and shift (4 + 4), fc1 64->10 (640 + 10)
+    trained = 36 + 4 + 4 + 4 + 640 + 10
+    assert row.split(None, 1)[1] == (f"{trained:,} in 6 blobs (2.7 KiB, float32); not trained: "
+                                     "8 in 2 blobs (32 B: running statistics)"), row
+
+
+def test_gpt_closed_form_counts_no_running_statistics():
+    """bench --json's PaLM closed form: N is the parameters, not a batch
+    norm's running statistics."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.tools.flops import gpt_figures
+    g = Graph("g")
+    g.add_blob("qkv", (2, 5, 24))
+    g.add_blob("w", (8, 8), kind="param")
+    g.add_blob("bn/running_mean", (100,), kind="param", attrs={"learnable": False})
+    g.add_op("a", "Attention", ["qkv"], ["o"], {"num_heads": 2})
+    n, layers, width, t = gpt_figures(g)
+    assert (n, layers, width, t) == (64, 1, 8, 5)
+
+
+# --------------------------------------------- (c) coarse file timestamps
+@pytest.fixture
+def coarse_clock(monkeypatch):
+    """``os.stat`` of the files named in the returned set reports one fixed
+    mtime and ctime (now): a file system whose timestamps did not tick
+    between two writes."""
+    real, frozen, names = os.stat, time.time_ns(), set()
+
+    class Coarse:
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            return getattr(self._st, name)
+        st_mtime_ns = st_ctime_ns = frozen
+        st_mtime = st_ctime = frozen / 1e9
+
+    def stat(path, *args, **kwargs):
+        st = real(path, *args, **kwargs)
+        return Coarse(st) if os.fspath(path) in names else st
+    monkeypatch.setattr(os, "stat", stat)
+    return names
+
+
+def test_a_same_size_rewrite_within_one_tick_is_read_again(tmp_path, coarse_clock):
+    import h5py
+
+    from purine_mpi.data.sources import HDF5Source, shared_source
+    path = str(tmp_path / "d.h5")
+    coarse_clock.add(path)
+
+    def write(value):
+        with h5py.File(path, "w") as f:
+            f.create_dataset("train/data", data=np.full((6, 1, 2, 2), value, np.float32))
+            f.create_dataset("train/label", data=np.arange(6) % 2)
+    write(1.0)
+    spec = {"source": "hdf5", "path": path, "split": "train"}
+    old = shared_source(spec, 0)
+    first = os.stat(path)
+    write(2.0)
+    again = os.stat(path)
+    assert (first.st_size, first.st_mtime_ns, first.st_ctime_ns) == \
+        (again.st_size, again.st_mtime_ns, again.st_ctime_ns)  # the stat fields kept
+    fresh = shared_source(spec, 0)
+    assert fresh is not old, "a stale source was shared for the rewritten file"
+    assert fresh.source.gather([0])[0][0, 0, 0, 0] == 2.0
+    assert old.source.gather([0])[0][0, 0, 0, 0] == 1.0  # read into memory before
+    # the in-memory split cache of a new HDF5Source: the new values too
+    assert HDF5Source(path, "train").gather([0])[0][0, 0, 0, 0] == 2.0
+
+
+def test_an_old_file_is_not_hashed(tmp_path, monkeypatch):
+    """The digest is only for a racy file: one changed more than
+    RACY_SECONDS ago is keyed by its stat fields alone (no read)."""
+    from purine_mpi.data import filecache
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"abc")
+    assert filecache.file_identity(str(path))[-1] == filecache.content_digest(str(path))
+    assert filecache.file_identity(str(path), digest=False)[-1] == filecache.RACY
+    assert filecache.file_identity(str(path), digest=2)[-1] == filecache.RACY  # over 2 bytes
+    assert filecache.file_identity(str(path), digest=3)[-1] == filecache.content_digest(
+        str(path))
+    later = time.time_ns() + (filecache.RACY_SECONDS + 1) * 10**9
+    monkeypatch.setattr(filecache, "content_digest", lambda p: pytest.fail("hashed"))
+    assert filecache.file_identity(str(path), now_ns=later)[-1] is None
+
+
+# ------------------------------------- (d) a tokenizer saved before the fix
+def test_an_old_files_truncation_and_padding_do_not_make_another_vocabulary(tmp_path):
+    pytest.importorskip("tokenizers")
+    import h5py
+
+    from purine_mpi.data.text import shared_vocabulary
+    from purine_mpi.data.tokenizer import DATASET, train_bpe, write_json
+    text = "".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(100))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(text)
+    tok = train_bpe([text], 300)
+    tok.save(str(tmp_path / "tok.json"))
+    for name in ("new", "old"):
+        res = run_cli_here("data", "text", "--from", src, "--tokenizer", tmp_path / "tok.json",
+                           "--out", tmp_path / f"{name}.h5")
+        assert res.returncode == 0, res.stderr
+    # the file as data text wrote it before the fix: the JSON with both on
+    tok.enable_truncation(max_length=64)
+    tok.enable_padding(length=128, pad_id=0, pad_token="!")
+    with h5py.File(tmp_path / "old.h5", "a") as f:
+        del f[DATASET]
+        write_json(f, tok.to_str())
+    paths = [("data.train.path", str(tmp_path / "new.h5")),
+             ("data.test.path", str(tmp_path / "old.h5"))]
+    got = shared_vocabulary(paths)
+    assert json.loads(got)["model"] == json.loads(tok.to_str())["model"]
+    # the old file first: the JSON a run keeps (its checkpoints, export hf's
+    # tokenizer.json, which Hugging Face applies) has neither, as it encodes
+    from tokenizers import Tokenizer
+    got = shared_vocabulary(paths[::-1])
+    assert json.loads(got)["model"] == json.loads(tok.to_str())["model"]
+    loaded = Tokenizer.from_str(got)
+    assert loaded.truncation is None and loaded.padding is None
+    # another tokenizer is still refused
+    other = train_bpe([text], 280)
+    with h5py.File(tmp_path / "old.h5", "a") as f:
+        del f[DATASET]
+        write_json(f, other.to_str())
+    with pytest.raises(UserError, match="disagree on the vocabulary"):
+        shared_vocabulary(paths)
+
+
+def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch):
+    """A racy file over WAIT_BYTES is not read whole: file_identity waits
+    until it is RACY_SECONDS old (a clock of its own here), then keys it by
+    its stat fields."""
+    from purine_mpi.data import filecache
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"x" * 100)
+    clock = {"now": time.time_ns(), "slept": 0.0}
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            return clock["now"]
+
+        @staticmethod
+        def sleep(seconds):
+            clock["slept"] += seconds
+            clock["now"] += int(seconds * 1e9)
+    monkeypatch.setattr(filecache, "time", Clock)
+    monkeypatch.setattr(filecache, "WAIT_BYTES", 10)
+    monkeypatch.setattr(filecache, "content_digest", lambda p: pytest.fail("hashed"))
+    ident = filecache.file_identity(str(path))
+    assert ident[-1] is None and 0 < clock["slept"] <= filecache.RACY_SECONDS + 0.1, clock
