@@ -188,7 +188,7 @@ def test_an_old_files_truncation_and_padding_do_not_make_another_vocabulary(tmp_
         shared_vocabulary(paths)
 
 
-def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch):
+def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch, capsys):
     """A racy file over WAIT_BYTES is not read whole: file_identity waits
     until it is RACY_SECONDS old (a clock of its own here), then keys it by
     its stat fields."""
@@ -211,3 +211,5 @@ def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch):
     monkeypatch.setattr(filecache, "content_digest", lambda p: pytest.fail("hashed"))
     ident = filecache.file_identity(str(path))
     assert ident[-1] is None and 0 < clock["slept"] <= filecache.RACY_SECONDS + 0.1, clock
+    # the wait is said, once, on stderr: a run that stalls at start-up says why
+    assert "waiting" in capsys.readouterr().err

@@ -29,6 +29,7 @@ The ctime also catches what keeps the mtime on purpose (``cp -p``,
 import hashlib
 import os
 import stat as _stat_mod
+import sys
 import threading
 import time
 
@@ -85,7 +86,11 @@ def file_identity(path, digest=True, now_ns=None):
             0 <= now - changed:
         # a large file just written (data made, then a run started): waiting
         # out the window (at most RACY_SECONDS) costs less than reading it all
-        time.sleep((RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01)
+        wait = (RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01
+        print(f"note: data file '{path}' ({st.st_size >> 20} MiB) changed {(now - changed) / 1e9:.1f} s "
+              f"ago; waiting {wait:.1f} s, until a rewrite would move its timestamps, before "
+              "keeping what it holds", file=sys.stderr, flush=True)
+        time.sleep(wait)
         return file_identity(path, digest)
     if racy and (digest is False or (digest is not True and st.st_size > digest)):
         hashed = RACY  # the caller keeps nothing of a racy file
