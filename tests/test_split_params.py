@@ -159,6 +159,34 @@ def test_micro_batches_keep_the_row_chunks():
         assert whole.host["kernel_temporaries"] == 4 * 2 ** 20
 
 
+def test_hybrid_micro_batches_keep_each_stages_row_chunks():
+    """Scheme hybrid (2 replicas x 2 stages): stage 1's ip1 keeps its row
+    chunks under micro-batches too, at its stage's cap (the buckets of one
+    micro-batch), and its update's temporaries are a chunk's. Before: 4 MiB
+    (the first assertion failed: 4194304 == 1048576)."""
+    import os
+
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.plan import _offline_graphs, offline_footprint
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def plan(m):
+        job = load_job(os.path.join(root, "benchmarks", "cifar10_quick_wide.yaml"),
+                       ["parallel.scheme=hybrid", "parallel.stages=2",
+                        f"parallel.micro_batches={m}", "data.train.num_samples=200"], None,
+                       check_files=False)
+        graph = _offline_graphs(job, 4, 1).graph
+        return offline_footprint(job, 4, 1), [op.inputs for op in graph.ops.values()
+                                              if op.op_type == "Allreduce"]
+    one, buckets = plan(1)
+    assert ["ip1/weight.grad[0:256]"] in buckets
+    for m in (2, 4):
+        fp, got = plan(m)
+        assert fp.host["kernel_temporaries"] == one.host["kernel_temporaries"] == 2 ** 20, \
+            (m, fp.host)
+        assert got == buckets, (m, got)
+
+
 def test_row_chunks_only_where_the_host_product_is_cut_by_rows():
     """steps._rows_alike: a chunk whose product hostgemm would cut along
     its inner size (fewer than 96 rows, 2**22 multiply-adds or more)
@@ -175,25 +203,29 @@ def test_row_chunks_only_where_the_host_product_is_cut_by_rows():
 
 
 @pytest.mark.mpi
-def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path):
-    """2 ranks, 2 micro-batches of 8, 4 SGD steps: fc1 (640 x 1024) split
-    into row chunks (their products cut along the rows as the whole one's,
-    or not cut) trains bit for bit as with split_params: false (today's
+@pytest.mark.parametrize("n,parallel", [
+    (2, {}), (4, {"scheme": "hybrid", "stages": {"fc1": 0, "relu1": 0, "out": 1, "loss": 1}})])
+def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, parallel):
+    """2 ranks of data parallelism (4 of hybrid: 2 replicas x 2 stages), 2
+    micro-batches of 8, 4 SGD steps: fc1 (640 x 1024) split into row
+    chunks (their products cut along the rows as the whole one's, or not
+    cut) trains bit for bit as with split_params: false (today's
     micro-batched results, and the old code's with either setting)."""
     from tests.conftest import run_mpi_cli
     from tests.test_micro_batches import _params
     runs = {}
     for split in (True, False):
-        cfg = mlp_config(batch=16, parallel={"bucket_mb": 1, "split_params": split,
-                                             "micro_batches": 2}, **WIDE)
+        cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "split_params": split,
+                                                  "micro_batches": 2}, **parallel), **WIDE)
         path = tmp_path / f"{split}.yaml"
         path.write_text(dump_config(cfg))
-        res = run_mpi_cli(2, "train", path, "--out", tmp_path / str(split), timeout=300)
+        res = run_mpi_cli(n, "train", path, "--out", tmp_path / str(split), timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         runs[split] = _params(tmp_path / str(split) / "latest.h5")
     from purine_mpi.tools.graph import compose_for
-    split = cfg = mlp_config(batch=16, parallel={"bucket_mb": 1, "micro_batches": 2}, **WIDE)
-    graph = compose_for(make_job(split), 2, 0)
+    cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "micro_batches": 2}, **parallel),
+                     **WIDE)
+    graph = compose_for(make_job(cfg), n, 0)
     assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{a + 160}]@mb{k}" in graph.ops
                for a in (0, 160, 320, 480) for k in (0, 1))
     assert runs[True] and sorted(runs[True]) == sorted(runs[False])

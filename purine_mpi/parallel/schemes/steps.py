@@ -51,6 +51,23 @@ def split_before_copies(graph, grads, job):
                               accept=lambda op, bounds: _rows_alike(graph, op, bounds))
 
 
+def split_stages_before_copies(graph, grads, job):
+    """``split_before_copies`` for scheme hybrid (stages without tensor
+    shards): each stage's gradients apart, at the cap of that stage's own
+    (``allreduce_stage`` buckets a stage's slice, and splits it at one
+    micro-batch, by the gradients in the slice); a parameter goes with its
+    layer's stage (``parallel.stages``)."""
+    from ..model_parallel import layer_of
+    stage_of = job.stage_map
+    groups = {}
+    for p, g in grads.items():
+        groups.setdefault(stage_of.get(layer_of(p, list(stage_of))), {})[p] = g
+    out = {}
+    for part in groups.values():
+        out.update(split_before_copies(graph, part, job))
+    return out
+
+
 def _rows_alike(graph, op, bounds):
     """Whether the host product of weight-gradient op ``op`` (dy^T @ x, one
     micro-batch's) and that of each row chunk ``bounds[i]..bounds[i+1]``
