@@ -114,11 +114,13 @@ def _mpi_train(tmp_path, name, n, cfg, old):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,scheme,parallel", [
     (2, "sharded", {"shard": 1}), (2, "sharded", {"shard": 2}), (2, "sharded", {"shard": 3}),
-    (2, "pipeline", {"stages": 2})])
+    (2, "pipeline", {"stages": 2}), (4, "sharded", {"shard": 2, "stages": 2}),
+    (4, "hybrid", {"stages": 2})])
 def test_ranks_train_bitwise_as_before(tmp_path, n, scheme, parallel):
-    """2 ranks, 3 micro-batches (copy 0 and one running sum in place; 1F1B),
-    6 AdamW steps: every weight and optimizer state blob of the checkpoint
-    equals the old code's (separate running sums), bit for bit."""
+    """2 ranks (4: 2 replicas x 2 stages), 3 micro-batches (copy 0 and one
+    running sum in place; 1F1B), 6 AdamW steps: every weight and optimizer
+    state blob of the checkpoint equals the old code's (separate running
+    sums), bit for bit."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     cfg = _job(scheme, "adamw", iters=6, micro_batches=3, **parallel)
