@@ -24,7 +24,6 @@ the emulated device has not (its cuBLAS fallback runs): the GPU's counts
 add the SDPA's own conversions, and its scratch slot is not the fallback's.
 """
 import argparse
-import collections
 import json
 import os
 import pathlib
@@ -38,56 +37,18 @@ ROOT = os.path.dirname(HERE)
 
 def launches(storage, blocks, iters, build_dir):
     """({kernel: launches} of the second step, losses, {param: weights})."""
-    import numpy as np
     from _pytest.monkeypatch import MonkeyPatch
 
-    from purine_mpi.base.backend import to_numpy
-    from purine_mpi.gpu import kernels
-    from purine_mpi.layers.fillers import fill
-    from purine_mpi.parallel.placement import prepare_for_device
-    from purine_mpi.runtime.factory import make_dispatcher
-    from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
-    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.helpers import bf16_gpt_steps
     from tests.test_precision import SOLVER
     mp = MonkeyPatch()
     mp.setenv("PURINE_BF16_STORAGE", storage)
     use_emulated_cupy(mp, build_dir)
-    counts = collections.Counter()
-    real = kernels.base._launch_blocks
-
-    def spy(source, func, *args):
-        counts[func] += 1
-        return real(source, func, *args)
-
-    mp.setattr(kernels.base, "_launch_blocks", spy)
-    real_elementwise = kernels.base._launch
-
-    def spy_elementwise(source, func, dtype, total, args):
-        counts[func] += 1
-        return real_elementwise(source, func, dtype, total, args)
-
-    mp.setattr(kernels.base, "_launch", spy_elementwise)
-    toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
-    net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
-    g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=iters), 2, 8)
-    prepare_for_device(g, 0, precision="bf16")
-    d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=False)
-    steps = []
     try:
-        for p in g.params():
-            d.workspace.set(p.name, fill(p, 1))
-        losses = []
-        for it in range(iters):
-            d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
-            d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
-            d.workspace["iter"][...] = it
-            before = collections.Counter(counts)
-            d.run(it)
-            steps.append(counts - before)
-            losses.append(float(d.workspace["loss"]))
-        weights = {p.name: np.array(to_numpy(d.workspace[p.name])) for p in g.params()}
+        losses, weights, steps = bf16_gpt_steps(mp, SOLVER, iters, blocks, cuda_graph=False,
+                                                elementwise=True)
     finally:
-        d.close()
         mp.undo()
     return dict(steps[1 if iters > 1 else 0]), losses, weights
 

@@ -27,7 +27,6 @@ by its producer, and the products take it as it is.
   bits storage, with fewer conversion and rounding launches a step; so
   does the trainer with micro-batches, checkpoints and a resume.
 """
-import collections
 
 import numpy as np
 import pytest
@@ -546,13 +545,8 @@ def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
     steps of the bf16 GPT on the emulated device, CUDA graphs on, with
     PURINE_BF16_STORAGE=``storage``; with ``sdpa`` the attention through
     the emulated cuDNN frontend's SDPA (tests/test_sdpa.py)."""
-    from purine_mpi.base.backend import to_numpy
-    from purine_mpi.gpu import kernels
-    from purine_mpi.layers.fillers import fill
-    from purine_mpi.parallel.placement import prepare_for_device
-    from purine_mpi.runtime.factory import make_dispatcher
-    from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
-    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.helpers import bf16_gpt_steps
     from tests.test_precision import SOLVER
     with monkeypatch.context() as m:
         m.setenv("PURINE_BF16_STORAGE", storage)
@@ -561,36 +555,7 @@ def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
         if sdpa:
             from tests.test_sdpa import emulate_cudnn
             fake = emulate_cudnn(m)
-        counts = collections.Counter()
-        real = kernels.base._launch_blocks
-
-        def spy(source, func, *args):
-            counts[func] += 1
-            return real(source, func, *args)
-
-        m.setattr(kernels.base, "_launch_blocks", spy)
-        toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
-        net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8,
-                      approximate="tanh")
-        g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=iters), 2, 8)
-        prepare_for_device(g, 0, precision="bf16")
-        d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=True)
-        steps = []
-        try:
-            for p in g.params():
-                d.workspace.set(p.name, fill(p, 1))
-            losses = []
-            for it in range(iters):
-                d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
-                d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
-                d.workspace["iter"][...] = it
-                before = collections.Counter(counts)
-                d.run(it)
-                steps.append(counts - before)
-                losses.append(float(d.workspace["loss"]))
-            weights = {p.name: np.array(to_numpy(d.workspace[p.name])) for p in g.params()}
-        finally:
-            d.close()
+        losses, weights, steps = bf16_gpt_steps(m, SOLVER, iters, blocks, cuda_graph=True)
         assert not sdpa or len(fake.executed) == iters * blocks * 2   # SDPA ran
         return losses, weights, steps
 

@@ -32,6 +32,10 @@ parallel: {scheme: SCHEME}
 """
 
 
+#: the keys of a ``not_tried`` entry of ``plan --choose --json``
+NOT_TRIED_KEYS = {"label", "set", "micro_batches", "variant_of", "reason", "why"}
+
+
 def _job(tmp_path, scheme="data"):
     path = tmp_path / f"{scheme}.yaml"
     path.write_text(NET.replace("SCHEME", scheme))
@@ -117,9 +121,11 @@ def test_choose_json_keys_are_those_formats_md_lists(calibrated):
                    if p.startswith("`plan JOB.yaml --np N --choose --json`")]
     documented = set(re.findall(r'"(\w+)"', para))
     _, _, free, _ = calibrated
-    written = set(free).union(*map(set, free["candidates"]))
+    written = set(free).union(*map(set, free["candidates"] + free["not_tried"]))
     assert written <= documented, written - documented
-    assert documented - {"host", "error"} <= written, documented - written
+    # a not_tried entry's keys: test_choose_json_says_which_counts_were_not_tried
+    assert documented - {"host", "error"} - NOT_TRIED_KEYS <= written, documented - written
+    assert NOT_TRIED_KEYS <= documented
 
 
 def test_choose_predicts_the_same_figures_on_every_run(tmp_path, calibrated):
@@ -809,8 +815,14 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
         "data, recompute none, 2 micro-batches", "data, recompute full, 2 micro-batches",
         "data, recompute none", "data, recompute full"], table
     assert " yes " in table[0] and "NO: host over" in table[2]
-    assert any(line.startswith("(6 setting(s) at other micro-batch counts not tried")
-               for line in lines)
+    assert any(line.startswith("(6 setting(s) at other micro-batch counts not tried: 6 as a "
+                               "smaller count fits") for line in lines), lines
+    # which counts were not tried, and why: above the 2 that fits, in each mode
+    assert none_fits["not_tried"] == []
+    assert sorted((r["variant_of"], r["micro_batches"], r["reason"])
+                  for r in tight["not_tried"]) == [
+        (f"data, recompute {mode}", m, "smaller_fits") for mode in ("full", "none")
+        for m in (4, 8, 16)]
     assert lines[-2] == ("best: --set parallel.scheme=data --set recompute=none "
                          "--set parallel.micro_batches=2")
     # the net has no Sum to price the micro-batches' gradient sums from:
@@ -920,6 +932,69 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
     assert tried == [8, 16]
     assert [c.label for c in shown(rank([plain] + done))] == [
         "data, recompute none", "data, recompute none, 16 micro-batches"]
+
+
+def test_choose_json_says_which_counts_were_not_tried(tmp_path):
+    """Each micro-batch count ``variants_to_try`` leaves out gets the reason
+    of the stop (``NOT_TRIED``), for each rule: above the job's count after
+    one that fits, after one not possible and after one holding no less
+    than the count before it; below it after one that does not fit.
+    ``--json``'s ``not_tried`` lists them (label, --set options, count, the
+    setting they are counts of, reason and words) and the table's footer
+    counts them by reason in one line. Before: no reason was kept
+    (ImportError: NOT_TRIED), ``--json`` had no ``not_tried`` and the
+    footer gave one sentence for every count."""
+    from purine_mpi.tools.choose import NOT_TRIED, Candidate, Choice, choice_json, \
+        format_choice, micro_batched, variants_to_try
+
+    def run(need_of, own=4, limit=100, refused=()):
+        plain = Candidate(("parallel.scheme=data", "recompute=none"), "data, recompute none")
+        variants = micro_batched(plain, [m for m in (1, 2, 4, 8, 16) if m != own])
+
+        def evaluate(c):
+            m = c.micro or own
+            if m in refused:
+                c.error = "refused"
+                return
+            c.need, c.limits, c.iter_s, c.samples = {"host": need_of[m]}, \
+                {"host": (limit, "--host-memory")}, float(m), 16
+        evaluate(plain)
+        done = variants_to_try(plain, variants, own, evaluate)
+        left = {c.micro: c.not_tried for c in variants if c not in done}
+        assert all(c.not_tried is None for c in done)
+        return plain, done, left, variants
+    # 8 fits: 16 is not tried (no faster); 4 does not fit: 2 and 1 not tried
+    _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})
+    assert left == {16: "smaller_fits", 2: "larger_does_not_fit", 1: "larger_does_not_fit"}
+    # 8 holds more than 4: 16 is not tried
+    _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})
+    assert left == {16: "holds_more", 2: "larger_does_not_fit", 1: "larger_does_not_fit"}
+    # 8 is not possible: 16 is not tried
+    _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120}, refused=(8,))
+    assert left == {16: "not_possible", 2: "larger_does_not_fit", 1: "larger_does_not_fit"}
+    # 4 fits, 2 is not possible: 1 is not tried (nor 8 and 16: no faster)
+    _, _, left, _ = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20}, refused=(2,))
+    assert left == {1: "not_possible", 8: "smaller_fits", 16: "smaller_fits"}
+    # from 1 micro-batch, nothing fits and each count holds less: every count tried
+    _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120}, own=1)
+    assert left == {}
+    plain, done, left, variants = run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})
+    skipped = [c for c in variants if c not in done]
+    choice = Choice(2, [plain] + done, ("images", 1), "", 0.0, untried=len(skipped),
+                    not_tried=skipped)
+    out = choice_json(choice)
+    assert [(r["micro_batches"], r["reason"]) for r in out["not_tried"]] == [
+        (1, "larger_does_not_fit"), (2, "larger_does_not_fit"), (16, "smaller_fits")]
+    for r in out["not_tried"]:
+        assert set(r) == NOT_TRIED_KEYS
+        assert r["variant_of"] == "data, recompute none" and r["why"] == NOT_TRIED[r["reason"]]
+        assert r["set"][-1] == f"parallel.micro_batches={r['micro_batches']}"
+        assert r["label"].startswith("data, recompute none, ")
+    footer = [line for line in format_choice(choice).splitlines() if "not tried" in line]
+    assert footer == [
+        "(3 setting(s) at other micro-batch counts not tried: 1 as a smaller count fits "
+        f"({NOT_TRIED['smaller_fits'].split(' (')[1]}; 2 as a larger count does not fit "
+        "(a smaller one holds more); --json: not_tried)"], footer
 
 
 def test_choose_refuses_a_graph_config(tmp_path):

@@ -70,7 +70,8 @@ def test_stage2_bucket_dies_at_its_reduce_scatter():
     """Each stage-2 gradient bucket is a transient root of the plan whose
     last reader is its ReduceScatter (its lifetime ends there), the plan is
     sound (no two unordered roots share bytes), and the micro-batches'
-    sums write into the bucket before it."""
+    sums write into the bucket before it (adding in place: copy 0's
+    gradients and the running sums are views of it, read by the sums)."""
     for extra in ({}, {"micro_batches": 2}):
         g = compose_for(make_job(_job("sharded", "adamw", shard=2, **extra)), 3, 1)
         plan = plan_memory(g, order_ops=True)
@@ -83,7 +84,8 @@ def test_stage2_bucket_dies_at_its_reduce_scatter():
             assert bucket in plan.offsets, bucket
             readers = {c.name for b in g.blobs if g.storage_root(b) == bucket
                        for c in cons.get(b, ())}
-            assert readers == {op}, (bucket, readers)
+            sums = {n for n in readers if ".micro_sum" in n} if extra else set()
+            assert readers - sums == {op}, (bucket, readers)
             assert plan.order[plan.lifetimes[bucket][1]] == op
         if extra:
             sums = [op for op in g.ops.values() if op.name.endswith(".micro_sum")]

@@ -27,7 +27,10 @@ def test_stage3_micro_batches_gather_once_and_hold_the_weights():
     full buffer and iteration; the gathered
     weights stay live across the micro-batches, so the working set is the
     whole weights (4 bytes a weight, the cost of gathering once) against a
-    prefetch window's without micro-batches; the held model state is the
+    prefetch window's without micro-batches, and the whole gradient buckets
+    (4 bytes a weight: the micro-batches' gradients are summed into them in
+    place from micro-batch 0's backward to their reduce-scatters, where a
+    separate running sum held them before); the held model state is the
     same."""
     def composed(micro):
         g = compose_for(make_job(_job("sharded", "adamw", shard=3, micro_batches=micro)), 2, 0)
@@ -40,7 +43,7 @@ def test_stage3_micro_batches_gather_once_and_hold_the_weights():
         g, got = composed(micro)
         gathers = sorted(op.outputs[0] for op in g.ops.values() if op.op_type == "Allgather")
         assert gathers == sorted(_gathered(g)), micro  # one gather per buffer
-        assert got["held"] == held["held"] and got["working"] == whole, (micro, got)
+        assert got["held"] == held["held"] and got["working"] == 2 * whole, (micro, got)
         g.topo_order()
 
 

@@ -110,3 +110,124 @@ def test_graph_command_prints_the_chunks(tmp_path, capsys):
                                                               "split_params": False}, **WIDE)))
     assert main(["graph", str(path), "--np", "2"]) in (0, None)
     assert "fc1/weight[" not in capsys.readouterr().out
+
+
+def _wide_plan(m, **sets):
+    """benchmarks/cifar10_quick_wide.yaml on 2 ranks (rank 0's plan and
+    graph): its ip1 weight, 1024 x 1024 floats, is split into 4 row chunks
+    at one micro-batch."""
+    import os
+
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.plan import _offline_graphs, offline_footprint
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = load_job(os.path.join(root, "benchmarks", "cifar10_quick_wide.yaml"),
+                   [f"parallel.micro_batches={m}", "data.train.num_samples=200"] +
+                   [f"{k}={v}" for k, v in sets.items()], None, check_files=False)
+    return offline_footprint(job, 2, 0), _offline_graphs(job, 2, 0).graph
+
+
+def test_micro_batches_keep_the_row_chunks():
+    """With micro-batches each copy's weight-gradient op writes ip1's row
+    chunks, each chunk is summed over the copies, allreduced in the buckets of one
+    micro-batch and updated alone: the update's temporaries are a chunk's,
+    as at one micro-batch (1 MiB), not the whole gradient's. Before: the
+    split was lost under micro-batches (ip1's gradient is written by its
+    last running sum, not by the gradient op the split looks for) and the
+    first assertion failed (4194304 == 1048576); split_params: false keeps
+    it whole."""
+    one, graph = _wide_plan(1)
+
+    def allreduced(graph):
+        return [op.inputs for op in graph.ops.values() if op.op_type == "Allreduce"]
+    buckets = allreduced(graph)
+    for m in (2, 4):
+        fp, graph = _wide_plan(m)
+        assert fp.host["kernel_temporaries"] == one.host["kernel_temporaries"] == 2 ** 20, \
+            (m, fp.host, one.host)
+        bounds = [(0, 256), (256, 512), (512, 768), (768, 1024)]
+        for k in range(m):
+            assert all(f"ip1.bwd.inner_product_grad_weight[{a}:{b}]@mb{k}" in graph.ops
+                       for a, b in bounds)
+        # the buckets of one micro-batch: a chunk's allreduce starts with its rows
+        assert allreduced(graph) == buckets, (m, allreduced(graph))
+        assert ["ip1/weight.grad[0:256]"] in buckets
+        for a, b in bounds:
+            assert f"ip1/weight.update[{a}:{b}]" in graph.ops
+        whole, graph = _wide_plan(m, **{"parallel.split_params": "false"})
+        assert "ip1/weight.update" in graph.ops
+        assert whole.host["kernel_temporaries"] == 4 * 2 ** 20
+
+
+def test_hybrid_micro_batches_keep_each_stages_row_chunks():
+    """Scheme hybrid (2 replicas x 2 stages): stage 1's ip1 keeps its row
+    chunks under micro-batches too, at its stage's cap (the buckets of one
+    micro-batch), and its update's temporaries are a chunk's. Before: 4 MiB
+    (the first assertion failed: 4194304 == 1048576)."""
+    import os
+
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.plan import _offline_graphs, offline_footprint
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def plan(m):
+        job = load_job(os.path.join(root, "benchmarks", "cifar10_quick_wide.yaml"),
+                       ["parallel.scheme=hybrid", "parallel.stages=2",
+                        f"parallel.micro_batches={m}", "data.train.num_samples=200"], None,
+                       check_files=False)
+        graph = _offline_graphs(job, 4, 1).graph
+        return offline_footprint(job, 4, 1), [op.inputs for op in graph.ops.values()
+                                              if op.op_type == "Allreduce"]
+    one, buckets = plan(1)
+    assert ["ip1/weight.grad[0:256]"] in buckets
+    for m in (2, 4):
+        fp, got = plan(m)
+        assert fp.host["kernel_temporaries"] == one.host["kernel_temporaries"] == 2 ** 20, \
+            (m, fp.host)
+        assert got == buckets, (m, got)
+
+
+def test_row_chunks_only_where_the_host_product_is_cut_by_rows():
+    """steps._rows_alike: a chunk whose product hostgemm would cut along
+    its inner size (fewer than 96 rows, 2**22 multiply-adds or more)
+    leaves the weight whole under micro-batches."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.parallel.schemes.steps import _rows_alike
+    g = Graph()
+    g.add_blob("x", (64, 1024), "float32")
+    op = Op("gw", "InnerProductGradWeight", ["dy", "x"], ["dw"], {"axis": 1})
+    assert _rows_alike(g, op, [0, 256, 512, 768, 1024])
+    # a 64-row chunk: 64 x 1024 x 64 = 2**22 multiply-adds, under 96 rows: cut
+    # along its columns, not its rows (the whole product's 128 rows are)
+    assert not _rows_alike(g, op, [0, 64, 128])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,parallel", [
+    (2, {}), (4, {"scheme": "hybrid", "stages": {"fc1": 0, "relu1": 0, "out": 1, "loss": 1}})])
+def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, parallel):
+    """2 ranks of data parallelism (4 of hybrid: 2 replicas x 2 stages), 2
+    micro-batches of 8, 4 SGD steps: fc1 (640 x 1024) split into row
+    chunks (their products cut along the rows as the whole one's, or not
+    cut) trains bit for bit as with split_params: false (today's
+    micro-batched results, and the old code's with either setting)."""
+    from tests.conftest import run_mpi_cli
+    from tests.test_micro_batches import _params
+    runs = {}
+    for split in (True, False):
+        cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "split_params": split,
+                                                  "micro_batches": 2}, **parallel), **WIDE)
+        path = tmp_path / f"{split}.yaml"
+        path.write_text(dump_config(cfg))
+        res = run_mpi_cli(n, "train", path, "--out", tmp_path / str(split), timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        runs[split] = _params(tmp_path / str(split) / "latest.h5")
+    from purine_mpi.tools.graph import compose_for
+    cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "micro_batches": 2}, **parallel),
+                     **WIDE)
+    graph = compose_for(make_job(cfg), n, 0)
+    assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{a + 160}]@mb{k}" in graph.ops
+               for a in (0, 160, 320, 480) for k in (0, 1))
+    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
+    for k in runs[False]:
+        assert np.array_equal(runs[True][k], runs[False][k]), k

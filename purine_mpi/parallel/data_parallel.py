@@ -137,7 +137,7 @@ def bucket_cap(graph, grads, bucket_mb=4, min_buckets=4):
 SPLIT_MIN_BYTES = MB
 
 
-def split_large_params(graph, grads, cap, min_bytes=SPLIT_MIN_BYTES):
+def split_large_params(graph, grads, cap, min_bytes=SPLIT_MIN_BYTES, accept=None):
     """Split each large fully connected weight into row chunks of about
     ``cap`` bytes, so its gradient can be reduced, and its update run, chunk
     by chunk: the first chunk's allreduce starts when its rows of the
@@ -157,16 +157,17 @@ def split_large_params(graph, grads, cap, min_bytes=SPLIT_MIN_BYTES):
     - ``<update>[a:b]``: the update op on those views, same attrs.
 
     The chunk ops take the place of the ops they replace in emission order.
+    ``accept(gradient op, row bounds)``: False leaves that weight whole.
     Returns the new ``{param: grad}`` map (a chunk's key is ``p[a:b]``)."""
     producers, consumers = graph.producers(), graph.consumers()
     out = {}
     for p, g in grads.items():
-        chunks = _split_rows(graph, p, g, cap, min_bytes, producers, consumers)
+        chunks = _split_rows(graph, p, g, cap, min_bytes, producers, consumers, accept)
         out.update(chunks if chunks else {p: g})
     return out
 
 
-def _split_rows(graph, p, g, cap, floor, producers, consumers):
+def _split_rows(graph, p, g, cap, floor, producers, consumers, accept=None):
     gb, pb = graph.blobs[g], graph.blobs.get(p)
     if gb.shape is None or gb.nbytes <= max(2 * cap, floor) or pb is None or \
             pb.shape is None or pb.alias_of is not None or gb.alias_of is not None or \
@@ -190,6 +191,8 @@ def _split_rows(graph, p, g, cap, floor, producers, consumers):
     rows, cols = pb.shape
     k = min(rows, -(-gb.nbytes // int(cap)))
     bounds = [rows * i // k for i in range(k + 1)]
+    if accept is not None and not accept(gop, bounds):
+        return None
 
     def view(src, name, alias_of, a, b):
         sb = graph.blobs[src]

@@ -28,7 +28,7 @@ the gradient and the gradients of one copy, not M (the running sums
 belong to copy k's backward in the schedule): copy 0's gradient and the
 running sums are views of the gradient the update reads, so copy 0
 writes it as without micro-batches and each ``Sum`` adds in place
-(``_sum_in_place``; schemes data and none). The
+(``_sum_in_place``; schemes data, none, sharded, pipeline and hybrid). The
 update's ``grad_scale`` is divided by M once: every copy's loss is its
 micro-batch mean, so the update sees the mean over the whole batch (a
 loss with an ``ignore_label`` divides its micro-batch's sum by the global
@@ -85,11 +85,13 @@ def replicate_micro_batches(graph, grads, micro_batches, in_place=False):
     returns {op name of copy: (k, original op name)}, the running sums of
     the gradients among them as (k, None): they belong to copy k's backward
     (``add_schedule``). ``in_place``: copy 0's gradients and the running
-    sums are views of the gradients the update reads (``_sum_in_place``),
-    for a scheme whose gradients are written once an iteration and held to
-    its update anyway (scheme data's buckets, a replica's own gradients;
-    not ZeRO's transient buckets, whose writers the prefetch bound orders,
-    nor a pipeline stage's)."""
+    sums are views of the gradients the update reads (``_sum_in_place``):
+    scheme data's and hybrid's buckets, a replica's or a pipeline stage's
+    own gradients, ZeRO's buckets (stage 2's and 3's transient ones too:
+    the reduce-scatter of bucket k, which a later bucket's writers wait for
+    (sharding.bound_live_buckets), already waits for every copy's backward
+    before the last, so copy 0's writers and the running sums get no edge,
+    as before; the last ``Sum`` writes the bucket as it did)."""
     m = int(micro_batches)
     names = per_sample_ops(graph, grads)
     ops = [graph.ops[n] for n in names]

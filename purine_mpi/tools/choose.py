@@ -297,6 +297,7 @@ class Candidate:
     after: object = None       # a Candidate whose refusal makes this one go unlisted
     variant_of: object = None  # the plain setting this one is at other micro-batches of
     micro: int = None          # its micro-batch count (a variant's)
+    not_tried: str = None      # a variant left out by ``variants_to_try``: a NOT_TRIED key
 
     @property
     def listed(self):
@@ -490,6 +491,16 @@ def micro_batched(plain, counts):
                       after=plain, variant_of=plain, micro=m) for m in counts]
 
 
+#: why ``variants_to_try`` left a micro-batch count out: (key, words)
+NOT_TRIED = {
+    "smaller_fits": "a smaller count fits (by the model's op costs a larger one is no faster)",
+    "holds_more": "the count before held no less than the one before it (where the weights' "
+                  "gradients dominate, a larger count holds more)",
+    "larger_does_not_fit": "a larger count does not fit (a smaller one holds more)",
+    "not_possible": "the count tried before it is not possible",
+}
+
+
 def variants_to_try(plain, variants, own, evaluate):
     """Evaluate (``evaluate(candidate)``) the micro-batch variants of the
     evaluated setting ``plain`` (at the job's own count ``own``) that may
@@ -506,20 +517,30 @@ def variants_to_try(plain, variants, own, evaluate):
     before (where the weights' gradients dominate, a
     larger count holds more: it stops there); the counts below ``own``,
     descending, only while the last one tried fits (a smaller count is
-    faster)."""
+    faster). Each variant left out gets ``not_tried``: the ``NOT_TRIED``
+    key of the stop (``plan --choose --json``'s ``not_tried``)."""
     done = []
     up = sorted((v for v in variants if v.micro > own), key=lambda v: v.micro)
     prev, before = plain, None
-    for v in up:
-        if prev.error is not None or prev.fits or \
-                (before is not None and _overshoot(prev) >= _overshoot(before)):
+    for i, v in enumerate(up):
+        why = "not_possible" if prev.error is not None else "smaller_fits" if prev.fits else \
+            "holds_more" if before is not None and _overshoot(prev) >= _overshoot(before) \
+            else None
+        if why is not None:
+            for rest in up[i:]:
+                rest.not_tried = why
             break
         evaluate(v)
         done.append(v)
         prev, before = v, prev
     prev = plain
-    for v in sorted((v for v in variants if v.micro < own), key=lambda v: -v.micro):
-        if prev.error is not None or not prev.fits:
+    down = sorted((v for v in variants if v.micro < own), key=lambda v: -v.micro)
+    for i, v in enumerate(down):
+        why = "not_possible" if prev.error is not None else \
+            "larger_does_not_fit" if not prev.fits else None
+        if why is not None:
+            for rest in down[i:]:
+                rest.not_tried = why
             break
         evaluate(v)
         done.append(v)
@@ -784,6 +805,7 @@ class Choice:
     calibration: str
     seconds: float
     untried: int = 0  # micro-batch variants not evaluated (``variants_to_try``)
+    not_tried: list = dataclasses.field(default_factory=list)  # those variants, in order
 
     @property
     def best(self):
@@ -844,8 +866,9 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
                     lambda v: evaluate(v, path, overrides, n, limits, predictor)))
     listed = [c for c in cands if c.listed]
     kept = [c for c in listed if id(c) in tried]
+    left = [c for c in listed if id(c) not in tried]
     return Choice(n, rank(kept), samples_unit(job), calibration or "",
-                  time.perf_counter() - t0, untried=len(listed) - len(kept))
+                  time.perf_counter() - t0, untried=len(left), not_tried=left)
 
 
 def shown(ranked):
@@ -917,8 +940,7 @@ def format_choice(choice):
                      "--json lists every one)")
     if choice.untried:
         lines.append(f"({choice.untried} setting(s) at other micro-batch counts not tried: "
-                     "by the model's op costs no faster than one that fits, or holding more "
-                     "than the count before)")
+                     f"{not_tried_words(choice.not_tried)}; --json: not_tried)")
     b = choice.best
     if b is None:
         lines.append("no setting fits: give the ranks more memory, or more ranks")
@@ -931,11 +953,26 @@ def format_choice(choice):
     return "\n".join(lines)
 
 
+def not_tried_words(left):
+    """How many of the variants ``left`` out were left out for each reason
+    (``NOT_TRIED``'s order), in words."""
+    counts = {}
+    for c in left:
+        counts[c.not_tried] = counts.get(c.not_tried, 0) + 1
+    return "; ".join(f"{counts[k]} as {NOT_TRIED.get(k, k)}" for k in
+                     list(NOT_TRIED) + sorted(set(counts) - set(NOT_TRIED), key=str)
+                     if k in counts)
+
+
 def choice_json(choice):
     """``plan --choose --json``: {"np", "unit", "calibration", "candidates":
     [{"label", "set", "error" | "need_bytes", "limit_bytes", "fits", "iter_s",
-    "samples_per_s", "untraced_ops"}], "best": the best's --set options or null}
-    (``untraced_ops``: the setting's ops not in the calibration's trace)."""
+    "samples_per_s", "untraced_ops"}], "not_tried": [{"label", "set",
+    "micro_batches", "variant_of", "reason", "why"}], "best": the best's --set
+    options or null} (``untraced_ops``: the setting's ops not in the
+    calibration's trace; ``not_tried``: the micro-batch counts
+    ``variants_to_try`` left out, ``reason`` a ``NOT_TRIED`` key, ``why``
+    its words, ``variant_of`` the label of the setting they are counts of)."""
     unit, per = choice.unit
     rows = []
     for c in choice.ranked:
@@ -949,8 +986,13 @@ def choice_json(choice):
                        samples_per_s=c.samples * per / c.iter_s if c.iter_s else None,
                        untraced_ops=c.untraced)
         rows.append(row)
+    left = [{"label": c.label, "set": list(c.sets), "micro_batches": c.micro,
+             "variant_of": c.variant_of.label if c.variant_of is not None else None,
+             "reason": c.not_tried, "why": NOT_TRIED.get(c.not_tried, c.not_tried)}
+            for c in choice.not_tried]
     return {"np": choice.n, "unit": unit, "calibration": choice.calibration,
-            "candidates": rows, "best": list(choice.best.sets) if choice.best else None}
+            "candidates": rows, "not_tried": left,
+            "best": list(choice.best.sets) if choice.best else None}
 
 
 def best_yaml(choice):

@@ -219,3 +219,58 @@ def net_config(net, batch):
     return load_config(f"{repo}/jobs/{net}.yaml", overrides=[
         f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}"],
         check_files=False)
+
+
+def bf16_gpt_steps(mp, solver, iters, blocks, cuda_graph, elementwise=False):
+    """``iters`` training steps of the test GPT (tests/gpt_oracle.gpt_net:
+    vocabulary 16, width 16, 2 heads, ``blocks`` blocks, 8 tokens, batch 2,
+    tanh GELU) in bf16 on the emulated device (``mp``: a MonkeyPatch on
+    which the caller made the device, ``use_emulated_cupy``, and set its
+    environment), the weights filled with seed 1, token batches from seed 3,
+    CUDA graphs on with ``cuda_graph``. Counts the kernel launches of each
+    step (block kernels; with ``elementwise`` the elementwise ones too).
+    Returns (losses, {param: weights}, [{kernel: launches} of each step]).
+    tests/test_bf16_storage.py and benchmarks/bf16_storage.py run it."""
+    import collections
+
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.gpu import kernels
+    from tests.gpt_oracle import gpt_graph, gpt_net
+    counts = collections.Counter()
+    real = kernels.base._launch_blocks
+
+    def spy(source, func, *args):
+        counts[func] += 1
+        return real(source, func, *args)
+
+    mp.setattr(kernels.base, "_launch_blocks", spy)
+    if elementwise:
+        real_elementwise = kernels.base._launch
+
+        def spy_elementwise(source, func, dtype, total, args):
+            counts[func] += 1
+            return real_elementwise(source, func, dtype, total, args)
+
+        mp.setattr(kernels.base, "_launch", spy_elementwise)
+    toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
+    g, _, _ = gpt_graph(net, dict(solver, max_iter=iters), 2, 8)
+    prepare_for_device(g, 0, precision="bf16")
+    d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=cuda_graph)
+    steps = []
+    try:
+        for p in g.params():
+            d.workspace.set(p.name, fill(p, 1))
+        losses = []
+        for it in range(iters):
+            d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
+            d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
+            d.workspace["iter"][...] = it
+            before = collections.Counter(counts)
+            d.run(it)
+            steps.append(counts - before)
+            losses.append(float(d.workspace["loss"]))
+        weights = {p.name: np.array(to_numpy(d.workspace[p.name])) for p in g.params()}
+    finally:
+        d.close()
+    return losses, weights, steps

@@ -20,7 +20,9 @@ class DataParallel(Scheme):
         """Gradient buckets + allreduce (one rank: the replica as built, its
         micro-batches accumulated); then fp16's loss scaling (every rank skips
         the same steps) and ``solver.clip_gradients``."""
-        from .steps import accumulate, clipped, loss_scaled
+        from .steps import accumulate, clipped, loss_scaled, split_before_copies
+        if world.size > 1:  # a large weight's row chunks, each copy's too
+            grads = split_before_copies(graph, grads, job)
         # the gradients persist (buckets, or the replica's own): the running
         # sums may add into them (micro_batch.replicate_micro_batches)
         accumulate(graph, grads, job, in_place=True)

@@ -71,10 +71,14 @@ class Pipeline(Scheme):
         from .steps import accumulate, clipped, compose_stages, micro_copies
         lay = self.layout(job, world)
         if not lay.staged:
-            accumulate(graph, grads, job)
+            accumulate(graph, grads, job, in_place=True)
             return clipped(Composition(graph.validate(), lay), job, world)
         pairs = self._split(graph, job, world, lay)
-        comp = compose_stages(graph, job, world, micro_copies(graph, grads, job))
+        if self.allreduces and lay.replicas > 1 and lay.tensor == 1:
+            # hybrid: a stage's large weight in row chunks, each copy's too
+            from .steps import split_stages_before_copies
+            grads = split_stages_before_copies(graph, grads, job)
+        comp = compose_stages(graph, job, world, micro_copies(graph, grads, job, in_place=True))
         self._tensor_done(comp, pairs, lay, job)
         return clipped(self.reduce_stages(comp, grads, job, world), job, world)
 

@@ -167,7 +167,7 @@ class Sharded(Hybrid):
         forward = None
         if lay.staged:  # with tensor shards: the replica's graph split first, as pipeline's
             pairs = self._split(graph, job, world, lay)
-            copies = micro_copies(graph, grads, job)
+            copies = micro_copies(graph, grads, job, in_place=True)
             if par.shard >= 3:  # told apart on the whole net: stage 0's slice has no loss
                 from ..sharding import forward_ops
                 forward = forward_ops(graph)
@@ -175,7 +175,7 @@ class Sharded(Hybrid):
             self._tensor_done(comp, pairs, lay, job)
             graph = comp.graph
         else:
-            accumulate(graph, grads, job)
+            accumulate(graph, grads, job, in_place=True)
             if world.size == 1:
                 return clipped(Composition(graph.validate(), lay), job, world)
             comp = Composition(graph, lay)

@@ -2,6 +2,8 @@
 copies and their accumulation, a staged scheme's slice of the graph, the
 hybrid's allreduce of each stage, fp16's loss scaling and gradient clipping
 on the reduced gradients. Each returns or completes a ``Composition`` (base.py)."""
+import numpy as np
+
 from ...base.errors import UserError
 from ..micro_batch import add_schedule, replicate_micro_batches
 from .base import Composition, scheme_of
@@ -18,6 +20,66 @@ def micro_copies(graph, grads, job, in_place=False):
     micro = job.parallel.micro_batches
     return replicate_micro_batches(graph, grads, micro, in_place=in_place) \
         if micro > 1 else None
+
+
+def split_before_copies(graph, grads, job):
+    """With micro-batches and ``parallel.split_params``: each large fully
+    connected weight split into row chunks (data_parallel.split_large_params,
+    the chunks one batch gets from compose_data_parallel: the same cap,
+    from the same gradients) before the micro-batch copies are made, so
+    each copy's gradient op writes row chunks and each chunk is summed over
+    the copies, reduced and updated on its own. Split after the copies, the
+    gradient is written by its last running sum, not by the weight-gradient
+    op the split needs: the whole gradient went to one bucket, its
+    allreduce could not start chunk by chunk and its update made a
+    whole-gradient temporary. The sums add the same elements in the same
+    order, so the results are those of the whole gradient where each
+    chunk's product gives the whole product's rows bit for bit: on the
+    host, where ops/hostgemm.py cuts the whole product and each chunk's
+    along their rows or not at all (``_rows_alike``; a cut along the inner
+    size would add other partial sums); a weight where it would not stays
+    whole, and so does every weight on a GPU (cuBLAS picks its algorithm
+    by the shapes: not checked). Returns the ``{param: grad}`` map (a
+    chunk's key is ``p[a:b]``)."""
+    par = job.parallel
+    from ..placement import asks_for_gpu
+    if par.micro_batches == 1 or not par.split_params or asks_for_gpu(job):
+        return grads
+    from ..data_parallel import bucket_cap, split_large_params
+    cap = bucket_cap(graph, grads, par.bucket_mb, par.min_buckets)
+    return split_large_params(graph, grads, cap,
+                              accept=lambda op, bounds: _rows_alike(graph, op, bounds))
+
+
+def split_stages_before_copies(graph, grads, job):
+    """``split_before_copies`` for scheme hybrid (stages without tensor
+    shards): each stage's gradients apart, at the cap of that stage's own
+    (``allreduce_stage`` buckets a stage's slice, and splits it at one
+    micro-batch, by the gradients in the slice); a parameter goes with its
+    layer's stage (``parallel.stages``)."""
+    from ..model_parallel import layer_of
+    stage_of = job.stage_map
+    groups = {}
+    for p, g in grads.items():
+        groups.setdefault(stage_of.get(layer_of(p, list(stage_of))), {})[p] = g
+    out = {}
+    for part in groups.values():
+        out.update(split_before_copies(graph, part, job))
+    return out
+
+
+def _rows_alike(graph, op, bounds):
+    """Whether the host product of weight-gradient op ``op`` (dy^T @ x, one
+    micro-batch's) and that of each row chunk ``bounds[i]..bounds[i+1]``
+    are cut by ops/hostgemm.plan along their rows or not at all: each
+    row's dot products are then one BLAS call's over the same inner size."""
+    from ...ops.hostgemm import plan
+    shape = graph.blobs[op.inputs[1]].shape
+    axis = int(op.attrs.get("axis", 1))
+    inner = int(np.prod(shape[:axis], dtype=np.int64))   # the micro-batch's rows
+    cols = int(np.prod(shape[axis:], dtype=np.int64))
+    return all(plan(b - a, cols, inner)[0] == 0
+               for a, b in [(bounds[0], bounds[-1])] + list(zip(bounds, bounds[1:])))
 
 
 def accumulate(graph, grads, job, in_place=False):
