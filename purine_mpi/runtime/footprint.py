@@ -60,7 +60,9 @@ host ops of the training graph and the test graph, ``host_kernel_bytes``):
   columns, GEMM outputs), from each op's ``OpKernel.host_scratch``, the
   Holds its ``run`` takes: per dispatcher lane (one worker thread per
   ``thread`` value of the ops) each distinct buffer once and each growing
-  flat buffer at its largest (``im2col.held_by``), the lanes added; the
+  flat buffer at its largest (``im2col.held_by``), the lanes added, and
+  the process's shared read-only arrays once (``im2col.shared``:
+  attention's causal mask, one per length and dtype); the
   test graph's dispatcher has worker threads of its own, whose caches are
   held beside the training graph's (with the serial dispatcher every
   kernel runs on the calling thread: one lane, one set of caches);
@@ -706,7 +708,7 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
     from ..ops.im2col import held_by
     from .cuda_runtime import op_device
     from .executors import INLINE_LANE
-    holds, by_graph = {}, []
+    holds, by_graph, shared = {}, [], []
     for prefix, g in (("", graph), ("test ", test_graph)):
         if g is None:
             continue
@@ -719,13 +721,14 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
             ins = [_stand_in(g.blobs[b]) for b in op.inputs]
             outs = [_stand_in(g.blobs[b]) for b in op.outputs]
             lane = INLINE_LANE if serial else f"{prefix}{op.thread}"
-            holds.setdefault(lane, []).extend(k.host_scratch(ins, outs))
+            for h in k.host_scratch(ins, outs):   # a shared Hold: once in the process
+                (shared if h.shared else holds.setdefault(lane, [])).append(h)
             t = specs_nbytes(k.host_temporaries(ins, outs))
             if t > temps.get(lane, (0, None))[0]:
                 temps[lane] = (t, op.name)
         by_graph.append(temps)
     temps = max(by_graph, key=lambda t: sum(n for n, _ in t.values()), default={})
-    return {"host_scratch": sum(held_by(h) for h in holds.values()),
+    return {"host_scratch": sum(held_by(h) for h in holds.values()) + held_by(shared),
             "kernel_temporaries": sum(t for t, _ in temps.values()),
             "temporaries_ops": {lane: name for lane, (_, name) in temps.items()}}
 
