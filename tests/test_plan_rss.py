@@ -759,7 +759,10 @@ def test_peer_window_pages_are_the_peers_windows_row(tmp_path):
     counts a region once, on its owner (its ``windows`` row). memory.json's
     ``peer_window_bytes`` is those pages: on each rank the other rank's
     ``windows`` row, rounded up to whole pages (cifar10_quick: 0.78 MiB
-    each way; gpt_tiny's 2 stages 10.3 and 4.1 MiB)."""
+    each way; gpt_tiny's 2 stages 10.3 and 4.1 MiB), and plan's JSON
+    ``peer_window_pages`` (runtime/footprint.peer_window_bytes, the figure
+    beside the rows that the rank's resident bytes count) is them to the
+    page."""
     res = rss_vs_plan.measure("cifar10_quick", "pipeline", str(tmp_path), iters=2,
                               plan_with=run_cli_here)
     assert "error" not in res, res
@@ -768,3 +771,36 @@ def test_peer_window_pages_are_the_peers_windows_row(tmp_path):
     for r in (0, 1):
         got = res["peer_window"][r]
         assert windows[1 - r] <= got <= windows[1 - r] + (64 << 10), (r, got, windows)
+        assert res["peer_window_planned"][r] == got, (r, res["peer_window_planned"], got)
+        assert res["predicted_resident"][r] == res["predicted"][r] + got
+
+
+def test_peer_window_bytes_counts_each_page_a_rank_accesses_once():
+    """runtime/footprint.peer_window_bytes: of the other ranks' regions in a
+    shared window, those the rank is a peer of (notify words too), whole
+    pages of each owner's segment, a page two regions share once; not its
+    own regions, not those it does not access, not an RMA window's (another
+    node's: not mapped)."""
+    from types import SimpleNamespace
+
+    from purine_mpi.comm.window_layout import ALIGN, WindowLayout
+    from purine_mpi.runtime.footprint import peer_window_bytes
+    page = 4096
+    lay = WindowLayout()
+    lay.add_word("w", 1, peers=[0])                      # 8 bytes at 0 of rank 1's
+    lay.add("a", 1, (1000,), "float32", peers=[0])      # 4000 bytes after the word
+    lay.add("b", 1, (3 * page,), "uint8", peers=[0])    # 3 pages after a
+    lay.add("c", 1, (5 * page,), "uint8", peers=[2])    # rank 0 does not access it
+    lay.add("d", 0, (page,), "uint8", peers=[1])        # rank 0's own
+    lay.add("e", 3, (page,), "uint8", peers=[0])        # on another node: RMA
+    comp = SimpleNamespace(window_placement=(lay, {0: 0, 1: 0, 2: 0, 3: 1}))
+    lay.place({0: 0, 1: 0, 2: 0, 3: 1})
+    spans = [(r.offset, r.offset + r.nbytes) for r in (lay.words["w"], lay.regions["a"],
+                                                       lay.regions["b"])]
+    assert spans[0][0] == 0 and ALIGN <= spans[1][0] and spans[2][1] > 3 * page
+    pages = {p for a, b in spans for p in range(a // page, -(-b // page))}
+    # the word and a share page 0, b is pages 1-3
+    assert peer_window_bytes(comp, 0, page) == len(pages) * page == 4 * page
+    assert peer_window_bytes(comp, 2, page) == 5 * page      # c alone
+    assert peer_window_bytes(comp, 1, page) == page          # d
+    assert peer_window_bytes(SimpleNamespace(), 0, page) == 0

@@ -98,6 +98,7 @@ the run uses:
 The test graph's scratch and segments are not counted (a test pass in the
 same process adds its own slots and captures).
 """
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -228,6 +229,10 @@ class Footprint:
     #: the servers' momenta), not yet made before the first iteration, so
     #: not in ``load_total``
     held: int = 0
+    #: the pages of other ranks' shared-window regions this rank accesses
+    #: (``peer_window_bytes``): in its resident bytes too, not in its rows
+    #: (their owner's ``windows`` row counts them, once for the node)
+    peer_windows: int = 0
 
     @property
     def loop_total(self):
@@ -286,7 +291,8 @@ class Footprint:
                          "loop_total": int(self.loop_total),
                          "save_total": int(self.save_total),
                          "load_total": int(self.load_total),
-                         "total": int(self.host_total)},
+                         "total": int(self.host_total),
+                         "peer_window_pages": int(self.peer_windows)},
                 "devices": {str(d): {**{k: int(rows.get(k, 0)) for k in ROWS},
                                      "total": int(self.device_total(d))}
                             for d, rows in sorted(self.devices.items())},
@@ -454,6 +460,37 @@ def window_bytes(composition, rank):
     return total
 
 
+def peer_window_bytes(composition, rank, page=None):
+    """The pages of other ranks' shared-window regions (and notify words)
+    that ``rank`` accesses (it is among their peers): whole pages of each
+    owner's segment (``page`` bytes, the system's by default; a segment
+    starts on a page: ``alloc_shared_noncontig``, comm/windows.py), each
+    page once. Counted on their owner (its ``windows`` row: the node holds
+    them once), they are in this rank's resident bytes as well once it has
+    stored into or loaded from them (memory.json's ``peer_window_bytes``),
+    so they are a figure beside the rows (``Footprint.peer_windows``), not
+    one of them. 0 without a shared window."""
+    placed = getattr(composition, "window_placement", None)
+    if placed is None:
+        return 0
+    page = page or mmap.PAGESIZE
+    total = 0
+    for layout, node_of in placed if isinstance(placed, list) else [placed]:
+        layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
+        spans = {}
+        for group in (layout.words, layout.regions):
+            for r in group.values():
+                if r.where == "shared" and r.owner != rank and rank in r.peers and r.nbytes:
+                    spans.setdefault(r.owner, []).append(
+                        (r.offset // page, -(-(r.offset + r.nbytes) // page)))
+        for runs in spans.values():   # the pages of each owner's segment, each once
+            end = 0
+            for a, b in sorted(runs):
+                total += max(0, b - max(a, end)) * page
+                end = max(end, b)
+    return total
+
+
 def _layout_ranks(layout):
     ranks = set()
     for group in (layout.words, layout.regions):
@@ -542,6 +579,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
         host["kept"] = host.get("kept", 0) + int(held)
     host["windows"] = window_bytes(graphs.composition, rank) + \
         window_bytes(getattr(graphs, "test_composition", None), rank)
+    peers = peer_window_bytes(graphs.composition, rank) + \
+        peer_window_bytes(getattr(graphs, "test_composition", None), rank)
     host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
     kernel_bytes = host_kernel_bytes(g, tg, serial=dispatcher_kind(dispatcher) == "serial")
     host["host_scratch"] = kernel_bytes["host_scratch"]
@@ -562,7 +601,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
                          "cache: their workspace counted at the cap gpu.workspace_limit")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
                      peak=peak, notes=notes, model_state=model_state_bytes(g),
-                     extras=extras, save=int(save), held=int(held or 0))
+                     extras=extras, save=int(save), held=int(held or 0),
+                     peer_windows=int(peers))
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)
