@@ -157,6 +157,62 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
             "peer_window": [r.get("peer_window_bytes") for r in ranks]}
 
 
+def run_hooked(at_baseline, at_loop_end):
+    """``python -m purine_mpi`` (``sys.argv`` as it is) with two reads hooked
+    in: ``at_baseline()`` when ``train`` reads memory.json's baseline
+    (train/trainer.py, after MPI's initialisation and the deferred imports,
+    before any graph), ``at_loop_end(rank)`` when it reads the loop's peak
+    after the last iteration (train/loop.py, the dispatcher drained, before
+    the end's test pass and checkpoint); any other command runs as it is.
+    The diagnosis scripts' stand-in for the command (``hooked_cases``)."""
+    import runpy
+
+    from purine_mpi.train import loop, trainer
+    rss, peak = trainer.rss_bytes, loop.peak_rss_bytes
+
+    def baseline():
+        b = rss()
+        at_baseline()
+        return b
+
+    def loop_end():
+        p = peak()
+        at_loop_end(int(os.environ.get("PMI_RANK", "0")))
+        return p
+    trainer.rss_bytes, loop.peak_rss_bytes = baseline, loop_end
+    runpy.run_module("purine_mpi", run_name="__main__")
+
+
+def hooked_cases(cases, out, kind, command, rank_file, iters=3, env=None):
+    """The loop of the diagnosis scripts (benchmarks/big_mallocs.py,
+    benchmarks/smaps_by_mapping.py): for each "job:scheme" of ``cases`` (a
+    comma-separated string), ``measure`` of the case (the same ``plan`` and
+    ``train`` commands) with ``python -m purine_mpi`` replaced by
+    ``command(where)`` (the argv of a stand-in that calls ``run_hooked``
+    and writes each rank's reads into ``where``, OUT/JOB-SCHEME-KIND,
+    emptied first, as ``rank_file.format(rank)``). Yields (case, the
+    result: ``measure``'s, or {"error": text}, and [(rank, predicted,
+    measured, its file)] for each rank whose file was written: a parameter
+    server has no training loop)."""
+    global PY
+    plain = PY
+    try:
+        for case in cases.split(","):
+            job, scheme = case.split(":")
+            where = os.path.join(out, f"{job}-{scheme}-{kind}")
+            os.makedirs(where, exist_ok=True)
+            for name in os.listdir(where):
+                os.remove(os.path.join(where, name))
+            PY = list(command(where))
+            res = measure(job, scheme, out, iters=iters, env=env)
+            ranks = [] if "error" in res else [
+                (r, p, m, os.path.join(where, rank_file.format(r)))
+                for r, (p, m) in enumerate(zip(res["predicted"], res["measured"]))]
+            yield case, res, [x for x in ranks if os.path.exists(x[3])]
+    finally:
+        PY = plain
+
+
 def mib(n):
     return f"{n / 2**20:.1f}"
 

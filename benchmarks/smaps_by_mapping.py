@@ -31,7 +31,6 @@ import argparse
 import ctypes
 import json
 import os
-import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,25 +86,16 @@ def snapshot():
 
 def as_purine(out):
     """``python -m purine_mpi ARGS`` with the baseline's and the loop end's
-    reads hooked in (``train``; any other command runs as it is)."""
-    from purine_mpi.train import loop, trainer
+    reads hooked in (rss_vs_plan.run_hooked; ``train``: any other command
+    runs as it is)."""
+    import rss_vs_plan   # not at the top: tests/test_plan_rss.py imports smaps_by_class alone
     taken = {}
-    rss, peak = trainer.rss_bytes, loop.peak_rss_bytes
 
-    def baseline():
-        b = rss()
-        taken["baseline"] = snapshot()
-        return b
-
-    def loop_end():
-        p = peak()
+    def loop_end(rank):
         taken["after"] = snapshot()
-        rank = os.environ.get("PMI_RANK", "0")
         with open(os.path.join(out, f"smaps-rank{rank}.json"), "w") as f:
             json.dump(taken, f)
-        return p
-    trainer.rss_bytes, loop.peak_rss_bytes = baseline, loop_end
-    runpy.run_module("purine_mpi", run_name="__main__")
+    rss_vs_plan.run_hooked(lambda: taken.__setitem__("baseline", snapshot()), loop_end)
 
 
 def attribute(taken):
@@ -139,26 +129,19 @@ def main():
     sys.path.insert(0, HERE)
     import rss_vs_plan
     result = {}
-    for case in args.cases.split(","):
-        job, scheme = case.split(":")
-        where = os.path.join(args.out, f"{job}-{scheme}-smaps")
-        os.makedirs(where, exist_ok=True)
-        for name in os.listdir(where):
-            os.remove(os.path.join(where, name))
-        rss_vs_plan.PY = [sys.executable, os.path.abspath(__file__), "--as-purine", where]
-        res = rss_vs_plan.measure(job, scheme, args.out, iters=args.iters)
+    cases = rss_vs_plan.hooked_cases(
+        args.cases, args.out, "smaps",
+        lambda where: [sys.executable, os.path.abspath(__file__), "--as-purine", where],
+        "smaps-rank{}.json", iters=args.iters)
+    for case, res, ranks in cases:
         if "error" in res:
             result[case] = {"error": res["error"]}
             continue
-        ranks = {}
-        for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
-            path = os.path.join(where, f"smaps-rank{r}.json")
-            if not os.path.exists(path):   # a server rank: no training loop
-                continue
+        result[case] = {}
+        for r, p, m, path in ranks:
             with open(path) as f:
-                ranks[r] = dict(attribute(json.load(f)), peak=round(m / 2**20, 2),
-                                planned=round(p / 2**20, 2))
-        result[case] = ranks
+                result[case][r] = dict(attribute(json.load(f)), peak=round(m / 2**20, 2),
+                                       planned=round(p / 2**20, 2))
     print(json.dumps(result, indent=1))
 
 
