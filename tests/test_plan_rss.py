@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -422,6 +423,8 @@ def test_a_resumed_run_holds_what_plan_resume_says(tmp_path):
 #: ``ru_maxrss``, then ``train`` and ``bench --json`` of CONFIG
 _LARGE_STARTER = """
 import json, os, resource, subprocess, sys
+from types import SimpleNamespace
+
 import numpy as np
 large, config, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 a = np.ones(large // 8)
@@ -650,6 +653,8 @@ def test_init_load_is_what_plan_counts(fmt, tmp_path, email_h5):
 
 
 _FREED = """
+from types import SimpleNamespace
+
 import numpy as np
 import purine_mpi
 from purine_mpi.base.rss import rss_bytes
@@ -781,8 +786,6 @@ def test_peer_window_bytes_counts_each_page_a_rank_accesses_once():
     pages of each owner's segment, a page two regions share once; not its
     own regions, not those it does not access, not an RMA window's (another
     node's: not mapped)."""
-    from types import SimpleNamespace
-
     from purine_mpi.comm.window_layout import ALIGN, WindowLayout
     from purine_mpi.runtime.footprint import peer_window_bytes
     page = 4096
@@ -804,3 +807,23 @@ def test_peer_window_bytes_counts_each_page_a_rank_accesses_once():
     assert peer_window_bytes(comp, 2, page) == 5 * page      # c alone
     assert peer_window_bytes(comp, 1, page) == page          # d
     assert peer_window_bytes(SimpleNamespace(), 0, page) == 0
+
+
+def test_one_group_of_every_rank_makes_no_communicator():
+    """World.split_groups with one group of every rank (2-way tensor
+    parallelism on 2 ranks: the tensor group is the world) makes no
+    communicator: group_comm gives the world's own, and a split would be
+    one never used whose MPICH objects the node leader holds unplanned
+    (1.79 MiB on gpt_tiny's tensor rank 0: docs/running.md, "Will it
+    fit?"). Groups that divide the world split it, once."""
+    from purine_mpi.comm.world import World
+    calls = []
+    comm = SimpleNamespace(Split=lambda color, key: calls.append((color, key)) or f"sub{color}")
+    w = World.__new__(World)
+    w.comm, w.rank, w.size, w.groups, w._splits = comm, 1, 2, {}, set()
+    w.split_groups([[0, 1]])
+    w.split_groups([[0, 1]])
+    assert calls == [] and w.group_comm([1, 0]) is comm
+    w.split_groups([[0], [1]])
+    w.split_groups([[0], [1]])
+    assert calls == [(1, 1)] and w.group_comm([1]) == "sub1"
