@@ -862,14 +862,15 @@ def test_every_array_held_after_an_iteration_is_in_a_row(job, sets, tmp_path, em
     and small vectors), but for the host products' K-cut pieces
     (ops/hostgemm.held_bytes: their count follows the thread count the run
     picks from the machine's load; cifar10_quick's conv3 weight gradient,
-    200 KiB with one thread), which no row counts. Before the average
-    pooling's dense matrices were shared Holds (ops/pool._dense_hold,
-    cifar10_quick's 2: 68 KiB) no row counted them either. (A test split's host scratch is held from its
-    first pass on, after the loop here: cifar10_quick has none; gpt_tiny's
-    attention reads the one mask the training graph's made.) Before the
-    causal mask was one per process, each host attention kernel kept its
-    own and its transpose, unplanned: gpt_tiny's arrays were 721472 bytes
-    more than the rows here, 'assert 721472 <= 4096'."""
+    200 KiB with one thread), which no row counts. (A test split's host
+    scratch is held from its first pass on, after the loop here:
+    cifar10_quick has none; gpt_tiny's attention reads the one mask the
+    training graph's made.) Before the causal mask was one per process,
+    each host attention kernel kept its own and its transpose, unplanned:
+    gpt_tiny's arrays were 721472 bytes more than the rows, 'assert 721472
+    <= 4096'; before average pooling's dense matrices were shared Holds
+    (ops/pool._dense_hold), cifar10_quick's two (69632 bytes) were in no
+    row."""
     path = os.path.join(ROOT, "jobs", f"{job}.yaml")
     if job.startswith("gpt"):
         data = _text_data(tmp_path, email_h5)
