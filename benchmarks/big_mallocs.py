@@ -26,11 +26,12 @@ import collections
 import ctypes
 import os
 import re
-import runpy
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import rss_vs_plan  # noqa: E402
 
 SHIM = r"""
 #define _GNU_SOURCE
@@ -103,23 +104,11 @@ def build(out):
 
 def as_purine(out, lib):
     """``python -m purine_mpi ARGS`` with the shim marked at the baseline
-    and its live allocations written at the loop's end."""
-    from purine_mpi.train import loop, trainer
+    and its live allocations written at the loop's end
+    (rss_vs_plan.run_hooked)."""
     shim = ctypes.CDLL(lib)
-    rss, peak = trainer.rss_bytes, loop.peak_rss_bytes
-
-    def baseline():
-        b = rss()
-        shim.shim_mark()
-        return b
-
-    def loop_end():
-        p = peak()
-        rank = os.environ.get("PMI_RANK", "0")
-        shim.shim_dump(os.path.join(out, f"big-rank{rank}.txt").encode())
-        return p
-    trainer.rss_bytes, loop.peak_rss_bytes = baseline, loop_end
-    runpy.run_module("purine_mpi", run_name="__main__")
+    rss_vs_plan.run_hooked(shim.shim_mark, lambda rank: shim.shim_dump(
+        os.path.join(out, f"big-rank{rank}.txt").encode()))
 
 
 def by_stack(path, frames=3):
@@ -147,24 +136,15 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lib = build(args.out)
-    sys.path.insert(0, HERE)
-    import rss_vs_plan
-    for case in args.cases.split(","):
-        job, scheme = case.split(":")
-        where = os.path.join(args.out, f"{job}-{scheme}-big")
-        os.makedirs(where, exist_ok=True)
-        for name in os.listdir(where):
-            os.remove(os.path.join(where, name))
-        rss_vs_plan.PY = [sys.executable, os.path.abspath(__file__), "--as-purine", where, lib]
-        res = rss_vs_plan.measure(job, scheme, args.out, iters=args.iters,
-                                  env={"LD_PRELOAD": lib})
+    cases = rss_vs_plan.hooked_cases(
+        args.cases, args.out, "big",
+        lambda where: [sys.executable, os.path.abspath(__file__), "--as-purine", where, lib],
+        "big-rank{}.txt", iters=args.iters, env={"LD_PRELOAD": lib})
+    for case, res, ranks in cases:
         if "error" in res:
             print(f"{case}: {res['error']}")
             continue
-        for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
-            path = os.path.join(where, f"big-rank{r}.txt")
-            if not os.path.exists(path):   # a server rank: no training loop
-                continue
+        for r, p, m, path in ranks:
             stacks = by_stack(path)
             print(f"{case} rank {r}: planned {p / 2**20:.1f} MiB, peak {m / 2**20:.1f}, "
                   f"live allocations of 128 KiB or more since the baseline "

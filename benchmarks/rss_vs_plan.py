@@ -6,12 +6,17 @@ whose OUT/memory.json (train/trainer.write_memory) holds each rank's
 resident bytes before its graphs were built and at their high-water mark,
 and the pages of the other ranks' shared-window regions resident in the
 rank after the last iteration (``peer_window_bytes``: in its resident bytes
-and in their owner's; ``plan`` counts a region once, on its owner). The
-table gives the gap of the measured bytes and of the measured bytes less
-those pages.
+and in their owner's). ``plan`` counts a region once, on its owner (its
+``windows`` row: the node holds it once), and gives each rank's pages of
+the others' regions beside its rows (JSON ``peer_window_pages``), so the
+table compares like with like: the rank's resident bytes against its host
+total plus those pages (a rank's resident bytes count them; the node's
+need does not).
 The table in docs/running.md ("Will it fit?") is its output:
 
     python benchmarks/rss_vs_plan.py --out /tmp/rss [--cases cifar10_quick:data,...]
+
+(the gap: predicted resident bytes less measured, over measured).
 
 Each case's figures are kept in OUT/JOB-SCHEME.json too, with
 ``loop_measured``: each rank's high-water mark after the last iteration,
@@ -125,14 +130,20 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
     if p.returncode not in (0, 2) or not p.stdout.strip():  # 2 with no JSON: a refusal
         return {"error": "plan: " + (p.stderr.strip().splitlines() or ["?"])[-1]}
     plan = json.loads(p.stdout)
-    predicted = [0] * np_
+    predicted, peers = [0] * np_, [0] * np_
     for kind in plan["ranks"]:
         for r in kind["ranks"]:
             predicted[r] = kind["host"]["total"]
+            peers[r] = kind["host"].get("peer_window_pages", 0)
     ranks = train_memory(path, args, os.path.join(out, f"{job}-{scheme}"), np_, iters, env)
     if isinstance(ranks, str):
         return {"error": ranks}
     return {"predicted": predicted, "plan": plan,
+            # plan's pages of other ranks' shared-window regions the rank
+            # accesses (in its resident bytes, not in its host total), and
+            # the resident bytes predicted: the total and those pages
+            "peer_window_planned": peers,
+            "predicted_resident": [p + w for p, w in zip(predicted, peers)],
             "measured": [r["above_baseline_bytes"] for r in ranks],
             "baseline": [r["baseline_rss_bytes"] for r in ranks],
             # the high-water mark after the last iteration, before the end's
@@ -144,6 +155,62 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
             # the pages of other ranks' shared-window regions resident in the
             # rank after the last iteration (memory.json's peer_window_bytes)
             "peer_window": [r.get("peer_window_bytes") for r in ranks]}
+
+
+def run_hooked(at_baseline, at_loop_end):
+    """``python -m purine_mpi`` (``sys.argv`` as it is) with two reads hooked
+    in: ``at_baseline()`` when ``train`` reads memory.json's baseline
+    (train/trainer.py, after MPI's initialisation and the deferred imports,
+    before any graph), ``at_loop_end(rank)`` when it reads the loop's peak
+    after the last iteration (train/loop.py, the dispatcher drained, before
+    the end's test pass and checkpoint); any other command runs as it is.
+    The diagnosis scripts' stand-in for the command (``hooked_cases``)."""
+    import runpy
+
+    from purine_mpi.train import loop, trainer
+    rss, peak = trainer.rss_bytes, loop.peak_rss_bytes
+
+    def baseline():
+        b = rss()
+        at_baseline()
+        return b
+
+    def loop_end():
+        p = peak()
+        at_loop_end(int(os.environ.get("PMI_RANK", "0")))
+        return p
+    trainer.rss_bytes, loop.peak_rss_bytes = baseline, loop_end
+    runpy.run_module("purine_mpi", run_name="__main__")
+
+
+def hooked_cases(cases, out, kind, command, rank_file, iters=3, env=None):
+    """The loop of the diagnosis scripts (benchmarks/big_mallocs.py,
+    benchmarks/smaps_by_mapping.py): for each "job:scheme" of ``cases`` (a
+    comma-separated string), ``measure`` of the case (the same ``plan`` and
+    ``train`` commands) with ``python -m purine_mpi`` replaced by
+    ``command(where)`` (the argv of a stand-in that calls ``run_hooked``
+    and writes each rank's reads into ``where``, OUT/JOB-SCHEME-KIND,
+    emptied first, as ``rank_file.format(rank)``). Yields (case, the
+    result: ``measure``'s, or {"error": text}, and [(rank, predicted,
+    measured, its file)] for each rank whose file was written: a parameter
+    server has no training loop)."""
+    global PY
+    plain = PY
+    try:
+        for case in cases.split(","):
+            job, scheme = case.split(":")
+            where = os.path.join(out, f"{job}-{scheme}-{kind}")
+            os.makedirs(where, exist_ok=True)
+            for name in os.listdir(where):
+                os.remove(os.path.join(where, name))
+            PY = list(command(where))
+            res = measure(job, scheme, out, iters=iters, env=env)
+            ranks = [] if "error" in res else [
+                (r, p, m, os.path.join(where, rank_file.format(r)))
+                for r, (p, m) in enumerate(zip(res["predicted"], res["measured"]))]
+            yield case, res, [x for x in ranks if os.path.exists(x[3])]
+    finally:
+        PY = plain
 
 
 def mib(n):
@@ -160,20 +227,20 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cases = [c.split(":") for c in args.cases.split(",")] if args.cases else \
         [(j, s) for j in JOBS for s in SCHEMES]
-    print("| job | scheme | rank | baseline MiB | predicted MiB | measured MiB | gap "
-          "| peers' window pages MiB | gap without them |")
+    print("| job | scheme | rank | baseline MiB | host total MiB | peers' window pages MiB, "
+          "planned / measured | predicted resident MiB | measured MiB | gap |")
     print("|---|---|---|---|---|---|---|---|---|")
     for job, scheme in cases:
         res = measure(job, scheme, args.out, iters=args.iters)
         if "error" in res:
-            print(f"| {job} | {scheme} | - | - | - | - | {res['error']} | - | - |", flush=True)
+            print(f"| {job} | {scheme} | - | - | - | - | - | - | {res['error']} |", flush=True)
             continue
-        for r, (p, m, b, w) in enumerate(zip(res["predicted"], res["measured"], res["baseline"],
-                                             res["peer_window"])):
-            own = "-" if w is None else f"{100 * (p - (m - w)) / (m - w):+.1f}%"
-            print(f"| {job} | {scheme} | {r} | {mib(b)} | {mib(p)} | {mib(m)} | "
-                  f"{100 * (p - m) / m:+.1f}% | {'-' if w is None else mib(w)} | {own} |",
-                  flush=True)
+        for r, (p, w, pr, m, b, mw) in enumerate(zip(
+                res["predicted"], res["peer_window_planned"], res["predicted_resident"],
+                res["measured"], res["baseline"], res["peer_window"])):
+            print(f"| {job} | {scheme} | {r} | {mib(b)} | {mib(p)} | {mib(w)} / "
+                  f"{'-' if mw is None else mib(mw)} | {mib(pr)} | {mib(m)} | "
+                  f"{100 * (pr - m) / m:+.1f}% |", flush=True)
         with open(os.path.join(args.out, f"{job}-{scheme}.json"), "w") as f:
             json.dump(res, f)
 

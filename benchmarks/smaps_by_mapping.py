@@ -23,6 +23,10 @@ arenas), ``uordblks`` (in use), ``fordblks`` (freed but kept) and
 mid-iteration) and ``planned`` (plan's host total). Mapping classes are by
 the kernel's view only: what inside an anonymous mapping is whose (a
 thread arena, OpenBLAS's buffer) needs an allocation log, not kept here.
+With ``--traced``, tracemalloc runs from the baseline on and ``traced``
+gives the bytes live at the loop's end of NumPy's arrays (its domain) and
+of Python's objects made since (tracemalloc's own bookkeeping then adds to
+the mappings' figures).
 
 Internally (``--as-purine``) it is ``python -m purine_mpi`` with the two
 reads hooked in, each rank writing OUT/CASE/smaps-rank<R>.json.
@@ -31,7 +35,6 @@ import argparse
 import ctypes
 import json
 import os
-import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,25 +90,30 @@ def snapshot():
 
 def as_purine(out):
     """``python -m purine_mpi ARGS`` with the baseline's and the loop end's
-    reads hooked in (``train``; any other command runs as it is)."""
-    from purine_mpi.train import loop, trainer
+    reads hooked in (rss_vs_plan.run_hooked; ``train``: any other command
+    runs as it is)."""
+    import rss_vs_plan   # not at the top: tests/test_plan_rss.py imports smaps_by_class alone
     taken = {}
-    rss, peak = trainer.rss_bytes, loop.peak_rss_bytes
+    traced = os.environ.get("SMAPS_TRACED") == "1"
 
     def baseline():
-        b = rss()
         taken["baseline"] = snapshot()
-        return b
+        if traced:
+            import tracemalloc
+            tracemalloc.start()
 
-    def loop_end():
-        p = peak()
+    def loop_end(rank):
         taken["after"] = snapshot()
-        rank = os.environ.get("PMI_RANK", "0")
+        if traced:   # what tracemalloc traces live, by domain: NumPy's arrays, Python's
+            import tracemalloc
+
+            import numpy as np
+            traces = tracemalloc.take_snapshot().traces
+            numpy = sum(t.size for t in traces if t.domain == np.lib.tracemalloc_domain)
+            taken["traced"] = {"numpy": numpy, "python": sum(t.size for t in traces) - numpy}
         with open(os.path.join(out, f"smaps-rank{rank}.json"), "w") as f:
             json.dump(taken, f)
-        return p
-    trainer.rss_bytes, loop.peak_rss_bytes = baseline, loop_end
-    runpy.run_module("purine_mpi", run_name="__main__")
+    rss_vs_plan.run_hooked(baseline, loop_end)
 
 
 def attribute(taken):
@@ -116,6 +124,8 @@ def attribute(taken):
     res["total"] = mib(sum(a["smaps"].values()) - sum(b["smaps"].values()))
     res["mallinfo2"] = {k: mib(a["mallinfo2"][k] - b["mallinfo2"][k])
                         for k in ("arena", "uordblks", "fordblks", "hblkhd")}
+    if "traced" in taken:   # --traced: tracemalloc's live bytes since the baseline
+        res["traced"] = {k: mib(v) for k, v in taken["traced"].items()}
     if "code_files" in a:   # the code and file mappings that grew most, by file
         for kind in ("code", "file"):
             grew = {os.path.basename(f.split(":", 1)[1]): a["code_files"][f]
@@ -135,30 +145,27 @@ def main():
     ap.add_argument("--out", default="/tmp/smaps_by_mapping")
     ap.add_argument("--cases", default="cifar10_quick:data,cifar10_quick:pipeline")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--traced", action="store_true",
+                    help="also tracemalloc from the baseline on: the bytes NumPy's arrays "
+                         "and Python's objects made since hold at the loop's end (its own "
+                         "bookkeeping adds to the other figures)")
     args = ap.parse_args()
     sys.path.insert(0, HERE)
     import rss_vs_plan
     result = {}
-    for case in args.cases.split(","):
-        job, scheme = case.split(":")
-        where = os.path.join(args.out, f"{job}-{scheme}-smaps")
-        os.makedirs(where, exist_ok=True)
-        for name in os.listdir(where):
-            os.remove(os.path.join(where, name))
-        rss_vs_plan.PY = [sys.executable, os.path.abspath(__file__), "--as-purine", where]
-        res = rss_vs_plan.measure(job, scheme, args.out, iters=args.iters)
+    cases = rss_vs_plan.hooked_cases(
+        args.cases, args.out, "smaps",
+        lambda where: [sys.executable, os.path.abspath(__file__), "--as-purine", where],
+        "smaps-rank{}.json", iters=args.iters, env={"SMAPS_TRACED": "1"} if args.traced else None)
+    for case, res, ranks in cases:
         if "error" in res:
             result[case] = {"error": res["error"]}
             continue
-        ranks = {}
-        for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
-            path = os.path.join(where, f"smaps-rank{r}.json")
-            if not os.path.exists(path):   # a server rank: no training loop
-                continue
+        result[case] = {}
+        for r, p, m, path in ranks:
             with open(path) as f:
-                ranks[r] = dict(attribute(json.load(f)), peak=round(m / 2**20, 2),
-                                planned=round(p / 2**20, 2))
-        result[case] = ranks
+                result[case][r] = dict(attribute(json.load(f)), peak=round(m / 2**20, 2),
+                                       planned=round(p / 2**20, 2))
     print(json.dumps(result, indent=1))
 
 

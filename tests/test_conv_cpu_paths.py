@@ -258,16 +258,23 @@ POOL_CASES = [
 
 
 def _held_after(kernel, ins, outs):
-    """Bytes a fresh thread's im2col caches hold after ``kernel.run``."""
+    """Bytes a fresh thread's im2col caches hold after ``kernel.run``, and
+    the process's shared arrays the run made (``im2col.shared``, from an
+    empty table: average pooling's dense matrix)."""
     got = []
 
     def work():
         kernel.run(ins, outs)
         got.append(sum(a.nbytes for name in ("buffers", "flat")
-                       for a in im2col_module._cache(name).values()))
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
+                       for a in im2col_module._cache(name).values())
+                   + sum(a.nbytes for a in im2col_module._SHARED.values()))
+    saved, im2col_module._SHARED = im2col_module._SHARED, {}
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        im2col_module._SHARED = saved
     return got[0]
 
 

@@ -282,3 +282,52 @@ def test_softmax_loss_values_unchanged():
     picked = np.take_along_axis(shifted, lab[:, None, :], axis=1)[:, 0, :]
     nll = np.log(np.exp(shifted).sum(axis=1)) - picked
     assert loss == np.float32(nll.sum() / nll.size)
+
+
+def test_attention_kernels_keep_one_causal_mask_a_length(monkeypatch):
+    """Every host attention kernel reads the process's one causal mask of
+    its length and dtype (ops/attention.host_causal_mask; ops/im2col.shared),
+    so what the kernels keep after running is plan's host scratch for them
+    (im2col.held_by of their ``host_scratch``: each mask once, the fused
+    ops' transposed one and AttentionScores' row one), to within Python's
+    objects. Before, each kernel kept its own mask and the fused ones its
+    transpose too, none of it planned (0.75 MiB in gpt_tiny: 2 layers'
+    Attention and AttentionGrad and the test graph's Attention; here 7 x
+    256 KiB kept against 0 declared). The masks' values are what each
+    kernel made before, bit for bit."""
+    from purine_mpi.ops import im2col
+    from purine_mpi.ops.attention import host_causal_mask
+    monkeypatch.setattr(im2col, "_SHARED", {})
+    t, heads = 256, 4
+    qkv, dctx = _f(2, t, 96), _f(2, t, 32)
+    cases = [("Attention", [qkv], [np.empty((2, t, 32), np.float32)]),
+             ("Attention", [qkv], [np.empty((2, t, 32), np.float32)]),
+             ("AttentionGrad", [dctx, qkv], [np.empty_like(qkv)]),
+             ("AttentionGrad", [dctx, qkv], [np.empty_like(qkv)]),
+             ("AttentionScores", [qkv], [np.empty((2, heads, t, t), np.float32)])]
+    kernels = [get_kernel_class(op)(SimpleNamespace(attrs={"num_heads": heads}, name=op))
+               for op, _, _ in cases]
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for k, (_, ins, outs) in zip(kernels, cases):
+            k.setup(ins, outs)
+            k.run(ins, outs)
+            k.run(ins, outs)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    declared = im2col.held_by([h for k, (_, ins, outs) in zip(kernels, cases)
+                               for h in k.host_scratch(ins, outs)])
+    assert declared == 2 * t * t * 4
+    assert declared <= kept <= declared + (16 << 10), (kept, declared)
+    assert sum(a.nbytes for a in im2col._SHARED.values()) == declared
+    for dtype in (np.float32, np.float64):
+        row = np.triu(np.full((t, t), -np.inf, dtype), 1)
+        assert host_causal_mask(t, dtype).tobytes() == row.tobytes()
+        assert host_causal_mask(t, dtype, True).tobytes() == \
+            np.ascontiguousarray(row.T).tobytes()
+    assert not host_causal_mask(t, np.float32).flags.writeable
+    no_mask = get_kernel_class("Attention")(SimpleNamespace(
+        attrs={"num_heads": heads, "causal": False}, name="a"))
+    assert no_mask.host_scratch([qkv], cases[0][2]) == []

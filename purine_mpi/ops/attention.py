@@ -107,6 +107,7 @@ from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
+from .im2col import shared, shared_hold
 from .registry import OpKernel, gradient, register, spans, specs_nbytes
 
 
@@ -167,8 +168,30 @@ def bmm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0):
         out *= alpha
 
 
+def causal_hold(t, dtype, transposed=False):
+    """The Hold (ops/im2col.shared_hold) of the host's (T, T) causal mask
+    addend, or with ``transposed`` its transpose (the fused ops' host path
+    holds the scores transposed): one array per process of each length and
+    dtype, whichever kernel or thread reads it (``plan``'s host scratch row
+    counts it once)."""
+    return shared_hold("causal_mask_t" if transposed else "causal_mask", (t, t), dtype)
+
+
+def host_causal_mask(t, dtype, transposed=False):
+    """The process's (T, T) causal mask addend on the host (``causal_hold``):
+    0 on and below the diagonal, -inf above it (s + -inf = -inf exactly);
+    with ``transposed`` its transpose (-inf below the diagonal), made once,
+    read-only."""
+    def make():
+        inf = np.full((t, t), -np.inf, dtype=dtype)
+        return np.tril(inf, -1) if transposed else np.triu(inf, 1)
+    return shared(causal_hold(t, dtype, transposed), make)
+
+
 class _AttentionKernel(OpKernel):
-    """What the attention ops share: the causal mask, made once per length."""
+    """What the attention ops share: the causal mask (on the host the
+    process's one per length and dtype, ``host_causal_mask``; on a GPU the
+    kernel's own, made once per length)."""
 
     _mask = None
 
@@ -189,12 +212,27 @@ class _AttentionKernel(OpKernel):
 
     def mask(self, xp, t, dtype):
         """The (T, T) causal mask as an addend: 0 on and below the diagonal,
-        -inf above it (s + -inf = -inf exactly), on the arrays' device, made once."""
+        -inf above it (s + -inf = -inf exactly), on the arrays' device, made
+        once (on the host the process's, ``host_causal_mask``)."""
+        if xp is np:
+            return host_causal_mask(t, dtype)
         if self._mask is None or self._mask.shape[0] != t or self._mask.dtype != dtype:
             self._mask = xp.triu(xp.full((t, t), -np.inf, dtype=dtype), 1)
         return self._mask
 
-    _mask_t = None
+    def host_scratch(self, ins, outs):
+        """The host's causal mask (``causal_hold``), transposed on the fused
+        ops' path without dropout (``host_probs_t``); [] when not causal."""
+        if not bool(self.attrs.get("causal", True)):
+            return []
+        qkv = self.qkv_input(ins)
+        fused = isinstance(self, (Attention, AttentionGrad))
+        transposed = fused and host_group(self, qkv) is not None
+        return [causal_hold(qkv.shape[1], qkv.dtype, transposed)]
+
+    def qkv_input(self, ins):
+        """The op's qkv input (its first)."""
+        return ins[0]
 
     def host_probs_t(self, q, k, out):
         """out = P^T (g, H, T, T) of the host path without dropout: the
@@ -203,11 +241,7 @@ class _AttentionKernel(OpKernel):
         matmul(np, k, q.swapaxes(-1, -2), out=out)
         out *= 1.0 / math.sqrt(q.shape[-1])
         if bool(self.attrs.get("causal", True)):
-            t = out.shape[-1]
-            if self._mask_t is None or self._mask_t.shape[0] != t or \
-                    self._mask_t.dtype != out.dtype:
-                self._mask_t = np.ascontiguousarray(self.mask(np, t, out.dtype).T)
-            out += self._mask_t
+            out += host_causal_mask(out.shape[-1], out.dtype, transposed=True)
         out -= out.max(axis=-2, keepdims=True)
         np.exp(out, out=out)
         out /= key_sums(out)[..., None, :]
@@ -710,6 +744,10 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         if packed(attrs):
             _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
         return [(ins[1][0], value_dtype(ins[1][1]))]
+
+    def qkv_input(self, ins):
+        """The op's qkv input (its second, after dctx)."""
+        return ins[1]
 
     def setup(self, ins, outs):
         self._sdpa = _sdpa_plans(self, ins[1])

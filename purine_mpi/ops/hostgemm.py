@@ -52,6 +52,7 @@ straight to ``xp.matmul``.
 """
 import queue
 import threading
+import weakref
 
 import numpy as np
 
@@ -74,6 +75,16 @@ ALIGN = 48
 THREADS = None
 
 _LOCAL = threading.local()
+#: every live thread's scratch cache (``held_bytes``), registered weakly
+_ALL = weakref.WeakSet()
+_ALL_LOCK = threading.Lock()
+
+
+class _Cache(dict):
+    """A thread's scratch cache (a dict that a WeakSet can hold)."""
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
 
 def threads():
@@ -183,12 +194,26 @@ def _scratch(shape, dtype):
     size = int(np.prod(shape))
     cache = getattr(_LOCAL, "flat", None)
     if cache is None:
-        cache = _LOCAL.flat = {}
+        cache = _LOCAL.flat = _Cache()
+        with _ALL_LOCK:
+            _ALL.add(cache)
     key = np.dtype(dtype).str
     flat = cache.get(key)
     if flat is None or flat.size < size:
         flat = cache[key] = np.empty(size, dtype=dtype)
     return flat[:size].reshape(shape)
+
+
+def held_bytes():
+    """Bytes of every live thread's scratch (``_scratch``: a K-cut product's
+    pieces) held now. Not in ``plan``'s rows: how many pieces a product
+    keeps follows the thread count the run picks at start-up from the
+    machine's load (one thread: one piece the size of the output; more:
+    one per cut), and the products are the kernels' (docs/running.md,
+    "Will it fit?")."""
+    with _ALL_LOCK:
+        caches = list(_ALL)
+    return sum(a.nbytes for c in caches for a in list(c.values()))
 
 
 def _part(x, out, index):

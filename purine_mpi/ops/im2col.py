@@ -21,6 +21,11 @@ names the interior's place (``fill`` and the pad), so two geometries never
 share a padded buffer. The memory is bounded by the chunk sizes
 (``conv.COL_CHUNK_BYTES``, ``pool._CHUNK_BYTES``) times the distinct
 geometries a thread runs.
+
+Shared arrays. A constant array that kernels only read (attention's causal
+mask) is kept once per process, whichever thread or kernel asks for it
+(``shared``, by a Hold with ``shared`` set): ``plan`` counts each such
+Hold once per rank, not per lane (runtime/footprint.host_kernel_bytes).
 """
 import threading
 import weakref
@@ -35,6 +40,8 @@ _LOCAL = threading.local()
 #: makes one (weakly: a finished thread's buffers are freed as before)
 _ALL = weakref.WeakSet()
 _LOCK = threading.Lock()
+#: the process's shared read-only arrays (``shared``), by their Hold's identity
+_SHARED = {}
 
 
 class _Cache(dict):
@@ -69,10 +76,12 @@ def buffer(xp, slot, shape, dtype, fill=None, key=()):
     return arr
 
 
-class Hold(namedtuple("Hold", "slot shape dtype fill key flat")):
+class Hold(namedtuple("Hold", "slot shape dtype fill key flat shared", defaults=(False,))):
     """One array a kernel's host path takes from this thread's caches:
     ``buffer``'s (slot, shape, dtype, fill, key), or with ``flat`` the front
-    of the growing flat buffer ``slot`` (``_flat``). The one copy of each
+    of the growing flat buffer ``slot`` (``_flat``), or with ``shared`` the
+    process's one read-only array of (slot, shape, dtype, key) (``shared``:
+    every thread's and kernel's, made once). The one copy of each
     buffer's size: the kernels take their arrays by it (``take``) and state
     them before anything runs (``OpKernel.host_scratch``, which ``plan``'s
     host scratch row sums by ``held_by``)."""
@@ -94,6 +103,31 @@ def flat_hold(slot, shape, dtype):
     return Hold(slot, tuple(int(d) for d in shape), np.dtype(dtype), None, (), True)
 
 
+def shared_hold(slot, shape, dtype, key=()):
+    """A ``shared`` Hold: one array of the process."""
+    return Hold(slot, tuple(int(d) for d in shape), np.dtype(dtype), None, tuple(key), False,
+                True)
+
+
+def shared(h, make):
+    """The process's one array of shared Hold ``h``: ``make()``'s (a host
+    array of ``h``'s shape and dtype) the first time, made read-only, the
+    same array after, for every thread."""
+    ident = (h.slot, h.shape, h.dtype.str, h.key)
+    arr = _SHARED.get(ident)
+    if arr is None:
+        with _LOCK:
+            arr = _SHARED.get(ident)
+            if arr is None:
+                arr = make()
+                if arr.shape != h.shape or arr.dtype != h.dtype:
+                    raise ValueError(f"shared array {h.slot}: made {arr.shape} {arr.dtype}, "
+                                     f"held as {h.shape} {h.dtype}")
+                arr.flags.writeable = False
+                _SHARED[ident] = arr
+    return arr
+
+
 def take(xp, h):
     """This thread's array of Hold ``h``."""
     if h.flat:
@@ -104,10 +138,13 @@ def take(xp, h):
 def held_by(holds):
     """Bytes one thread's caches hold once it has taken ``holds``: each
     distinct buffer once, each flat slot at its largest (``_flat`` grows to
-    the largest request and keeps it)."""
+    the largest request and keeps it); of shared Holds, the process's
+    arrays (each distinct one once, whoever takes it)."""
     bufs, flats = {}, {}
     for h in holds:
-        if h.flat:
+        if h.shared:
+            bufs[("shared", h.slot, h.shape, h.dtype.str, h.key)] = h.nbytes
+        elif h.flat:
             k = (h.slot, h.dtype.str)
             flats[k] = max(flats.get(k, 0), h.nbytes)
         else:
@@ -197,12 +234,15 @@ def scratch(xp, slot, shape, dtype):
 
 
 def held_bytes():
-    """Bytes of every live thread's buffers (``buffer``, ``_flat``) held
-    now: the figure a host-scratch row of ``plan`` would have to predict
-    (measured: cifar10_quick, data, 2 ranks: 10.3 MiB per rank, one worker)."""
+    """Bytes of every live thread's buffers (``buffer``, ``_flat``) and of
+    the process's shared arrays (``shared``) held now: the figure ``plan``'s
+    host-scratch row predicts (measured: cifar10_quick, data, 2 ranks: 10.3
+    MiB per rank, one worker)."""
     with _LOCK:
         caches = list(_ALL)
-    return sum(a.nbytes for c in caches for a in list(c.values()))
+        kept = list(_SHARED.values())
+    return sum(a.nbytes for c in caches for a in list(c.values())) + \
+        sum(a.nbytes for a in kept)
 
 
 def col2im(xp, col, geo, dxpad):

@@ -43,7 +43,7 @@ from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .conv import pair
 from .hostgemm import matmul
-from .im2col import hold, pad_hold, padded, take
+from .im2col import hold, pad_hold, padded, shared, shared_hold, take
 from .registry import OpKernel, gradient, register
 
 _KINDS = {"max": "max", "ave": "ave", "avg": "ave", "average": "ave"}
@@ -196,16 +196,27 @@ _CHUNK_BYTES = 1 << 21
 DENSE_MAX_PLANE = 256
 
 
+def _dense_key(geo):
+    return tuple(geo[k] for k in ("H", "W", "kh", "kw", "sh", "sw", "ph", "pw", "OH", "OW"))
+
+
+def _dense_hold(geo, dtype):
+    """The Hold of the host's dense pooling matrix (``_dense_matrix``): one
+    read-only array per geometry and dtype in the process (ops/im2col.shared:
+    ``plan``'s host scratch row counts it once)."""
+    return shared_hold("pool_dense", (geo["OH"] * geo["OW"], geo["H"] * geo["W"]), dtype,
+                       key=_dense_key(geo))
+
+
 def _dense_matrix(xp, geo, dtype):
     """The (OH*OW, H*W) matrix of CPU average pooling (``DENSE_MAX_PLANE``),
     or None where the plane is larger: row (i, j) holds 1/size on the inputs
-    of window (i, j), Caffe's divisor (``_divisor``). Made once per geometry."""
+    of window (i, j), Caffe's divisor (``_divisor``). Made once per geometry
+    (on the host the process's one, ``_dense_hold``)."""
     if not _dense(geo):
         return None
-    key = tuple(geo[k] for k in ("H", "W", "kh", "kw", "sh", "sw", "ph", "pw", "OH", "OW"))
-    ident = (key, xp.__name__, np.dtype(dtype).str)
-    mat = _DENSE.get(ident)
-    if mat is None:
+
+    def make():
         def inside(out, k, s, p, size):  # (out, size): input in window, padding left out
             start = np.arange(out).reshape(-1, 1) * s - p
             at = np.arange(size).reshape(1, -1)
@@ -213,8 +224,13 @@ def _dense_matrix(xp, geo, dtype):
         rows = inside(geo["OH"], geo["kh"], geo["sh"], geo["ph"], geo["H"])
         cols = inside(geo["OW"], geo["kw"], geo["sw"], geo["pw"], geo["W"])
         div = _divisor(np, geo, np.float64).reshape(-1, 1)
-        dense = (np.kron(rows, cols) / div).astype(dtype)
-        mat = _DENSE[ident] = xp.asarray(dense)
+        return (np.kron(rows, cols) / div).astype(dtype)
+    if xp is np:
+        return shared(_dense_hold(geo, dtype), make)
+    ident = (_dense_key(geo), xp.__name__, np.dtype(dtype).str)
+    mat = _DENSE.get(ident)
+    if mat is None:
+        mat = _DENSE[ident] = xp.asarray(make())
     return mat
 
 
@@ -311,8 +327,8 @@ class Pool(OpKernel):
         if geo["kind"] == "max":
             return _max_holds(geo, dtype) + _pad_holds(geo, dtype, -np.inf,
                                                        _max_step(geo, dtype))
-        if _dense(geo):
-            return []
+        if _dense(geo):   # the dense matrix (a contiguous y: a blob's)
+            return [_dense_hold(geo, dtype)]
         return _pad_holds(geo, dtype, 0, _ave_step(geo, dtype))
 
     def run(self, ins, outs):
@@ -378,7 +394,9 @@ class PoolGrad(OpKernel):
             return []
         if geo["kind"] == "max":
             return [_scatter_hold(geo, outs[0].dtype)]
-        if _dense(geo) or _unpadded(geo):
+        if _dense(geo):   # the dense matrix (a contiguous dx: a blob's)
+            return [_dense_hold(geo, outs[0].dtype)]
+        if _unpadded(geo):
             return []
         return [_ave_grad_hold(geo, outs[0].dtype)]
 

@@ -60,7 +60,9 @@ host ops of the training graph and the test graph, ``host_kernel_bytes``):
   columns, GEMM outputs), from each op's ``OpKernel.host_scratch``, the
   Holds its ``run`` takes: per dispatcher lane (one worker thread per
   ``thread`` value of the ops) each distinct buffer once and each growing
-  flat buffer at its largest (``im2col.held_by``), the lanes added; the
+  flat buffer at its largest (``im2col.held_by``), the lanes added, and
+  the process's shared read-only arrays once (``im2col.shared``:
+  attention's causal mask, one per length and dtype); the
   test graph's dispatcher has worker threads of its own, whose caches are
   held beside the training graph's (with the serial dispatcher every
   kernel runs on the calling thread: one lane, one set of caches);
@@ -96,6 +98,7 @@ the run uses:
 The test graph's scratch and segments are not counted (a test pass in the
 same process adds its own slots and captures).
 """
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -226,6 +229,10 @@ class Footprint:
     #: the servers' momenta), not yet made before the first iteration, so
     #: not in ``load_total``
     held: int = 0
+    #: the pages of other ranks' shared-window regions this rank accesses
+    #: (``peer_window_bytes``): in its resident bytes too, not in its rows
+    #: (their owner's ``windows`` row counts them, once for the node)
+    peer_windows: int = 0
 
     @property
     def loop_total(self):
@@ -284,7 +291,8 @@ class Footprint:
                          "loop_total": int(self.loop_total),
                          "save_total": int(self.save_total),
                          "load_total": int(self.load_total),
-                         "total": int(self.host_total)},
+                         "total": int(self.host_total),
+                         "peer_window_pages": int(self.peer_windows)},
                 "devices": {str(d): {**{k: int(rows.get(k, 0)) for k in ROWS},
                                      "total": int(self.device_total(d))}
                             for d, rows in sorted(self.devices.items())},
@@ -452,6 +460,37 @@ def window_bytes(composition, rank):
     return total
 
 
+def peer_window_bytes(composition, rank, page=None):
+    """The pages of other ranks' shared-window regions (and notify words)
+    that ``rank`` accesses (it is among their peers): whole pages of each
+    owner's segment (``page`` bytes, the system's by default; a segment
+    starts on a page: ``alloc_shared_noncontig``, comm/windows.py), each
+    page once. Counted on their owner (its ``windows`` row: the node holds
+    them once), they are in this rank's resident bytes as well once it has
+    stored into or loaded from them (memory.json's ``peer_window_bytes``),
+    so they are a figure beside the rows (``Footprint.peer_windows``), not
+    one of them. 0 without a shared window."""
+    placed = getattr(composition, "window_placement", None)
+    if placed is None:
+        return 0
+    page = page or mmap.PAGESIZE
+    total = 0
+    for layout, node_of in placed if isinstance(placed, list) else [placed]:
+        layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
+        spans = {}
+        for group in (layout.words, layout.regions):
+            for r in group.values():
+                if r.where == "shared" and r.owner != rank and rank in r.peers and r.nbytes:
+                    spans.setdefault(r.owner, []).append(
+                        (r.offset // page, -(-(r.offset + r.nbytes) // page)))
+        for runs in spans.values():   # the pages of each owner's segment, each once
+            end = 0
+            for a, b in sorted(runs):
+                total += max(0, b - max(a, end)) * page
+                end = max(end, b)
+    return total
+
+
 def _layout_ranks(layout):
     ranks = set()
     for group in (layout.words, layout.regions):
@@ -540,6 +579,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
         host["kept"] = host.get("kept", 0) + int(held)
     host["windows"] = window_bytes(graphs.composition, rank) + \
         window_bytes(getattr(graphs, "test_composition", None), rank)
+    peers = peer_window_bytes(graphs.composition, rank) + \
+        peer_window_bytes(getattr(graphs, "test_composition", None), rank)
     host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
     kernel_bytes = host_kernel_bytes(g, tg, serial=dispatcher_kind(dispatcher) == "serial")
     host["host_scratch"] = kernel_bytes["host_scratch"]
@@ -560,7 +601,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
                          "cache: their workspace counted at the cap gpu.workspace_limit")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
                      peak=peak, notes=notes, model_state=model_state_bytes(g),
-                     extras=extras, save=int(save), held=int(held or 0))
+                     extras=extras, save=int(save), held=int(held or 0),
+                     peer_windows=int(peers))
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)
@@ -706,7 +748,7 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
     from ..ops.im2col import held_by
     from .cuda_runtime import op_device
     from .executors import INLINE_LANE
-    holds, by_graph = {}, []
+    holds, by_graph, shared = {}, [], []
     for prefix, g in (("", graph), ("test ", test_graph)):
         if g is None:
             continue
@@ -719,13 +761,14 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
             ins = [_stand_in(g.blobs[b]) for b in op.inputs]
             outs = [_stand_in(g.blobs[b]) for b in op.outputs]
             lane = INLINE_LANE if serial else f"{prefix}{op.thread}"
-            holds.setdefault(lane, []).extend(k.host_scratch(ins, outs))
+            for h in k.host_scratch(ins, outs):   # a shared Hold: once in the process
+                (shared if h.shared else holds.setdefault(lane, [])).append(h)
             t = specs_nbytes(k.host_temporaries(ins, outs))
             if t > temps.get(lane, (0, None))[0]:
                 temps[lane] = (t, op.name)
         by_graph.append(temps)
     temps = max(by_graph, key=lambda t: sum(n for n, _ in t.values()), default={})
-    return {"host_scratch": sum(held_by(h) for h in holds.values()),
+    return {"host_scratch": sum(held_by(h) for h in holds.values()) + held_by(shared),
             "kernel_temporaries": sum(t for t, _ in temps.values()),
             "temporaries_ops": {lane: name for lane, (_, name) in temps.items()}}
 

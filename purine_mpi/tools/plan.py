@@ -747,6 +747,12 @@ def run_plan(job, size, limits, as_json=False, restore=None):
                                                         for _, rows in cols))
         lines.append(f"  {'total':<21}" + "".join(
             f"  {human_bytes(sum(rows.values())):>12}" for _, rows in cols))
+        if fp.peer_windows:   # runtime/footprint.peer_window_bytes
+            label = "peers' window pages"
+            lines.append(f"  {label:<21}  {human_bytes(fp.peer_windows):>12}  "
+                         "(the other ranks' shared-window regions it stores into or loads "
+                         "from: in its resident bytes too; counted on their owner's windows "
+                         "row, not in this total)")
         # the save runs between iterations (host memory only): rank 0's
         # receive buffers and joins, a GPU rank's host copies of its part
         lines.append(f"  {'checkpoint save':<21}  {human_bytes(fp.save):>12}")

@@ -77,7 +77,7 @@ class ServerRank:
         from types import SimpleNamespace
         from ..parallel.schemes.base import Composition
         from ..runtime.footprint import STARTUP_ROWS, Footprint, WorkspacePlans, footprint, \
-            host_kernel_bytes, window_bytes
+            host_kernel_bytes, peer_window_bytes, window_bytes
         comp = Composition(self.server_graph, None, window_placement=self.placement)
         owned = self.owned_bytes()
         # between iterations: send_state's pickle of the momenta (async: and the
@@ -101,7 +101,8 @@ class ServerRank:
         return Footprint(rank=self.rank, device=-1, host=host, devices={},
                          model_state={"weights": owned, "gradients": 0,
                                       "optimizer_state": owned},
-                         save=save, save_frees=() if state_asked(self.job) else
+                         save=save, peer_windows=peer_window_bytes(comp, self.rank),
+                         save_frees=() if state_asked(self.job) else
                          ("comm_buffers",),
                          fill_rows=tuple(k for k in STARTUP_ROWS if k != "comm_buffers"))
 
