@@ -289,6 +289,36 @@ def test_the_residual_add_reads_a_term_stored_as_bits(device, case):
         np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
 
 
+@pytest.mark.parametrize("case", ["prod", "max", "strided", "float64"])
+def test_an_eltwise_takes_add_bits_only_for_a_sum_of_contiguous_float32(device, case):
+    """A bits term the pass never gives them (``bits_inputs``: sums only),
+    but run directly: a prod or max of a float32 and a bits term on a
+    device is the product / maximum of the values (not add_bits' sum), a
+    strided bits term or a float64 one (y float64) is widened (a float32
+    temporary) and summed -- the host path's values, bit for bit, never
+    add_bits (which takes C-contiguous float32 arrays alone)."""
+    rng = np.random.default_rng(14)
+    shape = (4, 6)
+    a = rng.standard_normal(shape)
+    a = a if case == "float64" else a.astype(np.float32)
+    values, bits = _bf16_values(rng, (4, 12) if case == "strided" else shape)
+    attrs = {"operation": case if case in ("prod", "max") else "sum"}
+    want = np.empty(shape, a.dtype)
+    k = make_kernel(Op("e", "Eltwise", ["a", "b"], ["y"], attrs))
+    k.run([a, values[:, ::2] if case == "strided" else values], [want])
+    host = np.empty(shape, a.dtype)
+    k.run([a, bits[:, ::2] if case == "strided" else bits], [host])
+    np.testing.assert_array_equal(host, want)
+    on = device.to_device(bits)
+    y = device.to_device(np.full(shape, np.nan, a.dtype))
+    device.launched.clear()
+    k.run([device.to_device(a), on[:, ::2] if case == "strided" else on], [y])
+    assert "add_bits_f32" not in device.launched
+    got = np.asarray(device.to_host(y))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_producers_infer_bits_storage_only_with_bits_out():
     from purine_mpi.ops.activation import Gelu
     from purine_mpi.ops.layernorm import LayerNorm
