@@ -41,10 +41,11 @@ are widened into float32 (exactly) for the float32 product.
 The forward's output y is stored as bits too where every reader of it takes
 bits (the softmax loss of the logits, reading them ``from_logits``; GELU;
 the fused attention; a residual add; attr ``bits_out``) and the product
-has no fused ReLU (``bits_outputs``). Without a bias GemmEx writes it with a ``CUDA_R_16BF`` result -- its
-float32 accumulator rounded once to the nearest bfloat16, the bits of the
-float32 result's rounding the float32 storage path makes after the product
-(``round_bf16``), so no float32 y exists. With a bias, GemmEx cannot add a
+has no fused ReLU (``bits_outputs``). Without a bias GemmEx writes it with
+a ``CUDA_R_16BF`` result -- its float32 accumulator rounded once to the
+nearest bfloat16, the bits of the float32 result's rounding the float32
+storage path makes after the product (``round_bf16``), so no float32 y
+exists. With a bias, GemmEx cannot add a
 float32 bias before its rounding (and a bias added to rounded values would
 round twice; cuBLASLt's bias epilogue, which can, comes through
 nvmath-python's ``Matmul.execute``, which allocates its result at each
