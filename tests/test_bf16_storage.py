@@ -288,6 +288,85 @@ def test_the_residual_add_reads_a_term_stored_as_bits(device, case):
         np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
 
 
+def test_the_bits_kernels_equal_the_float32_kernels_on_adversarial_values(device):
+    """The kernels of bf16 storage against the float32 storage's kernels on
+    the same device, bit for bit, over the rounding's adversarial values
+    (ties, carries into infinity, subnormals, infinities, NaNs with payload
+    in the low bits; test_precision_device._adversarial), an odd length:
+    bias_bits_f32 = bias_act then to_bf16_bits (the bias adding infinities,
+    subnormals, -0); add_bits_f32 = the float32 addition of the widened
+    term; the _bx GELU kernels (y float32, rounded to bfloat16 or float16
+    in the pass or not, y as bits, the gradient) = the float32 x's."""
+    from purine_mpi.gpu import kernels
+    x32 = _adversarial()
+    n = x32.size // 7 * 7 - 1   # odd
+    src = x32[:n + 1].reshape(-1, 7)
+    bias = np.array([0.0, -0.0, 1.0, 3e38, 1e-40, np.inf, 2.0 ** -130], np.float32)
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    got = put(np.zeros(src.shape, np.uint16))
+    kernels.bias_bits(put(src), put(bias), got)
+    wide = put(src.copy())
+    kernels.bias_act(wide, put(bias))
+    want = put(np.zeros(src.shape, np.uint16))
+    kernels.to_bf16_bits_device(wide.reshape(-1), want.reshape(-1))
+    np.testing.assert_array_equal(get(got), get(want))
+    xb = _numpy_bits(x32[:n])
+    x = (xb.astype(np.uint32) << np.uint32(16)).view(np.float32)   # the same values
+    a = x32[::-1][:n].copy()
+    y = put(np.zeros(n, np.float32))
+    kernels.add_bits(put(a), put(xb), y)
+    with np.errstate(all="ignore"):
+        sum32 = get(put(a) + put(x))
+    np.testing.assert_array_equal(get(y).view(np.uint32), sum32.view(np.uint32))
+    for approximate in ("none", "tanh"):
+        for round_to in (None, "bfloat16", "float16"):
+            pair = [put(np.zeros(n, np.float32)) for _ in range(2)]
+            with np.errstate(all="ignore"):
+                for xs, out in zip((x, xb), pair):
+                    kernels.gelu_forward(put(xs), approximate, out=out, round_to=round_to)
+            np.testing.assert_array_equal(*(get(o).view(np.uint32) for o in pair))
+        pair = [put(np.zeros(n, np.uint16)) for _ in range(2)]
+        with np.errstate(all="ignore"):
+            for xs, out in zip((x, xb), pair):
+                kernels.gelu_forward_bits(put(xs), approximate, out)
+        np.testing.assert_array_equal(*(get(o) for o in pair))
+        pair = [put(np.zeros(n, np.float32)) for _ in range(2)]
+        with np.errstate(all="ignore"):
+            for xs, out in zip((x, xb), pair):
+                kernels.gelu_backward(put(a), put(xs), approximate, out=out)
+        np.testing.assert_array_equal(*(get(o).view(np.uint32) for o in pair))
+
+
+@pytest.mark.parametrize("case", ["prod", "max", "strided", "float64"])
+def test_an_eltwise_takes_add_bits_only_for_a_sum_of_contiguous_float32(device, case):
+    """A bits term the pass never gives them (``bits_inputs``: sums only),
+    but run directly: a prod or max of a float32 and a bits term on a
+    device is the product / maximum of the values (not add_bits' sum), a
+    strided bits term or a float64 one (y float64) is widened (a float32
+    temporary) and summed -- the host path's values, bit for bit, never
+    add_bits (which takes C-contiguous float32 arrays alone)."""
+    rng = np.random.default_rng(14)
+    shape = (4, 6)
+    a = rng.standard_normal(shape)
+    a = a if case == "float64" else a.astype(np.float32)
+    values, bits = _bf16_values(rng, (4, 12) if case == "strided" else shape)
+    attrs = {"operation": case if case in ("prod", "max") else "sum"}
+    want = np.empty(shape, a.dtype)
+    k = make_kernel(Op("e", "Eltwise", ["a", "b"], ["y"], attrs))
+    k.run([a, values[:, ::2] if case == "strided" else values], [want])
+    host = np.empty(shape, a.dtype)
+    k.run([a, bits[:, ::2] if case == "strided" else bits], [host])
+    np.testing.assert_array_equal(host, want)
+    on = device.to_device(bits)
+    y = device.to_device(np.full(shape, np.nan, a.dtype))
+    device.launched.clear()
+    k.run([device.to_device(a), on[:, ::2] if case == "strided" else on], [y])
+    assert "add_bits_f32" not in device.launched
+    got = np.asarray(device.to_host(y))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_producers_infer_bits_storage_only_with_bits_out():
     from purine_mpi.ops.activation import Gelu
     from purine_mpi.ops.layernorm import LayerNorm

@@ -26,6 +26,11 @@ def _f(*shape):
     return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
 
+def _bits(*shape):
+    """bfloat16 bits (uint16: a blob stored as bits, bf16 storage)."""
+    return (_f(*shape).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
 def _ids(high, shape):
     return np.random.default_rng(1).integers(0, high, shape)
 
@@ -143,6 +148,19 @@ def _cases():
          [np.empty((), np.float32)]),
         ("ConvGradWeight", {"group": 2}, [_f(64, 128, 16, 16), _f(64, 96, 16, 16)],
          [np.empty((128, 48, 1, 1), np.float32)]),
+        # bf16 storage: the fc ops widen each operand stored as bits (a
+        # float32 copy), the forward writing bits (with a bias) its float32
+        # product and to_bf16_bits's chunk besides
+        ("InnerProduct", {"num_output": 512, "axis": 2, "compute_dtype": "bfloat16"},
+         [_bits(4, 64, 512), _bits(512, 512), _f(512)], [np.empty((4, 64, 512), np.float32)]),
+        ("InnerProduct", {"num_output": 512, "axis": 2, "compute_dtype": "bfloat16",
+                          "bits_out": [0]},
+         [_bits(4, 64, 512), _bits(512, 512), _f(512)], [np.empty((4, 64, 512), np.uint16)]),
+        ("InnerProductGradData", {"axis": 2, "x_shape": [4, 64, 512],
+                                  "compute_dtype": "bfloat16"},
+         [_bits(4, 64, 512), _bits(512, 512)], [np.empty((4, 64, 512), np.float32)]),
+        ("InnerProductGradWeight", {"axis": 2, "compute_dtype": "bfloat16"},
+         [_bits(4, 64, 512), _bits(4, 64, 512)], [np.empty((512, 512), np.float32)]),
     ]
 
 

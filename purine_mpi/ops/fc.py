@@ -40,11 +40,12 @@ are widened into float32 (exactly) for the float32 product.
 
 The forward's output y is stored as bits too where every reader of it takes
 bits (the softmax loss of the logits, reading them ``from_logits``; GELU;
-the fused attention; a residual add; attr ``bits_out``) and the product has no fused ReLU (``bits_outputs``).
-Without a bias GemmEx writes it with a ``CUDA_R_16BF`` result -- its
-float32 accumulator rounded once to the nearest bfloat16, the bits of the
-float32 result's rounding the float32 storage path makes after the product
-(``round_bf16``), so no float32 y exists. With a bias, GemmEx cannot add a
+the fused attention; a residual add; attr ``bits_out``) and the product
+has no fused ReLU (``bits_outputs``). Without a bias GemmEx writes it with
+a ``CUDA_R_16BF`` result -- its float32 accumulator rounded once to the
+nearest bfloat16, the bits of the float32 result's rounding the float32
+storage path makes after the product (``round_bf16``), so no float32 y
+exists. With a bias, GemmEx cannot add a
 float32 bias before its rounding (and a bias added to rounded values would
 round twice; cuBLASLt's bias epilogue, which can, comes through
 nvmath-python's ``Matmul.execute``, which allocates its result at each
@@ -90,6 +91,13 @@ def _host(x):
     """``x`` as float32 values where it is bfloat16 bits (the host path: a
     new array, exact), else ``x``."""
     return from_bf16_bits(x, np.empty(x.shape, np.float32)) if is_bits(x) else x
+
+
+def _host_widenings(*operands):
+    """The float32 copies ``_host`` makes of the operands stored as bits,
+    each ``(2-D shape, dtype)``: a host product's temporaries
+    (``host_temporaries``)."""
+    return [(tuple(shape), np.float32) for shape, dtype in operands if is_bits(dtype)]
 
 
 def gemm(*args, **kwargs):
@@ -193,14 +201,22 @@ class InnerProduct(OpKernel):
                            c=((M, ins[1].shape[0]), outs[0].dtype) if outs else None,
                            bias=len(ins) == 3)
 
-    def host_temporaries(self, ins, outs):
+    def _bits_y_specs(self, ins, outs):
         """y stored as bits: the float32 product (the bias added to it) and
-        to_bf16_bits's chunk."""
+        to_bf16_bits's chunk (the host run's ``temporaries``)."""
         if not outs or not is_bits(outs[0]):
             return []
         M, _ = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
         return [((M, ins[1].shape[0]), np.float32),
                 (wire_scratch(outs[0].size).shape, np.uint32)]
+
+    def host_temporaries(self, ins, outs):
+        """y stored as bits: the float32 product (the bias added to it) and
+        to_bf16_bits's chunk; a float32 copy of each operand stored as
+        bits."""
+        M, K = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
+        return self._bits_y_specs(ins, outs) + _host_widenings(((M, K), ins[0].dtype),
+                                                              (ins[1].shape, ins[1].dtype))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -225,7 +241,7 @@ class InnerProduct(OpKernel):
                          trans_b=True)
                 raw_kernels(xp, wide, bias).bias_bits(wide, bias, y)
                 return
-            wide, scratch = self.temporaries(y, *self.host_temporaries(ins, outs))
+            wide, scratch = self.temporaries(y, *self._bits_y_specs(ins, outs))
             matmul(xp, _host(x).reshape(M, K), _host(w).T, out=wide)
             if bias is not None:   # the float32 path's epilogue (_epilogue), then one rounding
                 wide += bias.reshape(1, -1)
@@ -263,6 +279,12 @@ class InnerProductGradData(OpKernel):
         M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
         return _bits_specs(self, ((M, ins[0].size // max(M, 1)), ins[0].dtype),
                            (ins[1].shape, ins[1].dtype))
+
+    def host_temporaries(self, ins, outs):
+        """A float32 copy of each operand stored as bits."""
+        M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        return _host_widenings(((M, ins[0].size // max(M, 1)), ins[0].dtype),
+                               (ins[1].shape, ins[1].dtype))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -310,6 +332,12 @@ class InnerProductGradWeight(OpKernel):
         M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
         return _bits_specs(self, ((M, ins[0].size // max(M, 1)), ins[0].dtype),
                            ((M, K), ins[1].dtype), rows="rows" in self.attrs)
+
+    def host_temporaries(self, ins, outs):
+        """A float32 copy of each operand stored as bits (dy's columns of
+        ``rows``)."""
+        M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
+        return _host_widenings(((M, outs[0].shape[0]), ins[0].dtype), ((M, K), ins[1].dtype))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))

@@ -164,8 +164,9 @@ class OpKernel:
     @classmethod
     def bits_outputs_of(cls, op):
         """``bits_outputs`` of the graph op ``op`` (its attrs); a kernel
-        whose answer depends on its inputs too (the fully connected layer's
-        bias) overrides it. What the precision pass asks."""
+        whose answer depends on its inputs too would override it (none
+        does: the fully connected layer writes bits with a bias as without,
+        ops/fc.py). What the precision pass asks."""
         return cls.bits_outputs(op.attrs)
 
     def rounds_own_outputs(self, ins, outs):

@@ -215,10 +215,12 @@ class Eltwise(OpKernel):
 
     A sum takes its first two inputs stored as bfloat16 bits too
     (``bits_inputs``, bf16 storage: the residual add of an fc output with a
-    bias), y float32: a sum of two, coefficients 1, one of them bits, is one
-    kernel on a GPU (``add_bits``: the float32 addition of the widened
-    values); otherwise each bits input is widened exactly into a temporary
-    first. The float32 storage's sum of the same values, bit for bit."""
+    bias), y float32: a sum of two, coefficients 1, one of them bits, the
+    arrays C-contiguous and the other float32, is one kernel on a GPU
+    (``add_bits``: the float32 addition of the widened values); otherwise
+    (and for a prod or max run on bits directly) each bits input is widened
+    exactly into a float32 temporary first. The float32 storage's result
+    from the same values, bit for bit."""
 
     op_type = "Eltwise"
 
@@ -240,10 +242,13 @@ class Eltwise(OpKernel):
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         y = outs[0]
         bits = [i for i, x in enumerate(ins) if is_bits(x)]
-        if bits and xp is not np and len(ins) == 2 and len(bits) == 1 and coeff == [1.0, 1.0]:
+        if bits and xp is not np and operation == "sum" and len(ins) == 2 and \
+                len(bits) == 1 and coeff == [1.0, 1.0]:
             a, b = ins[1 - bits[0]], ins[bits[0]]   # an addition commutes exactly
             k = raw_kernels(xp, a, y)
-            if k is not None and a.flags.c_contiguous and y.flags.c_contiguous:
+            # add_bits takes C-contiguous float32 arrays alone; else widened below
+            if k is not None and all(np.dtype(v.dtype) == np.float32 for v in (a, y)) and \
+                    all(v.flags.c_contiguous for v in (a, b, y)):
                 k.add_bits(a, b, y)
                 return
         acc, *term = self.temporaries(y, *self.host_temporaries(ins, outs))
@@ -255,7 +260,9 @@ class Eltwise(OpKernel):
                     from_bf16_bits(ins[i], w)
                 else:
                     from ..gpu.kernels import from_bf16_bits_device
-                    from_bf16_bits_device(ins[i].reshape(-1), w.reshape(-1))
+                    # (a strided term, never a blob the pass stores as bits: a copy)
+                    from_bf16_bits_device(xp.ascontiguousarray(ins[i]).reshape(-1),
+                                          w.reshape(-1))
                 ins[i] = w
         if operation == "sum" and coeff[0] != 1.0:
             xp.multiply(ins[0], coeff[0], out=acc)
@@ -280,7 +287,8 @@ class Eltwise(OpKernel):
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         scaled = operation == "sum" and any(c != 1.0 for c in coeff[1:])
         widened = sum(1 for x in ins if is_bits(x))   # a float32 copy of each bits input
-        return [(outs[0].shape, outs[0].dtype)] * (1 + scaled + widened)
+        return [(outs[0].shape, outs[0].dtype)] * (1 + scaled) + \
+            [(outs[0].shape, np.float32)] * widened
 
 
 @register
