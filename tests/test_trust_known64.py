@@ -213,3 +213,33 @@ def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch, capsy
     assert ident[-1] is None and 0 < clock["slept"] <= filecache.RACY_SECONDS + 0.1, clock
     # the wait is said, once, on stderr: a run that stalls at start-up says why
     assert "waiting" in capsys.readouterr().err
+
+
+def test_a_just_written_file_is_hashed_once_per_load_not_per_look(tmp_path, digits_h5,
+                                                                  monkeypatch):
+    """A start-up on a just-written data file hashed it whole at every look:
+    each op's shapes, the plan, the notes (hdf5_info: a header, whose
+    reading costs less than hashing a file over 1 MiB), each loss and
+    accuracy's label check, each shared source twice. 42 digests of a
+    60 MB file on rank 0 of a 2-rank train (8 s of a 6 s set-up, against
+    0.3 s for an old file). Now: one digest per load of the data, a label
+    check per data spec and a shared source."""
+    import h5py
+
+    from purine_mpi.data import filecache
+    monkeypatch.setattr(filecache, "RACY_SECONDS", 3600)  # racy however slow the machine
+    path = tmp_path / "fresh.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:  # 1.5 MiB: over a header's digest limit
+        for split, n in (("train", 6000), ("test", 120)):
+            f[f"{split}/data"] = rng.standard_normal((n, 1, 8, 8)).astype(np.float32)
+            f[f"{split}/label"] = rng.integers(0, 10, n)
+    hashed = []
+    real = filecache.content_digest
+    monkeypatch.setattr(filecache, "content_digest", lambda p: hashed.append(p) or real(p))
+    cfg = small_net_config(str(path))
+    cfg["solver"]["max_iter"] = 1
+    train_here(cfg, tmp_path / "run")
+    # two data specs (train, test): each checked once (its labels) and
+    # shared once (its readers' source)
+    assert len(hashed) <= 4, f"the data file was hashed {len(hashed)} times at start-up"

@@ -42,10 +42,16 @@ _CACHE, _LOCK = {}, threading.Lock()
 RACY_SECONDS = 10
 #: file_identity's digest field of a racy file when no digest is asked for
 RACY = "racy"
-#: the largest racy file whose digest keys a cache of its header (a
-#: header's reader asks ~25 times a start-up: hashing 64 MiB takes ~50 ms,
-#: a larger file's header is read again each time instead)
+#: the largest racy file whose digest keys a cache of what a scan of its
+#: keys found (an LMDB's metadata: the scan reads as many pages as the
+#: digest, a larger database is scanned again each time instead)
 HEADER_DIGEST_BYTES = 64 << 20
+#: the largest racy file whose digest keys a cache of its header (an HDF5
+#: split's shapes, a text file's token count): a start-up looks ~25 times
+#: (each op's shapes, the plan, the notes), and a header is read in ~1.5
+#: ms, as long as hashing 1 MiB takes (a 60 MB file: ~200 ms), so a larger
+#: racy file's header is read again at each look instead
+INFO_DIGEST_BYTES = 1 << 20
 #: a racy file larger than this is not hashed: file_identity waits until
 #: it is RACY_SECONDS old (once; a time in the future is hashed)
 WAIT_BYTES = 256 << 20
@@ -72,7 +78,7 @@ def file_identity(path, digest=True, now_ns=None):
     mtime or ctime within ``RACY_SECONDS`` of now, or in the future): then
     a regular file's content digest, or ``RACY`` where ``digest`` is False
     or a number of bytes the file is larger than (a caller that reads only
-    a header of a possibly large file: ``HEADER_DIGEST_BYTES``), and the
+    a header of a possibly large file: ``INFO_DIGEST_BYTES``), and the
     caller keeps nothing it read (a header is cheap to read again). A racy
     file over ``WAIT_BYTES`` whose digest is asked for is not read: the call
     waits until it is no longer racy (at most ``RACY_SECONDS``). Raises
@@ -87,8 +93,8 @@ def file_identity(path, digest=True, now_ns=None):
         # a large file just written (data made, then a run started): waiting
         # out the window (at most RACY_SECONDS) costs less than reading it all
         wait = (RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01
-        print(f"note: data file '{path}' ({st.st_size >> 20} MiB) changed {(now - changed) / 1e9:.1f} s "
-              f"ago; waiting {wait:.1f} s, until a rewrite would move its timestamps, before "
+        print(f"note: data file '{path}' ({st.st_size >> 20} MiB) changed "
+              f"{(now - changed) / 1e9:.1f} s ago; waiting {wait:.1f} s, until a rewrite would move its timestamps, before "
               "keeping what it holds", file=sys.stderr, flush=True)
         time.sleep(wait)
         return file_identity(path, digest)
@@ -105,9 +111,9 @@ def file_identity(path, digest=True, now_ns=None):
 
 def per_file_version(path, load, stat_path=None, digest=True):
     """``load(path)``, once per ``file_identity`` of ``stat_path``
-    (``digest``: ``HEADER_DIGEST_BYTES`` where ``load`` reads only a
-    header of a possibly large file, an LMDB's metadata: a larger racy
-    file's header is read every time)."""
+    (``digest``: ``INFO_DIGEST_BYTES`` where ``load`` reads only a header
+    of a possibly large file, ``HEADER_DIGEST_BYTES`` where it scans an
+    LMDB's keys: a larger racy file's is read every time)."""
     try:
         tag = (load, os.path.abspath(path), file_identity(stat_path or path, digest))
     except OSError:
