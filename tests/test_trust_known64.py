@@ -243,3 +243,43 @@ def test_a_just_written_file_is_hashed_once_per_load_not_per_look(tmp_path, digi
     # two data specs (train, test): each checked once (its labels) and
     # shared once (its readers' source)
     assert len(hashed) <= 4, f"the data file was hashed {len(hashed)} times at start-up"
+
+
+def test_an_unchanged_file_is_loaded_once_across_its_racy_window(tmp_path, monkeypatch):
+    """A split loaded while its file was racy (keyed by its digest) and
+    asked for again once the file is RACY_SECONDS old (keyed by its stat
+    fields) was loaded a second time and both copies kept for the process
+    (HDF5Source's cache never lets go): a start-up whose label check came
+    before the 10 s and whose readers came after held the data twice. Now
+    the digest, taken once more, says it is the same version."""
+    import h5py
+
+    from purine_mpi.data import filecache
+    from purine_mpi.data.sources import HDF5Source
+    path = str(tmp_path / "d.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("train/data", data=np.arange(24, dtype=np.float32).reshape(6, 1, 2, 2))
+        f.create_dataset("train/label", data=np.arange(6) % 2)
+    clock = {"now": time.time_ns()}
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            return clock["now"]
+        sleep = staticmethod(time.sleep)
+    monkeypatch.setattr(filecache, "time", Clock)
+    loads = []
+    real = HDF5Source._load
+    monkeypatch.setattr(HDF5Source, "_load", lambda self: loads.append(1) or real(self))
+    first = HDF5Source(path, "train")  # racy: keyed by the file's digest
+    assert filecache.file_identity(path)[-1] is not None
+    clock["now"] += (filecache.RACY_SECONDS + 1) * 10**9
+    assert filecache.file_identity(path)[-1] is None  # no longer racy
+    again = HDF5Source(path, "train")
+    assert len(loads) == 1 and again.data is first.data, "an unchanged split was loaded twice"
+    # a rewrite within the window is still read again (same size, new values)
+    with h5py.File(path, "r+") as f:
+        f["train/data"][0, 0, 0, 0] = -1.0
+    clock["now"] = time.time_ns()
+    fresh = HDF5Source(path, "train")
+    assert fresh.gather([0])[0][0, 0, 0, 0] == -1.0 and len(loads) == 2

@@ -3,8 +3,11 @@
 ``per_file_version(path, load, stat_path=None)`` returns ``load(path)``,
 kept per ``file_identity`` of ``stat_path`` (default ``path``): the
 readers' prefetch threads and the ranks' start-up checks share one read,
-and a file rewritten in between is read again. A file that cannot be
-stat'ed is read every time (its error then comes from ``load``).
+and a file rewritten in between is read again (and replaces the version
+kept: one per path). A file that cannot be stat'ed is read every time
+(its error then comes from ``load``). ``same_version`` tells whether what
+was read of a racy file is still its content once the file is no longer
+racy (its digest, once more), so an unchanged file is not read twice.
 
 ``file_identity(path)`` is the version of a file that every per-process
 cache of what a data file holds keys on (here, data/sources.py's shared
@@ -109,21 +112,46 @@ def file_identity(path, digest=True, now_ns=None):
             st.st_ctime_ns, hashed)
 
 
+def same_version(held, identity, path):
+    """Whether ``held`` (a ``file_identity`` taken when something was read)
+    and ``identity`` (taken just now) are one version of ``path``: equal;
+    or the same stat fields, ``held`` taken while the file was racy (a
+    digest) and ``identity`` since it is not: then its bytes decide, hashed
+    once more (a rewrite within the tick would have kept every stat field;
+    from now on one moves them). Keeps a cache from loading an unchanged
+    file again, and holding it twice, once its racy window has passed."""
+    if held == identity:
+        return True
+    if held[:-1] != identity[:-1] or identity[-1] is not None or \
+            not isinstance(held[-1], str) or held[-1] == RACY:
+        return False
+    try:
+        return content_digest(path) == held[-1]
+    except OSError:  # unreadable now: its reader says why
+        return False
+
+
 def per_file_version(path, load, stat_path=None, digest=True):
     """``load(path)``, once per ``file_identity`` of ``stat_path``
     (``digest``: ``INFO_DIGEST_BYTES`` where ``load`` reads only a header
     of a possibly large file, ``HEADER_DIGEST_BYTES`` where it scans an
     LMDB's keys: a larger racy file's is read every time)."""
     try:
-        tag = (load, os.path.abspath(path), file_identity(stat_path or path, digest))
+        identity = file_identity(stat_path or path, digest)
     except OSError:
         return load(path)
-    if tag[-1][-1] == RACY:  # changed just now, no digest asked: read, keep nothing
+    if identity[-1] == RACY:  # changed just now, no digest asked: read, keep nothing
         return load(path)
+    # one version kept per (load, path): a rewritten file's replaces the old
+    slot = (load, os.path.abspath(path))
     with _LOCK:
-        value = _CACHE.get(tag)
-    if value is None:
-        value = load(path)
-        with _LOCK:
-            value = _CACHE.setdefault(tag, value)
+        held = _CACHE.get(slot)
+    if held is not None and same_version(held[0], identity, stat_path or path):
+        if held[0] != identity:  # checked past its racy window: keyed by stat now
+            with _LOCK:
+                _CACHE[slot] = (identity, held[1])
+        return held[1]
+    value = load(path)
+    with _LOCK:
+        _CACHE[slot] = (identity, value)
     return value

@@ -35,7 +35,7 @@ import numpy as np
 from ..base import env
 from ..base.errors import DataSpecError, UserError
 from ..base.progress_bar import human_bytes
-from .filecache import INFO_DIGEST_BYTES, RACY, file_identity
+from .filecache import INFO_DIGEST_BYTES, RACY, file_identity, same_version
 from .h5links import check_sources, link_outside
 
 #: synthetic sources hold at most this many bytes of distinct samples and
@@ -260,11 +260,18 @@ class HDF5Source(DataSource):
         # the file's version (filecache.file_identity: a racy file's digest too)
         if identity is None:
             identity = file_identity(path)
-        key = (os.path.abspath(path), split, identity, self.in_memory)
+        # one version kept per file and split: an unchanged file loaded while
+        # racy is not loaded (nor held) again once it is not
+        # (filecache.same_version); a rewritten one replaces the old version
+        slot = (os.path.abspath(path), split, self.in_memory)
         with self._cache_lock:
-            cached = self._cache.get(key)
-            if cached is None:
-                cached = self._cache[key] = self._load()
+            held = self._cache.get(slot)
+            if held is not None and same_version(held[0], identity, path):
+                cached = held[1]
+                self._cache[slot] = (identity, cached)
+            else:
+                cached = self._load()
+                self._cache[slot] = (identity, cached)
         self.data, self.labels = cached
         self._file = None
         self._read_lock = threading.Lock()
