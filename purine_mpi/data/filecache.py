@@ -152,6 +152,9 @@ def per_file_version(path, load, stat_path=None, digest=True):
                 _CACHE[slot] = (identity, held[1])
         return held[1]
     value = load(path)
-    with _LOCK:
+    with _LOCK:  # another thread's read of this version first: theirs, shared
+        held = _CACHE.get(slot)
+        if held is not None and held[0] == identity:
+            return held[1]
         _CACHE[slot] = (identity, value)
     return value
