@@ -232,3 +232,10 @@ def test_export_hf_writes_into_an_existing_folder(tmp_path):
     (out / "tokenizer.json").write_text("{}")
     res = run_cli_here("export", "hf", path, "--weights", weights, "--out", out)
     assert_user_error(res, "tokenizer.json", "byte-level")
+    # a GPT-2 BPE's files (a downloaded model's folder): GPT2TokenizerFast
+    # builds its vocabulary from vocab.json and merges.txt as well
+    (out / "tokenizer.json").unlink()
+    (out / "vocab.json").write_text('{"a": 0}')
+    (out / "merges.txt").write_text("#version: 0.2\n")
+    res = run_cli_here("export", "hf", path, "--weights", weights, "--out", out)
+    assert_user_error(res, "vocab.json and merges.txt", "byte-level")

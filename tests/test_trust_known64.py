@@ -84,6 +84,10 @@ def coarse_clock(monkeypatch):
     """``os.stat`` of the files named in the returned set reports one fixed
     mtime and ctime (now): a file system whose timestamps did not tick
     between two writes."""
+    from purine_mpi.data import filecache
+    # the frozen times stay racy however slow the machine (past 10 s the
+    # file would be keyed by its frozen stat fields alone: a false failure)
+    monkeypatch.setattr(filecache, "RACY_SECONDS", 3600)
     real, frozen, names = os.stat, time.time_ns(), set()
 
     class Coarse:
@@ -213,3 +217,73 @@ def test_a_large_racy_file_is_waited_out_not_hashed(tmp_path, monkeypatch, capsy
     assert ident[-1] is None and 0 < clock["slept"] <= filecache.RACY_SECONDS + 0.1, clock
     # the wait is said, once, on stderr: a run that stalls at start-up says why
     assert "waiting" in capsys.readouterr().err
+
+
+def test_a_just_written_file_is_hashed_once_per_load_not_per_look(tmp_path, digits_h5,
+                                                                  monkeypatch):
+    """A start-up on a just-written data file hashed it whole at every look:
+    each op's shapes, the plan, the notes (hdf5_info: a header, whose
+    reading costs less than hashing a file over 1 MiB), each loss and
+    accuracy's label check, each shared source twice. 42 digests of a
+    60 MB file on rank 0 of a 2-rank train (8 s of a 6 s set-up, against
+    0.3 s for an old file). Now: one digest per load of the data, a label
+    check per data spec and a shared source."""
+    import h5py
+
+    from purine_mpi.data import filecache
+    monkeypatch.setattr(filecache, "RACY_SECONDS", 3600)  # racy however slow the machine
+    path = tmp_path / "fresh.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:  # 1.5 MiB: over a header's digest limit
+        for split, n in (("train", 6000), ("test", 120)):
+            f[f"{split}/data"] = rng.standard_normal((n, 1, 8, 8)).astype(np.float32)
+            f[f"{split}/label"] = rng.integers(0, 10, n)
+    hashed = []
+    real = filecache.content_digest
+    monkeypatch.setattr(filecache, "content_digest", lambda p: hashed.append(p) or real(p))
+    cfg = small_net_config(str(path))
+    cfg["solver"]["max_iter"] = 1
+    train_here(cfg, tmp_path / "run")
+    # two data specs (train, test): each checked once (its labels) and
+    # shared once (its readers' source)
+    assert len(hashed) <= 4, f"the data file was hashed {len(hashed)} times at start-up"
+
+
+def test_an_unchanged_file_is_loaded_once_across_its_racy_window(tmp_path, monkeypatch):
+    """A split loaded while its file was racy (keyed by its digest) and
+    asked for again once the file is RACY_SECONDS old (keyed by its stat
+    fields) was loaded a second time and both copies kept for the process
+    (HDF5Source's cache never lets go): a start-up whose label check came
+    before the 10 s and whose readers came after held the data twice. Now
+    the digest, taken once more, says it is the same version."""
+    import h5py
+
+    from purine_mpi.data import filecache
+    from purine_mpi.data.sources import HDF5Source
+    path = str(tmp_path / "d.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("train/data", data=np.arange(24, dtype=np.float32).reshape(6, 1, 2, 2))
+        f.create_dataset("train/label", data=np.arange(6) % 2)
+    clock = {"now": time.time_ns()}
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            return clock["now"]
+        sleep = staticmethod(time.sleep)
+    monkeypatch.setattr(filecache, "time", Clock)
+    loads = []
+    real = HDF5Source._load
+    monkeypatch.setattr(HDF5Source, "_load", lambda self: loads.append(1) or real(self))
+    first = HDF5Source(path, "train")  # racy: keyed by the file's digest
+    assert filecache.file_identity(path)[-1] is not None
+    clock["now"] += (filecache.RACY_SECONDS + 1) * 10**9
+    assert filecache.file_identity(path)[-1] is None  # no longer racy
+    again = HDF5Source(path, "train")
+    assert len(loads) == 1 and again.data is first.data, "an unchanged split was loaded twice"
+    # a rewrite within the window is still read again (same size, new values)
+    with h5py.File(path, "r+") as f:
+        f["train/data"][0, 0, 0, 0] = -1.0
+    clock["now"] = time.time_ns()
+    fresh = HDF5Source(path, "train")
+    assert fresh.gather([0])[0][0, 0, 0, 0] == -1.0 and len(loads) == 2

@@ -3,8 +3,11 @@
 ``per_file_version(path, load, stat_path=None)`` returns ``load(path)``,
 kept per ``file_identity`` of ``stat_path`` (default ``path``): the
 readers' prefetch threads and the ranks' start-up checks share one read,
-and a file rewritten in between is read again. A file that cannot be
-stat'ed is read every time (its error then comes from ``load``).
+and a file rewritten in between is read again (and replaces the version
+kept: one per path). A file that cannot be stat'ed is read every time
+(its error then comes from ``load``). ``same_version`` tells whether what
+was read of a racy file is still its content once the file is no longer
+racy (its digest, once more), so an unchanged file is not read twice.
 
 ``file_identity(path)`` is the version of a file that every per-process
 cache of what a data file holds keys on (here, data/sources.py's shared
@@ -42,10 +45,16 @@ _CACHE, _LOCK = {}, threading.Lock()
 RACY_SECONDS = 10
 #: file_identity's digest field of a racy file when no digest is asked for
 RACY = "racy"
-#: the largest racy file whose digest keys a cache of its header (a
-#: header's reader asks ~25 times a start-up: hashing 64 MiB takes ~50 ms,
-#: a larger file's header is read again each time instead)
+#: the largest racy file whose digest keys a cache of what a scan of its
+#: keys found (an LMDB's metadata: the scan reads as many pages as the
+#: digest, a larger database is scanned again each time instead)
 HEADER_DIGEST_BYTES = 64 << 20
+#: the largest racy file whose digest keys a cache of its header (an HDF5
+#: split's shapes, a text file's token count): a start-up looks ~25 times
+#: (each op's shapes, the plan, the notes), and a header is read in ~1.5
+#: ms, as long as hashing 1 MiB takes (a 60 MB file: ~200 ms), so a larger
+#: racy file's header is read again at each look instead
+INFO_DIGEST_BYTES = 1 << 20
 #: a racy file larger than this is not hashed: file_identity waits until
 #: it is RACY_SECONDS old (once; a time in the future is hashed)
 WAIT_BYTES = 256 << 20
@@ -72,7 +81,7 @@ def file_identity(path, digest=True, now_ns=None):
     mtime or ctime within ``RACY_SECONDS`` of now, or in the future): then
     a regular file's content digest, or ``RACY`` where ``digest`` is False
     or a number of bytes the file is larger than (a caller that reads only
-    a header of a possibly large file: ``HEADER_DIGEST_BYTES``), and the
+    a header of a possibly large file: ``INFO_DIGEST_BYTES``), and the
     caller keeps nothing it read (a header is cheap to read again). A racy
     file over ``WAIT_BYTES`` whose digest is asked for is not read: the call
     waits until it is no longer racy (at most ``RACY_SECONDS``). Raises
@@ -87,8 +96,8 @@ def file_identity(path, digest=True, now_ns=None):
         # a large file just written (data made, then a run started): waiting
         # out the window (at most RACY_SECONDS) costs less than reading it all
         wait = (RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01
-        print(f"note: data file '{path}' ({st.st_size >> 20} MiB) changed {(now - changed) / 1e9:.1f} s "
-              f"ago; waiting {wait:.1f} s, until a rewrite would move its timestamps, before "
+        print(f"note: data file '{path}' ({st.st_size >> 20} MiB) changed "
+              f"{(now - changed) / 1e9:.1f} s ago; waiting {wait:.1f} s, until a rewrite would move its timestamps, before "
               "keeping what it holds", file=sys.stderr, flush=True)
         time.sleep(wait)
         return file_identity(path, digest)
@@ -103,21 +112,49 @@ def file_identity(path, digest=True, now_ns=None):
             st.st_ctime_ns, hashed)
 
 
+def same_version(held, identity, path):
+    """Whether ``held`` (a ``file_identity`` taken when something was read)
+    and ``identity`` (taken just now) are one version of ``path``: equal;
+    or the same stat fields, ``held`` taken while the file was racy (a
+    digest) and ``identity`` since it is not: then its bytes decide, hashed
+    once more (a rewrite within the tick would have kept every stat field;
+    from now on one moves them). Keeps a cache from loading an unchanged
+    file again, and holding it twice, once its racy window has passed."""
+    if held == identity:
+        return True
+    if held[:-1] != identity[:-1] or identity[-1] is not None or \
+            not isinstance(held[-1], str) or held[-1] == RACY:
+        return False
+    try:
+        return content_digest(path) == held[-1]
+    except OSError:  # unreadable now: its reader says why
+        return False
+
+
 def per_file_version(path, load, stat_path=None, digest=True):
     """``load(path)``, once per ``file_identity`` of ``stat_path``
-    (``digest``: ``HEADER_DIGEST_BYTES`` where ``load`` reads only a
-    header of a possibly large file, an LMDB's metadata: a larger racy
-    file's header is read every time)."""
+    (``digest``: ``INFO_DIGEST_BYTES`` where ``load`` reads only a header
+    of a possibly large file, ``HEADER_DIGEST_BYTES`` where it scans an
+    LMDB's keys: a larger racy file's is read every time)."""
     try:
-        tag = (load, os.path.abspath(path), file_identity(stat_path or path, digest))
+        identity = file_identity(stat_path or path, digest)
     except OSError:
         return load(path)
-    if tag[-1][-1] == RACY:  # changed just now, no digest asked: read, keep nothing
+    if identity[-1] == RACY:  # changed just now, no digest asked: read, keep nothing
         return load(path)
+    # one version kept per (load, path): a rewritten file's replaces the old
+    slot = (load, os.path.abspath(path))
     with _LOCK:
-        value = _CACHE.get(tag)
-    if value is None:
-        value = load(path)
-        with _LOCK:
-            value = _CACHE.setdefault(tag, value)
+        held = _CACHE.get(slot)
+    if held is not None and same_version(held[0], identity, stat_path or path):
+        if held[0] != identity:  # checked past its racy window: keyed by stat now
+            with _LOCK:
+                _CACHE[slot] = (identity, held[1])
+        return held[1]
+    value = load(path)
+    with _LOCK:  # another thread's read of this version first: theirs, shared
+        held = _CACHE.get(slot)
+        if held is not None and held[0] == identity:
+            return held[1]
+        _CACHE[slot] = (identity, value)
     return value

@@ -35,7 +35,7 @@ import numpy as np
 from ..base import env
 from ..base.errors import DataSpecError, UserError
 from ..base.progress_bar import human_bytes
-from .filecache import HEADER_DIGEST_BYTES, RACY, file_identity
+from .filecache import INFO_DIGEST_BYTES, RACY, file_identity, same_version
 from .h5links import check_sources, link_outside
 
 #: synthetic sources hold at most this many bytes of distinct samples and
@@ -90,7 +90,7 @@ def data_hint(data_path, what="data file"):
 
 #: hdf5_info's answers in this process, by the file's identity (device,
 #: inode, size, mtime, ctime, and a file changed within the last
-#: filecache.RACY_SECONDS its digest, or, over HEADER_DIGEST_BYTES, no
+#: filecache.RACY_SECONDS its digest, or, over INFO_DIGEST_BYTES, no
 #: answer kept: coarse timestamps may not move): a start-up asks it ~25
 #: times of the same file (each op's shapes, the plan, the notes), 5 ms an
 #: open; a file replaced or rewritten is read again. Only answers are kept,
@@ -114,7 +114,7 @@ def hdf5_info(path, split=None, external=False):
     if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(f"data file '{path}' not found; {data_hint(path)}")
     try:  # metadata only: a large racy file is not hashed (filecache.file_identity)
-        key = (split, bool(external), file_identity(path, HEADER_DIGEST_BYTES))
+        key = (split, bool(external), file_identity(path, INFO_DIGEST_BYTES))
     except OSError:
         key = None
     if key is None or key[-1][-1] == RACY:  # changed just now: read again, keep nothing
@@ -238,7 +238,10 @@ class HDF5Source(DataSource):
     #: h5py's chunk cache per open file in the on-demand mode
     CHUNK_CACHE_BYTES = 64 << 20
 
-    def __init__(self, path, split=None, in_memory="auto", external=False):
+    def __init__(self, path, split=None, in_memory="auto", external=False, identity=None):
+        """``identity``: the file's ``filecache.file_identity`` where the
+        caller took it just now (``shared_source``: a racy file is hashed
+        once, not once per look)."""
         self.path, self.split = path, split
         self.n_samples, self.sample_shape = hdf5_info(path, split, external)
         self.where = "/" if split is None else f"/{split}/"
@@ -255,11 +258,20 @@ class HDF5Source(DataSource):
         self.in_memory = in_memory is True or (in_memory in ("auto", None)
                                                and decoded <= budget)
         # the file's version (filecache.file_identity: a racy file's digest too)
-        key = (os.path.abspath(path), split, file_identity(path), self.in_memory)
+        if identity is None:
+            identity = file_identity(path)
+        # one version kept per file and split: an unchanged file loaded while
+        # racy is not loaded (nor held) again once it is not
+        # (filecache.same_version); a rewritten one replaces the old version
+        slot = (os.path.abspath(path), split, self.in_memory)
         with self._cache_lock:
-            cached = self._cache.get(key)
-            if cached is None:
-                cached = self._cache[key] = self._load()
+            held = self._cache.get(slot)
+            if held is not None and same_version(held[0], identity, path):
+                cached = held[1]
+                self._cache[slot] = (identity, cached)
+            else:
+                cached = self._load()
+                self._cache[slot] = (identity, cached)
         self.data, self.labels = cached
         self._file = None
         self._read_lock = threading.Lock()
@@ -372,13 +384,14 @@ class SyntheticSource(DataSource):
         return self.pool[indices % self.pool_size], self.labels[indices]
 
 
-def make_source(spec, seed=0):
+def make_source(spec, seed=0, identity=None):
     """A source from a data spec as in the config (``source: hdf5|lmdb|synthetic``).
-    ``seed`` is used for synthetic data when the spec gives no ``seed``."""
+    ``seed`` is used for synthetic data when the spec gives no ``seed``;
+    ``identity``: its file's ``file_identity`` taken just now, or None."""
     kind = spec.get("source", "hdf5")
     if kind == "hdf5":
         return HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"),
-                          bool(spec.get("external")))
+                          bool(spec.get("external")), identity=identity)
     if kind == "lmdb":
         from .lmdb_source import LMDBSource
         return LMDBSource(spec["path"])
@@ -416,18 +429,20 @@ def shares_source(spec):
     return spec.get("source", "hdf5") in ("synthetic", "text", "hdf5")
 
 
-def source_key(spec, seed=0):
+def source_key(spec, seed=0, digest=True):
     """The key under which readers of data spec ``spec`` at run seed
     ``seed`` share their source and epoch order (``shared_source``; plan's
     data pool row counts one per key): the spec (every key, canonically),
     the seed, and a file's identity (a rewritten file is read again, also
     within one tick of a file system's coarse timestamps:
-    data/filecache.py's ``file_identity``)."""
+    data/filecache.py's ``file_identity``). ``digest=False`` for a caller
+    that only groups the readers of one look (the footprint): a racy file
+    is not hashed."""
     ident = None
     path = spec.get("path")
     if path is not None:
         try:  # coarse timestamps: a racy file's digest (filecache.file_identity)
-            ident = file_identity(path)
+            ident = file_identity(path, digest)
         except OSError:
             ident = (str(path),)
     return (json.dumps(spec, sort_keys=True, default=str), int(seed), ident)
@@ -444,18 +459,22 @@ def shared_source(spec, seed=0):
     depends only on its batch positions, so the samples are those of
     readers with sources of their own. An LMDB (``shares_source``) gets a
     pair of its own each call."""
-    def make():
-        source = make_source(spec, seed)
+    def make(identity=None):
+        source = make_source(spec, seed, identity=identity)
         own = spec.get("seed")  # the spec's seed of the shuffle, else the run's
         return SharedSource(source, EpochOrder(source.n_samples, spec.get("shuffle", False),
                                                seed if own is None else own))
     if not shares_source(spec):
         return make()
     key = source_key(spec, seed)
+    # an HDF5 file's identity the key holds (None, or (path,) where it
+    # cannot be stat'ed): a racy file is hashed once here, not again
+    identity = key[2] if spec.get("source", "hdf5") == "hdf5" and key[2] is not None and \
+        len(key[2]) == 7 else None
     with _SHARED_LOCK:
         held = _SHARED.get(key)
         if held is None:
-            held = _SHARED[key] = make()
+            held = _SHARED[key] = make(identity)
         return held
 
 

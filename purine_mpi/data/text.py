@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
-from .filecache import HEADER_DIGEST_BYTES, per_file_version
+from .filecache import INFO_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
 VOCAB_SIZE = 256
@@ -400,7 +400,7 @@ def _tokens_meta(path, split):
     read = _META_READERS.get(split)
     if read is None:
         read = _META_READERS.setdefault(split, functools.partial(_read_tokens_meta, split=split))
-    return per_file_version(path, read, digest=HEADER_DIGEST_BYTES)  # metadata only
+    return per_file_version(path, read, digest=INFO_DIGEST_BYTES)  # metadata only
 
 
 def _read_tokens_meta(path, split):

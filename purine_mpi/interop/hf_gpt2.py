@@ -45,6 +45,10 @@ INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 WEIGHTS = "model.safetensors"
 #: the vocabulary of a run on subword tokens (Hugging Face tokenizers' JSON)
 TOKENIZER = "tokenizer.json"
+#: the files of a folder that transformers.AutoTokenizer builds a GPT-2
+#: tokenizer from (GPT2TokenizerFast: tokenizer.json, else the BPE's
+#: vocab.json and merges.txt)
+TOKENIZER_FILES = (TOKENIZER, "vocab.json", "merges.txt")
 PREFIX = "transformer."
 #: ops of the test phase that hand their input on (a Dropout outside training)
 _PASS = ("Dropout",)
@@ -520,12 +524,15 @@ def export_hf(job, weights_path, out_dir):
     if vocabulary is not None:  # a checkpoint of an old data file's JSON: HF would truncate/pad
         from ..data.tokenizer import whole_text_json
         vocabulary = whole_text_json(vocabulary)
-    if vocabulary is None and os.path.lexists(os.path.join(out_dir, TOKENIZER)):
-        # AutoTokenizer.from_pretrained(out_dir) would read another model's vocabulary
-        raise UserError(f"--out {out_dir} holds a {TOKENIZER} (an earlier export's?), but this "
-                        "model is byte-level (its token ids are UTF-8 bytes): Hugging Face "
-                        f"would load that vocabulary with it; remove {TOKENIZER} or give "
-                        "another --out. Nothing written")
+    held = [name for name in TOKENIZER_FILES if os.path.lexists(os.path.join(out_dir, name))]
+    if vocabulary is None and held:
+        # AutoTokenizer.from_pretrained(out_dir) would read another model's
+        # vocabulary: tokenizer.json, or a GPT-2 BPE's vocab.json and merges.txt
+        raise UserError(f"--out {out_dir} holds {' and '.join(held)} (an earlier export's, "
+                        "or a downloaded model's?), but this model is byte-level (its token "
+                        "ids are UTF-8 bytes): Hugging Face would load that vocabulary with "
+                        f"it; remove {' and '.join(held)} or give another --out. Nothing "
+                        "written")
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS)
     write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))

@@ -6,6 +6,8 @@ parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
 arrays. The entry points take a ``Job`` (job/job.py).
 """
+import json
+
 from ..base.errors import ConfigError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
 from ..graph.core import reachable
@@ -91,8 +93,17 @@ def check_data_labels(graph, job=None):
     from ..data.sources import check_labels
     if job is not None:
         check_vocabulary(graph, job)
+    checked = set()
     for op, reader, classes in label_classes(graph):
-        check_labels(reader.attrs["source"], classes, op.attrs.get("ignore_label"),
+        # a loss and an accuracy on one reader: its labels checked once (a
+        # just-written file is hashed at each check: data/filecache.py)
+        spec = reader.attrs["source"]
+        key = (json.dumps(spec, sort_keys=True, default=str), classes,
+               op.attrs.get("ignore_label"))
+        if key in checked:
+            continue
+        checked.add(key)
+        check_labels(spec, classes, op.attrs.get("ignore_label"),
                      layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
 
 

@@ -523,7 +523,8 @@ def data_pool_bytes(graphs):
             key, held = resident_bytes(spec)
             order = order_bytes(spec)
             if shares_source(spec):
-                reader = ("reader", source_key(spec, int(op.attrs.get("seed", 0))))
+                # one look at the files: a racy one is not hashed to group its readers
+                reader = ("reader", source_key(spec, int(op.attrs.get("seed", 0)), digest=False))
                 if key is None:
                     key = reader
                 shared[("order",) + reader] = order
