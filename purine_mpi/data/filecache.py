@@ -23,16 +23,17 @@ moving one of them (a later write stamps a later tick); a file changed
 more recently than that is racy, and its identity adds a BLAKE2b digest
 of its content, so two versions of it differ whatever the clock says.
 The digest reads the whole file, but only a file changed within the last
-``RACY_SECONDS`` (and of at most ``WAIT_BYTES``: a larger one is waited
-out instead, at most ``RACY_SECONDS`` once); a header or attribute digest would not do (a rewrite
-with other values and the same shapes leaves the HDF5 header as it was).
+``RACY_SECONDS``, and of at most ``HASH_BYTES`` (a larger one is keyed
+by its stat fields alone: the one case left unnoticed is a same-size
+rewrite of such a file within one timestamp tick, inside one process); a
+header or attribute digest would not do (a rewrite with other values and
+the same shapes leaves the HDF5 header as it was).
 The ctime also catches what keeps the mtime on purpose (``cp -p``,
 ``rsync -t``, ``touch -d``: a ctime cannot be set back).
 """
 import hashlib
 import os
 import stat as _stat_mod
-import sys
 import threading
 import time
 
@@ -55,9 +56,9 @@ HEADER_DIGEST_BYTES = 64 << 20
 #: ms, as long as hashing 1 MiB takes (a 60 MB file: ~200 ms), so a larger
 #: racy file's header is read again at each look instead
 INFO_DIGEST_BYTES = 1 << 20
-#: a racy file larger than this is not hashed: file_identity waits until
-#: it is RACY_SECONDS old (once; a time in the future is hashed)
-WAIT_BYTES = 256 << 20
+#: a racy file larger than this is not hashed: its stat fields key it, as
+#: a file that is not racy (hashing it would cost a start-up seconds)
+HASH_BYTES = 256 << 20
 #: the block the digest reads at a time
 _BLOCK = 1 << 20
 
@@ -83,24 +84,20 @@ def file_identity(path, digest=True, now_ns=None):
     or a number of bytes the file is larger than (a caller that reads only
     a header of a possibly large file: ``INFO_DIGEST_BYTES``), and the
     caller keeps nothing it read (a header is cheap to read again). A racy
-    file over ``WAIT_BYTES`` whose digest is asked for is not read: the call
-    waits until it is no longer racy (at most ``RACY_SECONDS``). Raises
+    file over ``HASH_BYTES`` is not read: its stat fields key it. Raises
     OSError when the file cannot be stat'ed."""
     st = _stat(path)
     now = time.time_ns() if now_ns is None else now_ns
     changed = max(st.st_mtime_ns, st.st_ctime_ns)
     hashed = None
     racy = now - changed < RACY_SECONDS * 10**9
-    if racy and digest is True and st.st_size > WAIT_BYTES and now_ns is None and \
-            0 <= now - changed:
-        # a large file just written (data made, then a run started): waiting
-        # out the window (at most RACY_SECONDS) costs less than reading it all
-        wait = (RACY_SECONDS * 10**9 - (now - changed)) / 1e9 + 0.01
-        print(f"note: data file '{path}' ({st.st_size >> 20} MiB) changed "
-              f"{(now - changed) / 1e9:.1f} s ago; waiting {wait:.1f} s, until a rewrite would move its timestamps, before "
-              "keeping what it holds", file=sys.stderr, flush=True)
-        time.sleep(wait)
-        return file_identity(path, digest)
+    if racy and st.st_size > HASH_BYTES:
+        # a large file just written (data made, then a run started): hashing
+        # it costs seconds a look, waiting out its window up to RACY_SECONDS;
+        # its stat fields key it, as an older file's (the limit: a same-size
+        # rewrite within one timestamp tick of a file this large, inside one
+        # process, is not noticed)
+        racy = False
     if racy and (digest is False or (digest is not True and st.st_size > digest)):
         hashed = RACY  # the caller keeps nothing of a racy file
     elif racy and _stat_mod.S_ISREG(st.st_mode):
