@@ -279,3 +279,25 @@ def test_an_unchanged_file_is_loaded_once_across_its_racy_window(tmp_path, monke
     clock["now"] = time.time_ns()
     fresh = HDF5Source(path, "train")
     assert fresh.gather([0])[0][0, 0, 0, 0] == -1.0 and len(loads) == 2
+
+
+def test_plan_resume_counts_no_solver_state_for_running_statistics(tmp_path, digits_h5):
+    """``plan --resume``'s checkpoint (tools/plan.own_checkpoint_bytes)
+    counted solver state for every parameter blob, a batch norm's running
+    statistics too, which have none: it equals a real checkpoint's arrays
+    now (AdamW: m and v for the trained parameters only)."""
+    from purine_mpi.job.checkpoint_file import load_checkpoint
+    from purine_mpi.job.config import load_job
+    from purine_mpi.parallel.rank_graphs import build_rank_graphs
+    from purine_mpi.tools.plan import arrays_nbytes, own_checkpoint_bytes
+    from purine_mpi.tools.graph import _OfflineWorld
+    cfg = small_net_config(digits_h5)
+    cfg["solver"] = {"type": "adamw", "base_lr": 0.001, "max_iter": 1}
+    cfg["net"].insert(1, {"type": "batch_norm", "name": "bn1", "bottom": "conv1",
+                          "top": "conv1"})
+    run = train_here(cfg, tmp_path / "run")
+    saved = arrays_nbytes(load_checkpoint(run / "latest.h5"))
+    job = load_job(write_config_file(tmp_path, cfg, "bn.yaml"))
+    graphs = build_rank_graphs(job, _OfflineWorld(0, 1))
+    params = arrays_nbytes(load_checkpoint(run / "latest.h5").params)
+    assert own_checkpoint_bytes(job, graphs) == saved, (saved, params)

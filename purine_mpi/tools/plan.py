@@ -374,11 +374,12 @@ def own_checkpoint_bytes(job, graphs):
     """The arrays a checkpoint of this job holds, as ``--resume`` reads
     them whole on every rank (job/checkpoint_file.load_checkpoint): every
     parameter of the net and each of its solver states (the parameter's
-    dtype: graph/solver_graph.py)."""
+    dtype: graph/solver_graph.py) -- the trained ones': running statistics
+    and frozen parameters (``param_counts``' rest) have no solver state."""
     from ..graph.solver_graph import solver_states
-    from ..parallel.rank_graphs import param_summary
-    summary = param_summary(graphs.graph) if is_server(graphs) else graphs.param_summary
-    return summary[1] * (1 + len(solver_states(job.solver.type)))
+    from ..parallel.rank_graphs import param_counts
+    trained, rest = param_counts(graphs.graph) if is_server(graphs) else graphs.param_counts
+    return trained[1] * (1 + len(solver_states(job.solver.type))) + rest[1]
 
 
 def arrays_nbytes(value):
