@@ -161,6 +161,14 @@ def _cases():
          [_bits(4, 64, 512), _bits(512, 512)], [np.empty((4, 64, 512), np.float32)]),
         ("InnerProductGradWeight", {"axis": 2, "compute_dtype": "bfloat16"},
          [_bits(4, 64, 512), _bits(4, 64, 512)], [np.empty((512, 512), np.float32)]),
+        # a weight gradient of several chunks: each chunk's product after
+        # the first a new (O, K) array (1.6 MiB; before it was declared
+        # 'assert 1644528 <= ((0 * 1.1) + 262144)'), on the rows path and
+        # the columns one
+        ("ConvGradWeight", {"pad": 2, "w_shape": [64, 256, 5, 5]},
+         [_f(4, 64, 8, 8), _f(4, 256, 8, 8)], [np.empty((64, 256, 5, 5), np.float32)]),
+        ("ConvGradWeight", {"pad": 2, "group": 2, "w_shape": [96, 128, 5, 5]},
+         [_f(4, 96, 8, 8), _f(4, 256, 8, 8)], [np.empty((96, 128, 5, 5), np.float32)]),
     ]
 
 

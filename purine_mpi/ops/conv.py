@@ -581,13 +581,19 @@ class ConvGradWeight(_ConvScratch, OpKernel):
         chunk (G, O/G, C/G), live together (NIN's cccp5 at batch 128: 12.1
         MiB, more than the rest of its stage's kernel temporaries, which
         plan counted without them). The other paths write into held buffers
-        (``host_scratch``)."""
+        (``host_scratch``) but for, in a batch of several chunks, the new
+        sum of each chunk after the first (the per-sample path's over its
+        samples, the others' product: (G, K, O/G) or dw's shape)."""
         dy, x = ins
         geo = _geometry(self.attrs, x.shape, outs[0].shape)
-        if not _pointwise(geo):
-            return []
         G, O, C = geo["G"], geo["O"], geo["C"]
         dtype = np.result_type(dy.dtype, x.dtype)
+        if not _pointwise(geo):
+            if len(_chunks(np, geo, x.itemsize)) < 2:
+                return []
+            if not _by_rows(geo) and _K(geo) < WGRAD_GEMM_MIN_K:
+                return [((G, _K(geo), O // G), outs[0].dtype)]
+            return [((O, _K(geo)), dtype)]
         return [((_cap(geo, x.itemsize), G, O // G, C // G), dtype),
                 ((G, O // G, C // G), dtype)]
 
