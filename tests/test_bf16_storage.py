@@ -28,6 +28,8 @@ by its producer, and the products take it as it is.
   does the trainer with micro-batches, checkpoints and a resume.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -403,6 +405,57 @@ def _run(device, kernels, x, w, dy):
         k.setup(ins, [out])
         k.run(ins, [out])
     return [np.asarray(device.to_host(o)) for o in outs]
+
+
+@pytest.mark.parametrize("case", ["float32", "coeff", "bits", "first", "both", "strided",
+                                  "prod", "max", "three"])
+def test_an_eltwise_declares_the_device_scratch_it_takes(device, monkeypatch, case):
+    """Eltwise's ``scratch_specs`` (plan's device scratch) is the scratch
+    its device run takes (``temporaries``, reserved at setup so a capture
+    allocates nothing): the general path's result (a residual add of two
+    float32 blobs: GPT's in fp32), a scaled term where a coefficient is not
+    1, a float32 copy of each bits term widened; nothing for the one
+    ``add_bits`` kernel (a float32 and a bits term, contiguous: GPT's in
+    bf16). From the blobs' stand-ins (plan: runtime/footprint._stand_in)
+    the same, where the arrays are contiguous as blobs are. Before, it
+    declared none: 'assert 1024 == 0' (float32)."""
+    from purine_mpi.gpu.raw import op_scratch
+    from purine_mpi.gpu.scratch import Scratch
+    from purine_mpi.runtime.footprint import _stand_in
+    rng = np.random.default_rng(15)
+    shape = (4, 8, 8)
+    x = rng.standard_normal(shape).astype(np.float32)
+    values, bits = _bf16_values(rng, (4, 8, 16) if case == "strided" else shape)
+    attrs = {"operation": case if case in ("prod", "max") else "sum"}
+    stored = {"float32": [x, x], "coeff": [x, x], "bits": [x, bits], "first": [bits, x],
+              "both": [bits, bits], "strided": [x, bits], "prod": [x, x], "max": [x, x],
+              "three": [x, x, x]}[case]
+    if case == "coeff":
+        attrs["coeff"] = [1.0, -0.5]
+    k = make_kernel(Op("e", "Eltwise", [f"x{i}" for i in range(len(stored))], ["y"], attrs))
+    ins = [device.to_device(a) for a in stored]
+    if case == "strided":   # a strided bits term: widened, not add_bits
+        ins[1] = ins[1][..., ::2]
+    y = device.to_device(np.full(shape, np.nan, np.float32))
+    taken, real = [], Scratch.take
+    monkeypatch.setattr(Scratch, "take",
+                        lambda self, *specs: taken.append(Scratch._layout(specs)[1])
+                        or real(self, *specs))
+    k.setup(ins, [y])
+    k.run(ins, [y])
+    declared = Scratch._layout(k.scratch_specs(ins, [y]))[1] if k.scratch_specs(ins, [y]) \
+        else 0
+    assert max(taken, default=0) == declared, (case, taken, declared)
+    assert (declared == 0) == (case in ("bits", "first"))
+    assert op_scratch(k, 0).reserved == declared
+    if case != "strided":   # plan's stand-ins of the (contiguous) blobs
+        stand = [_stand_in(SimpleNamespace(shape=a.shape, dtype=a.dtype)) for a in stored]
+        assert k.scratch_specs(stand, [_stand_in(SimpleNamespace(shape=shape,
+                                                                  dtype=np.float32))]) == \
+            k.scratch_specs(ins, [y])
+    want = {"prod": x * x, "max": x, "three": x + x + x}.get(case)
+    if want is not None:
+        np.testing.assert_array_equal(np.asarray(device.to_host(y)), want)
 
 
 def _bf16_values(rng, shape):

@@ -12,6 +12,7 @@ import pytest
 import torch.nn.functional as F
 
 from purine_mpi.ops import conv as conv_module
+from purine_mpi.ops import hostgemm
 from purine_mpi.ops import im2col as im2col_module
 from tests.opcheck import close, run_op, torch_grads
 
@@ -258,16 +259,18 @@ POOL_CASES = [
 
 
 def _held_after(kernel, ins, outs):
-    """Bytes a fresh thread's im2col caches hold after ``kernel.run``, and
-    the process's shared arrays the run made (``im2col.shared``, from an
-    empty table: average pooling's dense matrix)."""
+    """Bytes a fresh thread's im2col caches and host products' scratch
+    (ops/hostgemm.py) hold after ``kernel.run``, and the process's shared
+    arrays the run made (``im2col.shared``, from an empty table: average
+    pooling's dense matrix)."""
     got = []
 
     def work():
         kernel.run(ins, outs)
         got.append(sum(a.nbytes for name in ("buffers", "flat")
                        for a in im2col_module._cache(name).values())
-                   + sum(a.nbytes for a in im2col_module._SHARED.values()))
+                   + sum(a.nbytes for a in im2col_module._SHARED.values())
+                   + sum(a.nbytes for a in getattr(hostgemm._LOCAL, "flat", {}).values()))
     saved, im2col_module._SHARED = im2col_module._SHARED, {}
     try:
         t = threading.Thread(target=work)

@@ -161,6 +161,14 @@ def _cases():
          [_bits(4, 64, 512), _bits(512, 512)], [np.empty((4, 64, 512), np.float32)]),
         ("InnerProductGradWeight", {"axis": 2, "compute_dtype": "bfloat16"},
          [_bits(4, 64, 512), _bits(4, 64, 512)], [np.empty((512, 512), np.float32)]),
+        # a weight gradient of several chunks: each chunk's product after
+        # the first a new (O, K) array (1.6 MiB; before it was declared
+        # 'assert 1644528 <= ((0 * 1.1) + 262144)'), on the rows path and
+        # the columns one
+        ("ConvGradWeight", {"pad": 2, "w_shape": [64, 256, 5, 5]},
+         [_f(4, 64, 8, 8), _f(4, 256, 8, 8)], [np.empty((64, 256, 5, 5), np.float32)]),
+        ("ConvGradWeight", {"pad": 2, "group": 2, "w_shape": [96, 128, 5, 5]},
+         [_f(4, 96, 8, 8), _f(4, 256, 8, 8)], [np.empty((96, 128, 5, 5), np.float32)]),
     ]
 
 
@@ -349,3 +357,103 @@ def test_attention_kernels_keep_one_causal_mask_a_length(monkeypatch):
     no_mask = get_kernel_class("Attention")(SimpleNamespace(
         attrs={"num_heads": heads, "causal": False}, name="a"))
     assert no_mask.host_scratch([qkv], cases[0][2]) == []
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+@pytest.mark.parametrize("a_shape, b_shape, out_t", [
+    ((32, 4096), (4096, 512), False),        # a weight gradient's dy^T @ x: 8 pieces of K
+    ((64, 1280), (1280, 800), False),        # cifar10_quick's conv3 weight gradient: 2
+    ((64, 1280), (1280, 800), True),         # into a view BLAS cannot write
+    ((1, 1, 48, 4096), (1, 4096, 600), False),  # a batch of 1 of a batch of 1: 2-D
+    ((2, 48, 4096), (2, 4096, 600), False),  # a batch: a BLAS call per matrix
+    ((512, 1024), (1024, 64), False),        # cut along its rows
+    ((40, 256), (256, 300), False),          # one call
+])
+def test_products_scratch_is_what_matmul_takes(a_shape, b_shape, out_t, count, monkeypatch):
+    """hostgemm.scratch_shape, which the kernels' ``host_scratch`` declare
+    (plan's host scratch row), is the array ``matmul`` takes from the
+    calling thread's scratch at each thread count: (pieces after the
+    first, M, N) on several threads (and the first's when out is a view
+    BLAS cannot write), (M, N) on one; None where the product is not cut
+    along K."""
+    monkeypatch.setattr(hostgemm, "THREADS", count)
+    taken, orig = [], hostgemm._scratch
+    monkeypatch.setattr(hostgemm, "_scratch",
+                        lambda shape, dtype: taken.append(tuple(shape)) or orig(shape, dtype))
+    a, b = _f(*a_shape), _f(*b_shape)
+    want = np.matmul(a, b)
+    out = np.empty(want.shape[::-1], np.float32).T if out_t else np.empty_like(want)
+    hostgemm.matmul(np, a, b, out=out)
+    assert set(taken) <= {hostgemm.scratch_shape(a_shape, b_shape, count, not out_t)}
+    assert len(taken) == (hostgemm.scratch_shape(a_shape, b_shape, count, not out_t)
+                          is not None), taken
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-3)
+
+
+def _conv3(n):
+    """cifar10_quick's conv3 (32 -> 64 channels, 5x5, pad 2, 8x8 planes)
+    on ``n`` samples: its weight gradient's product (64, 20*64) @ (20*64,
+    800) a chunk of the batch, cut along K."""
+    return ("ConvGradWeight", {"pad": 2, "w_shape": [64, 32, 5, 5]},
+            [_f(n, 64, 8, 8), _f(n, 32, 8, 8)], [np.empty((64, 32, 5, 5), np.float32)])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", [
+    ("InnerProductGradWeight", {}, [_f(4096, 32), _f(4096, 512)],
+     [np.empty((32, 512), np.float32)]),
+    ("InnerProductGradWeight", {"axis": 2}, [_f(8, 512, 24), _f(8, 512, 512)],
+     [np.empty((24, 512), np.float32)]),
+    ("InnerProduct", {"num_output": 100}, [_f(64, 8192), _f(100, 8192)],
+     [np.empty((64, 100), np.float32)]),
+    ("InnerProduct", {"num_output": 100, "compute_dtype": "bfloat16", "bits_out": [0]},
+     [_bits(64, 8192), _bits(100, 8192)], [np.empty((64, 100), np.uint16)]),
+    ("InnerProductGradData", {"x_shape": [64, 256]}, [_f(64, 4096), _f(4096, 256)],
+     [np.empty((64, 256), np.float32)]),
+    _conv3(20), _conv3(50),
+    # one head of 1024 of one sequence of 64: the scores' (64, 1024) @
+    # (1024, 64) and dP's, cut along D
+    ("Attention", {"num_heads": 1}, [_f(1, 64, 3072)], [np.empty((1, 64, 1024), np.float32)]),
+    ("AttentionGrad", {"num_heads": 1}, [_f(1, 64, 1024), _f(1, 64, 3072)],
+     [np.empty((1, 64, 3072), np.float32)]),
+    ("AttentionScores", {"num_heads": 1}, [_f(1, 64, 3072)],
+     [np.empty((1, 1, 64, 64), np.float32)]),
+    ("AttentionContextGrad", {"num_heads": 1, "outputs": ["dP"]},
+     [_f(1, 64, 1024), _f(1, 1, 64, 64), _f(1, 64, 3072)],
+     [np.empty((1, 1, 64, 64), np.float32)]),
+], ids=lambda c: c[0] if isinstance(c, tuple) else c)
+def test_host_scratch_counts_the_products_cut_along_k(case, threads, monkeypatch):
+    """What a fresh thread keeps after a kernel's host run (ops/im2col's
+    caches and hostgemm's scratch: a product cut along K writes each piece
+    after the first into the calling thread's scratch, kept for the next
+    product) is plan's host scratch row for it (im2col.held_by of its
+    ``host_scratch``), at 1 and 2 threads. Before the kernels declared the
+    products' scratch, no row counted it: InnerProductGradWeight (32, 4096)
+    @ (4096, 512) kept 65536 bytes at one thread and 524288 at two (a
+    matrix a piece, the first's unused) against 0 declared, 'assert 65536
+    == 0'; cifar10_quick's conv3 weight gradient 204800 (409600) above its
+    im2col buffers."""
+    import threading
+
+    from purine_mpi.ops import im2col
+    monkeypatch.setattr(hostgemm, "THREADS", threads)
+    monkeypatch.setattr(im2col, "_SHARED", {})   # the causal mask: made here, counted
+    op_type, attrs, ins, outs = case
+    k = get_kernel_class(op_type)(SimpleNamespace(attrs=attrs, name=op_type))
+    k.setup(ins, outs)
+    got = []
+
+    def work():
+        k.run(ins, outs)
+        got.append(sum(a.nbytes for name in ("buffers", "flat")
+                       for a in im2col._cache(name).values())
+                   + sum(a.nbytes for a in getattr(hostgemm._LOCAL, "flat", {}).values())
+                   + sum(a.nbytes for a in im2col._SHARED.values()))
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    declared = im2col.held_by(k.host_scratch(ins, outs))
+    assert got[0] == declared, (op_type, got[0], declared)
+    gemm = im2col.held_by([h for h in k.host_scratch(ins, outs)
+                           if h.slot == hostgemm.SCRATCH_SLOT])
+    assert gemm > 0, (op_type, "no product cut along K declared")

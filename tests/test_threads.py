@@ -32,6 +32,26 @@ def test_the_decision(environ, cores, want):
     assert got[0] == want[0] and (want[1] is None or got[1] == want[1])
 
 
+def test_the_most_a_run_may_pick_ignores_the_load_and_our_own_export(monkeypatch):
+    """base/threads.most (what plan counts the host products' scratch for:
+    ops/hostgemm.planned_threads): the user's count when set, else the
+    usable cores over the host's ranks with none busy; an OMP_NUM_THREADS
+    that ``apply`` exported (not the user's) is not a count the user chose."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+    monkeypatch.setattr(threads, "_set_before", set())
+    assert threads.most({"OMP_NUM_THREADS": "1"}) == 8   # ours: the load's 1
+    assert threads.most({"OMP_NUM_THREADS": "1", "MPI_LOCALNRANKS": "2"}) == 4
+    assert threads.most({"PURINE_THREADS": "3", "OMP_NUM_THREADS": "1"}) == 3
+    assert threads.most({"PURINE_THREADS": "many"}) == 1
+    monkeypatch.setattr(threads, "_set_before", {"OMP_NUM_THREADS"})
+    assert threads.most({"OMP_NUM_THREADS": "2"}) == 2   # the user's
+    from purine_mpi.ops import hostgemm
+    monkeypatch.setattr(hostgemm, "THREADS", None)
+    assert hostgemm.planned_threads() == threads.most()
+    monkeypatch.setattr(hostgemm, "THREADS", 5)
+    assert hostgemm.planned_threads() == 5
+
+
 def test_a_bad_purine_threads_is_named():
     with pytest.raises(ValueError, match="PURINE_THREADS must be a positive integer"):
         threads.decide({"PURINE_THREADS": "many"}, cores=4)

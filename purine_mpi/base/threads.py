@@ -165,6 +165,24 @@ def automatic(environ=os.environ):
     return "PURINE_THREADS" not in environ and _positive(environ.get("OMP_NUM_THREADS")) is None
 
 
+def most(environ=os.environ):
+    """The most threads a run started here with this environment may use:
+    the user's count (``PURINE_THREADS``, an ``OMP_NUM_THREADS`` set before
+    purine_mpi was imported) when set, else the usable cores over this
+    host's ranks without the load (``decide`` with none busy: a busy core
+    only lowers the count ``apply`` picks at start-up). What ``plan``
+    counts the host products' per-thread scratch for (ops/hostgemm.py's
+    ``planned_threads``): the count a run will pick depends on the load at
+    its own start-up, not known before."""
+    mine = dict(environ)
+    if "OMP_NUM_THREADS" not in _set_before:   # ours (``apply`` exported it), not the user's
+        mine.pop("OMP_NUM_THREADS", None)
+    try:
+        return decide(mine)[0]
+    except ValueError:
+        return 1
+
+
 def apply(environ=os.environ):
     """Decide and export the thread count (once per process); returns
     (threads, why). Called by ``purine_mpi/__init__.py``."""

@@ -107,7 +107,7 @@ from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
-from .im2col import shared, shared_hold
+from .im2col import gemm_holds, shared, shared_hold
 from .registry import OpKernel, gradient, register, spans, specs_nbytes
 
 
@@ -222,13 +222,15 @@ class _AttentionKernel(OpKernel):
 
     def host_scratch(self, ins, outs):
         """The host's causal mask (``causal_hold``), transposed on the fused
-        ops' path without dropout (``host_probs_t``); [] when not causal."""
-        if not bool(self.attrs.get("causal", True)):
-            return []
+        ops' path without dropout (``host_probs_t``), none when not causal;
+        the scores' products' scratch (``score_product_holds``)."""
         qkv = self.qkv_input(ins)
         fused = isinstance(self, (Attention, AttentionGrad))
-        transposed = fused and host_group(self, qkv) is not None
-        return [causal_hold(qkv.shape[1], qkv.dtype, transposed)]
+        group = host_group(self, qkv) if fused else None
+        products = score_product_holds(self.attrs, qkv, group)
+        if not bool(self.attrs.get("causal", True)):
+            return products
+        return [causal_hold(qkv.shape[1], qkv.dtype, group is not None)] + products
 
     def qkv_input(self, ins):
         """The op's qkv input (its first)."""
@@ -255,6 +257,19 @@ class _AttentionKernel(OpKernel):
     def setup_mask(self, like, t):
         if get_xp(like) is not np:
             self.mask(get_xp(like), t, value_dtype(like.dtype))
+
+
+def score_product_holds(attrs, qkv, group=None):
+    """[Hold] of the scratch of the host products (T, D) @ (D, T) of the
+    scores (q k^T, k q^T) and of dP (dO v^T, v dO^T): a head's, cut along
+    D when it is a lone 2-D product (one head of one sequence: a group of
+    1, or a batch of 1) of few rows (ops/im2col.gemm_holds; the other
+    products' inner size is T, too short to cut where the rows are few).
+    ``group``: the sequences a host group takes (``host_group``), None the
+    whole batch."""
+    n, t, _, h, d = _dims(attrs, qkv.shape)
+    sizes = {n} if group is None else {s.stop - s.start for s in spans(n, group)}
+    return gemm_holds(value_dtype(qkv.dtype), *(((b, h, t, d), (b, h, d, t)) for b in sizes))
 
 
 def key_sums(pt):
@@ -386,6 +401,10 @@ class AttentionContextGrad(OpKernel):
     def infer(cls, attrs, ins):
         shapes = {"dP": ins[1], "dqkv": ins[2]}
         return [shapes[o] for o in attrs["outputs"]]
+
+    def host_scratch(self, ins, outs):
+        """dP's product's scratch (``score_product_holds``)."""
+        return score_product_holds(self.attrs, ins[2]) if "dP" in self.attrs["outputs"] else []
 
     def run(self, ins, outs):
         dctx, p, qkv = ins

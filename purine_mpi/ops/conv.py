@@ -70,7 +70,7 @@ from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels, sum_scratch
 from .hostgemm import matmul
 from .im2col import (cols_hold, data_grad_col2im, data_grad_holds, flat_hold,
-                     forward_rows, forward_rows_holds, hold, im2col, im2col_batch,
+                     forward_rows, forward_rows_holds, gemm_holds, hold, im2col, im2col_batch,
                      pad_hold, padded, take, weight_grad_rows, weight_grad_rows_holds)
 from .registry import OpKernel, gradient, register, spans
 
@@ -161,24 +161,41 @@ def _pad_holds(geo, dtype):
                      (H + 2 * ph, W + 2 * pw), dtype, 0)]
 
 
+def _sizes(geo, dtype):
+    """The distinct sample counts of ``_chunks``' chunks (the first's, the
+    last's)."""
+    return sorted({s.stop - s.start for s in _chunks(np, geo, np.dtype(dtype).itemsize)})
+
+
+def _K(geo):
+    """A group's inner size C/G*kh*kw."""
+    return geo["C"] // geo["G"] * geo["kh"] * geo["kw"]
+
+
 def _forward_holds(geo, dtype):
-    """[Hold] ``_forward_cpu`` takes for geometry ``geo`` (ops/im2col.Hold)."""
+    """[Hold] ``_forward_cpu`` takes for geometry ``geo`` (ops/im2col.Hold),
+    the products' scratch (``gemm_holds``) with them."""
+    G, O, C, L = geo["G"], geo["O"], geo["C"], geo["OH"] * geo["OW"]
     if _pointwise(geo):
-        return []
+        return gemm_holds(dtype, ((G, O // G, C // G), (geo["N"], G, C // G, L)))
     cap = _cap(geo, np.dtype(dtype).itemsize)
     if _by_rows(geo):
-        return forward_rows_holds(cap, geo, dtype)
-    return _pad_holds(geo, dtype) + [cols_hold(cap, geo, dtype)]
+        return forward_rows_holds(cap, geo, dtype) + gemm_holds(
+            dtype, *(((n * L, _K(geo)), (_K(geo), O)) for n in _sizes(geo, dtype)))
+    return _pad_holds(geo, dtype) + [cols_hold(cap, geo, dtype)] + gemm_holds(
+        dtype, *(((G, O // G, _K(geo)), (n, G, _K(geo), L)) for n in _sizes(geo, dtype)))
 
 
 def _data_grad_holds(geo, dtype):
     """[Hold] ConvGradData's CPU path takes."""
+    G, O, C, L = geo["G"], geo["O"], geo["C"], geo["OH"] * geo["OW"]
     if _pointwise(geo):
-        return []
+        return gemm_holds(dtype, ((G, C // G, O // G), (geo["N"], G, O // G, L)))
     tgeo = _transposed_geometry(geo)
     if tgeo is not None:
         return _forward_holds(tgeo, dtype)
-    return data_grad_holds(_cap(geo, np.dtype(dtype).itemsize), geo, dtype)
+    return data_grad_holds(_cap(geo, np.dtype(dtype).itemsize), geo, dtype) + gemm_holds(
+        dtype, *(((G, _K(geo), O // G), (n, G, O // G, L)) for n in _sizes(geo, dtype)))
 
 
 def _wgrad_small_holds(n, geo, dw_dtype):
@@ -191,16 +208,29 @@ def _wgrad_small_holds(n, geo, dw_dtype):
 
 
 def _weight_grad_holds(geo, dtype, dw_dtype):
-    """[Hold] ConvGradWeight's CPU path takes."""
-    if _pointwise(geo):
-        return []
+    """[Hold] ConvGradWeight's CPU path takes: its buffers and its products'
+    scratch (``gemm_holds``; the first chunk's product written into dw or
+    its accumulator, of dw's dtype, the others' into new arrays)."""
+    G, O, C, L, K = geo["G"], geo["O"], geo["C"], geo["OH"] * geo["OW"], _K(geo)
+    sizes = _sizes(geo, dtype)
     cap = _cap(geo, np.dtype(dtype).itemsize)
+    if _pointwise(geo):
+        return gemm_holds(dtype, *(((n, G, O // G, L), (n, G, L, C // G)) for n in sizes))
     if _by_rows(geo):
-        return weight_grad_rows_holds(cap, geo, dtype, dw_dtype)
-    if geo["C"] // geo["G"] * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
+        first, rest = ((O, cap * L), (cap * L, K)), [((O, n * L), (n * L, K)) for n in sizes]
+    elif K < WGRAD_GEMM_MIN_K:
         return (_wgrad_small_holds(cap, geo, dw_dtype) + _pad_holds(geo, dtype)
-                + [cols_hold(cap, geo, dtype)])
-    return _pad_holds(geo, dtype) + [cols_hold(cap, geo, dtype, "batch")]
+                + [cols_hold(cap, geo, dtype)]
+                + gemm_holds(dw_dtype, *(((n, G, K, L), (n, G, L, O // G)) for n in sizes)))
+    else:
+        first = ((G, O // G, cap * L), (G, cap * L, K))
+        rest = [((G, O // G, n * L), (G, n * L, K)) for n in sizes]
+    rest = gemm_holds(dtype, *rest) if len(_chunks(np, geo, np.dtype(dtype).itemsize)) > 1 \
+        else []
+    holds = gemm_holds(dw_dtype, first) + rest
+    if _by_rows(geo):
+        return weight_grad_rows_holds(cap, geo, dtype, dw_dtype) + holds
+    return _pad_holds(geo, dtype) + [cols_hold(cap, geo, dtype, "batch")] + holds
 
 
 def _ones_hold(dy_shape, dtype):
@@ -551,13 +581,19 @@ class ConvGradWeight(_ConvScratch, OpKernel):
         chunk (G, O/G, C/G), live together (NIN's cccp5 at batch 128: 12.1
         MiB, more than the rest of its stage's kernel temporaries, which
         plan counted without them). The other paths write into held buffers
-        (``host_scratch``)."""
+        (``host_scratch``) but for, in a batch of several chunks, the new
+        sum of each chunk after the first (the per-sample path's over its
+        samples, the others' product: (G, K, O/G) or dw's shape)."""
         dy, x = ins
         geo = _geometry(self.attrs, x.shape, outs[0].shape)
-        if not _pointwise(geo):
-            return []
         G, O, C = geo["G"], geo["O"], geo["C"]
         dtype = np.result_type(dy.dtype, x.dtype)
+        if not _pointwise(geo):
+            if len(_chunks(np, geo, x.itemsize)) < 2:
+                return []
+            if not _by_rows(geo) and _K(geo) < WGRAD_GEMM_MIN_K:
+                return [((G, _K(geo), O // G), outs[0].dtype)]
+            return [((O, _K(geo)), dtype)]
         return [((_cap(geo, x.itemsize), G, O // G, C // G), dtype),
                 ((G, O // G, C // G), dtype)]
 

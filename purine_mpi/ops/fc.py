@@ -66,6 +66,7 @@ from ..base.errors import ShapeError
 from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import column_scratch, last_axis_rows, raw_kernels
 from .hostgemm import matmul
+from .im2col import gemm_holds
 from .registry import OpKernel, gradient, register
 
 
@@ -218,6 +219,13 @@ class InnerProduct(OpKernel):
         return self._bits_y_specs(ins, outs) + _host_widenings(((M, K), ins[0].dtype),
                                                               (ins[1].shape, ins[1].dtype))
 
+    def host_scratch(self, ins, outs):
+        """The host product's scratch (a cut along K: ops/im2col.gemm_holds),
+        of the float32 product's dtype when y is stored as bits."""
+        M, K = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
+        dtype = np.float32 if outs and is_bits(outs[0]) else outs[0].dtype
+        return gemm_holds(dtype, ((M, K), (K, ins[1].shape[0])))
+
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
@@ -286,6 +294,11 @@ class InnerProductGradData(OpKernel):
         return _host_widenings(((M, ins[0].size // max(M, 1)), ins[0].dtype),
                                (ins[1].shape, ins[1].dtype))
 
+    def host_scratch(self, ins, outs):
+        """The host product's scratch (a cut along K: ops/im2col.gemm_holds)."""
+        M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        return gemm_holds(outs[0].dtype, ((M, ins[0].size // max(M, 1)), ins[1].shape))
+
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
@@ -338,6 +351,13 @@ class InnerProductGradWeight(OpKernel):
         ``rows``)."""
         M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
         return _host_widenings(((M, outs[0].shape[0]), ins[0].dtype), ((M, K), ins[1].dtype))
+
+    def host_scratch(self, ins, outs):
+        """The host product's scratch (a cut along K, the weight gradient's
+        dy^T (O, M) @ x (M, K) with few outputs and many rows:
+        ops/im2col.gemm_holds)."""
+        M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
+        return gemm_holds(outs[0].dtype, ((outs[0].shape[0], M), (M, K)))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))

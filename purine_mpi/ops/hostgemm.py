@@ -25,10 +25,14 @@ then gives the bits one thread gives.
   K when K >= N: the first piece's product goes straight to out, each
   other's to a scratch matrix, and out adds them in their order (one
   thread: one scratch matrix, added as soon as it is made; several: one
-  per piece, added after the last; the same additions, so the same bits,
-  which are also those of the stack summed by ``np.add.reduce`` that this
-  replaced); else along N. Cutting N into narrow pieces ran such a
-  product 1.5-1.9x slower on one thread; cutting K cost about nothing.
+  per piece after the first, added after the last; the same additions,
+  so the same bits, which are also those of the stack summed by
+  ``np.add.reduce`` that this replaced); else along N. Cutting N into
+  narrow pieces ran such a product 1.5-1.9x slower on one thread;
+  cutting K cost about nothing. The K cut's scratch is the calling
+  thread's, kept and grown to the largest asked for (``_scratch``);
+  ``plan`` counts it in the host scratch row from each kernel's
+  ``host_scratch`` (``scratch_shape``, at ``planned_threads``).
 - A batched product (``(B, ..., M, K) @ (..., K, N)``) is already one
   BLAS call per matrix in NumPy, so each matrix's bits are those of its own
   call however the batch is grouped: one thread makes it one ``np.matmul``
@@ -73,6 +77,10 @@ ALIGN = 48
 #: the rank's compute threads for ``matmul``; None: ``base/threads.py``'s
 #: decision (tests set it)
 THREADS = None
+
+#: the flat slot of this module's scratch in ``plan``'s Holds
+#: (ops/im2col.gemm_holds; no im2col buffer has this name)
+SCRATCH_SLOT = "hostgemm"
 
 _LOCAL = threading.local()
 #: every live thread's scratch cache (``held_bytes``), registered weakly
@@ -165,13 +173,14 @@ def _product(a, b, out, count):
             np.add(out, part, out=out)
         return
     else:
-        stack = _scratch((len(cuts),) + out.shape, out.dtype)
-        first = out if _blasable(out) else stack[0]
+        blas = _blasable(out)
+        stack = _scratch((_kept(cuts, count, blas),) + out.shape, out.dtype)
+        first, rest = (out, stack) if blas else (stack[0], stack[1:])
         _run([(a[:, cuts[0]], b[cuts[0]], first)]
-             + [(a[:, s], b[s], stack[i]) for i, s in enumerate(cuts) if i], count)
+             + [(a[:, s], b[s], part) for s, part in zip(cuts[1:], rest)], count)
         if first is not out:
             out[...] = first
-        for part in stack[1:]:
+        for part in rest:
             np.add(out, part, out=out)
         return
     if count == 1 or len(jobs) == 1:
@@ -179,6 +188,53 @@ def _product(a, b, out, count):
             np.matmul(x, y, out=o)
     else:
         _run(jobs, count)
+
+
+def _kept(cuts, count, blasable):
+    """The (M, N) matrices of ``_scratch`` a cut along K into ``cuts`` takes
+    on ``count`` threads: one thread one (each piece's product in turn, or
+    the first's when out is a view BLAS cannot write); several one per
+    piece after the first, and the first's too when out is such a view."""
+    return 1 if count == 1 else len(cuts) - (1 if blasable else 0)
+
+
+def scratch_shape(a_shape, b_shape, count, blasable=True):
+    """The shape of the array ``matmul(np, a, b, out)`` takes from this
+    thread's scratch (``_scratch``) for ``a`` and ``b`` of these shapes on
+    ``count`` threads (``blasable``: out a C-contiguous array, or a view
+    BLAS writes as it is), None when it takes none: a 2-D product cut along
+    K (``plan``), alone or as the one matrix of a batch of 1 (``matmul``'s
+    leading axis of 1). ``plan``'s host scratch row counts it per dispatcher
+    lane, at its largest (ops/im2col.gemm_holds), as ``_scratch`` keeps it."""
+    a_shape, b_shape = tuple(int(d) for d in a_shape), tuple(int(d) for d in b_shape)
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        return None
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        (m, k), n = a_shape, b_shape[1]
+        if m * k * n < SPLIT_MIN_WORK:
+            return None
+        axis, cuts = plan(m, n, k)
+        if axis != 2:
+            return None
+        count = max(1, int(count))
+        return (m, n) if count == 1 else (_kept(cuts, count, blasable), m, n)
+    ndim = len(np.broadcast_shapes(a_shape[:-2], b_shape[:-2])) + 2
+    if np.broadcast_shapes(a_shape[:-2], b_shape[:-2])[0] != 1:
+        return None   # one np.matmul, or its batch shared out: a BLAS call per matrix
+    return scratch_shape(*(s if len(s) < ndim else s[1:] for s in (a_shape, b_shape)),
+                         count, blasable)
+
+
+def planned_threads():
+    """The thread count ``plan`` counts the scratch for: ``THREADS`` when
+    set, else the most the run may pick (base/threads.most: the user's
+    count, else the usable cores over this host's ranks, which the load at
+    the run's start-up can only lower). Only whether it is 1 changes the
+    bytes (``_kept``): one matrix, else one per piece after the first; the
+    most is the larger."""
+    if THREADS is not None:
+        return max(1, int(THREADS))
+    return _threads.most()
 
 
 def _blasable(o):
@@ -206,11 +262,9 @@ def _scratch(shape, dtype):
 
 def held_bytes():
     """Bytes of every live thread's scratch (``_scratch``: a K-cut product's
-    pieces) held now. Not in ``plan``'s rows: how many pieces a product
-    keeps follows the thread count the run picks at start-up from the
-    machine's load (one thread: one piece the size of the output; more:
-    one per cut), and the products are the kernels' (docs/running.md,
-    "Will it fit?")."""
+    pieces) held now: in ``plan``'s host scratch row, each kernel's products
+    stated by its ``host_scratch`` (``scratch_shape``, at
+    ``planned_threads``)."""
     with _ALL_LOCK:
         caches = list(_ALL)
     return sum(a.nbytes for c in caches for a in list(c.values()))

@@ -33,6 +33,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from . import hostgemm
 from .hostgemm import matmul
 
 _LOCAL = threading.local()
@@ -101,6 +102,19 @@ def hold(slot, shape, dtype, fill=None, key=()):
 def flat_hold(slot, shape, dtype):
     """A ``_flat`` Hold (``scratch``)."""
     return Hold(slot, tuple(int(d) for d in shape), np.dtype(dtype), None, (), True)
+
+
+def gemm_holds(dtype, *products):
+    """[Hold] of the scratch ``hostgemm.matmul`` keeps in the calling
+    thread for the products ``(a shape, b shape)`` a kernel runs with a
+    ``dtype`` result into C-contiguous outputs (a 2-D product cut along K:
+    ``hostgemm.scratch_shape``), at the thread count ``plan`` assumes
+    (``hostgemm.planned_threads``): flat Holds of the slot
+    ``hostgemm.SCRATCH_SLOT``, one growing buffer per dtype as
+    ``hostgemm._scratch`` keeps it."""
+    count = hostgemm.planned_threads()
+    shapes = (hostgemm.scratch_shape(a, b, count) for a, b in products)
+    return [flat_hold(hostgemm.SCRATCH_SLOT, s, dtype) for s in shapes if s is not None]
 
 
 def shared_hold(slot, shape, dtype, key=()):
@@ -234,15 +248,16 @@ def scratch(xp, slot, shape, dtype):
 
 
 def held_bytes():
-    """Bytes of every live thread's buffers (``buffer``, ``_flat``) and of
-    the process's shared arrays (``shared``) held now: the figure ``plan``'s
+    """Bytes of every live thread's buffers (``buffer``, ``_flat``), of
+    the process's shared arrays (``shared``) and of the host products'
+    scratch (``hostgemm.held_bytes``) held now: the figure ``plan``'s
     host-scratch row predicts (measured: cifar10_quick, data, 2 ranks: 10.3
     MiB per rank, one worker)."""
     with _LOCK:
         caches = list(_ALL)
         kept = list(_SHARED.values())
     return sum(a.nbytes for c in caches for a in list(c.values())) + \
-        sum(a.nbytes for a in kept)
+        sum(a.nbytes for a in kept) + hostgemm.held_bytes()
 
 
 def col2im(xp, col, geo, dxpad):

@@ -43,7 +43,7 @@ from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .conv import pair
 from .hostgemm import matmul
-from .im2col import hold, pad_hold, padded, shared, shared_hold, take
+from .im2col import gemm_holds, hold, pad_hold, padded, shared, shared_hold, take
 from .registry import OpKernel, gradient, register
 
 _KINDS = {"max": "max", "ave": "ave", "avg": "ave", "average": "ave"}
@@ -327,8 +327,10 @@ class Pool(OpKernel):
         if geo["kind"] == "max":
             return _max_holds(geo, dtype) + _pad_holds(geo, dtype, -np.inf,
                                                        _max_step(geo, dtype))
-        if _dense(geo):   # the dense matrix (a contiguous y: a blob's)
-            return [_dense_hold(geo, dtype)]
+        if _dense(geo):   # the dense matrix (a contiguous y: a blob's), the product's scratch
+            return [_dense_hold(geo, dtype)] + gemm_holds(
+                dtype, ((geo["N"] * geo["C"], geo["H"] * geo["W"]),
+                        (geo["H"] * geo["W"], geo["OH"] * geo["OW"])))
         return _pad_holds(geo, dtype, 0, _ave_step(geo, dtype))
 
     def run(self, ins, outs):
@@ -394,8 +396,10 @@ class PoolGrad(OpKernel):
             return []
         if geo["kind"] == "max":
             return [_scatter_hold(geo, outs[0].dtype)]
-        if _dense(geo):   # the dense matrix (a contiguous dx: a blob's)
-            return [_dense_hold(geo, outs[0].dtype)]
+        if _dense(geo):   # the dense matrix (a contiguous dx: a blob's), the product's scratch
+            return [_dense_hold(geo, outs[0].dtype)] + gemm_holds(
+                outs[0].dtype, ((geo["N"] * geo["C"], geo["OH"] * geo["OW"]),
+                                (geo["OH"] * geo["OW"], geo["H"] * geo["W"])))
         if _unpadded(geo):
             return []
         return [_ave_grad_hold(geo, outs[0].dtype)]

@@ -237,20 +237,40 @@ class Eltwise(OpKernel):
     def bits_inputs(cls, attrs):
         return (0, 1) if str(attrs.get("operation", "sum")).lower() == "sum" else ()
 
+    def _adds_bits(self, ins, y):
+        """(float32 term, bits term) when a sum runs as one ``add_bits``
+        kernel on a device (two inputs, one of them bits, coefficients 1,
+        the other and y float32, all C-contiguous: a host array, plan's
+        stand-in of a blob, counts as contiguous, as the blobs are), else
+        None."""
+        operation, coeff = _eltwise_attrs(self.attrs, len(ins))
+        bits = [i for i, x in enumerate(ins) if is_bits(x)]
+        if operation != "sum" or len(ins) != 2 or len(bits) != 1 or coeff != [1.0, 1.0]:
+            return None
+        a, b = ins[1 - bits[0]], ins[bits[0]]   # an addition commutes exactly
+        if any(np.dtype(v.dtype) != np.float32 for v in (a, y)) or \
+                not all(get_xp(v) is np or v.flags.c_contiguous for v in (a, b, y)):
+            return None   # add_bits takes C-contiguous float32 arrays alone; else widened
+        return a, b
+
+    def scratch_specs(self, ins, outs):
+        """On a device the general path's temporaries (``host_temporaries``':
+        the result, the scaled term, the widened bits terms); none for the
+        one ``add_bits`` kernel."""
+        return [] if self._adds_bits(ins, outs[0]) else self.host_temporaries(ins, outs)
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
     def run(self, ins, outs):
         xp = get_xp(ins[0])
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         y = outs[0]
         bits = [i for i, x in enumerate(ins) if is_bits(x)]
-        if bits and xp is not np and operation == "sum" and len(ins) == 2 and \
-                len(bits) == 1 and coeff == [1.0, 1.0]:
-            a, b = ins[1 - bits[0]], ins[bits[0]]   # an addition commutes exactly
-            k = raw_kernels(xp, a, y)
-            # add_bits takes C-contiguous float32 arrays alone; else widened below
-            if k is not None and all(np.dtype(v.dtype) == np.float32 for v in (a, y)) and \
-                    all(v.flags.c_contiguous for v in (a, b, y)):
-                k.add_bits(a, b, y)
-                return
+        pair = self._adds_bits(ins, y) if xp is not np else None
+        if pair is not None:   # float32 on a device: the raw kernels
+            raw_kernels(xp, pair[0], y).add_bits(*pair, y)
+            return
         acc, *term = self.temporaries(y, *self.host_temporaries(ins, outs))
         if bits:   # each widened exactly into its temporary (the last ones)
             wide, term = term[len(term) - len(bits):], term[:len(term) - len(bits)]
