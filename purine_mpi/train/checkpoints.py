@@ -277,13 +277,28 @@ class Checkpoints(Service):
         st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
         saved_world = int(ck.attrs.get("world_size", size) or size)
-        if saved_world != size and loop.job.data.train is not None and notes:
+        # the global batch the file's data position was counted in (its
+        # reader's /state), against this run's: a changed one is said,
+        # whatever the number of ranks (an unchanged one on another number
+        # of ranks -- the batch per rank set to keep it, a pipeline of
+        # another stage count -- is not a change)
+        batches = _global_batches(loop, ck.state)
+        changed = batches[0] != batches[1] if batches else saved_world != size
+        if changed and loop.job.data.train is not None and notes:
             b, replicas = loop.job.train_batch, loop.graphs.data_size
-            loop.say(f"note: {path} was written by {saved_world} rank(s), this run has "
+            was = f" with a global batch of {batches[0]}" if batches else ""
+            if not batches:
+                keep = "(keep the global batch with --set data.train.batch_size=G/N)"
+            elif batches[0] % replicas == 0:
+                keep = ("(keep the global batch with --set "
+                        f"data.train.batch_size={batches[0] // replicas})")
+            else:  # no batch per rank keeps it on this many replicas
+                keep = f"({batches[0]} does not split into {replicas} equal batches per rank)"
+            loop.say(f"note: {path} was written by {saved_world} rank(s){was}, this run has "
                      f"{size}: the global batch is now {loop.job.global_batch(replicas)} "
                      f"({b} per rank x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
-                     "(keep the global batch with --set data.train.batch_size=G/N)")
+                     + keep)
         return path
 
     @staticmethod
@@ -392,3 +407,23 @@ def finished_run(loop, iteration):
     without its collective: only rank 0 prints the notes this decides)."""
     return iteration >= loop.job.solver.max_iter and \
         os.path.exists(os.path.join(loop.out_dir, "latest.h5"))
+
+
+def _global_batches(loop, state):
+    """(the checkpoint's global batch, this run's) of the first training
+    data reader of this rank that the checkpoint's ``/state`` holds a
+    ``global_batch`` for (a micro-batch copy ``<op>@mb<k>`` counting as
+    ``<op>``; both in the reader's units, samples per iteration); None for
+    a file without one (written before it was kept) or a rank without a
+    reader."""
+    ranks = (state or {}).get("ranks") or {}
+    for name, k in loop.train.kernels.items():
+        if k.op.op_type != "DataReader":
+            continue
+        base = name.split("@mb")[0]
+        for r in sorted(ranks, key=int):
+            for n, s in ranks[r].items():
+                saved = (s.get("state") or {}).get("global_batch") if isinstance(s, dict) else None
+                if n.split("@mb")[0] == base and saved is not None:
+                    return int(saved), int(k.batch_size) * int(k.world_size)
+    return None
