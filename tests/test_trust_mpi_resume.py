@@ -1,0 +1,69 @@
+"""A trust audit of the multi-rank and resume paths (session 64).
+
+(a) A test pass whose forward overflows on one rank's shard of the test
+split (finite weights, a finite sample of 3e38 that doubles to inf, an fc
+of mixed-sign weights making it NaN): the world's sum of the figures is
+NaN. Before, ``train`` printed ``test @ iter 4: loss nan  accuracy 0.75``,
+kept ``best_4.h5`` for that accuracy (counted from the same overflowed
+scores), printed ``final {"loss": null, "accuracy": 0.75}`` and exited 0,
+where ``test`` of the same weights exits 3 ("the figure is not a result").
+Now no figure of such a pass is shown (its row holds nulls), kept as the
+best or counted as an improvement, and a run that ends on one exits 3 on every
+rank, its log's last line saying why.
+"""
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import run_mpi_cli, write_config_file
+
+
+def _outlier_h5(path):
+    """8 train samples of small values; 8 test samples, the last 3e38 (finite:
+    the data check passes it)."""
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("train/data", data=rng.standard_normal((8, 1, 2, 2)).astype(np.float32))
+        f.create_dataset("train/label", data=np.arange(8) % 2)
+        test = rng.standard_normal((8, 1, 2, 2)).astype(np.float32)
+        test[7] = 3e38
+        f.create_dataset("test/data", data=test)
+        f.create_dataset("test/label", data=np.arange(8) % 2)
+
+
+@pytest.mark.mpi
+def test_an_overflowed_test_pass_on_one_rank_is_no_result(tmp_path):
+    data = tmp_path / "d.h5"
+    _outlier_h5(data)
+    cfg = {"name": "overflow", "seed": 1,
+           "data": {"train": {"source": "hdf5", "path": str(data), "split": "train",
+                              "batch_size": 2},
+                    "test": {"source": "hdf5", "path": str(data), "split": "test",
+                             "batch_size": 2}},
+           "net": [{"type": "eltwise", "name": "twice", "bottom": ["data", "data"],
+                    "top": "x"},
+                   {"type": "fc", "name": "fc", "bottom": "x", "top": "fc", "num_output": 2},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                    "top": "loss"},
+                   {"type": "accuracy", "name": "accuracy", "bottom": ["fc", "label"],
+                    "top": "accuracy", "phase": "test"}],
+           "solver": {"base_lr": 0.01, "max_iter": 4, "test_interval": 0, "display": 0},
+           "checkpoint": {"interval": 0, "best": {"metric": "accuracy"}}}
+    job = write_config_file(tmp_path, cfg)
+    out = tmp_path / "run"
+    res = run_mpi_cli(2, "train", job, "--out", out)
+    assert res.returncode == 3, (res.returncode, res.stdout, res.stderr)
+    assert "test @ iter 4: non-finite loss" in res.stdout, res.stdout
+    assert "error: the test pass at iteration 4 gave non-finite figures" in res.stderr, \
+        res.stderr
+    assert res.stderr.count("error:") == 1, res.stderr  # one line, rank 0's
+    assert not list(out.glob("best_*.h5")), sorted(p.name for p in out.iterdir())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    test_rows = [r for r in rows if r["phase"] == "test"]
+    assert test_rows and all(r.get("accuracy") is None and r.get("loss") is None
+                             for r in test_rows), test_rows
+    last = (out / "train.log").read_text().rstrip().splitlines()[-1]
+    assert last == "run ended: non-finite test figures at iteration 4 (exit 3)", last
+    assert (out / "latest.h5").exists()  # the finite weights the pass ran on are kept
