@@ -10,6 +10,15 @@ where ``test`` of the same weights exits 3 ("the figure is not a result").
 Now no figure of such a pass is shown (its row holds nulls), kept as the
 best or counted as an improvement, and a run that ends on one exits 3 on every
 rank, its log's last line saying why.
+
+(b) ``--resume`` of a checkpoint of iteration 20 with ``--iters 10`` into
+another folder (one without the run's latest.h5) ran the end's test pass as
+``test @ iter 10`` and wrote ``ckpt_10.h5`` with ``iteration = 10`` holding
+the weights (and data position) of iteration 20: a file that lies about its
+iteration, which a later ``--resume auto --iters 30`` trains on as 10 more
+iterations than were done. Past max_iter there is now nothing to do in any
+folder (``already finished at iteration 20: nothing to do``), as in the
+run's own folder.
 """
 import json
 
@@ -17,7 +26,8 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import run_mpi_cli, write_config_file
+from tests.conftest import (run_cli_args, run_mpi_cli, small_net_config,
+                            write_config_file)
 
 
 def _outlier_h5(path):
@@ -67,3 +77,17 @@ def test_an_overflowed_test_pass_on_one_rank_is_no_result(tmp_path):
     last = (out / "train.log").read_text().rstrip().splitlines()[-1]
     assert last == "run ended: non-finite test figures at iteration 4 (exit 3)", last
     assert (out / "latest.h5").exists()  # the finite weights the pass ran on are kept
+
+
+def test_a_resume_past_max_iter_writes_no_checkpoint_labelled_max_iter(tmp_path, digits_h5):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5))
+    first = run_cli_args("train", cfg, "--out", tmp_path / "a", "--iters", "20")
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "b"
+    past = run_cli_args("train", cfg, "--out", out, "--resume", tmp_path / "a" / "latest.h5",
+                        "--iters", "10")
+    assert past.returncode == 0, past.stderr
+    assert past.stdout.splitlines()[-1] == ("already finished at iteration 20: nothing to do "
+                                            "(past solver.max_iter 10)"), past.stdout
+    assert not list(out.glob("*.h5")), sorted(p.name for p in out.iterdir())
+    assert "test @ iter" not in past.stdout, past.stdout

@@ -402,11 +402,12 @@ def _whole(loop, param, name):
 
 
 def finished_run(loop, iteration):
-    """Whether a resume at ``iteration`` has nothing to do: past max_iter in
-    a folder holding the finished run's latest.h5 (the loop's own test,
-    without its collective: only rank 0 prints the notes this decides)."""
-    return iteration >= loop.job.solver.max_iter and \
-        os.path.exists(os.path.join(loop.out_dir, "latest.h5"))
+    """Whether a resume at ``iteration`` has nothing to do: past max_iter, or
+    at it in a folder holding the finished run's latest.h5 (the loop's own
+    test, without its collective: only rank 0 prints the notes this decides)."""
+    max_iter = loop.job.solver.max_iter
+    return iteration > max_iter or (iteration == max_iter and
+                                    os.path.exists(os.path.join(loop.out_dir, "latest.h5")))
 
 
 def _global_batches(loop, state):
