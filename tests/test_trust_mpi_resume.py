@@ -19,6 +19,8 @@ iteration, which a later ``--resume auto --iters 30`` trains on as 10 more
 iterations than were done. Past max_iter there is now nothing to do in any
 folder (``already finished at iteration 20: nothing to do``), as in the
 run's own folder.
+
+(c) A resume with another seed is said (below).
 """
 import json
 
@@ -79,15 +81,39 @@ def test_an_overflowed_test_pass_on_one_rank_is_no_result(tmp_path):
     assert (out / "latest.h5").exists()  # the finite weights the pass ran on are kept
 
 
-def test_a_resume_past_max_iter_writes_no_checkpoint_labelled_max_iter(tmp_path, digits_h5):
-    cfg = write_config_file(tmp_path, small_net_config(digits_h5))
-    first = run_cli_args("train", cfg, "--out", tmp_path / "a", "--iters", "20")
+@pytest.fixture(scope="module")
+def run20(digits_h5, tmp_path_factory):
+    """(config, folder) of the tiny net trained 20 iterations on one rank
+    (read only: the tests resume it into folders of their own)."""
+    base = tmp_path_factory.mktemp("run20")
+    cfg = write_config_file(base, small_net_config(digits_h5))
+    first = run_cli_args("train", cfg, "--out", base / "a", "--iters", "20")
     assert first.returncode == 0, first.stderr
+    return cfg, base / "a"
+
+
+def test_a_resume_past_max_iter_writes_no_checkpoint_labelled_max_iter(tmp_path, run20):
+    cfg, run = run20
     out = tmp_path / "b"
-    past = run_cli_args("train", cfg, "--out", out, "--resume", tmp_path / "a" / "latest.h5",
+    past = run_cli_args("train", cfg, "--out", out, "--resume", run / "latest.h5",
                         "--iters", "10")
     assert past.returncode == 0, past.stderr
     assert past.stdout.splitlines()[-1] == ("already finished at iteration 20: nothing to do "
                                             "(past solver.max_iter 10)"), past.stdout
     assert not list(out.glob("*.h5")), sorted(p.name for p in out.iterdir())
     assert "test @ iter" not in past.stdout, past.stdout
+
+
+def test_a_resume_with_another_seed_says_the_epoch_goes_on_in_another_order(tmp_path, run20):
+    """(c) The epoch order is a permutation keyed by (seed, epoch): a resume
+    with another --seed went on through the epoch under way in another
+    permutation (samples read twice, others skipped) without a word."""
+    cfg, run = run20
+    res = run_cli_args("train", cfg, "--out", tmp_path / "c", "--resume", run / "latest.h5",
+                       "--iters", "21", "--seed", "9")
+    assert res.returncode == 0, res.stderr
+    assert "was written by a run of seed 3, this run's is 9" in res.stdout, res.stdout
+    assert "--seed 3 continues the run as it was" in res.stdout, res.stdout
+    same = run_cli_args("train", cfg, "--out", tmp_path / "d", "--resume", run / "latest.h5",
+                        "--iters", "21")
+    assert same.returncode == 0 and "was written by a run of seed" not in same.stdout, same.stdout

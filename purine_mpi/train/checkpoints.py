@@ -276,6 +276,15 @@ class Checkpoints(Service):
         st.last_saved = st.start_iter
         st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
+        # another seed changes the run's random streams from here: the epoch
+        # under way goes on in another permutation (not silently)
+        saved_seed = ck.attrs.get("seed")
+        if saved_seed is not None and int(saved_seed) != int(loop.job.seed) and notes:
+            loop.say(f"note: {path} was written by a run of seed {int(saved_seed)}, this run's "
+                     f"is {int(loop.job.seed)}: the shuffled data order and the dropout masks "
+                     "follow the new seed from here, so the epoch under way goes on in another "
+                     "order (some of its samples are read twice, others not at all, until it "
+                     f"ends); --seed {int(saved_seed)} continues the run as it was")
         saved_world = int(ck.attrs.get("world_size", size) or size)
         # the global batch the file's data position was counted in (its
         # reader's /state), against this run's: a changed one is said,
