@@ -117,3 +117,46 @@ def test_a_resume_with_another_seed_says_the_epoch_goes_on_in_another_order(tmp_
     same = run_cli_args("train", cfg, "--out", tmp_path / "d", "--resume", run / "latest.h5",
                         "--iters", "21")
     assert same.returncode == 0 and "was written by a run of seed" not in same.stdout, same.stdout
+
+
+SLOW_SAVE = """
+import os, runpy, sys, time
+real = os.replace
+def replace(a, b):
+    if os.environ.get("PMI_RANK") == "0" and os.path.basename(b) == "ckpt_2.h5":
+        time.sleep(9)  # a file system slower than parallel.stall_timeout
+    return real(a, b)
+os.replace = replace
+sys.argv = ["purine_mpi"] + sys.argv[1:]
+runpy.run_module("purine_mpi", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_checkpoint_write_longer_than_the_stall_timeout_is_named(tmp_path, digits_h5):
+    """(d) While rank 0 wrote a checkpoint the other ranks went on into the
+    next collective; a write longer than ``parallel.stall_timeout`` ended
+    the job as 'rank 1: the stop agreement (allreduce) stalled ...: a peer
+    rank stopped responding', naming neither the write nor what to do. Now
+    the others wait for the write in a barrier of its own, named."""
+    import subprocess
+
+    from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    script = tmp_path / "slow_save.py"
+    script.write_text(SLOW_SAVE)
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=4, test_interval=0, display=0)
+    cfg["checkpoint"] = {"interval": 2}
+    cfg["parallel"] = {"scheme": "data", "stall_timeout": 4}
+    job = write_config_file(tmp_path, cfg)
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, str(script), "train", job, "--out",
+                          tmp_path / "run"], cwd=REPO, env=cli_env(), capture_output=True,
+                         text=True, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert ("rank 1: the wait for rank 0's write of the checkpoint ckpt_2.h5 stalled for more "
+            "than 4 s (parallel.stall_timeout): rank 0 is still writing it (a slow file "
+            "system: raise parallel.stall_timeout)") in out, out

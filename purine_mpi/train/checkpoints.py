@@ -338,7 +338,20 @@ class Checkpoints(Service):
 
     def save(self, loop, iteration, path=None):
         """The run's checkpoint of ``iteration`` (ckpt_<iter>.h5, latest.h5,
-        rotation), or with ``path`` a checkpoint file of its own. Collective."""
+        rotation), or with ``path`` a checkpoint file of its own. Collective:
+        rank 0 writes, and the others wait for its write to end in a barrier
+        of its own, so a write longer than ``parallel.stall_timeout`` (a slow
+        file system) is named as such, not as the next collective's stall
+        (the stop agreement's, blaming a peer that 'stopped responding')."""
+        self._save(loop, iteration, path)
+        if loop.world.size > 1:
+            name = os.path.basename(path or f"ckpt_{int(iteration)}.h5")
+            loop.world.barrier(
+                f"the wait for rank 0's write of the checkpoint {name}",
+                "rank 0 is still writing it (a slow file system: raise "
+                "parallel.stall_timeout), or it stopped responding")
+
+    def _save(self, loop, iteration, path=None):
         loop.train.drain()  # the weights of this iteration, updated
         loop.emit("before_save", iteration)  # e.g. the servers' momenta (ps_worker.py)
         share_running_stats(loop)  # scheme none: each replica keeps its own
