@@ -3,9 +3,9 @@
 (a) A test pass whose forward overflows on one rank's shard of the test
 split (finite weights, a finite sample of 3e38 that doubles to inf, an fc
 of mixed-sign weights making it NaN): the world's sum of the figures is
-NaN. Before, ``train`` printed ``test @ iter 4: loss nan  accuracy 0.75``,
+NaN. Before, ``train`` printed ``test @ iter 4: loss nan  accuracy 0.3750``,
 kept ``best_4.h5`` for that accuracy (counted from the same overflowed
-scores), printed ``final {"loss": null, "accuracy": 0.75}`` and exited 0,
+scores), printed ``final {"loss": null, "accuracy": 0.375}`` and exited 0,
 where ``test`` of the same weights exits 3 ("the figure is not a result").
 Now no figure of such a pass is shown (its row holds nulls), kept as the
 best or counted as an improvement, and a run that ends on one exits 3 on every
