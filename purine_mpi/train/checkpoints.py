@@ -276,6 +276,17 @@ class Checkpoints(Service):
         st.last_saved = st.start_iter
         st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
+        # scheme none: a save writes rank 0's replica alone, so every replica
+        # goes on from it (not silently: the train rows, the ranks' mean, are
+        # then not the uninterrupted run's; the test rows, rank 0's, are)
+        lay = loop.graphs.layout
+        if lay.scheme == "none" and lay.replicas > 1 and loop.job.parallel.mode == "sync" \
+                and notes:
+            loop.say(f"note: scheme none: {path} holds one replica's weights and solver state "
+                     f"(rank 0's, as every save), so each of the {lay.replicas} replicas "
+                     "resumes from it; the others' own were never saved, and the train rows "
+                     "(the ranks' mean loss) are not those of an uninterrupted run (the test "
+                     "rows, rank 0's replica, are)")
         # another seed changes the run's random streams from here: the epoch
         # under way goes on in another permutation (not silently)
         saved_seed = ck.attrs.get("seed")
