@@ -179,3 +179,15 @@ def test_a_scheme_none_resume_says_every_replica_goes_on_from_rank_0s(tmp_path, 
     assert res.returncode == 0, res.stderr
     assert "note: scheme none: " in res.stdout and \
         "so each of the 2 replicas resumes from it" in res.stdout, res.stdout
+
+
+def test_scheme_tensor_of_degree_1_on_one_rank_is_not_told_to_split_1_ways(digits_h5):
+    """(f) ``scheme: tensor`` with the default ``tensor_parallel: 1`` on one
+    rank was told '(start mpiexec -n 1 to split it 1 ways)'."""
+    from purine_mpi.parallel.compose import settings_without_effect
+    from tests.conftest import make_job
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = {"scheme": "tensor"}
+    notes = settings_without_effect(make_job(cfg), 1)
+    assert not any("split it 1 ways" in n for n in notes), notes
+    assert any("parallel.tensor_parallel is 1, which splits nothing" in n for n in notes), notes
