@@ -75,7 +75,32 @@ def test_a_resume_on_another_rank_count_says_the_global_batch(lenet_run, tmp_pat
     res = run_mpi_cli(2, "train", "jobs/digits_lenet.yaml", "--out", tmp_path / "run",
                       "--iters", "40", "--resume", "auto", *_digits_sets(digits_h5))
     assert res.returncode == 0, res.stderr
-    assert "was written by 1 rank(s), this run has 2: the global batch is now 64" in res.stdout
+    assert ("was written by 1 rank(s) with a global batch of 32, this run has 2: the global "
+            "batch is now 64" in res.stdout), res.stdout
+    assert "--set data.train.batch_size=16)" in res.stdout, res.stdout
+
+
+def test_a_resume_says_a_changed_global_batch_and_only_a_changed_one(lenet_run, tmp_path,
+                                                                      digits_h5):
+    """The note compared the numbers of ranks, not the global batches: a
+    1-rank checkpoint (batch 32) resumed on 2 ranks with ``batch_size=16``,
+    as the note itself advised, was told 'the global batch is now 32 ...
+    keep the global batch with --set data.train.batch_size=G/N', and one
+    resumed on the same rank with another batch_size (a changed global
+    batch, the schedule's iterations now other samples) was told nothing."""
+    from tests.conftest import run_mpi_cli
+    kept = run_mpi_cli(2, "train", "jobs/digits_lenet.yaml", "--out", tmp_path / "kept",
+                       "--iters", "32", "--resume", lenet_run[0] / "latest.h5",
+                       "--set", "data.train.batch_size=16", *_digits_sets(digits_h5))
+    assert kept.returncode == 0, kept.stderr
+    assert "resumed from" in kept.stdout and "global batch is now" not in kept.stdout, kept.stdout
+    halved = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", tmp_path / "halved",
+                          "--iters", "32", "--resume", lenet_run[0] / "latest.h5",
+                          "--set", "data.train.batch_size=16", *_digits_sets(digits_h5))
+    assert halved.returncode == 0, halved.stderr
+    assert ("was written by 1 rank(s) with a global batch of 32, this run has 1: the global "
+            "batch is now 16 (16 per rank x 1)" in halved.stdout), halved.stdout
+    assert "--set data.train.batch_size=32)" in halved.stdout, halved.stdout
 
 
 def test_a_complete_graph_s_solver_section_is_its_ops(tmp_path, digits_h5):

@@ -22,6 +22,7 @@ return, the abort handlers on an uncaught error or a one-rank user error)::
 ``set_outcome(result, max_iter)`` records what the loop returned (the
 trainer), for the words of that line.
 """
+import math
 import os
 import time
 
@@ -95,6 +96,11 @@ def set_outcome(result, max_iter, start_iter=0):
         _outcome = f"already finished at iteration {start_iter}, nothing done"
     elif "diverged_at" in result:
         _outcome = f"diverged at iteration {result['diverged_at']}"
+    elif not result.get("stopped_by") and any(
+            isinstance(v, float) and not math.isfinite(v) for v in result.values()):
+        # the last test pass overflowed (train/evaluation.py)
+        _outcome = (f"non-finite test figures at iteration "
+                    f"{result.get('early_stop') or max_iter}")
     elif "early_stop" in result:
         _outcome = f"stopped early at iteration {result['early_stop']} (solver.early_stop)"
     elif result.get("stopped_by"):

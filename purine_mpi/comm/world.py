@@ -209,17 +209,18 @@ class World:
                         "overrides, --init file and --init-skip, --resume checkpoint and data "
                         "files (docs/failures.md, \"The start-up agreement\")")
 
-    def barrier(self):
-        self.wait(_call(self.comm.Ibarrier), "a barrier")
+    def barrier(self, what="a barrier", why=None):
+        self.wait(_call(self.comm.Ibarrier), what, why)
 
     # ------------------------------------------- collectives under a watchdog
     # Collectives outside the graph (the stop agreement, metric means,
     # checkpoint gathers, the consistency check) are non-blocking requests
     # polled here under the same stall timeout as graph communication: a
     # stopped or dead peer ends the job within the timeout, never a hang.
-    def wait(self, request, what):
+    def wait(self, request, what, why=None):
         """Poll ``request`` until it completes; StallError naming ``what``
-        after ``stall_timeout`` seconds."""
+        after ``stall_timeout`` seconds (``why``: what the wait is likely
+        for, instead of a stopped peer)."""
         start = time.monotonic()
         pause = 20e-6
         while not _call(request.Test):
@@ -228,8 +229,8 @@ class World:
                 busy = hook() or busy
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} stalled for more than "
-                                 f"{self.stall_timeout:g} s (parallel.stall_timeout): a peer "
-                                 "rank stopped responding")
+                                 f"{self.stall_timeout:g} s (parallel.stall_timeout): "
+                                 f"{why or 'a peer rank stopped responding'}")
             time.sleep(pause)
             pause = 20e-6 if busy else min(pause * 2, 1e-3)
 

@@ -276,14 +276,49 @@ class Checkpoints(Service):
         st.last_saved = st.start_iter
         st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
+        # scheme none: a save writes rank 0's replica alone, so every replica
+        # goes on from it (not silently: the train rows, the ranks' mean, are
+        # then not the uninterrupted run's; the test rows, rank 0's, are)
+        lay = loop.graphs.layout
+        if lay.scheme == "none" and lay.replicas > 1 and loop.job.parallel.mode == "sync" \
+                and notes:
+            loop.say(f"note: scheme none: {path} holds one replica's weights and solver state "
+                     f"(rank 0's, as every save), so each of the {lay.replicas} replicas "
+                     "resumes from it; the others' own were never saved, and the train rows "
+                     "(the ranks' mean loss) are not those of an uninterrupted run (the test "
+                     "rows, rank 0's replica, are)")
+        # another seed changes the run's random streams from here: the epoch
+        # under way goes on in another permutation (not silently)
+        saved_seed = ck.attrs.get("seed")
+        if saved_seed is not None and int(saved_seed) != int(loop.job.seed) and notes:
+            loop.say(f"note: {path} was written by a run of seed {int(saved_seed)}, this run's "
+                     f"is {int(loop.job.seed)}: the shuffled data order and the dropout masks "
+                     "follow the new seed from here, so the epoch under way goes on in another "
+                     "order (some of its samples are read twice, others not at all, until it "
+                     f"ends); --seed {int(saved_seed)} continues the run as it was")
         saved_world = int(ck.attrs.get("world_size", size) or size)
-        if saved_world != size and loop.job.data.train is not None and notes:
+        # the global batch the file's data position was counted in (its
+        # reader's /state), against this run's: a changed one is said,
+        # whatever the number of ranks (an unchanged one on another number
+        # of ranks -- the batch per rank set to keep it, a pipeline of
+        # another stage count -- is not a change)
+        batches = _global_batches(loop, ck.state)
+        changed = batches[0] != batches[1] if batches else saved_world != size
+        if changed and loop.job.data.train is not None and notes:
             b, replicas = loop.job.train_batch, loop.graphs.data_size
-            loop.say(f"note: {path} was written by {saved_world} rank(s), this run has "
+            was = f" with a global batch of {batches[0]}" if batches else ""
+            if not batches:
+                keep = "(keep the global batch with --set data.train.batch_size=G/N)"
+            elif batches[0] % replicas == 0:
+                keep = ("(keep the global batch with --set "
+                        f"data.train.batch_size={batches[0] // replicas})")
+            else:  # no batch per rank keeps it on this many replicas
+                keep = f"({batches[0]} does not split into {replicas} equal batches per rank)"
+            loop.say(f"note: {path} was written by {saved_world} rank(s){was}, this run has "
                      f"{size}: the global batch is now {loop.job.global_batch(replicas)} "
                      f"({b} per rank x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
-                     "(keep the global batch with --set data.train.batch_size=G/N)")
+                     + keep)
         return path
 
     @staticmethod
@@ -314,7 +349,20 @@ class Checkpoints(Service):
 
     def save(self, loop, iteration, path=None):
         """The run's checkpoint of ``iteration`` (ckpt_<iter>.h5, latest.h5,
-        rotation), or with ``path`` a checkpoint file of its own. Collective."""
+        rotation), or with ``path`` a checkpoint file of its own. Collective:
+        rank 0 writes, and the others wait for its write to end in a barrier
+        of its own, so a write longer than ``parallel.stall_timeout`` (a slow
+        file system) is named as such, not as the next collective's stall
+        (the stop agreement's, blaming a peer that 'stopped responding')."""
+        self._save(loop, iteration, path)
+        if loop.world.size > 1:
+            name = os.path.basename(path or f"ckpt_{int(iteration)}.h5")
+            loop.world.barrier(
+                f"the wait for rank 0's write of the checkpoint {name}",
+                "rank 0 is still writing it (a slow file system: raise "
+                "parallel.stall_timeout), or it stopped responding")
+
+    def _save(self, loop, iteration, path=None):
         loop.train.drain()  # the weights of this iteration, updated
         loop.emit("before_save", iteration)  # e.g. the servers' momenta (ps_worker.py)
         share_running_stats(loop)  # scheme none: each replica keeps its own
@@ -387,8 +435,29 @@ def _whole(loop, param, name):
 
 
 def finished_run(loop, iteration):
-    """Whether a resume at ``iteration`` has nothing to do: past max_iter in
-    a folder holding the finished run's latest.h5 (the loop's own test,
-    without its collective: only rank 0 prints the notes this decides)."""
-    return iteration >= loop.job.solver.max_iter and \
-        os.path.exists(os.path.join(loop.out_dir, "latest.h5"))
+    """Whether a resume at ``iteration`` has nothing to do: past max_iter, or
+    at it in a folder holding the finished run's latest.h5 (the loop's own
+    test, without its collective: only rank 0 prints the notes this decides)."""
+    max_iter = loop.job.solver.max_iter
+    return iteration > max_iter or (iteration == max_iter and
+                                    os.path.exists(os.path.join(loop.out_dir, "latest.h5")))
+
+
+def _global_batches(loop, state):
+    """(the checkpoint's global batch, this run's) of the first training
+    data reader of this rank that the checkpoint's ``/state`` holds a
+    ``global_batch`` for (a micro-batch copy ``<op>@mb<k>`` counting as
+    ``<op>``; both in the reader's units, samples per iteration); None for
+    a file without one (written before it was kept) or a rank without a
+    reader."""
+    ranks = (state or {}).get("ranks") or {}
+    for name, k in loop.train.kernels.items():
+        if k.op.op_type != "DataReader":
+            continue
+        base = name.split("@mb")[0]
+        for r in sorted(ranks, key=int):
+            for n, s in ranks[r].items():
+                saved = (s.get("state") or {}).get("global_batch") if isinstance(s, dict) else None
+                if n.split("@mb")[0] == base and saved is not None:
+                    return int(saved), int(k.batch_size) * int(k.world_size)
+    return None

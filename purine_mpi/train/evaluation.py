@@ -7,6 +7,8 @@ nanoGPT). For token data (a ``text`` source) the line names the split
 (``val @ iter 100: ...``) and counts tokens, and the row adds ``tokens``. ``loop.state.result`` holds its
 figures for the services after it (watch.py) and the run's result.
 """
+import math
+
 import numpy as np
 
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
@@ -37,6 +39,17 @@ class Evaluation(Service):
 
     def on_test(self, loop, done):
         res = self.evaluate(loop)
+        # a pass with a non-finite figure (the weights are finite, checked
+        # before it: the forward pass overflowed on the test data) measured
+        # nothing: none of its figures is a result -- an accuracy beside a
+        # NaN loss comes of the same overflowed scores -- so none is shown
+        # (the row holds nulls), kept as the best or counted as an
+        # improvement (watch.py),
+        # and a run that ends on one exits 3 (trainer.py), as ``test`` does.
+        # The figures are the world's sums: every rank decides alike
+        bad = non_finite_figures(res)
+        if bad:
+            res = {k: (float("nan") if k != "samples" else v) for k, v in res.items()}
         loop.state.result = res
         if not res:
             return
@@ -48,9 +61,15 @@ class Evaluation(Service):
             row["tokens"] = res["samples"] * int(spec.sequence_length)
         row["time"] = round(loop.elapsed(), 3)
         loop.record(row)
+        count = f"{row['tokens']:,} tokens" if text else f"{res['samples']} samples"
+        if bad:
+            loop.say(f"{spec.split if text else 'test'} @ iter {done}: non-finite "
+                     f"{', '.join(bad)} (NaN or inf) on finite weights: the forward pass "
+                     f"overflowed on the test data; no figure of this pass is a result "
+                     f"({count})")
+            return
         figures = "  ".join([f"loss {res['loss']:.4f}"] + [
             f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples")])
-        count = f"{row['tokens']:,} tokens" if text else f"{res['samples']} samples"
         loop.say(f"{spec.split if text else 'test'} @ iter {done}: {figures}  ({count})")
 
     def evaluate(self, loop, test_iter=None):
@@ -146,3 +165,10 @@ class Evaluation(Service):
                      "counted, not a measurement")
         out["samples"] = int(counted)
         return out
+
+
+def non_finite_figures(res):
+    """The figures of a test pass's result that are NaN or inf (the
+    evaluation's own as it measured them: a pass that measured nothing)."""
+    return [k for k, v in (res or {}).items()
+            if k != "samples" and isinstance(v, float) and not math.isfinite(v)]

@@ -196,7 +196,13 @@ class Loop:
     # ------------------------------------------------------------- the loop
     def run(self):
         max_iter, st = self.job.solver.max_iter, self.state
-        if st.start_iter >= max_iter and self._finished():
+        # past max_iter (a resume of a later checkpoint with a smaller --iters)
+        # there is nothing to do in any folder: the end's test pass and
+        # checkpoint would be labelled max_iter while holding the weights of
+        # start_iter (a ckpt_<max_iter>.h5 a later resume would train on from
+        # the wrong iteration). At max_iter itself, a folder without the run's
+        # latest.h5 gets them (the same weights, rightly labelled)
+        if st.start_iter > max_iter or (st.start_iter == max_iter and self._finished()):
             self.say(f"already finished at iteration {st.start_iter}: nothing to do"
                      + (f" (solver.max_iter is {max_iter}; raise it, or give --iters, to "
                         "train on)" if st.start_iter == max_iter else

@@ -36,7 +36,7 @@ from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world, world_gather
 from .divergence import DivergenceWatch
-from .evaluation import Evaluation
+from .evaluation import Evaluation, non_finite_figures
 from .loop import Loop
 from .loss_scale import LossScaleLog
 from .progress import Progress
@@ -322,6 +322,19 @@ def run_and_report(trainer, world, baseline=None):
         logfile.tee(print_or_stop)("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
                                              if isinstance(v, float) else v
                                              for k, v in result.items()}))
+    # the last test pass overflowed (train/evaluation.py): its figures are
+    # not a result, and the run does not end as a good one (``test``'s exit 3)
+    if non_finite_figures(result) and not result.get("stopped_by"):
+        if world.rank == 0:
+            kept = _last_finite(trainer.state.last_finite, trainer.out_dir)
+            at = result.get("early_stop") or trainer.job.solver.max_iter
+            text = (f"error: the test pass at iteration {at} gave non-finite figures (NaN "
+                    "or inf) on finite weights: the forward pass overflowed on the test "
+                    f"data, so no figure is a result; {kept}. Check the test data, or lower "
+                    "solver.base_lr.")
+            print(text, file=sys.stderr, flush=True)
+            logfile.note_error(text)
+        return 3
     # a stop on SIGTERM, Ctrl-C or a closed stdout still ends non-zero (143,
     # 130, 141); SIGUSR1 is a request to checkpoint and finish: 0
     stopped = result.get("stopped_by")

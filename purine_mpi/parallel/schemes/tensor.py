@@ -63,6 +63,10 @@ class TensorParallel(DataParallel):
 
     def one_rank_notes(self, job, note, changed):
         t = job.parallel.tensor_parallel
+        if t == 1:  # nothing to split on any number of ranks (scheme data's allreduce)
+            note(["scheme"], "tensor has no effect on 1 rank: parallel.tensor_parallel is 1, "
+                 "which splits nothing (set it to the ranks of a tensor-parallel group)")
+            return
         note(["scheme"], f"tensor has no effect on 1 rank: the net runs unsplit on this "
              f"rank (start mpiexec -n {t} to split it {t} ways)")
         changed.discard("tensor_parallel")
