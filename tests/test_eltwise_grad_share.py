@@ -118,9 +118,9 @@ def test_a_coefficient_1_input_takes_dy_itself_and_the_same_gradients(monkeypatc
 
 def test_the_gpt_graph_has_no_residual_copy_and_fewer_gradient_blobs(tokens, monkeypatch):
     """The tiny GPT's training graph: no EltwiseGrad (the code before: one
-    per input of each residual add, four a block), each residual add's branch reads dy itself (``x1.grad`` is
-    read by block 0's projection), and the gradient blobs fewer by one per
-    copy."""
+    per input of each residual add, four a block), each residual add's
+    branch reads dy itself (``x1.grad`` is read by block 0's projection),
+    and the gradient blobs fewer by one per copy."""
     from purine_mpi.tools.graph import compose_for
     job = make_job(gpt_config(tokens))
 
