@@ -143,22 +143,27 @@ def test_the_gpt_graph_has_no_residual_copy_and_fewer_gradient_blobs(tokens, mon
 
 # ------------------------------------------------------ training, bitwise
 def _cnn(path, iters=4):
-    """A small CNN with residual adds: conv -> relu, conv (+ the relu) ->
-    relu, conv (+ the pool's input, coefficient 1 and 1) -> pool -> fc."""
+    """A small CNN with residual adds: a1 = relu(conv(data)); s0 = a1 + z,
+    z a frozen conv of the data (no gradient); s1 = relu(conv(s0) + z);
+    s2 = s1 + relu(conv(s1)) (coefficients 1 and 1) -> pool -> fc. a1's
+    gradient is s0's, written by conv c2's data gradient and read by r1's
+    gradient alone: on a device the pair fuses (parallel/fuse.py
+    ``fuse_dgrad_relu``), which the copy prevented."""
+    conv = {"type": "conv", "num_output": 4, "kernel": 3, "pad": 1}
     return {
         "name": "res_cnn", "seed": 5,
         "data": {"train": {"source": "hdf5", "path": path, "split": "train",
                            "batch_size": 8, "shuffle": True}},
         "net": [
-            {"type": "conv", "name": "c1", "bottom": "data", "top": "a1", "num_output": 4,
-             "kernel": 3, "pad": 1},
+            dict(conv, name="c1", bottom="data", top="a1"),
             {"type": "relu", "name": "r1", "bottom": "a1", "top": "a1"},
-            {"type": "conv", "name": "c2", "bottom": "a1", "top": "a2", "num_output": 4,
-             "kernel": 3, "pad": 1},
-            {"type": "eltwise", "name": "res1", "bottom": ["a1", "a2"], "top": "s1"},
+            dict(conv, name="c0", bottom="data", top="z",
+                 param=[{"lr_mult": 0}, {"lr_mult": 0}]),
+            {"type": "eltwise", "name": "res0", "bottom": ["a1", "z"], "top": "s0"},
+            dict(conv, name="c2", bottom="s0", top="a2"),
+            {"type": "eltwise", "name": "res1", "bottom": ["a2", "z"], "top": "s1"},
             {"type": "relu", "name": "r2", "bottom": "s1", "top": "s1"},
-            {"type": "conv", "name": "c3", "bottom": "s1", "top": "a3", "num_output": 4,
-             "kernel": 3, "pad": 1},
+            dict(conv, name="c3", bottom="s1", top="a3"),
             {"type": "relu", "name": "r3", "bottom": "a3", "top": "a3"},
             {"type": "eltwise", "name": "res2", "bottom": ["s1", "a3"], "top": "s2",
              "coeff": [1.0, 1.0]},
@@ -215,8 +220,8 @@ def test_training_on_the_emulated_device_is_bitwise_the_same(tokens, digits_h5, 
                                                             monkeypatch, host_build_dir, case):
     """The trainer on the emulated device (placement, the fuse passes, the
     device arena, CUDA graphs): the GPT in bf16 with bits storage (also
-    with two micro-batches), the residual CNN in float32 (its ReLU
-    gradients fused into the convolutions' data gradients): the weights
+    with two micro-batches), the residual CNN in float32 (where a ReLU's
+    gradient now fuses into a convolution's data gradient): the weights
     bit for bit those of the copies."""
     from purine_mpi.base.backend import to_numpy
     from purine_mpi.job.config import validate_config
@@ -234,13 +239,19 @@ def test_training_on_the_emulated_device_is_bitwise_the_same(tokens, digits_h5, 
     def train(cfg, out):
         t = Trainer(make_job(validate_config(cfg, check_files=False)), str(out),
                     world=FakeWorld(), log=lambda line: None)
-        kinds = {op.op_type for op in t.graphs.graph.ops.values()}
+        ops = t.train.graph.ops.values()   # the device graph the dispatcher runs
+        kinds = {op.op_type for op in ops}
+        # data gradients with the ReLU's mask fused in (fuse_dgrad_relu)
+        masked = sorted(op.name for op in ops if "mask_slope" in op.attrs)
         assert run_and_report(t, FakeWorld()) == 0
         ws = t.train.workspace
-        return kinds, {p: np.array(to_numpy(ws[p])) for p in t.graphs.params}
+        return (kinds, masked), {p: np.array(to_numpy(ws[p])) for p in t.graphs.params}
 
-    (kinds, new), (old_kinds, old) = _both(tmp_path, monkeypatch, cfg, train)
+    ((kinds, masked), new), ((old_kinds, old_masked), old) = _both(tmp_path, monkeypatch, cfg,
+                                                                   train)
     assert "EltwiseGrad" not in kinds and "EltwiseGrad" in old_kinds
+    if case == "cnn_fp32":   # the fuse the copy prevented, the same bits
+        assert masked == ["c2.bwd.conv_grad_data"] and old_masked == []
     _same_bits(new, old)
 
 
