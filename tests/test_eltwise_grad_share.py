@@ -215,22 +215,23 @@ def test_training_on_the_host_is_bitwise_the_same(tokens, digits_h5, tmp_path, m
     _same_bits(new, old)
 
 
-@pytest.mark.parametrize("case", ["gpt_bf16", "gpt_bf16_micro", "cnn_fp32"])
+@pytest.mark.parametrize("case", ["gpt_bf16", "gpt_bf16_micro", "cnn_fp32", "cnn_bf16"])
 def test_training_on_the_emulated_device_is_bitwise_the_same(tokens, digits_h5, tmp_path,
                                                             monkeypatch, host_build_dir, case):
     """The trainer on the emulated device (placement, the fuse passes, the
     device arena, CUDA graphs): the GPT in bf16 with bits storage (also
-    with two micro-batches), the residual CNN in float32 (where a ReLU's
-    gradient now fuses into a convolution's data gradient): the weights
-    bit for bit those of the copies."""
+    with two micro-batches), the residual CNN in float32 and bf16 (where a
+    ReLU's gradient now fuses into a convolution's data gradient, and in
+    bf16 the convolutions' gradients read the bf16 Cast of the shared
+    gradient, not of a copy): the weights bit for bit those of the copies."""
     from purine_mpi.base.backend import to_numpy
     from purine_mpi.job.config import validate_config
     from purine_mpi.train.trainer import Trainer, run_and_report
     from tests.conftest import FakeWorld
     from tests.emulated_gpu import emulated_trainer_env
     emulated_trainer_env(monkeypatch, host_build_dir)
-    if case == "cnn_fp32":
-        cfg = dict(_cnn(digits_h5), device=0, cuda_graph=True)
+    if case.startswith("cnn"):
+        cfg = dict(_cnn(digits_h5), device=0, cuda_graph=True, precision=case[4:])
     else:
         cfg = dict(_gpt(tokens), device=0, precision="bf16", cuda_graph=True)
         if case == "gpt_bf16_micro":
@@ -250,7 +251,7 @@ def test_training_on_the_emulated_device_is_bitwise_the_same(tokens, digits_h5, 
     ((kinds, masked), new), ((old_kinds, old_masked), old) = _both(tmp_path, monkeypatch, cfg,
                                                                    train)
     assert "EltwiseGrad" not in kinds and "EltwiseGrad" in old_kinds
-    if case == "cnn_fp32":   # the fuse the copy prevented, the same bits
+    if case.startswith("cnn"):   # the fuse the copy prevented, the same bits
         assert masked == ["c2.bwd.conv_grad_data"] and old_masked == []
     _same_bits(new, old)
 
