@@ -542,8 +542,10 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     g = _gpt(monkeypatch, host_build_dir)
     cons, prod = g.consumers(), g.producers()
     bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
+    # h1_x1.grad: the attention's residual add's gradient, which is also the
+    # attention output h1_a's (no copy: ops/tensor.py _eltwise_grad)
     for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
-                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16",
+                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_x1.grad@bf16",
                  "h0_attn.ctx", "h1_attn.ctx", "logits", "logits.grad@bf16", "h0_m", "h1_m",
                  "h0_attn.qkv", "h1_attn.qkv", "h0_a", "h1_mo"):
         assert name in bits, name

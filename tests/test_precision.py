@@ -253,8 +253,10 @@ def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_gpt(monkeypatch):
     assert sorted(in_place) == sorted([
         "h0_n1", "h0_n2", "h0_m@h0_gelu", "h1_n1", "h1_n2", "h1_m@h1_gelu", "xf",
         "logits.grad", "h1_attn.scores.grad"])
+    # h0_x1.grad: the residual add's gradient, which is also h0_a's (no copy:
+    # ops/tensor.py _eltwise_grad), which a float32 bias gradient also reads
     for x in ("wte/weight", "h0_fc/weight", "h1_attn/qkv_weight", "h1_attn.probs",
-              "h1_m.grad", "h0_a.grad"):
+              "h1_m.grad", "h0_x1.grad"):
         assert x in casts and x not in in_place, x
     assert all(p not in in_place for p in params)
     _check_in_place(g, plan, casts, in_place)

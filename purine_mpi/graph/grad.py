@@ -6,6 +6,17 @@ a blob ``x`` is a fresh blob; when ``x`` feeds several consumers their
 contributions are summed by one ``Sum`` op into ``x.grad``, and a single
 contribution is simply renamed ``x.grad``. The loss gradient is seeded by a
 ``Constant`` op (the loss weight).
+
+A rule whose contribution would be an exact copy of a gradient it already
+has (an ``Eltwise`` sum's input of coefficient 1: dx_i = dy) may hand over
+that blob itself (``GradContext.share``) rather than emit a copy: the
+contribution is then that blob, read by more ops, never renamed (it keeps
+its name, ``y.grad...``) and never written again (gradients stay single-
+assignment: no rule writes a blob it reads, and the passes that write a
+gradient in place -- a micro-batch's running sum, clipping, loss-scale
+unscaling, the buckets -- do so on parameter gradients only, which are
+never shared). Where ``x`` has other contributions, the ``Sum`` reads the
+shared blob as it read the copy, at the same position: the same bits.
 """
 from collections import defaultdict
 
@@ -34,6 +45,9 @@ class GradContext:
         self._final = {}
         self._op = None
         self._count = defaultdict(int)
+        #: {(blob, contribution): forward op}: contributions handed over as
+        #: they are (``share``), and the op whose rule shared them
+        self._shared = {}
 
     # -- queries ----------------------------------------------------------
     def needs_grad(self, blob):
@@ -49,13 +63,28 @@ class GradContext:
         if not contribs:
             result = None
         elif len(contribs) == 1:
-            result = self._rename(contribs[0], grad_name(blob))
+            if (blob, contribs[0]) in self._shared:   # another blob's gradient: not renamed
+                result = contribs[0]
+            else:
+                result = self._rename(contribs[0], grad_name(blob))
         else:
             fwd = self.graph.blobs[blob]
             self.graph.add_blob(grad_name(blob), fwd.shape, fwd.dtype, fwd.location, "grad")
-            producer = self.graph.producers()[contribs[0]][0]
-            self.graph.add_op(f"{blob}.grad_sum", "Sum", contribs, [grad_name(blob)],
-                              location=producer.location, thread=producer.thread)
+            # placed where the first contribution's op stands; for a shared
+            # one, where the op that shared it stands, and named after that
+            # op's layer: a placement that follows layer names (a pipeline's
+            # stages: parallel/model_parallel.place_layers) puts it where
+            # the copy's writer and this Sum were before (an op of no layer
+            # follows its first input's writer, here another layer's)
+            sharer = self._shared.get((blob, contribs[0]))
+            if sharer is None:
+                where = self.graph.producers()[contribs[0]][0]
+                name = f"{blob}.grad_sum"
+            else:
+                where = sharer
+                name = f"{op_base(sharer.name)}.bwd.{blob}.grad_sum"
+            self.graph.add_op(name, "Sum", contribs, [grad_name(blob)],
+                              location=where.location, thread=where.thread)
             result = grad_name(blob)
         self._final[blob] = result
         return result
@@ -69,6 +98,34 @@ class GradContext:
         self.graph.add_blob(name, fwd.shape, fwd.dtype, self._op.location, "grad")
         self._contrib[blob].append(name)
         return name
+
+    def share(self, blob, grad):
+        """Hand over ``grad``, a final gradient blob this rule reads (a
+        ``grad_of`` result), as it is, as one contribution to the gradient
+        of ``blob``: no copy, no new blob (module docstring). The caller
+        decides it is exact (``grad`` is the contribution, bit for bit) and
+        sound (``blob`` is no parameter: see ``shareable``)."""
+        if blob in self._final:
+            raise GraphError(f"the gradient of '{blob}' is summed already; "
+                             f"'{op_base(self._op.name)}' cannot add to it")
+        self._contrib[blob].append(grad)
+        self._shared[(blob, grad)] = self._op
+        return grad
+
+    def shareable(self, blob, grad):
+        """Whether ``share(blob, grad)`` is sound: ``blob`` is an activation
+        (kind ``data``: not a parameter, whose gradient the solver, the
+        buckets, clipping and the micro-batch sums read and write by its
+        name ``<param>.grad``) and ``grad`` a gradient (kind ``grad``)
+        written where this op runs (its producers' location: a blob lives
+        where its producer runs, parallel/partition.py), as the copy would
+        have been: a pipeline stage or a model-parallel rank sends and
+        receives the same blobs."""
+        g = self.graph
+        if g.blobs[blob].kind != "data" or g.blobs[grad].kind != "grad":
+            return False
+        writers = [op for op in g.ops.values() if grad in op.outputs]
+        return bool(writers) and all(w.location == self._op.location for w in writers)
 
     def temp_blob(self, tag, shape=None, dtype="float32"):
         """An intermediate blob of this op's backward sub-graph."""

@@ -362,15 +362,29 @@ class EltwiseGrad(OpKernel):
 
 @gradient("Eltwise")
 def _eltwise_grad(g, op):
+    """One EltwiseGrad per input that needs a gradient, but for a sum's
+    input of coefficient exactly 1 (or none given): its gradient is dy, bit
+    for bit (1 * dy), so dy itself is its contribution (``GradContext.
+    share``: no copy, no blob of its own; a residual add's two gradients
+    are the one blob its consumers read). Kept as a copy where sharing is
+    not sound (``GradContext.shareable``): an input that is a parameter
+    (its gradient ``<param>.grad`` is what the buckets reduce, clipping,
+    loss-scale unscaling and the micro-batch running sums write in place,
+    the solver reads), or a dy placed elsewhere than the Eltwise. Any other
+    coefficient keeps its EltwiseGrad (coeff_i * dy rounds)."""
     dy = g.grad_of(op.outputs[0])
     if dy is None:
         return
     operation, coeff = _eltwise_attrs(op.attrs, len(op.inputs))
     ins = [dy] if operation == "sum" else [dy] + list(op.inputs)
     for i, x in enumerate(op.inputs):
-        if g.needs_grad(x):
-            g.emit("EltwiseGrad", ins, [g.grad_blob(x)],
-                   {"operation": operation, "coeff": coeff, "index": i}, tag=f"eltwise_grad{i}")
+        if not g.needs_grad(x):
+            continue
+        if operation == "sum" and coeff[i] == 1.0 and g.shareable(x, dy):
+            g.share(x, dy)
+            continue
+        g.emit("EltwiseGrad", ins, [g.grad_blob(x)],
+               {"operation": operation, "coeff": coeff, "index": i}, tag=f"eltwise_grad{i}")
 
 
 # -------------------------------------------------------- Reshape, Flatten
