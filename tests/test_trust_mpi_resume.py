@@ -216,3 +216,29 @@ def test_scheme_tensor_of_degree_1_on_one_rank_is_not_told_to_split_1_ways(digit
     notes = settings_without_effect(make_job(cfg), 1)
     assert not any("split it 1 ways" in n for n in notes), notes
     assert any("parallel.tensor_parallel is 1, which splits nothing" in n for n in notes), notes
+
+
+def test_a_resume_says_which_seed_the_data_order_follows(tmp_path, run20):
+    """The note of (c) said the data order follows the run's new seed also
+    where ``data.train.seed`` draws it (the order goes on unchanged), and
+    nothing where that seed alone changed (the epoch under way went on in
+    another order without a word). It now reads the checkpoint's config:
+    the data's own seed is said apart from the run's."""
+    cfg, run = run20
+    # the run's seed 3 drew the order; data.train.seed 3 draws the same one
+    kept = run_cli_args("train", cfg, "--out", tmp_path / "e", "--resume", run / "latest.h5",
+                        "--iters", "21", "--seed", "9", "--set", "data.train.seed=3")
+    assert kept.returncode == 0, kept.stderr
+    assert "was written by a run of seed 3, this run's is 9: the dropout masks" in kept.stdout, \
+        kept.stdout
+    assert "not the train data's order (data.train.seed 3 draws it" in kept.stdout, kept.stdout
+    assert "goes on in another order" not in kept.stdout, kept.stdout
+    # the run's seed kept, the data's order drawn from another one
+    moved = run_cli_args("train", cfg, "--out", tmp_path / "f", "--resume", run / "latest.h5",
+                         "--iters", "21", "--set", "data.train.seed=5")
+    assert moved.returncode == 0, moved.stderr
+    assert ("whose train data was read in the order of seed 3, this run's in the order "
+            "of seed 5 (data.train.seed, data.train.shuffle), so the epoch under way goes on "
+            "in another order") \
+        in moved.stdout, moved.stdout
+    assert "data.train.seed: 3 continues it as it was" in moved.stdout, moved.stdout
