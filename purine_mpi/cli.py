@@ -43,7 +43,6 @@ _early_abort.install()
 
 import difflib  # noqa: E402
 import json
-import math
 import os
 import sys
 import warnings
@@ -190,6 +189,7 @@ def cmd_test(args):
     from .train.trainer import Trainer
     from .job.checkpoint_file import load_params
     from .job.checkpoint_check import NonFiniteWeights
+    from .train.evaluation import non_finite_figures
     job = _load(args)
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
@@ -204,14 +204,19 @@ def cmd_test(args):
     if not res:
         raise UserError(f"{args.config}: key 'data.test': nothing to evaluate (no test data or "
                         "no loss/accuracy layer in the test phase)")
-    bad = sorted(k for k, v in res.items() if isinstance(v, float) and not math.isfinite(v))
-    if t.world.rank == 0:  # strict JSON: a non-finite figure is null (and the exit status 3)
+    # a pass with a non-finite figure measured nothing: none of its figures
+    # is a result (an accuracy beside a NaN loss comes of the same
+    # overflowed scores), all null, as train's row and final line of such a
+    # pass (train/evaluation.py); strict JSON, and the exit status 3
+    bad = non_finite_figures(res)
+    if t.world.rank == 0:
         # the figures rounded as train's final line prints them
-        print(json.dumps({k: None if k in bad else round(v, 6) if isinstance(v, float) else v
+        print(json.dumps({k: v if k == "samples" else None if bad else
+                          round(v, 6) if isinstance(v, float) else v
                           for k, v in res.items()}, allow_nan=False), flush=True)
     if bad:
         raise NonFiniteWeights(f"evaluating {args.weights} gave a non-finite {', '.join(bad)} "
-                               "(NaN or inf): the figure is not a result")
+                               "(NaN or inf): no figure of the pass is a result")
     return 0
 
 

@@ -272,8 +272,18 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_two_rank_data_parallel_training_is_bitwise_the_same(tokens, tmp_path):
+@pytest.mark.mpi
+@pytest.mark.parametrize("parallel", [
+    {"scheme": "data"},
+    # the shared gradients cross the stages (x1's is read on both), the
+    # Sums placed by their Eltwise layer's name (GradContext.grad_of)
+    {"scheme": "pipeline", "stages": 2, "micro_batches": 2},
+    # the residual stream's gradients read beside the split layers' allreduces
+    {"scheme": "tensor", "tensor_parallel": 2},
+], ids=["data", "pipeline", "tensor"])
+def test_two_rank_training_is_bitwise_the_same(tokens, tmp_path, parallel):
     """``mpiexec -n 2`` data parallelism (the gradient buckets' allreduce),
+    a two-stage pipeline of two micro-batches, 2-way tensor parallelism;
     the GPT with clipping: the checkpoint bit for bit that of the copies
     (the same command with ``GradContext.shareable`` answering no)."""
     import subprocess
@@ -281,7 +291,7 @@ def test_two_rank_data_parallel_training_is_bitwise_the_same(tokens, tmp_path):
     from tests.conftest import PYTHON, cli_env
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    cfg = write_config_file(tmp_path, _gpt(tokens, parallel={"scheme": "data"}))
+    cfg = write_config_file(tmp_path, _gpt(tokens, parallel=parallel))
     old_cli = tmp_path / "old_cli.py"
     old_cli.write_text(_OLD_CLI)
     out = {}

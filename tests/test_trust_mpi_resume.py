@@ -6,7 +6,8 @@ of mixed-sign weights making it NaN): the world's sum of the figures is
 NaN. Before, ``train`` printed ``test @ iter 4: loss nan  accuracy 0.3750``,
 kept ``best_4.h5`` for that accuracy (counted from the same overflowed
 scores), printed ``final {"loss": null, "accuracy": 0.375}`` and exited 0,
-where ``test`` of the same weights exits 3 ("the figure is not a result").
+where ``test`` of the same weights exits 3 (and, before session 64's
+review, printed that accuracy beside the null loss: now all null, below).
 Now no figure of such a pass is shown (its row holds nulls), kept as the
 best or counted as an improvement, and a run that ends on one exits 3 on every
 rank, its log's last line saying why.
@@ -45,25 +46,28 @@ def _outlier_h5(path):
         f.create_dataset("test/label", data=np.arange(8) % 2)
 
 
+def _overflow_config(data):
+    return {"name": "overflow", "seed": 1,
+            "data": {"train": {"source": "hdf5", "path": str(data), "split": "train",
+                               "batch_size": 2},
+                     "test": {"source": "hdf5", "path": str(data), "split": "test",
+                              "batch_size": 2}},
+            "net": [{"type": "eltwise", "name": "twice", "bottom": ["data", "data"],
+                     "top": "x"},
+                    {"type": "fc", "name": "fc", "bottom": "x", "top": "fc", "num_output": 2},
+                    {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                     "top": "loss"},
+                    {"type": "accuracy", "name": "accuracy", "bottom": ["fc", "label"],
+                     "top": "accuracy", "phase": "test"}],
+            "solver": {"base_lr": 0.01, "max_iter": 4, "test_interval": 0, "display": 0},
+            "checkpoint": {"interval": 0, "best": {"metric": "accuracy"}}}
+
+
 @pytest.mark.mpi
 def test_an_overflowed_test_pass_on_one_rank_is_no_result(tmp_path):
     data = tmp_path / "d.h5"
     _outlier_h5(data)
-    cfg = {"name": "overflow", "seed": 1,
-           "data": {"train": {"source": "hdf5", "path": str(data), "split": "train",
-                              "batch_size": 2},
-                    "test": {"source": "hdf5", "path": str(data), "split": "test",
-                             "batch_size": 2}},
-           "net": [{"type": "eltwise", "name": "twice", "bottom": ["data", "data"],
-                    "top": "x"},
-                   {"type": "fc", "name": "fc", "bottom": "x", "top": "fc", "num_output": 2},
-                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
-                    "top": "loss"},
-                   {"type": "accuracy", "name": "accuracy", "bottom": ["fc", "label"],
-                    "top": "accuracy", "phase": "test"}],
-           "solver": {"base_lr": 0.01, "max_iter": 4, "test_interval": 0, "display": 0},
-           "checkpoint": {"interval": 0, "best": {"metric": "accuracy"}}}
-    job = write_config_file(tmp_path, cfg)
+    job = write_config_file(tmp_path, _overflow_config(data))
     out = tmp_path / "run"
     res = run_mpi_cli(2, "train", job, "--out", out)
     assert res.returncode == 3, (res.returncode, res.stdout, res.stderr)
@@ -79,6 +83,27 @@ def test_an_overflowed_test_pass_on_one_rank_is_no_result(tmp_path):
     last = (out / "train.log").read_text().rstrip().splitlines()[-1]
     assert last == "run ended: non-finite test figures at iteration 4 (exit 3)", last
     assert (out / "latest.h5").exists()  # the finite weights the pass ran on are kept
+
+
+def test_test_of_weights_whose_pass_overflows_shows_no_figure_as_train_does(tmp_path):
+    """``test`` of finite weights whose pass overflows (the data of (a), on
+    one rank: the whole split) follows train's rule: no figure of the pass
+    is a result. Before, it printed ``{"loss": null, "accuracy": 0.375}``,
+    the accuracy counted from the same overflowed scores that train's row
+    and final line (all null) refuse."""
+    data = tmp_path / "d.h5"
+    _outlier_h5(data)
+    job = write_config_file(tmp_path, _overflow_config(data))
+    out = tmp_path / "run"
+    trained = run_cli_args("train", job, "--out", out)
+    assert trained.returncode == 3, trained.stderr   # the end's pass overflowed
+    final = json.loads(trained.stdout.split("final ", 1)[1].splitlines()[0])
+    assert final == {"loss": None, "accuracy": None, "samples": 8}, final
+    res = run_cli_args("test", job, "--weights", out / "latest.h5")
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    assert json.loads(res.stdout) == final, res.stdout
+    assert "gave a non-finite loss (NaN or inf): no figure of the pass is a result" in \
+        res.stderr, res.stderr
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +216,29 @@ def test_scheme_tensor_of_degree_1_on_one_rank_is_not_told_to_split_1_ways(digit
     notes = settings_without_effect(make_job(cfg), 1)
     assert not any("split it 1 ways" in n for n in notes), notes
     assert any("parallel.tensor_parallel is 1, which splits nothing" in n for n in notes), notes
+
+
+def test_a_resume_says_which_seed_the_data_order_follows(tmp_path, run20):
+    """The note of (c) said the data order follows the run's new seed also
+    where ``data.train.seed`` draws it (the order goes on unchanged), and
+    nothing where that seed alone changed (the epoch under way went on in
+    another order without a word). It now reads the checkpoint's config:
+    the data's own seed is said apart from the run's."""
+    cfg, run = run20
+    # the run's seed 3 drew the order; data.train.seed 3 draws the same one
+    kept = run_cli_args("train", cfg, "--out", tmp_path / "e", "--resume", run / "latest.h5",
+                        "--iters", "21", "--seed", "9", "--set", "data.train.seed=3")
+    assert kept.returncode == 0, kept.stderr
+    assert "was written by a run of seed 3, this run's is 9: the dropout masks" in kept.stdout, \
+        kept.stdout
+    assert "not the train data's order (data.train.seed 3 draws it" in kept.stdout, kept.stdout
+    assert "goes on in another order" not in kept.stdout, kept.stdout
+    # the run's seed kept, the data's order drawn from another one
+    moved = run_cli_args("train", cfg, "--out", tmp_path / "f", "--resume", run / "latest.h5",
+                         "--iters", "21", "--set", "data.train.seed=5")
+    assert moved.returncode == 0, moved.stderr
+    assert ("whose train data was read in the order of seed 3, this run's in the order "
+            "of seed 5 (data.train.seed, data.train.shuffle), so the epoch under way goes on "
+            "in another order") \
+        in moved.stdout, moved.stdout
+    assert "data.train.seed: 3 continues it as it was" in moved.stdout, moved.stdout

@@ -16,8 +16,8 @@ from ..graph.grad import trained
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
-from ..job.checkpoint_check import (changed_data_note, check_finite, check_for_net,
-                                    check_same_meaning, unused_note)
+from ..job.checkpoint_check import (_saved_config, changed_data_note, check_finite,
+                                    check_for_net, check_same_meaning, unused_note)
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant
 from ..parallel.compose import Layout
@@ -289,13 +289,9 @@ class Checkpoints(Service):
                      "rows, rank 0's replica, are)")
         # another seed changes the run's random streams from here: the epoch
         # under way goes on in another permutation (not silently)
-        saved_seed = ck.attrs.get("seed")
-        if saved_seed is not None and int(saved_seed) != int(loop.job.seed) and notes:
-            loop.say(f"note: {path} was written by a run of seed {int(saved_seed)}, this run's "
-                     f"is {int(loop.job.seed)}: the shuffled data order and the dropout masks "
-                     "follow the new seed from here, so the epoch under way goes on in another "
-                     "order (some of its samples are read twice, others not at all, until it "
-                     f"ends); --seed {int(saved_seed)} continues the run as it was")
+        note = _seed_note(ck, path, loop.job)
+        if note and notes:
+            loop.say(note)
         saved_world = int(ck.attrs.get("world_size", size) or size)
         # the global batch the file's data position was counted in (its
         # reader's /state), against this run's: a changed one is said,
@@ -441,6 +437,60 @@ def finished_run(loop, iteration):
     max_iter = loop.job.solver.max_iter
     return iteration > max_iter or (iteration == max_iter and
                                     os.path.exists(os.path.join(loop.out_dir, "latest.h5")))
+
+
+def _order_seed(run_seed, spec):
+    """The seed the train split's epoch order is drawn from (``spec``: its
+    ``shuffle`` and ``seed``): the split's own seed, else the run's; None
+    for a split read in file order."""
+    if not spec.get("shuffle", True):
+        return None
+    own = spec.get("seed")
+    return int(run_seed) if own is None else int(own)
+
+
+def _seed_note(ck, path, job):
+    """The note on a resume whose seeds differ from those of the run that
+    wrote checkpoint ``ck``, or None: the run's seed (dropout masks, random
+    crops and flips) and, apart from it, the one the train data's epoch
+    order is drawn from (``data.train.seed`` where given, read from the
+    checkpoint's saved config; the run's seed otherwise)."""
+    saved = ck.attrs.get("seed")
+    train = job.data.train
+    if saved is None or train is None:
+        return None
+    saved, seed = int(saved), int(job.seed)
+    now = {"shuffle": train.shuffle, "seed": train.seed}
+    then = (_saved_config(ck.attrs.get("config")) or {}).get("data")
+    then = then.get("train") if isinstance(then, dict) else None
+    if not isinstance(then, dict):  # not said: the split as now
+        then = now
+    order_then, order_now = _order_seed(saved, then), _order_seed(seed, now)
+
+    def order(s):
+        return "file order (not shuffled)" if s is None else f"the order of seed {s}"
+    reorder = ("the epoch under way goes on in another order (some of its samples are read "
+               "twice, others not at all, until it ends)")
+    if saved != seed and order_then == saved and order_now == seed:  # both the run's seed
+        return (f"note: {path} was written by a run of seed {saved}, this run's is {seed}: the "
+                "shuffled data order and the dropout masks follow the new seed from here, so "
+                f"{reorder}; --seed {saved} continues the run as it was")
+    if order_then != order_now:
+        back = ("data.train.shuffle: false" if order_then is None else
+                f"data.train.seed: {order_then}")
+        run = (f" (and the run's seed, of the dropout masks, is {seed}, the file's {saved}: "
+               f"--seed {saved} keeps those)" if saved != seed else "")
+        return (f"note: {path} was written by a run whose train data was read in "
+                f"{order(order_then)}, this run's in {order(order_now)} (data.train.seed, "
+                f"data.train.shuffle), so {reorder}{run}; {back} continues it as it was")
+    if saved != seed:
+        why = ("data.train.shuffle is false" if order_now is None else
+               f"data.train.seed {order_now} draws it")
+        return (f"note: {path} was written by a run of seed {saved}, this run's is {seed}: the "
+                "dropout masks and the random crops and flips follow the new seed from here, "
+                f"not the train data's order ({why}, as in that run); --seed {saved} continues "
+                "the run as it was")
+    return None
 
 
 def _global_batches(loop, state):
