@@ -234,8 +234,8 @@ def test_row_chunks_end_where_the_host_product_is_cut():
 def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, parallel):
     """2 ranks of data parallelism (4 of hybrid: 2 replicas x 2 stages), 2
     micro-batches of 8, 4 SGD steps: fc1 (640 x 1024) split into row
-    chunks (their products cut along the rows as the whole one's, or not
-    cut) trains bit for bit as with split_params: false (today's
+    chunks (ending where the whole product's row pieces do, each making
+    the whole's calls for its rows) trains bit for bit as with split_params: false (today's
     micro-batched results, and the old code's with either setting)."""
     from tests.conftest import run_mpi_cli
     from tests.test_micro_batches import _params
@@ -252,8 +252,10 @@ def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, par
     cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "micro_batches": 2}, **parallel),
                      **WIDE)
     graph = compose_for(make_job(cfg), n, 0)
-    assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{a + 160}]@mb{k}" in graph.ops
-               for a in (0, 160, 320, 480) for k in (0, 1))
+    # the cap's 4 chunks of 160 rows end where the whole product's row
+    # pieces do (336 and 304 rows, 8 samples): 2 chunks
+    assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{b}]@mb{k}" in graph.ops
+               for a, b in ((0, 336), (336, 640)) for k in (0, 1))
     assert runs[True] and sorted(runs[True]) == sorted(runs[False])
     for k in runs[False]:
         assert np.array_equal(runs[True][k], runs[False][k]), k
