@@ -101,7 +101,10 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     lines = text.stdout.splitlines()
     dp = next(line for line in lines if "data, recompute none" in line)
     assert "NO: host over" in dp
-    assert lines[-1].startswith("best: --set parallel.scheme=pipeline")
+    # the best line (a note may follow it: ops of the best setting the
+    # calibration's trace does not time, which depends on the timed run)
+    best_line = next(line for line in lines if line.startswith("best: "))
+    assert best_line.startswith("best: --set parallel.scheme=pipeline"), text.stdout
     # --out: the job with the best setting, which trains
     best = yaml.safe_load((tmp_path / "best.yaml").read_text())
     assert best["parallel"]["scheme"] == "pipeline"

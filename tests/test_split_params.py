@@ -127,32 +127,46 @@ def _wide_plan(m, **sets):
     return offline_footprint(job, 2, 0), _offline_graphs(job, 2, 0).graph
 
 
+#: ip1's row chunks at one micro-batch (by the bucket cap) and with
+#: micro-batches: the latter end where hostgemm's row pieces of the whole
+#: product (144 rows) end (steps._row_bounds), so each chunk's product is
+#: the whole's calls for its rows and the results are the whole's bits
+ONE_BOUNDS = [(0, 256), (256, 512), (512, 768), (768, 1024)]
+MICRO_BOUNDS = [(0, 288), (288, 576), (576, 720), (720, 1024)]
+
+
+def _as_micro(buckets):
+    """The buckets of one micro-batch with ip1's chunks at MICRO_BOUNDS."""
+    names = {f"ip1/weight.grad[{a}:{b}]": f"ip1/weight.grad[{c}:{d}]"
+             for (a, b), (c, d) in zip(ONE_BOUNDS, MICRO_BOUNDS)}
+    return [[names.get(g, g) for g in bucket] for bucket in buckets]
+
+
 def test_micro_batches_keep_the_row_chunks():
     """With micro-batches each copy's weight-gradient op writes ip1's row
     chunks, each chunk is summed over the copies, allreduced in the buckets of one
-    micro-batch and updated alone: the update's temporaries are a chunk's,
-    as at one micro-batch (1 MiB), not the whole gradient's. Before: the
-    split was lost under micro-batches (ip1's gradient is written by its
-    last running sum, not by the gradient op the split looks for) and the
-    first assertion failed (4194304 == 1048576); split_params: false keeps
-    it whole."""
+    micro-batch (its chunks' ends moved to the whole product's row pieces')
+    and updated alone: the update's temporaries are a chunk's (the largest,
+    304 rows), not the whole gradient's. Before: the split was lost under
+    micro-batches (ip1's gradient is written by its last running sum, not
+    by the gradient op the split looks for) and the first assertion failed
+    (4194304 == 1245184); split_params: false keeps it whole."""
     one, graph = _wide_plan(1)
 
     def allreduced(graph):
         return [op.inputs for op in graph.ops.values() if op.op_type == "Allreduce"]
     buckets = allreduced(graph)
+    assert ["ip1/weight.grad[0:256]"] in buckets
+    assert one.host["kernel_temporaries"] == 2 ** 20
     for m in (2, 4):
         fp, graph = _wide_plan(m)
-        assert fp.host["kernel_temporaries"] == one.host["kernel_temporaries"] == 2 ** 20, \
-            (m, fp.host, one.host)
-        bounds = [(0, 256), (256, 512), (512, 768), (768, 1024)]
+        assert fp.host["kernel_temporaries"] == 304 * 1024 * 4, (m, fp.host)
         for k in range(m):
             assert all(f"ip1.bwd.inner_product_grad_weight[{a}:{b}]@mb{k}" in graph.ops
-                       for a, b in bounds)
+                       for a, b in MICRO_BOUNDS)
         # the buckets of one micro-batch: a chunk's allreduce starts with its rows
-        assert allreduced(graph) == buckets, (m, allreduced(graph))
-        assert ["ip1/weight.grad[0:256]"] in buckets
-        for a, b in bounds:
+        assert allreduced(graph) == _as_micro(buckets), (m, allreduced(graph))
+        for a, b in MICRO_BOUNDS:
             assert f"ip1/weight.update[{a}:{b}]" in graph.ops
         whole, graph = _wide_plan(m, **{"parallel.split_params": "false"})
         assert "ip1/weight.update" in graph.ops
@@ -162,8 +176,9 @@ def test_micro_batches_keep_the_row_chunks():
 def test_hybrid_micro_batches_keep_each_stages_row_chunks():
     """Scheme hybrid (2 replicas x 2 stages): stage 1's ip1 keeps its row
     chunks under micro-batches too, at its stage's cap (the buckets of one
-    micro-batch), and its update's temporaries are a chunk's. Before: 4 MiB
-    (the first assertion failed: 4194304 == 1048576)."""
+    micro-batch, the chunks' ends at the whole product's row pieces'), and
+    its update's temporaries are a chunk's. Before: 4 MiB (the first
+    assertion failed: 4194304 == 1245184)."""
     import os
 
     from purine_mpi.job.config import load_job
@@ -180,26 +195,37 @@ def test_hybrid_micro_batches_keep_each_stages_row_chunks():
                                               if op.op_type == "Allreduce"]
     one, buckets = plan(1)
     assert ["ip1/weight.grad[0:256]"] in buckets
+    assert one.host["kernel_temporaries"] == 2 ** 20
     for m in (2, 4):
         fp, got = plan(m)
-        assert fp.host["kernel_temporaries"] == one.host["kernel_temporaries"] == 2 ** 20, \
-            (m, fp.host)
-        assert got == buckets, (m, got)
+        assert fp.host["kernel_temporaries"] == 304 * 1024 * 4, (m, fp.host)
+        assert got == _as_micro(buckets), (m, got)
 
 
-def test_row_chunks_only_where_the_host_product_is_cut_by_rows():
-    """steps._rows_alike: a chunk whose product hostgemm would cut along
-    its inner size (fewer than 96 rows, 2**22 multiply-adds or more)
-    leaves the weight whole under micro-batches."""
+def test_row_chunks_end_where_the_host_product_is_cut():
+    """steps._row_bounds: where hostgemm cuts the whole product along its
+    rows (pieces of 144 rows of 1024; of 96 and 32 of 128) the chunks end
+    where its pieces do (the kernel then makes the whole's calls); where it
+    does not cut it, the chunks stay; where it cuts it along the inner size
+    or the columns, or one chunk would be left, the weight stays whole."""
     from purine_mpi.graph import Graph
-    from purine_mpi.parallel.schemes.steps import _rows_alike
+    from purine_mpi.parallel.schemes.steps import _row_bounds
     g = Graph()
     g.add_blob("x", (64, 1024), "float32")
+    g.add_blob("x4", (4, 1024), "float32")
+    g.add_blob("x2k", (2048, 1024), "float32")
     op = Op("gw", "InnerProductGradWeight", ["dy", "x"], ["dw"], {"axis": 1})
-    assert _rows_alike(g, op, [0, 256, 512, 768, 1024])
-    # a 64-row chunk: 64 x 1024 x 64 = 2**22 multiply-adds, under 96 rows: cut
-    # along its columns, not its rows (the whole product's 128 rows are)
-    assert not _rows_alike(g, op, [0, 64, 128])
+    assert _row_bounds(g, op, [0, 256, 512, 768, 1024]) == [0, 288, 576, 720, 1024]
+    assert _row_bounds(g, op, [0, 64, 128]) == [0, 96, 128]
+    assert _row_bounds(g, op, [0, 100, 200]) == [0, 96, 200]   # pieces of 96, 96 and 8
+    assert _row_bounds(g, op, [0, 10, 200]) is None   # one chunk left
+    op4 = Op("gw", "InnerProductGradWeight", ["dy", "x4"], ["dw"], {"axis": 1})
+    assert _row_bounds(g, op4, [0, 160, 320, 480, 640]) == [0, 160, 320, 480, 640]   # not cut
+    op2k = Op("gw", "InnerProductGradWeight", ["dy", "x2k"], ["dw"], {"axis": 1})
+    assert _row_bounds(g, op2k, [0, 32, 64]) is None   # 64 rows, K 2048: cut along K
+    g.add_blob("xw", (256, 65536), "float32")
+    opw = Op("gw", "InnerProductGradWeight", ["dy", "xw"], ["dw"], {"axis": 1})
+    assert _row_bounds(g, opw, [0, 32, 64]) is None   # K 256 < N: cut along the columns
 
 
 @pytest.mark.mpi
@@ -208,8 +234,8 @@ def test_row_chunks_only_where_the_host_product_is_cut_by_rows():
 def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, parallel):
     """2 ranks of data parallelism (4 of hybrid: 2 replicas x 2 stages), 2
     micro-batches of 8, 4 SGD steps: fc1 (640 x 1024) split into row
-    chunks (their products cut along the rows as the whole one's, or not
-    cut) trains bit for bit as with split_params: false (today's
+    chunks (ending where the whole product's row pieces do, each making
+    the whole's calls for its rows) trains bit for bit as with split_params: false (today's
     micro-batched results, and the old code's with either setting)."""
     from tests.conftest import run_mpi_cli
     from tests.test_micro_batches import _params
@@ -226,8 +252,101 @@ def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, par
     cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "micro_batches": 2}, **parallel),
                      **WIDE)
     graph = compose_for(make_job(cfg), n, 0)
-    assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{a + 160}]@mb{k}" in graph.ops
-               for a in (0, 160, 320, 480) for k in (0, 1))
+    # the cap's 4 chunks of 160 rows end where the whole product's row
+    # pieces do (336 and 304 rows, 8 samples): 2 chunks
+    assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{b}]@mb{k}" in graph.ops
+               for a, b in ((0, 336), (336, 640)) for k in (0, 1))
     assert runs[True] and sorted(runs[True]) == sorted(runs[False])
     for k in runs[False]:
         assert np.array_equal(runs[True][k], runs[False][k]), k
+
+
+def _chunk_products(threads, monkeypatch, **mlp):
+    """An MLP's fc1 split by split_before_copies (2 ranks, 2 micro-batches,
+    bucket_mb 0.125): (the chunks' row bounds, the chunks whose host
+    product is not the whole product's rows bit for bit, with how many
+    elements differ) on random dy and x, at ``threads`` threads."""
+    from purine_mpi.ops import hostgemm
+    from purine_mpi.parallel.schemes.steps import split_before_copies
+    monkeypatch.setattr(hostgemm, "THREADS", threads)
+    job = make_job(mlp_config(classes=10, parallel={"bucket_mb": 0.125, "micro_batches": 2},
+                              **mlp))
+    graph, grads = build_train_graph(job, 0, 2)
+    whole_op = next(op for op in graph.ops.values() if op.op_type == "InnerProductGradWeight"
+                    and op.outputs == [grads["fc1/weight"]])
+    shape = graph.blobs[grads["fc1/weight"]].shape
+    split_before_copies(graph, grads, job)
+    chunks = [op for op in graph.ops.values() if op.op_type == "InnerProductGradWeight"
+              and "rows" in op.attrs]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(graph.blobs[whole_op.inputs[1]].shape).astype(np.float32)
+    dy = rng.standard_normal(graph.blobs[whole_op.inputs[0]].shape).astype(np.float32)
+    cls = get_kernel_class("InnerProductGradWeight")
+    whole = np.empty(shape, np.float32)
+    cls(whole_op).run([dy, x], [whole])
+    differ = []
+    for op in chunks:
+        a, b = op.attrs["rows"]
+        part = np.empty((b - a, whole.shape[1]), np.float32)
+        cls(op).run([dy, x], [part])
+        if not np.array_equal(part, whole[a:b]):
+            differ.append((a, b, int((part != whole[a:b]).sum())))
+    return [tuple(op.attrs["rows"]) for op in chunks], differ
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_micro_batch_chunks_products_are_the_whole_products_rows(monkeypatch, threads):
+    """What split_before_copies's bit-for-bit claim rests on: each row
+    chunk's weight-gradient product (the kernel with attr ``rows``) gives
+    the whole product's rows bit for bit, at any thread count. fc1 (1000 x
+    300, 512 samples a micro-batch) at bucket_mb 0.125 was cut in 10 chunks
+    of 100 rows; hostgemm cuts the whole product in row pieces of 144 and a
+    chunk of 100 in pieces of 96 and 4: the 4-row product takes another
+    BLAS path than the same rows inside a 96-row one, and their bits
+    differ (before: _rows_alike accepted it, as both are cut along rows,
+    and 1096 of its 1200 elements differed: the assertion failed on
+    chunk [0:100]). Now the chunks end where the whole's pieces do and
+    run its calls."""
+    bounds, differ = _chunk_products(threads, monkeypatch, batch=1024, hidden=(1000,),
+                                     shape=(1, 15, 20))
+    assert not differ, differ
+    assert bounds == [(0, 144), (144, 288), (288, 432), (432, 576), (576, 720), (720, 864),
+                      (864, 1000)]
+
+
+def test_one_row_chunks_leave_the_weight_whole(monkeypatch):
+    """fc1 of 8 outputs and 40000 inputs, 12 samples a micro-batch: its
+    product (3.8M multiply-adds) is one BLAS call, and at bucket_mb 0.125
+    the split made 8 chunks of 1 row, whose products (OpenBLAS's
+    matrix-vector path) differ from the whole call's rows (before: the
+    assertion failed, 8 chunks differing). Such a weight now stays whole."""
+    bounds, differ = _chunk_products(1, monkeypatch, batch=24, hidden=(8,), shape=(1, 200, 200))
+    assert not differ, differ
+    assert bounds == []
+
+
+@pytest.mark.mpi
+def test_micro_batch_chunks_of_a_row_cut_product_train_bitwise(tmp_path):
+    """2 ranks, 2 micro-batches of 512, 2 SGD steps: fc1 (1000 x 300, whose
+    host product hostgemm cuts in row pieces of 144) split at bucket_mb
+    0.125 trains bit for bit as with split_params: false. Before: the
+    chunks were 100 rows, each product cut 96 + 4 on its own, and the
+    weights differed (the assertion failed on params/fc1/bias, 97 of 1000
+    elements, after 2 steps)."""
+    from tests.conftest import run_mpi_cli
+    from tests.test_micro_batches import _params
+    runs = {}
+    for split in (True, False):
+        cfg = mlp_config(batch=1024, hidden=(1000,), shape=(1, 15, 20), classes=10,
+                         parallel={"bucket_mb": 0.125, "split_params": split,
+                                   "micro_batches": 2})
+        path = tmp_path / f"{split}.yaml"
+        path.write_text(dump_config(cfg).replace("num_samples: 96", "num_samples: 4096"))
+        res = run_mpi_cli(2, "train", path, "--out", tmp_path / str(split), "--iters", 2,
+                          timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        runs[split] = _params(tmp_path / str(split) / "latest.h5")
+    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
+    for k in runs[False]:
+        assert np.array_equal(runs[True][k], runs[False][k]), \
+            (k, int((runs[True][k] != runs[False][k]).sum()))

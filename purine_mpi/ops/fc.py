@@ -65,7 +65,7 @@ from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
 from ..gpu.raw import column_scratch, last_axis_rows, raw_kernels
-from .hostgemm import matmul
+from .hostgemm import matmul, matmul_rows
 from .im2col import gemm_holds
 from .registry import OpKernel, gradient, register
 
@@ -357,7 +357,22 @@ class InnerProductGradWeight(OpKernel):
         dy^T (O, M) @ x (M, K) with few outputs and many rows:
         ops/im2col.gemm_holds)."""
         M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
+        if self.row_pieces(ins[0].shape, ins[1].shape) is not None:
+            return []   # the whole product's row calls: no scratch
         return gemm_holds(outs[0].dtype, ((outs[0].shape[0], M), (M, K)))
+
+    def row_pieces(self, dy_shape, x_shape):
+        """With attr ``rows`` [a, b]: the whole gradient's host row pieces
+        over rows a..b (ops/hostgemm.row_pieces), when a and b are bounds
+        of them; the run then makes the whole product's BLAS calls for
+        those rows, so the chunk is the whole gradient's rows bit for bit
+        (parallel/schemes/steps.split_before_copies). Else None."""
+        if "rows" not in self.attrs:
+            return None
+        from .hostgemm import row_pieces
+        M, K = _split(tuple(x_shape), int(self.attrs.get("axis", 1)))
+        a, b = (int(r) for r in self.attrs["rows"])
+        return row_pieces(int(np.prod(dy_shape, dtype=np.int64)) // max(M, 1), K, M, a, b)
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -372,6 +387,10 @@ class InnerProductGradWeight(OpKernel):
             dy2 = dy2[:, a:b]
         if _on_gpu(xp, dy, x, outs[0]):  # dy^T transposed by cuBLAS, not copied
             _product(self, ins, outs, dy2, x.reshape(M, K), outs[0], trans_a=True)
+            return
+        pieces = self.row_pieces(dy.shape, x.shape) if xp is np else None
+        if pieces is not None:   # the whole product's calls for these rows
+            matmul_rows(_host(dy2).T, _host(x).reshape(M, K), outs[0], pieces)
             return
         matmul(xp, _host(dy2).T, _host(x).reshape(M, K), out=outs[0])
 

@@ -122,6 +122,42 @@ def plan(m, n, k):
     return 0, [slice(0, m)]
 
 
+def row_pieces(m, n, k, lo, hi):
+    """The BLAS calls of rows ``lo..hi`` of a 2-D product (m, k) @ (k, n)
+    that the whole product makes, as slices relative to ``lo``: ``plan``'s
+    row pieces, when it cuts the whole along its rows and ``lo`` and ``hi``
+    are bounds of its pieces; else None. A product of those rows alone
+    (``matmul_rows``) is then the whole's calls on the same operands, so
+    its bits are the whole's rows' at any thread count. Its own ``plan``
+    could cut it elsewhere: a (100, 512) @ (512, 300) cut at row 96 runs
+    a 4-row call, whose BLAS path (OpenBLAS's small-matrix kernels) rounds
+    other than the same rows inside a 96-row call (1,096 of 30,000
+    elements differ)."""
+    if m * n * k < SPLIT_MIN_WORK:
+        return None
+    axis, cuts = plan(m, n, k)
+    if axis != 0 or len(cuts) < 2:
+        return None
+    bounds = [s.start for s in cuts] + [m]
+    if lo not in bounds or hi not in bounds or lo >= hi:
+        return None
+    return [slice(s.start - lo, s.stop - lo) for s in cuts if lo <= s.start and s.stop <= hi]
+
+
+def matmul_rows(a, b, out, pieces):
+    """``out[...] = a @ b`` of 2-D host arrays as one single-threaded BLAS
+    call per row slice of ``pieces`` (``row_pieces``), on ``threads()``
+    threads: no scratch."""
+    jobs = [(a[s], b, out[s]) for s in pieces]
+    count = threads()
+    if count == 1 or len(jobs) == 1:
+        for x, y, o in jobs:
+            np.matmul(x, y, out=o)
+    else:
+        _run(jobs, count)
+    return out
+
+
 def matmul(xp, a, b, out=None):
     """``out[...] = a @ b`` (NumPy's matmul broadcasting), returns out: on
     the host cut as the module docstring says, its bits independent of the

@@ -157,7 +157,8 @@ def split_large_params(graph, grads, cap, min_bytes=SPLIT_MIN_BYTES, accept=None
     - ``<update>[a:b]``: the update op on those views, same attrs.
 
     The chunk ops take the place of the ops they replace in emission order.
-    ``accept(gradient op, row bounds)``: False leaves that weight whole.
+    ``accept(gradient op, row bounds)``: falsy leaves that weight whole, a
+    list of row bounds splits it there instead (True: where it was).
     Returns the new ``{param: grad}`` map (a chunk's key is ``p[a:b]``)."""
     producers, consumers = graph.producers(), graph.consumers()
     out = {}
@@ -191,8 +192,12 @@ def _split_rows(graph, p, g, cap, floor, producers, consumers, accept=None):
     rows, cols = pb.shape
     k = min(rows, -(-gb.nbytes // int(cap)))
     bounds = [rows * i // k for i in range(k + 1)]
-    if accept is not None and not accept(gop, bounds):
-        return None
+    if accept is not None:
+        chosen = accept(gop, bounds)
+        if not chosen:
+            return None
+        if chosen is not True:
+            bounds = [int(r) for r in chosen]
 
     def view(src, name, alias_of, a, b):
         sb = graph.blobs[src]

@@ -35,12 +35,13 @@ def split_before_copies(graph, grads, job):
     whole-gradient temporary. The sums add the same elements in the same
     order, so the results are those of the whole gradient where each
     chunk's product gives the whole product's rows bit for bit: on the
-    host, where ops/hostgemm.py cuts the whole product and each chunk's
-    along their rows or not at all (``_rows_alike``; a cut along the inner
-    size would add other partial sums); a weight where it would not stays
-    whole, and so does every weight on a GPU (cuBLAS picks its algorithm
-    by the shapes: not checked). Returns the ``{param: grad}`` map (a
-    chunk's key is ``p[a:b]``)."""
+    host, where ops/hostgemm.py cuts the whole product along its rows (the
+    chunks then end where its pieces do and run its calls) or not at all
+    (``_row_bounds``; a cut along the inner size would add other partial
+    sums); a weight where it would not stays whole, and so does every
+    weight on a GPU (cuBLAS picks its algorithm by the shapes: not
+    checked). Returns the ``{param: grad}`` map (a chunk's key is
+    ``p[a:b]``)."""
     par = job.parallel
     from ..placement import asks_for_gpu
     if par.micro_batches == 1 or not par.split_params or asks_for_gpu(job):
@@ -48,7 +49,7 @@ def split_before_copies(graph, grads, job):
     from ..data_parallel import bucket_cap, split_large_params
     cap = bucket_cap(graph, grads, par.bucket_mb, par.min_buckets)
     return split_large_params(graph, grads, cap,
-                              accept=lambda op, bounds: _rows_alike(graph, op, bounds))
+                              accept=lambda op, bounds: _row_bounds(graph, op, bounds))
 
 
 def split_stages_before_copies(graph, grads, job):
@@ -68,18 +69,51 @@ def split_stages_before_copies(graph, grads, job):
     return out
 
 
-def _rows_alike(graph, op, bounds):
-    """Whether the host product of weight-gradient op ``op`` (dy^T @ x, one
-    micro-batch's) and that of each row chunk ``bounds[i]..bounds[i+1]``
-    are cut by ops/hostgemm.plan along their rows or not at all: each
-    row's dot products are then one BLAS call's over the same inner size."""
+#: the fewest rows of a chunk of a weight whose host product is one BLAS
+#: call (``_row_bounds``): fewer rows took other BLAS paths than the same
+#: rows of the whole call (1 row: OpenBLAS's matrix-vector product)
+CHUNK_MIN_ROWS = 8
+
+
+def _row_bounds(graph, op, bounds):
+    """The row chunks of weight-gradient op ``op`` (dy^T @ x, one
+    micro-batch's; ``bounds``: the split's, by the bucket cap) whose host
+    products give the whole product's rows bit for bit, or None (the
+    weight stays whole):
+
+    - the whole product cut by ops/hostgemm.plan along its rows: the bounds
+      moved to the nearest bounds of its pieces, so each chunk's product is
+      the whole's BLAS calls for its rows (InnerProductGradWeight's
+      ``row_pieces``); None when that leaves one chunk. A chunk's own
+      ``plan`` would cut it elsewhere, and a call of a few rows takes another
+      BLAS path (OpenBLAS's small-matrix kernels) than the same rows inside
+      a larger one: other bits (hostgemm.row_pieces);
+    - the whole product not cut (one BLAS call): the bounds as they are
+      (each chunk's product, smaller, is one call too), where every chunk
+      has ``CHUNK_MIN_ROWS`` rows (a 1-row product is a matrix-vector one
+      in OpenBLAS: other bits). A float32 gradient of 1 MiB or more (the
+      split's least) under ``SPLIT_MIN_WORK`` multiply-adds has an inner
+      size under 16; each row is then the same few multiply-adds in the
+      whole call and in a chunk's (measured, not by construction:
+      tests/test_split_params.py);
+    - the whole product cut along its inner size or its columns: None (a
+      chunk's cut would add other partial sums, or none)."""
     from ...ops.hostgemm import plan
     shape = graph.blobs[op.inputs[1]].shape
     axis = int(op.attrs.get("axis", 1))
     inner = int(np.prod(shape[:axis], dtype=np.int64))   # the micro-batch's rows
     cols = int(np.prod(shape[axis:], dtype=np.int64))
-    return all(plan(b - a, cols, inner)[0] == 0
-               for a, b in [(bounds[0], bounds[-1])] + list(zip(bounds, bounds[1:])))
+    rows = bounds[-1]
+    cut, pieces = plan(rows, cols, inner)
+    if cut != 0:
+        return None
+    if len(pieces) == 1:
+        chunks = list(zip(bounds, bounds[1:]))
+        return bounds if all(len(plan(b - a, cols, inner)[1]) == 1 and b - a >= CHUNK_MIN_ROWS
+                             for a, b in chunks) else None
+    ends = [s.start for s in pieces] + [rows]
+    moved = sorted({min(ends, key=lambda e: (abs(e - t), e)) for t in bounds})
+    return moved if len(moved) > 2 else None
 
 
 def accumulate(graph, grads, job, in_place=False):
