@@ -203,6 +203,95 @@ def test_gelu_and_its_gradient_read_an_x_stored_as_bits(device, approximate, row
         np.testing.assert_array_equal(results["float32"][1], _numpy_bits(results["float32"][0]))
 
 
+@pytest.mark.parametrize("x_bits", [False, True], ids=["x_float32", "x_bits"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelus_gradient_reads_a_dy_stored_as_bits(device, approximate, x_bits):
+    """GeluGrad with dy stored as bfloat16 bits (the projection's data
+    gradient, bf16 storage), x float32 or bits: dx float32, the same bits
+    as from the float32 storage of the same dy, in one launch
+    (gelu_backward_bdy_f32, gelu_backward_bdy_bx_f32), no scratch; on the
+    host over several chunks (each dy chunk widened). The output infers
+    float32; the op takes dy and x as bits."""
+    from purine_mpi.ops.activation import HOST_CHUNK, GeluGrad
+    rng = np.random.default_rng(11)
+    shape = (3, HOST_CHUNK // 2 + 7)
+    x32, xb = _bf16_values(rng, shape)
+    dy32, dyb = _bf16_values(rng, shape)
+    dy32[0, :5], dyb[0, :5] = 0.0, 0   # zeros, and large values
+    dy32[1, :3] = np.float32(3e38)
+    dyb[1, :3] = _numpy_bits(dy32[1, :3])
+    dy32[1, :3] = (dyb[1, :3].astype(np.uint32) << np.uint32(16)).view(np.float32)
+    x = xb if x_bits else x32
+    attrs = {"approximate": approximate}
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        got = {}
+        for name, dy in (("float32", dy32), ("bits", dyb)):
+            k = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs))
+            ins, out = [put(dy), put(x)], put(np.full(shape, np.nan, np.float32))
+            assert k.scratch_specs(ins, [out]) == []
+            k.setup(ins, [out])
+            if dev:
+                device.launched.clear()
+            with np.errstate(all="ignore"):
+                k.run(ins, [out])
+            if dev and name == "bits":
+                assert device.launched == ["gelu_backward_bdy_bx_f32" if x_bits
+                                           else "gelu_backward_bdy_f32"]
+            got[name] = get(out)
+        np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
+    assert GeluGrad.bits_inputs({}) == (0, 1)
+    assert GeluGrad.infer(attrs, [((2, 3), "uint16"), ((2, 3), "uint16")]) == [
+        ((2, 3), np.float32)]
+
+
+@pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
+def test_the_data_gradient_writes_dx_as_the_float32_paths_bits(device, monkeypatch, where):
+    """InnerProductGradData with ``bits_out: [0]`` (bf16 storage: a data
+    gradient every reader of which takes bits): dx is the bits of the
+    float32 path's dx (its product, rounded to bfloat16 after the run), bit
+    for bit: one GemmEx with a bfloat16 result, no rounding or conversion
+    launch and no scratch; where GemmEx is refused, the float32 product in
+    the op's scratch and one to_bf16_bits; on the host the float32 product
+    and base/precision's rounding. Not in float16."""
+    from purine_mpi.gpu import blas
+    from purine_mpi.ops.fc import InnerProductGradData
+    rng = np.random.default_rng(12)
+    (_, dy), (_, w) = _bf16_values(rng, (10, 3, 6)), _bf16_values(rng, (6, 4))
+    attrs = {"compute_dtype": BF16, "axis": 2, "x_shape": [10, 3, 4]}
+    host = where == "host"
+    put = np.array if host else device.to_device
+    get = np.asarray if host else (lambda a: np.asarray(device.to_host(a)))
+    wide = make_kernel(Op("gd", "InnerProductGradData", ["dy", "w"], ["dx"], attrs))
+    dx = put(np.full((10, 3, 4), np.nan, np.float32))
+    ins = [put(dy), put(w)]
+    wide.setup(ins, [dx])
+    wide.run(ins, [dx])
+    want = _numpy_bits(get(dx))
+    np.testing.assert_array_equal((want.astype(np.uint32) << np.uint32(16)),
+                                  get(dx).view(np.uint32))   # dx was rounded after the run
+    if where == "refused":
+        monkeypatch.setitem(blas._state, "ex_refused", "provoked by the test")
+    k = make_kernel(Op("gd", "InnerProductGradData", ["dy", "w"], ["dx"],
+                       dict(attrs, bits_out=[0])))
+    out = put(np.zeros((10, 3, 4), np.uint16))
+    k.setup(ins, [out])
+    device.launched.clear()
+    k.run(ins, [out])
+    np.testing.assert_array_equal(get(out), want)
+    if not host:
+        assert "round_bf16" not in device.launched
+        assert device.launched.count("to_bf16_bits") == (where == "refused")
+        specs = k.scratch_specs(ins, [out])
+        assert (((30, 4), np.float32) in specs) == (where == "refused")
+    assert InnerProductGradData.infer(dict(attrs, bits_out=[0]), [((10, 3, 6), "uint16"),
+                                                                  ((6, 4), "uint16")]) == [
+        ((10, 3, 4), "uint16")]
+    assert InnerProductGradData.bits_outputs(attrs) == (0,)
+    assert InnerProductGradData.bits_outputs({"compute_dtype": "float16"}) == ()
+
+
 @pytest.mark.parametrize("n,t,heads", [(2, 8, 2), (3, 5, 1)])
 def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, n, t, heads):
     """Attention and AttentionGrad (bf16, the cuBLAS path) with qkv stored
@@ -337,6 +426,15 @@ def test_the_bits_kernels_equal_the_float32_kernels_on_adversarial_values(device
             for xs, out in zip((x, xb), pair):
                 kernels.gelu_backward(put(a), put(xs), approximate, out=out)
         np.testing.assert_array_equal(*(get(o).view(np.uint32) for o in pair))
+        # dy as bits (a data gradient stored as bits), x float32 or bits
+        want = put(np.zeros(n, np.float32))
+        with np.errstate(all="ignore"):
+            kernels.gelu_backward(put(x[::-1].copy()), put(x), approximate, out=want)
+            for xs in (x, xb):
+                out = put(np.zeros(n, np.float32))
+                kernels.gelu_backward(put(xb[::-1].copy()), put(xs), approximate, out=out)
+                np.testing.assert_array_equal(get(out).view(np.uint32),
+                                              get(want).view(np.uint32))
 
 
 @pytest.mark.parametrize("case", ["prod", "max", "strided", "float64"])
@@ -569,7 +667,15 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
     assert all(t == "Cast" for n, t in writers.items() if "weight" in n or
-               (".grad" in n and "logits" not in n))
+               (".grad" in n and "logits" not in n and "gelu" not in n))
+    # the MLP projection's data gradient (bf16 values, read by GELU's gradient
+    # alone) written as bits by its GemmEx; GELU's gradient reads it so and
+    # writes a float32 dx (the fc bias gradient's input)
+    for i in (0, 1):
+        dgelu = f"h{i}_m@h{i}_gelu.grad"
+        assert writers[dgelu] == "InnerProductGradData"
+        assert [r.op_type for r in cons[dgelu]] == ["GeluGrad"]
+        assert g.blobs[cons[dgelu][0].outputs[0]].dtype == "float32"
     assert writers["h0_attn.ctx"] == "Attention"
     # the MLP's first fc (with its bias) writes its output as bits, which
     # GELU and its gradient read
@@ -603,7 +709,7 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     _, devices = memory_plans(g, keep=batch_blobs(g))
     plan = devices[0]
     for name in ("h0_n1@bf16", "h0_m.grad@bf16", "logits", "logits.grad@bf16", "h0_m",
-                 "h0_attn.qkv"):
+                 "h0_attn.qkv", "h0_m@h0_gelu.grad"):
         assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
     # the logits' gradient on the logits' bytes (each chunk read before written)
     assert plan.in_place["logits.grad@bf16"][0] == "logits"
@@ -718,16 +824,17 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     assert first_on["to_bf16_bits"] < first_off["to_bf16_bits"]
     assert first_on["round_bf16"] < first_off["round_bf16"]
     # the MLP's fc1 (with a bias) writes its output as bits, GELU and its
-    # gradient read them (one launch each per block), none without bits
-    # storage
+    # gradient read x as bits (one launch each per block), the gradient its dy
+    # too (the projection's data gradient, written as bits by its GemmEx),
+    # none without bits storage
     gelu = first_on["gelu_forward_bx_bits_f32"]
-    assert gelu > 0 and first_on["gelu_backward_bx_f32"] == gelu
+    assert gelu > 0 and first_on["gelu_backward_bdy_bx_f32"] == gelu
     # qkv, the attention's projection, fc1 and fc2 (with their biases)
     # write bits: four for each GELU; the two residual adds read them
     assert first_on["bias_bits_f32"] == 4 * gelu
     assert first_on["add_bits_f32"] == 2 * gelu
     for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
-                 "add_bits_f32"):
+                 "gelu_backward_bdy_bx_f32", "add_bits_f32"):
         assert first_off[func] == 0, func
 
 

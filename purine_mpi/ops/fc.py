@@ -277,27 +277,47 @@ class InnerProductGradData(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        return [(tuple(attrs["x_shape"]), _out_dtype(ins[0][1]))]
+        dx = BITS if 0 in attrs.get("bits_out", ()) else _out_dtype(ins[0][1])
+        return [(tuple(attrs["x_shape"]), dx)]
 
     @classmethod
     def bits_inputs(cls, attrs):
         return (0, 1)
 
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """dx as bfloat16 bits (attr ``bits_out``: bf16 storage) for a
+        bfloat16 product: GemmEx writes the bits of its float32 result's
+        rounding (no bias, no epilogue: InnerProduct's bias-free y), the
+        bits the float32 path's rounding of dx gives."""
+        return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
+
     def scratch_specs(self, ins, outs):
-        M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
         return _bits_specs(self, ((M, ins[0].size // max(M, 1)), ins[0].dtype),
-                           (ins[1].shape, ins[1].dtype))
+                           (ins[1].shape, ins[1].dtype), c=((M, K), outs[0].dtype))
+
+    def _bits_dx_specs(self, outs):
+        """dx stored as bits: the float32 product and to_bf16_bits's chunk
+        (the host run's ``temporaries``)."""
+        if not is_bits(outs[0]):
+            return []
+        M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        return [((M, K), np.float32), (wire_scratch(outs[0].size).shape, np.uint32)]
 
     def host_temporaries(self, ins, outs):
-        """A float32 copy of each operand stored as bits."""
+        """dx stored as bits: the float32 product and to_bf16_bits's chunk;
+        a float32 copy of each operand stored as bits."""
         M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        return _host_widenings(((M, ins[0].size // max(M, 1)), ins[0].dtype),
-                               (ins[1].shape, ins[1].dtype))
+        return self._bits_dx_specs(outs) + _host_widenings(
+            ((M, ins[0].size // max(M, 1)), ins[0].dtype), (ins[1].shape, ins[1].dtype))
 
     def host_scratch(self, ins, outs):
-        """The host product's scratch (a cut along K: ops/im2col.gemm_holds)."""
+        """The host product's scratch (a cut along K: ops/im2col.gemm_holds),
+        of the float32 product's dtype when dx is stored as bits."""
         M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        return gemm_holds(outs[0].dtype, ((M, ins[0].size // max(M, 1)), ins[1].shape))
+        dtype = np.float32 if is_bits(outs[0]) else outs[0].dtype
+        return gemm_holds(dtype, ((M, ins[0].size // max(M, 1)), ins[1].shape))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -306,10 +326,16 @@ class InnerProductGradData(OpKernel):
         dy, w = ins
         xp = get_xp(dy)
         M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        if _on_gpu(xp, dy, w, outs[0]):
-            _product(self, ins, outs, dy.reshape(M, -1), w, outs[0].reshape(M, K))
+        dx = outs[0].reshape(M, K)
+        if is_bits(dx) and xp is np:   # the float32 product, then one rounding
+            wide, scratch = self.temporaries(dx, *self._bits_dx_specs(outs))
+            matmul(xp, _host(dy).reshape(M, -1), _host(w), out=wide)
+            to_bf16_bits(wide, dx, scratch)
             return
-        matmul(xp, _host(dy).reshape(M, -1), _host(w), out=outs[0].reshape(M, K))
+        if is_bits(dx) or _on_gpu(xp, dy, w, outs[0]):
+            _product(self, ins, outs, dy.reshape(M, -1), w, dx)
+            return
+        matmul(xp, _host(dy).reshape(M, -1), _host(w), out=dx)
 
 
 @register

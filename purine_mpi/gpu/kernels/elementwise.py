@@ -276,8 +276,29 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
     ``gelu_forward``'s. ``x`` may be bfloat16 bits (uint16, C-contiguous, dy's
     shape; dy float32): widened exactly in the kernel (``gelu_backward_bx_f32``),
-    the float32 ``x``'s dx bit for bit."""
+    the float32 ``x``'s dx bit for bit. ``dy`` may be bfloat16 bits too (a
+    data gradient stored as bits; ``x`` float32 or bits, ``out`` a float32
+    array of dy's shape, not ``dy``): widened exactly in the kernel
+    (``gelu_backward_bdy_f32``, ``gelu_backward_bdy_bx_f32``), the float32
+    ``dy``'s dx bit for bit."""
     cupy = import_cupy()
+    if _is_bits(dy):
+        if out is None:
+            raise ValueError("gelu_backward: a bits dy takes a float32 out")
+        _bits_array(out, np.float32, "gelu_backward: out")
+        _bits_x(dy, "gelu_backward: dy", like=out)
+        if _is_bits(x):
+            _bits_x(x, "gelu_backward: x", like=out)
+            func = "gelu_backward_bdy_bx_f32"
+        else:
+            x = _input(cupy, x, "gelu_backward: x")
+            if np.dtype(x.dtype) != np.dtype(np.float32) or tuple(x.shape) != tuple(out.shape):
+                raise TypeError(f"gelu_backward: a bits dy takes a float32 x of its shape, got "
+                                f"{x.dtype} {tuple(x.shape)}")
+            func = "gelu_backward_bdy_f32"
+        args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
+        _plain_launch(func, dy.size, (dy, x, *args, out))
+        return out
     if _is_bits(x):
         dy = _input(cupy, dy, "gelu_backward: dy")
         if np.dtype(dy.dtype) != np.dtype(np.float32):
