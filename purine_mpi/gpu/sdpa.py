@@ -238,19 +238,22 @@ class SdpaPlans:
 
     def backward(self, dctx, qkv, ctx, stats, dqkv, scratch, dropout=None):
         """dqkv <- SDPA's gradient from dctx, qkv, the forward's ctx and stats
-        (and with dropout the forward's seed and offset: the same mask)."""
+        (and with dropout the forward's seed and offset: the same mask).
+        Each of qkv, ctx, dctx stored as bfloat16 bits (uint16: bf16
+        storage) is read as it is, and a dqkv stored so is written by cuDNN
+        itself (no widening)."""
         qkv16, o16, do16, dqkv16, workspace = scratch
         qkv16 = _narrowed(qkv, qkv16, self.dtype)
-        if np.dtype(ctx.dtype) == np.dtype(np.uint16):   # stored as the 16-bit values
-            o16 = ctx
-        else:
-            narrow(ctx, o16, self.dtype)
-        narrow(dctx, do16, self.dtype)
+        o16 = _narrowed(ctx, o16, self.dtype)
+        do16 = _narrowed(dctx, do16, self.dtype)
+        bits = np.dtype(dqkv.dtype) == np.dtype(np.uint16)   # stored as the 16-bit values
+        target = dqkv if bits else dqkv16
         arrays = dict(self._packed(qkv16), o=(o16, 0), do=(do16, 0), stats=(stats, 0))
-        arrays.update({n: (dqkv16, off) for n, off in zip(("dq", "dk", "dv"), self.offsets)})
+        arrays.update({n: (target, off) for n, off in zip(("dq", "dk", "dv"), self.offsets)})
         arrays.update(self._dropout(dropout))
         self._run(self.bwd, self.bwd_t, arrays, workspace)
-        widen(dqkv16, dqkv, self.dtype)
+        if not bits:
+            widen(dqkv16, dqkv, self.dtype)
 
 
 def dropout_seed(key0, key1, ctr1=0):

@@ -752,9 +752,19 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
 
     @classmethod
     def bits_inputs(cls, attrs):
-        """qkv, as Attention's; ctx (marked ``sdpa``): cuDNN's SDPA backward
-        reads it as bfloat16 (no narrowing), the cuBLAS path not at all."""
-        return (1, 2) if attrs.get("sdpa") else (1,)
+        """dctx and qkv, as Attention's qkv (cuDNN's SDPA backward reads
+        them as bfloat16: no narrowing; the cuBLAS path widens them into its
+        scratch, the host into new arrays); ctx (marked ``sdpa``): cuDNN's
+        SDPA backward reads it as bfloat16, the cuBLAS path not at all."""
+        return (0, 1, 2) if attrs.get("sdpa") else (0, 1)
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """dqkv as bfloat16 bits (bf16 storage): cuDNN's SDPA writes its
+        bfloat16 gradient there (no widening); the cuBLAS path writes
+        dqkv's float32 into its scratch and rounds it into the bits (the
+        rounding the precision pass gives its float32 dqkv)."""
+        return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -762,7 +772,7 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         _check_dropout_inputs("AttentionGrad", attrs, ins, base)
         if packed(attrs):
             _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
-        return [(ins[1][0], value_dtype(ins[1][1]))]
+        return [(ins[1][0], BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[1][1]))]
 
     def qkv_input(self, ins):
         """The op's qkv input (its second, after dctx)."""
@@ -775,11 +785,13 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
-        """(a float32 qkv where qkv is bits,) P, dP (and with dropout the
-        mask), or the SDPA plans' scratch."""
+        """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
+        bits,) P, dP (and with dropout the mask; a float32 dqkv where dqkv
+        is bits), or the SDPA plans' scratch."""
         if self._sdpa is not None:
             return self._sdpa.scratch_specs(backward=True)
-        return _wide_qkv(ins[1]) + _probs_specs(self, ins[1], 2)
+        return _wide_qkv(ins[1]) + _wide_qkv(ins[0]) + _probs_specs(self, ins[1], 2) + \
+            _wide_ctx(outs)
 
     def run(self, ins, outs):
         dctx, qkv = ins[:2]
@@ -792,10 +804,26 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         host = xp is np
-        qkv, (p, dp, *mask) = _widened(qkv, self.temporaries(
+        qkv, temps = _widened(qkv, self.temporaries(
             qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        dctx, (p, dp, *mask) = _widened(dctx, temps)
+        bits = is_bits(outs[0])
+        if bits:   # dqkv's float32 into the scratch, then rounded into the bits
+            wide, *rest = mask[-(2 if host else 1):]
+            mask = mask[:len(mask) - (2 if host else 1)]
+            self._gradient(xp, host, heads, qkv, dctx, wide, p, dp, mask, ins)
+            if host:
+                to_bf16_bits(wide, outs[0], rest[0])
+            else:
+                from ..gpu.kernels import to_bf16_bits_device
+                to_bf16_bits_device(wide.reshape(-1), outs[0].reshape(-1))
+            return
+        self._gradient(xp, host, heads, qkv, dctx, outs[0], p, dp, mask, ins)
+
+    def _gradient(self, xp, host, heads, qkv, dctx, dqkv, p, dp, mask, ins):
+        """dqkv (float32) from float32 qkv and dctx: the cuBLAS or host path."""
         q, k, v = split_heads(qkv, heads)
-        dq, dk, dv = split_heads(outs[0], heads)
+        dq, dk, dv = split_heads(dqkv, heads)
         do = heads_view(dctx, heads)
         scale = 1.0 / math.sqrt(q.shape[-1])
         if host and not mask:   # transposed: P^T, dP^T = v dO^T, dS^T
@@ -828,9 +856,12 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
     def host_specs(self, ins, outs):
-        """(a float32 qkv where qkv is bits,) P and dP of a host group
-        (``host_group``), or P, dP and the mask (dropout)."""
-        return _wide_qkv(ins[1]) + _host_specs(self, ins[1], 2)
+        """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
+        bits,) P and dP of a host group (``host_group``), or P, dP and the
+        mask (dropout); a float32 dqkv and to_bf16_bits's scratch where
+        dqkv is bits."""
+        return _wide_qkv(ins[1]) + _wide_qkv(ins[0]) + _host_specs(self, ins[1], 2) + \
+            _wide_ctx(outs, host=True)
 
     def host_temporaries(self, ins, outs):
         """P^T and dP^T of a group without dropout (the rowsum is einsum's,
@@ -843,8 +874,8 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         specs = self.host_specs(ins, outs)
         if self.ratio <= 0:
             return specs
-        if packed(self.attrs):   # P's spec: after qkv's widening, where there is one
-            probs = specs[len(_wide_qkv(ins[1])):][:1]
+        if packed(self.attrs):   # P's spec: after qkv's and dctx's widenings, where any
+            probs = specs[len(_wide_qkv(ins[1]) + _wide_qkv(ins[0])):][:1]
             return specs + max(unpack_temporaries(probs[0][0]), probs, key=specs_nbytes)
         return specs + _dropout_temporaries(self, ins[1])
 

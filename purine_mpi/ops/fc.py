@@ -404,30 +404,59 @@ class InnerProductGradWeight(OpKernel):
 
 @register
 class InnerProductGradBias(OpKernel):
-    """db = dy summed over every axis but the last.  Inputs [dy]."""
+    """db = dy summed over every axis but the last.  Inputs [dy].
+
+    dy may be stored as bfloat16 bits (``bits_inputs``: qkv's gradient,
+    written as bits by the attention's gradient, bf16 storage): db float32,
+    on a GPU the column-sum kernel widening each element exactly
+    (``sum_rows_bits_f32``: the same doubles in the same order), on the host
+    dy widened into a float32 copy first (``host_temporaries``) and summed
+    as the float32 dy: the float32 storage's db bit for bit."""
 
     op_type = "InnerProductGradBias"
 
     @classmethod
     def infer(cls, attrs, ins):
-        return [((ins[0][0][-1],), ins[0][1])]
+        return [((ins[0][0][-1],), _out_dtype(ins[0][1]))]
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0,)
 
     def scratch_specs(self, ins, outs):
-        """The partial sums of the column sum's row ranges (float32/64)."""
+        """The partial sums of the column sum's row ranges (float32/64; a
+        bits dy's: float32's)."""
+        if is_bits(ins[0]):
+            from ..gpu.raw import sum_scratch
+            return sum_scratch(last_axis_rows(ins[0].shape), np.float32)
         return column_scratch(ins[0])
 
+    def host_temporaries(self, ins, outs):
+        """A float32 copy of a dy stored as bits."""
+        return [(tuple(ins[0].shape), np.float32)] if is_bits(ins[0]) else []
+
     def setup(self, ins, outs):
-        if raw_kernels(get_xp(ins[0]), ins[0]) is not None:
+        if raw_kernels(get_xp(ins[0]), *_floats((ins[0],) + tuple(outs))) is not None:
             self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         dy = ins[0]
         xp = get_xp(dy)
-        k = raw_kernels(xp, dy)
+        k = raw_kernels(xp, *_floats((dy, outs[0])))
         if k is not None:  # deterministic column-sum kernels, coalesced loads
             (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
-            k.bias_grad(dy.reshape(last_axis_rows(dy.shape)), out=outs[0], partial=partial)
+            rows = dy.reshape(last_axis_rows(dy.shape))
+            if is_bits(dy):
+                k.sum_rows(rows, outs[0], partial=partial)
+            else:
+                k.bias_grad(rows, out=outs[0], partial=partial)
             return
+        if is_bits(dy):
+            if xp is not np:
+                raise TypeError(f"InnerProductGradBias '{self.op.name}': a dy stored as bits "
+                                f"takes a float32 db, got {outs[0].dtype}")
+            (wide,) = self.temporaries(dy, *self.host_temporaries(ins, outs))
+            dy = from_bf16_bits(dy, wide)
         xp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, out=outs[0])
 
 

@@ -36,12 +36,12 @@ PLAIN_ENTRY_POINTS = {
     "activation": ("gelu_forward_bits_f32", "gelu_forward_bx_f32", "gelu_forward_bx_bits_f32",
                    "gelu_backward_bx_f32", "gelu_backward_bdy_f32", "gelu_backward_bdy_bx_f32",
                    "bias_bits_f32", "add_bits_f32"),
-    "layernorm": ("layernorm_forward_bits_f32",),
+    "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32"),
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",
                   "to_bf16_bits", "from_bf16_bits"),
-    "reduce": ("embedding_order", "embedding_order_i32"),
+    "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32"),
 }
 
 _BLOCK = 256
