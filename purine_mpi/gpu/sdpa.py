@@ -189,14 +189,17 @@ class SdpaPlans:
         return g, t
 
     # -- execution: 16-bit copies in the op's scratch, then the graph
-    def scratch_specs(self, backward):
+    def scratch_specs(self, backward, stored=()):
         """(shape, dtype) of the scratch of one direction, in ``take`` order:
-        the 16-bit qkv, O (and dO, dqkv), then the workspace."""
+        the 16-bit qkv, O (and dO, dqkv), then the workspace. ``stored``:
+        the names among ``qkv``, ``o``, ``do``, ``dqkv`` whose arrays are
+        stored as the 16-bit values themselves (bf16 storage: read or
+        written as they are), which take no copy (an empty array in its
+        place)."""
         b, h, t, d = self.dims
         low = STORAGE[self.dtype]
-        specs = [((b, t, 3 * h * d), low), ((b, t, h * d), low)]
-        if backward:
-            specs += [((b, t, h * d), low), ((b, t, 3 * h * d), low)]
+        names = [("qkv", 3), ("o", 1)] + ([("do", 1), ("dqkv", 3)] if backward else [])
+        specs = [(((0,) if name in stored else (b, t, k * h * d)), low) for name, k in names]
         return specs + [((max(self.workspace_bytes, 1),), np.uint8)]
 
     def _run(self, graph, tensors, arrays, workspace):

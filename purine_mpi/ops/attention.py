@@ -549,6 +549,12 @@ def _check_dropout_inputs(what, attrs, ins, base):
         check_iteration(what, ins[base])
 
 
+def _stored(**arrays):
+    """The names of ``arrays`` stored as bfloat16 bits (SDPA reads or
+    writes them as they are: no 16-bit copy in its scratch)."""
+    return {name for name, a in arrays.items() if a is not None and is_bits(a.dtype)}
+
+
 def _wide_ctx(outs, host=False):
     """A float32 ctx (and on the host to_bf16_bits's scratch) where the
     output ctx is stored as bfloat16 bits and the cuBLAS path computes it;
@@ -672,8 +678,9 @@ class Attention(PhiloxStream, _AttentionKernel):
     def scratch_specs(self, ins, outs):
         """(a float32 qkv where qkv is bits,) P (and with dropout its mask;
         a float32 ctx where ctx is bits), or the SDPA plans' scratch."""
-        if self._sdpa is not None:
-            return self._sdpa.scratch_specs(backward=False)
+        if self._sdpa is not None:   # no copy of a qkv or ctx stored as bits
+            return self._sdpa.scratch_specs(backward=False, stored=_stored(
+                qkv=ins[0], o=outs[0] if outs else None))
         return _wide_qkv(ins[0]) + _probs_specs(self, ins[0], 1) + _wide_ctx(outs)
 
     def host_specs(self, ins, outs):
@@ -788,8 +795,9 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
         bits,) P, dP (and with dropout the mask; a float32 dqkv where dqkv
         is bits), or the SDPA plans' scratch."""
-        if self._sdpa is not None:
-            return self._sdpa.scratch_specs(backward=True)
+        if self._sdpa is not None:   # no copy of an array stored as bits
+            return self._sdpa.scratch_specs(backward=True, stored=_stored(
+                do=ins[0], qkv=ins[1], o=ins[2], dqkv=outs[0] if outs else None))
         return _wide_qkv(ins[1]) + _wide_qkv(ins[0]) + _probs_specs(self, ins[1], 2) + \
             _wide_ctx(outs)
 
