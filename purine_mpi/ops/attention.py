@@ -798,8 +798,19 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         if self._sdpa is not None:   # no copy of an array stored as bits
             return self._sdpa.scratch_specs(backward=True, stored=_stored(
                 do=ins[0], qkv=ins[1], o=ins[2], dqkv=outs[0] if outs else None))
+        over = self._over_qkv(ins, outs)   # dqkv's float32 over qkv's widening
         return _wide_qkv(ins[1]) + _wide_qkv(ins[0]) + _probs_specs(self, ins[1], 2) + \
-            _wide_ctx(outs)
+            ([] if over else _wide_ctx(outs))
+
+    def _over_qkv(self, ins, outs):
+        """Whether the device path computes a dqkv stored as bits in the
+        float32 widening of a qkv stored as bits (no dropout, and P's bytes
+        hold a (N, T, 3C) float32 array, T >= 3D: ``_gradient_over_qkv``),
+        instead of a float32 dqkv of its own in the scratch."""
+        if not outs or not is_bits(outs[0]) or not is_bits(ins[1]) or self.ratio > 0:
+            return False
+        n, t, c3 = ins[1].shape
+        return t >= c3 // int(self.attrs["num_heads"])
 
     def run(self, ins, outs):
         dctx, qkv = ins[:2]
@@ -816,6 +827,11 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
             qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
         dctx, (p, dp, *mask) = _widened(dctx, temps)
         bits = is_bits(outs[0])
+        if not host and self._over_qkv(ins, outs):   # in qkv's widening, then rounded
+            self._gradient_over_qkv(xp, heads, qkv, dctx, p, dp)
+            from ..gpu.kernels import to_bf16_bits_device
+            to_bf16_bits_device(qkv.reshape(-1), outs[0].reshape(-1))
+            return
         if bits:   # dqkv's float32 into the scratch, then rounded into the bits
             wide, *rest = mask[-(2 if host else 1):]
             mask = mask[:len(mask) - (2 if host else 1)]
@@ -827,6 +843,27 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
                 to_bf16_bits_device(wide.reshape(-1), outs[0].reshape(-1))
             return
         self._gradient(xp, host, heads, qkv, dctx, outs[0], p, dp, mask, ins)
+
+    def _gradient_over_qkv(self, xp, heads, qkv, dctx, p, dp):
+        """The device path's dqkv (no dropout) computed over the float32
+        ``qkv`` (the widening of a qkv stored as bits), each part where its
+        source is read last: dP = dO v^T, then dv over v; dS; dk into P's
+        bytes (dead after dS), laid out as a (N, T, 3C) array like qkv, so
+        each product has the same operands, strides and alignment as the
+        float32 path's (the same bits); dq over q (read by dk before), then
+        dk copied over k (read by dq before)."""
+        q, k, v = split_heads(qkv, heads)
+        do = heads_view(dctx, heads)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        bmm(xp, do, v, dp, trans_b=True)
+        bmm(xp, p, do, v, trans_a=True)                # dv, over v
+        softmax_rows_grad(xp, dp, p)                   # dS
+        _, dk, _ = split_heads(p.reshape(-1)[:qkv.size].reshape(qkv.shape), heads)
+        bmm(xp, dp, q, dk, trans_a=True, alpha=scale)  # in P's bytes
+        bmm(xp, dp, k, q, alpha=scale)                 # dq, over q
+        k[...] = dk
 
     def _gradient(self, xp, host, heads, qkv, dctx, dqkv, p, dp, mask, ins):
         """dqkv (float32) from float32 qkv and dctx: the cuBLAS or host path."""
