@@ -247,8 +247,9 @@ extern "C" __global__ void gelu_forward_bx_bits_f32(long long total, const unsig
   gelu_forward_f32(total, x, tanh_form, 0, y);
 }
 
-template <typename T, typename X, bool TANH>
-__device__ void gelu_backward_loop(long long total, const T* dy, const X* x, int round, T* dx) {
+// D, X: dy's and x's storage (T, or bfloat16 bits for T float)
+template <typename T, typename D, typename X, bool TANH>
+__device__ void gelu_backward_loop(long long total, const D* dy, const X* x, int round, T* dx) {
   CUDA_KERNEL_LOOP(i, total) {
     const T v = purine_load(x, i);
     T d;
@@ -262,7 +263,7 @@ __device__ void gelu_backward_loop(long long total, const T* dy, const X* x, int
       purine_normal(v, &cdf, &pdf);
       d = cdf + v * pdf;
     }
-    dx[i] = purine_round_low(dy[i] * d, round);
+    dx[i] = purine_round_low(T(purine_load(dy, i)) * d, round);
   }
 }
 
@@ -275,13 +276,13 @@ __device__ void gelu_forward_impl(long long total, const T* x, int tanh_form, in
   }
 }
 
-template <typename T, typename X>
-__device__ void gelu_backward_impl(long long total, const T* dy, const X* x, int tanh_form,
+template <typename T, typename D, typename X>
+__device__ void gelu_backward_impl(long long total, const D* dy, const X* x, int tanh_form,
                                    int round, T* dx) {
   if (tanh_form) {
-    gelu_backward_loop<T, X, true>(total, dy, x, round, dx);
+    gelu_backward_loop<T, D, X, true>(total, dy, x, round, dx);
   } else {
-    gelu_backward_loop<T, X, false>(total, dy, x, round, dx);
+    gelu_backward_loop<T, D, X, false>(total, dy, x, round, dx);
   }
 }
 
@@ -289,7 +290,22 @@ __device__ void gelu_backward_impl(long long total, const T* dy, const X* x, int
 extern "C" __global__ void gelu_backward_bx_f32(long long total, const float* dy,
                                                 const unsigned short* x, int tanh_form,
                                                 int round, float* dx) {
-  gelu_backward_impl<float, unsigned short>(total, dy, x, tanh_form, round, dx);
+  gelu_backward_impl<float, float, unsigned short>(total, dy, x, tanh_form, round, dx);
+}
+
+// dy as bits (a data gradient stored as bits, bf16 storage), x float32 or
+// as bits, dx float32: dy widened exactly, the float32 dy's dx bit for bit
+extern "C" __global__ void gelu_backward_bdy_f32(long long total, const unsigned short* dy,
+                                                 const float* x, int tanh_form, int round,
+                                                 float* dx) {
+  gelu_backward_impl<float, unsigned short, float>(total, dy, x, tanh_form, round, dx);
+}
+
+extern "C" __global__ void gelu_backward_bdy_bx_f32(long long total, const unsigned short* dy,
+                                                    const unsigned short* x, int tanh_form,
+                                                    int round, float* dx) {
+  gelu_backward_impl<float, unsigned short, unsigned short>(total, dy, x, tanh_form, round,
+                                                            dx);
 }
 
 // The bias of a fully connected layer whose output is stored as bits: y[i]
@@ -340,7 +356,7 @@ extern "C" __global__ void add_bits_f32(long long total, const float* a,
   extern "C" __global__ void gelu_backward_##SUFFIX(long long total, const T* dy,      \
                                                     const T* x, int tanh_form,         \
                                                     int round, T* dx) {                \
-    gelu_backward_impl<T, T>(total, dy, x, tanh_form, round, dx);                         \
+    gelu_backward_impl<T, T, T>(total, dy, x, tanh_form, round, dx);                      \
   }
 
 PURINE_ACTIVATION_ENTRY(f32, float)

@@ -22,6 +22,9 @@
 // 15 (backward) launches of element-wise CuPy and per-row reductions.
 // Launched with at most PURINE_LN_THREADS threads per block.
 //
+// layernorm_backward_bdy_f32 reads dy as bfloat16 bits (a data gradient
+// stored as bits), widened exactly: the float32 dy's results.
+//
 // layernorm_forward_bits_f32 writes y as bfloat16 bits (uint16: the upper
 // halves of precision.cu's round_bf16 of the float32 y, precision.cuh), for a
 // y stored as bits (purine_mpi/parallel/precision.store_bits): the bits a
@@ -70,8 +73,18 @@ __device__ void layernorm_forward_impl(long long rows, long long cols, const T* 
   }
 }
 
+// dy's element: T itself, or (bfloat16 bits, float T) widened exactly -- the
+// value the float32 storage of the same blob holds, so the same results
 template <typename T>
-__device__ void layernorm_backward_impl(long long rows, long long cols, const T* dy,
+__device__ __forceinline__ T purine_ln_load(const T* dy, long long i) { return dy[i]; }
+
+__device__ __forceinline__ float purine_ln_load(const unsigned short* dy, long long i) {
+  return purine_bf16_float(dy[i]);
+}
+
+// D: dy's storage (T, or bfloat16 bits for T float: layernorm_backward_bdy_f32)
+template <typename T, typename D>
+__device__ void layernorm_backward_impl(long long rows, long long cols, const D* dy,
                                         const T* x, const T* g, const T* mean, const T* rstd,
                                         T* dx, int has_dx, T* dyxhat, int has_dyxhat) {
   __shared__ double shared[PURINE_LN_THREADS];
@@ -82,17 +95,18 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const T*
     double sa = 0.0, sk = 0.0;
     for (long long c = tid; c < cols; c += blockDim.x) {
       const T xhat = (T)(x[at + c] - mu) * rs;
-      const T dxhat = dy[at + c] * g[c];
+      const T d = purine_ln_load(dy, at + c);
+      const T dxhat = d * g[c];
       sa += (double)dxhat;
       sk += (double)dxhat * (double)xhat;
-      if (has_dyxhat) dyxhat[at + c] = dy[at + c] * xhat;
+      if (has_dyxhat) dyxhat[at + c] = d * xhat;
     }
     if (!has_dx) continue;  // uniform over the block: no thread waits at a barrier alone
     const T a = (T)(purine_block_sum(sa, shared) / (double)cols);
     const T k = (T)(purine_block_sum(sk, shared) / (double)cols);
     for (long long c = tid; c < cols; c += blockDim.x) {
       const T xhat = (T)(x[at + c] - mu) * rs;
-      const T dxhat = dy[at + c] * g[c];
+      const T dxhat = purine_ln_load(dy, at + c) * g[c];
       dx[at + c] = (T)((T)(dxhat - (T)(xhat * k)) - a) * rs;
     }
   }
@@ -109,8 +123,8 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const T*
   extern "C" __global__ void layernorm_backward_##SUFFIX(                                  \
       long long rows, long long cols, const T* dy, const T* x, const T* g, const T* mean,  \
       const T* rstd, T* dx, int has_dx, T* dyxhat, int has_dyxhat) {                       \
-    layernorm_backward_impl<T>(rows, cols, dy, x, g, mean, rstd, dx, has_dx, dyxhat,       \
-                               has_dyxhat);                                                \
+    layernorm_backward_impl<T, T>(rows, cols, dy, x, g, mean, rstd, dx, has_dx, dyxhat,    \
+                                  has_dyxhat);                                             \
   }
 
 PURINE_LN_FORWARD_ENTRY(f32, float)
@@ -124,3 +138,14 @@ extern "C" __global__ void layernorm_forward_bits_f32(long long rows, long long 
 PURINE_LN_FORWARD_ENTRY(f64, double)
 PURINE_LN_BACKWARD_ENTRY(f32, float)
 PURINE_LN_BACKWARD_ENTRY(f64, double)
+
+// dy as bfloat16 bits (a data gradient stored as bits, bf16 storage), the
+// rest float32: the float32 dy's dx and dyxhat bit for bit
+extern "C" __global__ void layernorm_backward_bdy_f32(long long rows, long long cols,
+                                                      const unsigned short* dy, const float* x,
+                                                      const float* g, const float* mean,
+                                                      const float* rstd, float* dx, int has_dx,
+                                                      float* dyxhat, int has_dyxhat) {
+  layernorm_backward_impl<float, unsigned short>(rows, cols, dy, x, g, mean, rstd, dx, has_dx,
+                                                 dyxhat, has_dyxhat);
+}

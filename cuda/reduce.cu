@@ -13,8 +13,20 @@
 // extern "C" entry point per dtype: <name>_f32, <name>_f64.
 
 #include "block_sum.cuh"
+#include "precision.cuh"
 
 #define PURINE_REDUCE_THREADS 256
+
+// An element as the double the sums add: a float32 / float64 one as it is,
+// bfloat16 bits (a blob stored as bits, bf16 storage) widened exactly -- the
+// value the float32 storage of the same blob holds, so the same sums.
+template <typename T>
+__device__ __forceinline__ double purine_sum_load(const T* x, long long i) {
+  return (double)x[i];
+}
+__device__ __forceinline__ double purine_sum_load(const unsigned short* x, long long i) {
+  return (double)purine_bf16_float(x[i]);
+}
 
 template <typename T>
 __device__ void channel_sum_impl(long long channels, const T* dy, long long n,
@@ -75,8 +87,9 @@ PURINE_PER_CHANNEL_ENTRY(channel_sum, f64, double)
 // threads per block.
 #define PURINE_SUM_ROWS_TILE 32
 
-template <typename T>
-__device__ void sum_rows_impl(long long cols, const T* x, long long rows, long long splits,
+// X: x's storage (T, or bfloat16 bits for T float: sum_rows_bits_f32)
+template <typename T, typename X>
+__device__ void sum_rows_impl(long long cols, const X* x, long long rows, long long splits,
                               int accumulate, double* partial, T* out) {
   __shared__ double sums[PURINE_REDUCE_THREADS];
   const unsigned int tid = threadIdx.x;
@@ -98,18 +111,19 @@ __device__ void sum_rows_impl(long long cols, const T* x, long long rows, long l
       const bool mine = row_lane < depth && offset + lane < width;
       double sum = 0.0;
       if (mine) {
-        const T* column = x + c;
+        const X* column = x + c;
         long long i = first + row_lane;
         for (; i + 3 * d < last; i += 4 * d) {
-          const double a = (double)column[i * cols], b = (double)column[(i + d) * cols];
-          const double e = (double)column[(i + 2 * d) * cols];
-          const double f = (double)column[(i + 3 * d) * cols];
+          const double a = purine_sum_load(column, i * cols);
+          const double b = purine_sum_load(column, (i + d) * cols);
+          const double e = purine_sum_load(column, (i + 2 * d) * cols);
+          const double f = purine_sum_load(column, (i + 3 * d) * cols);
           sum += a;
           sum += b;
           sum += e;
           sum += f;
         }
-        for (; i < last; i += d) sum += (double)column[i * cols];
+        for (; i < last; i += d) sum += purine_sum_load(column, i * cols);
       }
       sums[tid] = sum;
       __syncthreads();
@@ -134,11 +148,20 @@ __device__ void sum_rows_impl(long long cols, const T* x, long long rows, long l
                                                long long rows, long long splits,    \
                                                int accumulate, double* partial,     \
                                                T* out) {                            \
-    sum_rows_impl<T>(cols, x, rows, splits, accumulate, partial, out);              \
+    sum_rows_impl<T, T>(cols, x, rows, splits, accumulate, partial, out);           \
   }
 
 PURINE_SUM_ROWS_ENTRY(f32, float)
 PURINE_SUM_ROWS_ENTRY(f64, double)
+
+// x as bfloat16 bits (an activation gradient stored as bits: qkv's, read by
+// its bias gradient), out float32: the float32 storage's sums bit for bit
+// (the same doubles in the same order); bias_grad_finish_f32 finishes it
+extern "C" __global__ void sum_rows_bits_f32(long long cols, const unsigned short* x,
+                                             long long rows, long long splits, int accumulate,
+                                             double* partial, float* out) {
+  sum_rows_impl<float, unsigned short>(cols, x, rows, splits, accumulate, partial, out);
+}
 
 // The bias gradient of a convolution, fast: db[c] = sum over n and s of
 // dy[n, c, s], dy (N, C, inner) contiguous, split over many blocks so the

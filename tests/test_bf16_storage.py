@@ -203,6 +203,95 @@ def test_gelu_and_its_gradient_read_an_x_stored_as_bits(device, approximate, row
         np.testing.assert_array_equal(results["float32"][1], _numpy_bits(results["float32"][0]))
 
 
+@pytest.mark.parametrize("x_bits", [False, True], ids=["x_float32", "x_bits"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelus_gradient_reads_a_dy_stored_as_bits(device, approximate, x_bits):
+    """GeluGrad with dy stored as bfloat16 bits (the projection's data
+    gradient, bf16 storage), x float32 or bits: dx float32, the same bits
+    as from the float32 storage of the same dy, in one launch
+    (gelu_backward_bdy_f32, gelu_backward_bdy_bx_f32), no scratch; on the
+    host over several chunks (each dy chunk widened). The output infers
+    float32; the op takes dy and x as bits."""
+    from purine_mpi.ops.activation import HOST_CHUNK, GeluGrad
+    rng = np.random.default_rng(11)
+    shape = (3, HOST_CHUNK // 2 + 7)
+    x32, xb = _bf16_values(rng, shape)
+    dy32, dyb = _bf16_values(rng, shape)
+    dy32[0, :5], dyb[0, :5] = 0.0, 0   # zeros, and large values
+    dy32[1, :3] = np.float32(3e38)
+    dyb[1, :3] = _numpy_bits(dy32[1, :3])
+    dy32[1, :3] = (dyb[1, :3].astype(np.uint32) << np.uint32(16)).view(np.float32)
+    x = xb if x_bits else x32
+    attrs = {"approximate": approximate}
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        got = {}
+        for name, dy in (("float32", dy32), ("bits", dyb)):
+            k = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs))
+            ins, out = [put(dy), put(x)], put(np.full(shape, np.nan, np.float32))
+            assert k.scratch_specs(ins, [out]) == []
+            k.setup(ins, [out])
+            if dev:
+                device.launched.clear()
+            with np.errstate(all="ignore"):
+                k.run(ins, [out])
+            if dev and name == "bits":
+                assert device.launched == ["gelu_backward_bdy_bx_f32" if x_bits
+                                           else "gelu_backward_bdy_f32"]
+            got[name] = get(out)
+        np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
+    assert GeluGrad.bits_inputs({}) == (0, 1)
+    assert GeluGrad.infer(attrs, [((2, 3), "uint16"), ((2, 3), "uint16")]) == [
+        ((2, 3), np.float32)]
+
+
+@pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
+def test_the_data_gradient_writes_dx_as_the_float32_paths_bits(device, monkeypatch, where):
+    """InnerProductGradData with ``bits_out: [0]`` (bf16 storage: a data
+    gradient every reader of which takes bits): dx is the bits of the
+    float32 path's dx (its product, rounded to bfloat16 after the run), bit
+    for bit: one GemmEx with a bfloat16 result, no rounding or conversion
+    launch and no scratch; where GemmEx is refused, the float32 product in
+    the op's scratch and one to_bf16_bits; on the host the float32 product
+    and base/precision's rounding. Not in float16."""
+    from purine_mpi.gpu import blas
+    from purine_mpi.ops.fc import InnerProductGradData
+    rng = np.random.default_rng(12)
+    (_, dy), (_, w) = _bf16_values(rng, (10, 3, 6)), _bf16_values(rng, (6, 4))
+    attrs = {"compute_dtype": BF16, "axis": 2, "x_shape": [10, 3, 4]}
+    host = where == "host"
+    put = np.array if host else device.to_device
+    get = np.asarray if host else (lambda a: np.asarray(device.to_host(a)))
+    wide = make_kernel(Op("gd", "InnerProductGradData", ["dy", "w"], ["dx"], attrs))
+    dx = put(np.full((10, 3, 4), np.nan, np.float32))
+    ins = [put(dy), put(w)]
+    wide.setup(ins, [dx])
+    wide.run(ins, [dx])
+    want = _numpy_bits(get(dx))
+    np.testing.assert_array_equal((want.astype(np.uint32) << np.uint32(16)),
+                                  get(dx).view(np.uint32))   # dx was rounded after the run
+    if where == "refused":
+        monkeypatch.setitem(blas._state, "ex_refused", "provoked by the test")
+    k = make_kernel(Op("gd", "InnerProductGradData", ["dy", "w"], ["dx"],
+                       dict(attrs, bits_out=[0])))
+    out = put(np.zeros((10, 3, 4), np.uint16))
+    k.setup(ins, [out])
+    device.launched.clear()
+    k.run(ins, [out])
+    np.testing.assert_array_equal(get(out), want)
+    if not host:
+        assert "round_bf16" not in device.launched
+        assert device.launched.count("to_bf16_bits") == (where == "refused")
+        specs = k.scratch_specs(ins, [out])
+        assert (((30, 4), np.float32) in specs) == (where == "refused")
+    assert InnerProductGradData.infer(dict(attrs, bits_out=[0]), [((10, 3, 6), "uint16"),
+                                                                  ((6, 4), "uint16")]) == [
+        ((10, 3, 4), "uint16")]
+    assert InnerProductGradData.bits_outputs(attrs) == (0,)
+    assert InnerProductGradData.bits_outputs({"compute_dtype": "float16"}) == ()
+
+
 @pytest.mark.parametrize("n,t,heads", [(2, 8, 2), (3, 5, 1)])
 def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, n, t, heads):
     """Attention and AttentionGrad (bf16, the cuBLAS path) with qkv stored
@@ -216,7 +305,7 @@ def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, 
     qkv, qkvb = _bf16_values(rng, (n, t, 3 * c))
     dctx = _bf16_values(rng, (n, t, c))[0]
     attrs = {"num_heads": heads, "compute_dtype": BF16}
-    assert Attention.bits_inputs(attrs) == (0,) and AttentionGrad.bits_inputs(attrs) == (1,)
+    assert Attention.bits_inputs(attrs) == (0,) and AttentionGrad.bits_inputs(attrs) == (0, 1)
     assert Attention.infer(attrs, [((n, t, 3 * c), "uint16")]) == [((n, t, c), np.float32)]
     assert AttentionGrad.infer(attrs, [((n, t, c), "float32"), ((n, t, 3 * c), "uint16")]) \
         == [((n, t, 3 * c), np.float32)]
@@ -243,6 +332,134 @@ def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, 
         for got, want in zip(results["bits"], results["float32"]):
             assert got.dtype == np.float32
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("t", [6, 13])
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["plain", "dropout"])
+def test_the_attention_gradient_reads_dctx_and_writes_dqkv_as_bits(device, dropout, t):
+    """AttentionGrad (bf16, the cuBLAS path) with dctx stored as bfloat16
+    bits (the projection's data gradient) and dqkv written as bits
+    (``bits_out``: read by qkv's three gradients, bf16 storage): dqkv the
+    bits of the float32 storage's rounded dqkv, bit for bit -- dctx widened
+    exactly into the op's scratch, dqkv's float32 into its scratch and one
+    to_bf16_bits (no round_bf16); the host path too (over several groups
+    where it can: no dropout); with dropout (the same Philox draw). The
+    bias gradient's column sums of the bits dqkv: the float32 dqkv's, bit
+    for bit (sum_rows_bits_f32; the host widening dy first). Where P's
+    bytes hold a (N, T, 3C) array (T >= 3D) and there is no dropout, the
+    device path computes dqkv over qkv's widening (no float32 dqkv in its
+    scratch), the same bits."""
+    from purine_mpi.ops.attention import AttentionGrad
+    from purine_mpi.ops.fc import InnerProductGradBias
+    rng = np.random.default_rng(13)
+    n, heads = 3, 2
+    c = 4 * heads
+    over = not dropout and t >= 3 * 4
+    qkv, qkvb = _bf16_values(rng, (n, t, 3 * c))
+    dctx, dctxb = _bf16_values(rng, (n, t, c))
+    attrs = {"num_heads": heads, "compute_dtype": BF16}
+    if dropout:
+        attrs.update(dropout=dropout, stream="a", seed=7)
+    assert AttentionGrad.bits_outputs(attrs) == (0,)
+    assert AttentionGrad.bits_outputs({"compute_dtype": "float16"}) == ()
+    assert AttentionGrad.bits_inputs(dict(attrs, sdpa=True)) == (0, 1, 2)
+    assert AttentionGrad.infer(dict(attrs, bits_out=[0]), [
+        ((n, t, c), "uint16"), ((n, t, 3 * c), "uint16")] + (
+        [((), "int64")] if dropout else [])) == [((n, t, 3 * c), "uint16")]
+    assert InnerProductGradBias.bits_inputs({}) == (0,)
+    assert InnerProductGradBias.infer({}, [((n, t, 3 * c), "uint16")]) == [
+        ((3 * c,), np.float32)]
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        extra = [put(np.asarray(5, np.int64))] if dropout else []
+        inputs = ["dctx", "qkv"] + (["iter"] if dropout else [])
+        got = {}
+        for name, d, out_dtype in (("float32", dctx, np.float32), ("bits", dctxb, np.uint16)):
+            grad = make_kernel(Op("ag", "AttentionGrad", inputs, ["dqkv"],
+                                  dict(attrs, **({"bits_out": [0]} if name == "bits" else {}))))
+            ins = [put(d), put(qkvb)] + extra
+            dqkv = put(np.zeros((n, t, 3 * c), out_dtype))
+            grad.setup(ins, [dqkv])
+            if dev:
+                specs = grad.scratch_specs(ins, [dqkv])
+                assert (((n, t, c), np.float32) in specs) == (name == "bits")
+                # qkv's widening in both; dqkv's float32 in the bits run
+                # unless it is computed over qkv's widening
+                assert specs.count(((n, t, 3 * c), np.float32)) == 1 + (
+                    name == "bits" and not over)
+                device.launched.clear()
+            grad.run(ins, [dqkv])
+            if dev:
+                launched = device.launched
+                assert launched.count("round_bf16") == (name == "float32")
+                assert launched.count("to_bf16_bits") == (name == "bits")
+                # qkv is bits in both; dctx too in the bits run
+                assert launched.count("from_bf16_bits") == 1 + (name == "bits")
+            db = put(np.full(3 * c, np.nan, np.float32))
+            bias = make_kernel(Op("fb", "InnerProductGradBias", ["dqkv"], ["db"], {}))
+            bias.setup([dqkv], [db])
+            if dev:
+                device.launched.clear()
+            bias.run([dqkv], [db])
+            if dev and name == "bits":
+                assert "sum_rows_bits_f32" in device.launched
+            got[name] = (get(dqkv), get(db))
+        np.testing.assert_array_equal(got["bits"][0], _numpy_bits(got["float32"][0]))
+        np.testing.assert_array_equal(
+            (got["bits"][0].astype(np.uint32) << np.uint32(16)), got["float32"][0].view(np.uint32))
+        np.testing.assert_array_equal(got["bits"][1].view(np.uint32),
+                                      got["float32"][1].view(np.uint32))
+
+
+@pytest.mark.parametrize("wanted", [("dx", "dg", "db"), ("dx",), ("dg", "db")])
+def test_the_layer_norm_gradient_reads_a_dy_stored_as_bits(device, wanted):
+    """LayerNormGrad with dy stored as bfloat16 bits (a data gradient of the
+    fc products, bf16 storage): dx, dg and db float32, the float32 storage's
+    bit for bit -- on the device dy widened in the kernels
+    (layernorm_backward_bdy_f32, db's column sums sum_rows_bits_f32; no
+    from_bf16_bits launch, no scratch beyond the float32 run's), on the
+    host (several chunks of rows) from a float32 copy. The gradients infer
+    float32; dy (only) is taken as bits."""
+    from purine_mpi.ops.layernorm import LayerNormGrad
+    rng = np.random.default_rng(14)
+    rows, cols = 300, 96
+    x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    g = rng.standard_normal(cols).astype(np.float32)
+    mean = x.mean(axis=1).astype(np.float32)
+    rstd = (1 / np.sqrt(x.var(axis=1) + 1e-5)).astype(np.float32)
+    dy32, dyb = _bf16_values(rng, (rows, cols))
+    attrs = {"outputs": list(wanted)}
+    shapes = {"dx": (rows, cols), "dg": (cols,), "db": (cols,)}
+    assert LayerNormGrad.bits_inputs(attrs) == (0,)
+    assert LayerNormGrad.infer(attrs, [((rows, cols), "uint16"), ((rows, cols), "float32"),
+                                       ((cols,), "float32"), ((rows,), "float32"),
+                                       ((rows,), "float32")]) == [
+        (shapes[w], np.float32) for w in wanted]
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        got = {}
+        for name, dy in (("float32", dy32), ("bits", dyb)):
+            k = make_kernel(Op("lg", "LayerNormGrad", ["dy", "x", "g", "mean", "rstd"],
+                               list(wanted), attrs))
+            ins = [put(dy), put(x), put(g), put(mean), put(rstd)]
+            outs = [put(np.full(shapes[w], np.nan, np.float32)) for w in wanted]
+            k.setup(ins, outs)
+            if dev:
+                specs = {"float32": k.scratch_specs(ins, outs)} if name == "float32" else specs
+                assert k.scratch_specs(ins, outs) == specs["float32"]
+                device.launched.clear()
+            k.run(ins, outs)
+            if dev and name == "bits":
+                assert "from_bf16_bits" not in device.launched
+                assert ("layernorm_backward_bdy_f32" in device.launched) == (
+                    "dx" in wanted or "dg" in wanted)
+                assert ("sum_rows_bits_f32" in device.launched) == ("db" in wanted)
+            got[name] = [get(o) for o in outs]
+        for a, b, w in zip(got["bits"], got["float32"], wanted):
+            assert a.dtype == np.float32
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=w)
 
 
 @pytest.mark.parametrize("case", ["second", "first", "both", "coeff"])
@@ -337,6 +554,15 @@ def test_the_bits_kernels_equal_the_float32_kernels_on_adversarial_values(device
             for xs, out in zip((x, xb), pair):
                 kernels.gelu_backward(put(a), put(xs), approximate, out=out)
         np.testing.assert_array_equal(*(get(o).view(np.uint32) for o in pair))
+        # dy as bits (a data gradient stored as bits), x float32 or bits
+        want = put(np.zeros(n, np.float32))
+        with np.errstate(all="ignore"):
+            kernels.gelu_backward(put(x[::-1].copy()), put(x), approximate, out=want)
+            for xs in (x, xb):
+                out = put(np.zeros(n, np.float32))
+                kernels.gelu_backward(put(xb[::-1].copy()), put(xs), approximate, out=out)
+                np.testing.assert_array_equal(get(out).view(np.uint32),
+                                              get(want).view(np.uint32))
 
 
 @pytest.mark.parametrize("case", ["prod", "max", "strided", "float64"])
@@ -380,7 +606,7 @@ def test_the_producers_infer_bits_storage_only_with_bits_out():
     from purine_mpi.ops.activation import GeluGrad
     assert GeluGrad.infer({}, [((2, 3), "float32"), ((2, 3), "uint16")]) == [((2, 3),
                                                                               "float32")]
-    assert Gelu.bits_inputs({}) == (0,) and GeluGrad.bits_inputs({}) == (1,)
+    assert Gelu.bits_inputs({}) == (0,) and GeluGrad.bits_inputs({}) == (0, 1)
     ln = [((2, 3), "float32"), ((3,), "float32"), ((3,), "float32")]
     assert [d for _, d in LayerNorm.infer({"bits_out": [0]}, ln)] == ["uint16", "float32",
                                                                       "float32"]
@@ -537,7 +763,11 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     output, read by GELU and its gradient, the attention's qkv, read by the
     fused attention and its gradient, and the projections' outputs, read by
     the residual adds; the biases' copies (read by the forward's epilogue)
-    and the qkv gradient (read by the bias gradient too) stay float32.
+    stay float32. The data gradients of bf16 values whose readers take
+    bits: the MLP projection's (read by GELU's gradient), the attention
+    projection's (dctx, read by the attention's gradient), the
+    attention's dqkv (read by qkv's data, weight and bias gradients) and
+    qkv's, fc1's and the lm-head's (read by the layer norms' gradients).
     Nothing with PURINE_BF16_STORAGE=0 or in fp16."""
     g = _gpt(monkeypatch, host_build_dir)
     cons, prod = g.consumers(), g.producers()
@@ -549,8 +779,7 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
                  "h0_attn.ctx", "h1_attn.ctx", "logits", "logits.grad@bf16", "h0_m", "h1_m",
                  "h0_attn.qkv", "h1_attn.qkv", "h0_a", "h1_mo"):
         assert name in bits, name
-    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.qkv.grad"):
-        assert g.blobs[name].dtype == "float32", name
+    assert g.blobs["h0_attn/qkv_bias@bf16"].dtype == "float32"
     assert any("gelu" in n for n in bits)
     writers = {}
     for name in bits:
@@ -561,15 +790,41 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
                                  "InnerProductGradWeight", "AttentionGrad", "SoftmaxLoss",
                                  "SoftmaxLossGrad", "Gelu", "GeluGrad", "Attention",
-                                 "Eltwise") for r in cons[name])
+                                 "Eltwise", "InnerProductGradBias", "LayerNormGrad")
+                   for r in cons[name])
     # the layer norms and GELU write their copies themselves: no Cast, and
     # their float32 outputs are gone; the weights and gradients by a Cast
     assert {n for n, t in writers.items() if t == "LayerNorm"} == {
         "h0_n1@bf16", "h0_n2@bf16", "h1_n1@bf16", "h1_n2@bf16", "xf@bf16"}
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
-    assert all(t == "Cast" for n, t in writers.items() if "weight" in n or
-               (".grad" in n and "logits" not in n))
+    assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and (
+        "weight" in n or (".grad" in n and "logits" not in n)))
+    # the layer norms' input gradients' dy (the data gradients of qkv, fc1
+    # and the lm-head) written as bits by their GemmEx, read by the layer
+    # norms' gradients, which write float32 gradients
+    for dy in ("h0_n1.grad", "h0_n2.grad", "h1_n1.grad", "h1_n2.grad", "xf.grad"):
+        assert writers[dy] == "InnerProductGradData", dy
+        assert [r.op_type for r in cons[dy]] == ["LayerNormGrad"], dy
+        assert all(g.blobs[o].dtype == "float32" for o in cons[dy][0].outputs)
+    # the MLP projection's data gradient (bf16 values, read by GELU's gradient
+    # alone) written as bits by its GemmEx; GELU's gradient reads it so and
+    # writes a float32 dx (the fc bias gradient's input)
+    for i in (0, 1):
+        dgelu = f"h{i}_m@h{i}_gelu.grad"
+        assert writers[dgelu] == "InnerProductGradData"
+        assert [r.op_type for r in cons[dgelu]] == ["GeluGrad"]
+        assert g.blobs[cons[dgelu][0].outputs[0]].dtype == "float32"
+        # the attention's: dctx written as bits by the projection's data
+        # gradient, read by the attention's gradient, which writes dqkv as
+        # bits, read by qkv's three gradients (the bias's column sums too)
+        dctx, dqkv = f"h{i}_attn.ctx.grad", f"h{i}_attn.qkv.grad"
+        assert writers[dctx] == "InnerProductGradData"
+        assert [r.op_type for r in cons[dctx]] == ["AttentionGrad"]
+        assert writers[dqkv] == "AttentionGrad"
+        assert sorted(r.op_type for r in cons[dqkv]) == [
+            "InnerProductGradBias", "InnerProductGradData", "InnerProductGradWeight"]
+        assert g.blobs[f"h{i}_attn/qkv_bias.grad"].dtype == "float32"
     assert writers["h0_attn.ctx"] == "Attention"
     # the MLP's first fc (with its bias) writes its output as bits, which
     # GELU and its gradient read
@@ -603,7 +858,7 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     _, devices = memory_plans(g, keep=batch_blobs(g))
     plan = devices[0]
     for name in ("h0_n1@bf16", "h0_m.grad@bf16", "logits", "logits.grad@bf16", "h0_m",
-                 "h0_attn.qkv"):
+                 "h0_attn.qkv", "h0_m@h0_gelu.grad"):
         assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
     # the logits' gradient on the logits' bytes (each chunk read before written)
     assert plan.in_place["logits.grad@bf16"][0] == "logits"
@@ -718,16 +973,17 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     assert first_on["to_bf16_bits"] < first_off["to_bf16_bits"]
     assert first_on["round_bf16"] < first_off["round_bf16"]
     # the MLP's fc1 (with a bias) writes its output as bits, GELU and its
-    # gradient read them (one launch each per block), none without bits
-    # storage
+    # gradient read x as bits (one launch each per block), the gradient its dy
+    # too (the projection's data gradient, written as bits by its GemmEx),
+    # none without bits storage
     gelu = first_on["gelu_forward_bx_bits_f32"]
-    assert gelu > 0 and first_on["gelu_backward_bx_f32"] == gelu
+    assert gelu > 0 and first_on["gelu_backward_bdy_bx_f32"] == gelu
     # qkv, the attention's projection, fc1 and fc2 (with their biases)
     # write bits: four for each GELU; the two residual adds read them
     assert first_on["bias_bits_f32"] == 4 * gelu
     assert first_on["add_bits_f32"] == 2 * gelu
     for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
-                 "add_bits_f32"):
+                 "gelu_backward_bdy_bx_f32", "add_bits_f32"):
         assert first_off[func] == 0, func
 
 

@@ -130,6 +130,52 @@ def test_the_sdpa_outputs_are_low_precision_values_already(host_build_dir, monke
                 np.testing.assert_array_equal(np.asarray(got), _bf16(np.asarray(got)))
 
 
+def test_the_sdpa_gradient_reads_and_writes_bits_without_copies(host_build_dir, monkeypatch):
+    """bf16 storage on the SDPA path: AttentionGrad with dctx, qkv and ctx
+    stored as bfloat16 bits and dqkv written as bits (``bits_out``) gives
+    the bits of the float32 storage's dqkv (cuDNN's own bfloat16 output,
+    widened there), with no 16-bit copy of any of them in its scratch (an
+    empty array in each one's place) and no conversion launch; the forward
+    with qkv and ctx as bits likewise reserves no copies."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.registry import make_kernel
+    from tests.emulated_gpu import DeviceArray, use_emulated_cupy
+    from tests.test_bf16_storage import _numpy_bits
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    emulate_cudnn(monkeypatch, True)
+    n, t, heads, d = 2, 5, 2, 8
+    attrs = {"num_heads": heads, "sdpa": True, "compute_dtype": "bfloat16", "causal": True}
+    dev = lambda a, dt=np.float32: np.array(a, dt).view(DeviceArray)  # noqa: E731
+    qkv = _qkv(n, t, heads, d, 1)
+    dctx = _bf16(np.random.default_rng(11).standard_normal((n, t, heads * d)))
+    got = {}
+    for name, dt, bits_out in (("float32", np.float32, {}), ("bits", np.uint16, [0])):
+        conv = (lambda a: _numpy_bits(np.asarray(a, np.float32))) if dt == np.uint16 else \
+            (lambda a: np.asarray(a, np.float32))
+        fwd = make_kernel(Op("a", "Attention", ["qkv"], ["ctx", "st"],
+                             dict(attrs, **({"bits_out": bits_out} if bits_out else {}))))
+        bwd = make_kernel(Op("g", "AttentionGrad", ["dctx", "qkv", "ctx", "st"], ["dqkv"],
+                             dict(attrs, **({"bits_out": bits_out} if bits_out else {}))))
+        q = dev(conv(qkv), dt)
+        ctx, stats = dev(np.zeros((n, t, heads * d)), dt), dev(np.zeros((n, heads, t, 1)))
+        dqkv = dev(np.zeros(qkv.shape), dt)
+        fwd.setup([q], [ctx, stats])
+        fwd.run([q], [ctx, stats])
+        ins = [dev(conv(dctx), dt), q, ctx, stats]
+        bwd.setup(ins, [dqkv])
+        specs = bwd.scratch_specs(ins, [dqkv])
+        fspecs = fwd.scratch_specs([q], [ctx, stats])
+        if name == "bits":
+            assert [s for s, _ in specs[:4]] == [(0,)] * 4 and \
+                [s for s, _ in fspecs[:2]] == [(0,)] * 2
+        else:
+            assert all(int(np.prod(s)) > 0 for s, _ in specs[:4] + fspecs[:2])
+        bwd.run(ins, [dqkv])
+        got[name] = np.asarray(dqkv)
+    np.testing.assert_array_equal(got["bits"], _numpy_bits(got["float32"]))
+    np.testing.assert_array_equal(got["float32"], _bf16(got["float32"]))
+
+
 def emulate_cudnn(monkeypatch, sdpa_on=True):
     """The emulated cuDNN frontend as ``cudnn`` (returned), the SDPA path's
     state forgotten, on (``sdpa_on``) or off by PURINE_SDPA=0. The path's

@@ -189,14 +189,17 @@ class SdpaPlans:
         return g, t
 
     # -- execution: 16-bit copies in the op's scratch, then the graph
-    def scratch_specs(self, backward):
+    def scratch_specs(self, backward, stored=()):
         """(shape, dtype) of the scratch of one direction, in ``take`` order:
-        the 16-bit qkv, O (and dO, dqkv), then the workspace."""
+        the 16-bit qkv, O (and dO, dqkv), then the workspace. ``stored``:
+        the names among ``qkv``, ``o``, ``do``, ``dqkv`` whose arrays are
+        stored as the 16-bit values themselves (bf16 storage: read or
+        written as they are), which take no copy (an empty array in its
+        place)."""
         b, h, t, d = self.dims
         low = STORAGE[self.dtype]
-        specs = [((b, t, 3 * h * d), low), ((b, t, h * d), low)]
-        if backward:
-            specs += [((b, t, h * d), low), ((b, t, 3 * h * d), low)]
+        names = [("qkv", 3), ("o", 1)] + ([("do", 1), ("dqkv", 3)] if backward else [])
+        specs = [(((0,) if name in stored else (b, t, k * h * d)), low) for name, k in names]
         return specs + [((max(self.workspace_bytes, 1),), np.uint8)]
 
     def _run(self, graph, tensors, arrays, workspace):
@@ -238,19 +241,22 @@ class SdpaPlans:
 
     def backward(self, dctx, qkv, ctx, stats, dqkv, scratch, dropout=None):
         """dqkv <- SDPA's gradient from dctx, qkv, the forward's ctx and stats
-        (and with dropout the forward's seed and offset: the same mask)."""
+        (and with dropout the forward's seed and offset: the same mask).
+        Each of qkv, ctx, dctx stored as bfloat16 bits (uint16: bf16
+        storage) is read as it is, and a dqkv stored so is written by cuDNN
+        itself (no widening)."""
         qkv16, o16, do16, dqkv16, workspace = scratch
         qkv16 = _narrowed(qkv, qkv16, self.dtype)
-        if np.dtype(ctx.dtype) == np.dtype(np.uint16):   # stored as the 16-bit values
-            o16 = ctx
-        else:
-            narrow(ctx, o16, self.dtype)
-        narrow(dctx, do16, self.dtype)
+        o16 = _narrowed(ctx, o16, self.dtype)
+        do16 = _narrowed(dctx, do16, self.dtype)
+        bits = np.dtype(dqkv.dtype) == np.dtype(np.uint16)   # stored as the 16-bit values
+        target = dqkv if bits else dqkv16
         arrays = dict(self._packed(qkv16), o=(o16, 0), do=(do16, 0), stats=(stats, 0))
-        arrays.update({n: (dqkv16, off) for n, off in zip(("dq", "dk", "dv"), self.offsets)})
+        arrays.update({n: (target, off) for n, off in zip(("dq", "dk", "dv"), self.offsets)})
         arrays.update(self._dropout(dropout))
         self._run(self.bwd, self.bwd_t, arrays, workspace)
-        widen(dqkv16, dqkv, self.dtype)
+        if not bits:
+            widen(dqkv16, dqkv, self.dtype)
 
 
 def dropout_seed(key0, key1, ctr1=0):

@@ -463,14 +463,18 @@ class GeluGrad(OpKernel):
     """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``). On a GPU
     one kernel (cuda/activation.cu ``gelu_backward``), as Gelu's. x may be
     stored as bfloat16 bits (``bits_inputs``; ``gelu_backward_bx_f32``), as
-    Gelu's x; dy and dx are float32 then."""
+    Gelu's x; dy and dx are float32 then. dy may be stored as bits too (the
+    projection's data gradient, bf16 storage; ``gelu_backward_bdy_f32``,
+    ``gelu_backward_bdy_bx_f32``; the host widens a chunk at a time): dx is
+    float32, the float32 dy's bit for bit (not on dy's bytes: 4 bytes an
+    element against 2)."""
 
     op_type = "GeluGrad"
     in_place = ((0, 0),)  # dx over dy
 
     @classmethod
     def bits_inputs(cls, attrs):
-        return (1,)
+        return (0, 1)
 
     def scratch_specs(self, ins, outs):
         if _fused_gelu(*ins):
@@ -482,14 +486,17 @@ class GeluGrad(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        return _same_shape(cls.op_type, ins)
+        ((shape, dtype),) = _same_shape(cls.op_type, ins)
+        return [(shape, np.float32 if is_bits(dtype) else dtype)]   # a bits dy: float32 dx
 
     def host_temporaries(self, ins, outs):
-        """A chunk's t, d, e, f; for a bits x a chunk's float32 x."""
-        if not is_bits(ins[1]):
-            return _gelu_host_specs(ins[1], 4)
-        return _gelu_host_specs(ins[0], 4) + [((min(int(ins[1].size), HOST_CHUNK),),
-                                               np.float32)]
+        """A chunk's t, d, e, f; for a bits x a chunk's float32 x; for a
+        bits dy a chunk's float32 dy."""
+        dy, x = ins
+        n = min(int(x.size), HOST_CHUNK)
+        wide = is_bits(dy) or is_bits(x)
+        specs = [((n,), np.float32 if wide else x.dtype)] * 4
+        return specs + [((n,), np.float32) for a in (x, dy) if is_bits(a)]
 
     def rounds_own_outputs(self, ins, outs):
         return _rounds_own(self, outs[0]) if _fused_gelu(*ins) else ()
@@ -498,25 +505,27 @@ class GeluGrad(OpKernel):
         dy, x = ins
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
-        k = _gelu_kernels(xp, dy, x)
+        k = _gelu_kernels(xp, dy, x, outs[0])
         if k is not None:
             k.gelu_backward(dy, x, approximate, out=outs[0],
                             round_to=_own_rounding(self, ins, outs))
             return
         if xp is not np:
-            if is_bits(x):
-                raise TypeError(f"GeluGrad: a bfloat16 bits x takes a float32 dy, got "
-                                f"{dy.dtype}")
+            if is_bits(x) or is_bits(dy):
+                raise TypeError(f"GeluGrad: bfloat16 bits take a float32 dy, x and dx, got "
+                                f"{dy.dtype}, {x.dtype} and {outs[0].dtype}")
             t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
             _gelu_factor(xp, x, approximate, t, d, e, f)
             xp.multiply(dy, d, out=outs[0])
             return
         flat, g, dx = x.reshape(-1), dy.reshape(-1), outs[0].reshape(-1)   # dx may be dy
-        temps = self.temporaries(dy, *self.host_temporaries(ins, outs))
+        temps = self.temporaries(outs[0], *self.host_temporaries(ins, outs))
+        wx = temps[4] if is_bits(x) else None
+        wdy = temps[-1] if is_bits(dy) else None
         for s in spans(flat.size, HOST_CHUNK):
             t, d, e, f = (a[:s.stop - s.start] for a in temps[:4])
-            _gelu_factor(xp, _host_x(flat, s, temps[-1]), approximate, t, d, e, f)
-            np.multiply(g[s], d, out=dx[s])
+            _gelu_factor(xp, _host_x(flat, s, wx), approximate, t, d, e, f)
+            np.multiply(_host_x(g, s, wdy), d, out=dx[s])
 
 
 @gradient("Gelu")

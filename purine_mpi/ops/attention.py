@@ -549,6 +549,12 @@ def _check_dropout_inputs(what, attrs, ins, base):
         check_iteration(what, ins[base])
 
 
+def _stored(**arrays):
+    """The names of ``arrays`` stored as bfloat16 bits (SDPA reads or
+    writes them as they are: no 16-bit copy in its scratch)."""
+    return {name for name, a in arrays.items() if a is not None and is_bits(a.dtype)}
+
+
 def _wide_ctx(outs, host=False):
     """A float32 ctx (and on the host to_bf16_bits's scratch) where the
     output ctx is stored as bfloat16 bits and the cuBLAS path computes it;
@@ -672,8 +678,9 @@ class Attention(PhiloxStream, _AttentionKernel):
     def scratch_specs(self, ins, outs):
         """(a float32 qkv where qkv is bits,) P (and with dropout its mask;
         a float32 ctx where ctx is bits), or the SDPA plans' scratch."""
-        if self._sdpa is not None:
-            return self._sdpa.scratch_specs(backward=False)
+        if self._sdpa is not None:   # no copy of a qkv or ctx stored as bits
+            return self._sdpa.scratch_specs(backward=False, stored=_stored(
+                qkv=ins[0], o=outs[0] if outs else None))
         return _wide_qkv(ins[0]) + _probs_specs(self, ins[0], 1) + _wide_ctx(outs)
 
     def host_specs(self, ins, outs):
@@ -752,9 +759,19 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
 
     @classmethod
     def bits_inputs(cls, attrs):
-        """qkv, as Attention's; ctx (marked ``sdpa``): cuDNN's SDPA backward
-        reads it as bfloat16 (no narrowing), the cuBLAS path not at all."""
-        return (1, 2) if attrs.get("sdpa") else (1,)
+        """dctx and qkv, as Attention's qkv (cuDNN's SDPA backward reads
+        them as bfloat16: no narrowing; the cuBLAS path widens them into its
+        scratch, the host into new arrays); ctx (marked ``sdpa``): cuDNN's
+        SDPA backward reads it as bfloat16, the cuBLAS path not at all."""
+        return (0, 1, 2) if attrs.get("sdpa") else (0, 1)
+
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """dqkv as bfloat16 bits (bf16 storage): cuDNN's SDPA writes its
+        bfloat16 gradient there (no widening); the cuBLAS path writes
+        dqkv's float32 into its scratch and rounds it into the bits (the
+        rounding the precision pass gives its float32 dqkv)."""
+        return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -762,7 +779,7 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         _check_dropout_inputs("AttentionGrad", attrs, ins, base)
         if packed(attrs):
             _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
-        return [(ins[1][0], value_dtype(ins[1][1]))]
+        return [(ins[1][0], BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[1][1]))]
 
     def qkv_input(self, ins):
         """The op's qkv input (its second, after dctx)."""
@@ -775,11 +792,25 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
-        """(a float32 qkv where qkv is bits,) P, dP (and with dropout the
-        mask), or the SDPA plans' scratch."""
-        if self._sdpa is not None:
-            return self._sdpa.scratch_specs(backward=True)
-        return _wide_qkv(ins[1]) + _probs_specs(self, ins[1], 2)
+        """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
+        bits,) P, dP (and with dropout the mask; a float32 dqkv where dqkv
+        is bits), or the SDPA plans' scratch."""
+        if self._sdpa is not None:   # no copy of an array stored as bits
+            return self._sdpa.scratch_specs(backward=True, stored=_stored(
+                do=ins[0], qkv=ins[1], o=ins[2], dqkv=outs[0] if outs else None))
+        over = self._over_qkv(ins, outs)   # dqkv's float32 over qkv's widening
+        return _wide_qkv(ins[1]) + _wide_qkv(ins[0]) + _probs_specs(self, ins[1], 2) + \
+            ([] if over else _wide_ctx(outs))
+
+    def _over_qkv(self, ins, outs):
+        """Whether the device path computes a dqkv stored as bits in the
+        float32 widening of a qkv stored as bits (no dropout, and P's bytes
+        hold a (N, T, 3C) float32 array, T >= 3D: ``_gradient_over_qkv``),
+        instead of a float32 dqkv of its own in the scratch."""
+        if not outs or not is_bits(outs[0]) or not is_bits(ins[1]) or self.ratio > 0:
+            return False
+        n, t, c3 = ins[1].shape
+        return t >= c3 // int(self.attrs["num_heads"])
 
     def run(self, ins, outs):
         dctx, qkv = ins[:2]
@@ -792,10 +823,52 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         host = xp is np
-        qkv, (p, dp, *mask) = _widened(qkv, self.temporaries(
+        qkv, temps = _widened(qkv, self.temporaries(
             qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        dctx, (p, dp, *mask) = _widened(dctx, temps)
+        bits = is_bits(outs[0])
+        if not host and self._over_qkv(ins, outs):   # in qkv's widening, then rounded
+            self._gradient_over_qkv(xp, heads, qkv, dctx, p, dp)
+            from ..gpu.kernels import to_bf16_bits_device
+            to_bf16_bits_device(qkv.reshape(-1), outs[0].reshape(-1))
+            return
+        if bits:   # dqkv's float32 into the scratch, then rounded into the bits
+            wide, *rest = mask[-(2 if host else 1):]
+            mask = mask[:len(mask) - (2 if host else 1)]
+            self._gradient(xp, host, heads, qkv, dctx, wide, p, dp, mask, ins)
+            if host:
+                to_bf16_bits(wide, outs[0], rest[0])
+            else:
+                from ..gpu.kernels import to_bf16_bits_device
+                to_bf16_bits_device(wide.reshape(-1), outs[0].reshape(-1))
+            return
+        self._gradient(xp, host, heads, qkv, dctx, outs[0], p, dp, mask, ins)
+
+    def _gradient_over_qkv(self, xp, heads, qkv, dctx, p, dp):
+        """The device path's dqkv (no dropout) computed over the float32
+        ``qkv`` (the widening of a qkv stored as bits), each part where its
+        source is read last: dP = dO v^T, then dv over v; dS; dk into P's
+        bytes (dead after dS), laid out as a (N, T, 3C) array like qkv, so
+        each product has the same operands, strides and alignment as the
+        float32 path's (the same bits); dq over q (read by dk before), then
+        dk copied over k (read by dq before)."""
         q, k, v = split_heads(qkv, heads)
-        dq, dk, dv = split_heads(outs[0], heads)
+        do = heads_view(dctx, heads)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        bmm(xp, do, v, dp, trans_b=True)
+        bmm(xp, p, do, v, trans_a=True)                # dv, over v
+        softmax_rows_grad(xp, dp, p)                   # dS
+        _, dk, _ = split_heads(p.reshape(-1)[:qkv.size].reshape(qkv.shape), heads)
+        bmm(xp, dp, q, dk, trans_a=True, alpha=scale)  # in P's bytes
+        bmm(xp, dp, k, q, alpha=scale)                 # dq, over q
+        k[...] = dk
+
+    def _gradient(self, xp, host, heads, qkv, dctx, dqkv, p, dp, mask, ins):
+        """dqkv (float32) from float32 qkv and dctx: the cuBLAS or host path."""
+        q, k, v = split_heads(qkv, heads)
+        dq, dk, dv = split_heads(dqkv, heads)
         do = heads_view(dctx, heads)
         scale = 1.0 / math.sqrt(q.shape[-1])
         if host and not mask:   # transposed: P^T, dP^T = v dO^T, dS^T
@@ -828,9 +901,12 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
     def host_specs(self, ins, outs):
-        """(a float32 qkv where qkv is bits,) P and dP of a host group
-        (``host_group``), or P, dP and the mask (dropout)."""
-        return _wide_qkv(ins[1]) + _host_specs(self, ins[1], 2)
+        """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
+        bits,) P and dP of a host group (``host_group``), or P, dP and the
+        mask (dropout); a float32 dqkv and to_bf16_bits's scratch where
+        dqkv is bits."""
+        return _wide_qkv(ins[1]) + _wide_qkv(ins[0]) + _host_specs(self, ins[1], 2) + \
+            _wide_ctx(outs, host=True)
 
     def host_temporaries(self, ins, outs):
         """P^T and dP^T of a group without dropout (the rowsum is einsum's,
@@ -843,8 +919,8 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         specs = self.host_specs(ins, outs)
         if self.ratio <= 0:
             return specs
-        if packed(self.attrs):   # P's spec: after qkv's widening, where there is one
-            probs = specs[len(_wide_qkv(ins[1])):][:1]
+        if packed(self.attrs):   # P's spec: after qkv's and dctx's widenings, where any
+            probs = specs[len(_wide_qkv(ins[1]) + _wide_qkv(ins[0])):][:1]
             return specs + max(unpack_temporaries(probs[0][0]), probs, key=specs_nbytes)
         return specs + _dropout_temporaries(self, ins[1])
 

@@ -277,27 +277,47 @@ class InnerProductGradData(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        return [(tuple(attrs["x_shape"]), _out_dtype(ins[0][1]))]
+        dx = BITS if 0 in attrs.get("bits_out", ()) else _out_dtype(ins[0][1])
+        return [(tuple(attrs["x_shape"]), dx)]
 
     @classmethod
     def bits_inputs(cls, attrs):
         return (0, 1)
 
+    @classmethod
+    def bits_outputs(cls, attrs):
+        """dx as bfloat16 bits (attr ``bits_out``: bf16 storage) for a
+        bfloat16 product: GemmEx writes the bits of its float32 result's
+        rounding (no bias, no epilogue: InnerProduct's bias-free y), the
+        bits the float32 path's rounding of dx gives."""
+        return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
+
     def scratch_specs(self, ins, outs):
-        M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
         return _bits_specs(self, ((M, ins[0].size // max(M, 1)), ins[0].dtype),
-                           (ins[1].shape, ins[1].dtype))
+                           (ins[1].shape, ins[1].dtype), c=((M, K), outs[0].dtype))
+
+    def _bits_dx_specs(self, outs):
+        """dx stored as bits: the float32 product and to_bf16_bits's chunk
+        (the host run's ``temporaries``)."""
+        if not is_bits(outs[0]):
+            return []
+        M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        return [((M, K), np.float32), (wire_scratch(outs[0].size).shape, np.uint32)]
 
     def host_temporaries(self, ins, outs):
-        """A float32 copy of each operand stored as bits."""
+        """dx stored as bits: the float32 product and to_bf16_bits's chunk;
+        a float32 copy of each operand stored as bits."""
         M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        return _host_widenings(((M, ins[0].size // max(M, 1)), ins[0].dtype),
-                               (ins[1].shape, ins[1].dtype))
+        return self._bits_dx_specs(outs) + _host_widenings(
+            ((M, ins[0].size // max(M, 1)), ins[0].dtype), (ins[1].shape, ins[1].dtype))
 
     def host_scratch(self, ins, outs):
-        """The host product's scratch (a cut along K: ops/im2col.gemm_holds)."""
+        """The host product's scratch (a cut along K: ops/im2col.gemm_holds),
+        of the float32 product's dtype when dx is stored as bits."""
         M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        return gemm_holds(outs[0].dtype, ((M, ins[0].size // max(M, 1)), ins[1].shape))
+        dtype = np.float32 if is_bits(outs[0]) else outs[0].dtype
+        return gemm_holds(dtype, ((M, ins[0].size // max(M, 1)), ins[1].shape))
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -306,10 +326,16 @@ class InnerProductGradData(OpKernel):
         dy, w = ins
         xp = get_xp(dy)
         M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        if _on_gpu(xp, dy, w, outs[0]):
-            _product(self, ins, outs, dy.reshape(M, -1), w, outs[0].reshape(M, K))
+        dx = outs[0].reshape(M, K)
+        if is_bits(dx) and xp is np:   # the float32 product, then one rounding
+            wide, scratch = self.temporaries(dx, *self._bits_dx_specs(outs))
+            matmul(xp, _host(dy).reshape(M, -1), _host(w), out=wide)
+            to_bf16_bits(wide, dx, scratch)
             return
-        matmul(xp, _host(dy).reshape(M, -1), _host(w), out=outs[0].reshape(M, K))
+        if is_bits(dx) or _on_gpu(xp, dy, w, outs[0]):
+            _product(self, ins, outs, dy.reshape(M, -1), w, dx)
+            return
+        matmul(xp, _host(dy).reshape(M, -1), _host(w), out=dx)
 
 
 @register
@@ -397,30 +423,59 @@ class InnerProductGradWeight(OpKernel):
 
 @register
 class InnerProductGradBias(OpKernel):
-    """db = dy summed over every axis but the last.  Inputs [dy]."""
+    """db = dy summed over every axis but the last.  Inputs [dy].
+
+    dy may be stored as bfloat16 bits (``bits_inputs``: qkv's gradient,
+    written as bits by the attention's gradient, bf16 storage): db float32,
+    on a GPU the column-sum kernel widening each element exactly
+    (``sum_rows_bits_f32``: the same doubles in the same order), on the host
+    dy widened into a float32 copy first (``host_temporaries``) and summed
+    as the float32 dy: the float32 storage's db bit for bit."""
 
     op_type = "InnerProductGradBias"
 
     @classmethod
     def infer(cls, attrs, ins):
-        return [((ins[0][0][-1],), ins[0][1])]
+        return [((ins[0][0][-1],), _out_dtype(ins[0][1]))]
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0,)
 
     def scratch_specs(self, ins, outs):
-        """The partial sums of the column sum's row ranges (float32/64)."""
+        """The partial sums of the column sum's row ranges (float32/64; a
+        bits dy's: float32's)."""
+        if is_bits(ins[0]):
+            from ..gpu.raw import sum_scratch
+            return sum_scratch(last_axis_rows(ins[0].shape), np.float32)
         return column_scratch(ins[0])
 
+    def host_temporaries(self, ins, outs):
+        """A float32 copy of a dy stored as bits."""
+        return [(tuple(ins[0].shape), np.float32)] if is_bits(ins[0]) else []
+
     def setup(self, ins, outs):
-        if raw_kernels(get_xp(ins[0]), ins[0]) is not None:
+        if raw_kernels(get_xp(ins[0]), *_floats((ins[0],) + tuple(outs))) is not None:
             self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         dy = ins[0]
         xp = get_xp(dy)
-        k = raw_kernels(xp, dy)
+        k = raw_kernels(xp, *_floats((dy, outs[0])))
         if k is not None:  # deterministic column-sum kernels, coalesced loads
             (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
-            k.bias_grad(dy.reshape(last_axis_rows(dy.shape)), out=outs[0], partial=partial)
+            rows = dy.reshape(last_axis_rows(dy.shape))
+            if is_bits(dy):
+                k.sum_rows(rows, outs[0], partial=partial)
+            else:
+                k.bias_grad(rows, out=outs[0], partial=partial)
             return
+        if is_bits(dy):
+            if xp is not np:
+                raise TypeError(f"InnerProductGradBias '{self.op.name}': a dy stored as bits "
+                                f"takes a float32 db, got {outs[0].dtype}")
+            (wide,) = self.temporaries(dy, *self.host_temporaries(ins, outs))
+            dy = from_bf16_bits(dy, wide)
         xp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, out=outs[0])
 
 

@@ -194,20 +194,31 @@ def _grad_specs(x):
 @register
 class LayerNormGrad(OpKernel):
     """[dy, x, g, mean, rstd] -> the gradients named in attr ``outputs``
-    (a subset of dx, dg, db, in that order)."""
+    (a subset of dx, dg, db, in that order).
+
+    dy may be stored as bfloat16 bits (``bits_inputs``: a data gradient of
+    bf16 values the fc products write so, bf16 storage; x float32): the
+    gradients are float32, on a GPU dy widened exactly in the kernels
+    (``layernorm_backward_bdy_f32``, db's column sums ``sum_rows_bits_f32``),
+    on the host into a float32 copy first (``host_temporaries``): the
+    float32 dy's gradients bit for bit."""
 
     op_type = "LayerNormGrad"
+
+    @classmethod
+    def bits_inputs(cls, attrs):
+        return (0,)
 
     def host_temporaries(self, ins, outs):
         """``_grad_host``'s: a chunk's dxhat and two row means (``host_rows``)
         with dx; the whole xhat without dx but with dg (with dx it is made
-        in dx's bytes)."""
+        in dx's bytes); a float32 copy of a dy stored as bits (last)."""
         x, wanted = ins[1], self.attrs["outputs"]
         rows = host_rows(x)[1]
         whole = [(x.shape, x.dtype)] if "dg" in wanted and "dx" not in wanted else []
         part = [((rows, x.shape[-1]), x.dtype), ((rows,), x.dtype), ((rows,), x.dtype)] \
             if "dx" in wanted else []
-        return part + whole
+        return part + whole + ([(tuple(ins[0].shape), np.float32)] if is_bits(ins[0]) else [])
 
     def scratch_specs(self, ins, outs):
         if not _fused(ins[1]):
@@ -225,13 +236,22 @@ class LayerNormGrad(OpKernel):
     def infer(cls, attrs, ins):
         (dys, dyd), (xs, _), (gs, _), _, _ = ins
         shapes = {"dx": tuple(xs), "dg": tuple(gs), "db": tuple(gs)}
-        return [(shapes[o], dyd) for o in attrs["outputs"]]
+        dtype = np.float32 if is_bits(dyd) else dyd   # a bits dy: float32 gradients
+        return [(shapes[o], dtype) for o in attrs["outputs"]]
 
     def run(self, ins, outs):
         dy, x, g, mean, rstd = ins
         xp = get_xp(dy)
         got = dict(zip(self.attrs["outputs"], outs))
-        k = raw_kernels(xp, dy, x, g, mean, rstd)
+        k = raw_kernels(xp, *(a for a in ins if not is_bits(a)))
+        if is_bits(dy) and (k is None or np.dtype(x.dtype) != np.dtype(np.float32)):
+            if xp is not np:
+                raise TypeError(f"LayerNormGrad '{self.op.name}': a dy stored as bits takes a "
+                                f"float32 x, got {x.dtype}")
+            temps = self.temporaries(x, *self.host_temporaries(ins, outs))
+            from ..base.precision import from_bf16_bits
+            _grad_host(from_bf16_bits(dy, temps[-1]), x, g, mean, rstd, got, temps[:-1])
+            return
         if k is not None:
             temps = self.temporaries(x, *self.scratch_specs(ins, outs))
             dyxhat = temps[0] if "dg" in got else None

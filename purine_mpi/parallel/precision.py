@@ -29,11 +29,13 @@ made from the masters each iteration, the copy is no state of its own
 The storage stays float32 -- the copies and outputs hold bfloat16 (float16)
 values, the numbers a GPU's bf16 GEMM with float32 accumulation gives --
 but for bf16 storage (``store_bits``): a bfloat16 blob whose producer can
-write it as bits (``OpKernel.bits_outputs``: a Cast, a bf16 product, the
-attention's ctx) and whose every reader takes it as bits
+write it as bits (``OpKernel.bits_outputs``: a Cast, a bf16 product -- the
+fc data gradient's dx too --, the attention's ctx and its gradient's
+dqkv) and whose every reader takes it as bits
 (``OpKernel.bits_inputs``: the fully connected products' operands, GELU's
 and its gradient's x, the fused attention's and its gradient's qkv, an
-Eltwise sum's terms) is
+Eltwise sum's terms, the dy of GELU's, the layer norm's and the fc bias's
+gradients, the attention gradient's dctx) is
 stored as the uint16 bits of its values (base/precision.BITS, 2 bytes an
 element) and written so (the producer's attr ``bits_out``): its readers
 widen it where they read it or take it as it is (GemmEx, cuDNN's SDPA),
@@ -50,7 +52,16 @@ projections' outputs (read by the residual adds) and the lm-head's
 logits, where the softmax loss reads them ``from_logits``
 (``loss_from_logits``: no probabilities kept, its gradient computes them
 again from the logits, a chunk at a time, and writes its own copy as
-bits). The same numbers: the bits are the upper halves of the float32 roundings.
+bits). The data gradients of bf16 values too: the fc data gradients
+(GemmEx's bfloat16 result, as the bias-free forward) read by GELU's,
+the layer norms' and the attention's gradients, and the attention's dqkv
+(cuDNN's SDPA writes it as bfloat16) read by qkv's data, weight and bias
+gradients -- activation gradients only: a gradient of float32 values
+(GELU's or a layer norm's dx, a residual ``Sum``) is no bf16 blob, a
+parameter gradient (read by the allreduce, clipping and the update, which
+take no bits) stays float32, and an accumulated blob (a micro-batch's
+running sum, a Sum in place) is never stored as bits (``_bits_writer``).
+The same numbers: the bits are the upper halves of the float32 roundings.
 ``PURINE_BF16_STORAGE=0`` (or ``PURINE_BF16_GEMM=0``, whose products take
 float32 operands) keeps the float32 storage.
 

@@ -34,13 +34,14 @@ ENTRY_POINTS = {
 PLAIN_ENTRY_POINTS = {
     # float32 or bfloat16 bits (bx: x as bits) in, bfloat16 bits or float32 out
     "activation": ("gelu_forward_bits_f32", "gelu_forward_bx_f32", "gelu_forward_bx_bits_f32",
-                   "gelu_backward_bx_f32", "bias_bits_f32", "add_bits_f32"),
-    "layernorm": ("layernorm_forward_bits_f32",),
+                   "gelu_backward_bx_f32", "gelu_backward_bdy_f32", "gelu_backward_bdy_bx_f32",
+                   "bias_bits_f32", "add_bits_f32"),
+    "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32"),
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",
                   "to_bf16_bits", "from_bf16_bits"),
-    "reduce": ("embedding_order", "embedding_order_i32"),
+    "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32"),
 }
 
 _BLOCK = 256

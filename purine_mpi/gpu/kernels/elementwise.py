@@ -276,8 +276,29 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
     ``gelu_forward``'s. ``x`` may be bfloat16 bits (uint16, C-contiguous, dy's
     shape; dy float32): widened exactly in the kernel (``gelu_backward_bx_f32``),
-    the float32 ``x``'s dx bit for bit."""
+    the float32 ``x``'s dx bit for bit. ``dy`` may be bfloat16 bits too (a
+    data gradient stored as bits; ``x`` float32 or bits, ``out`` a float32
+    array of dy's shape, not ``dy``): widened exactly in the kernel
+    (``gelu_backward_bdy_f32``, ``gelu_backward_bdy_bx_f32``), the float32
+    ``dy``'s dx bit for bit."""
     cupy = import_cupy()
+    if _is_bits(dy):
+        if out is None:
+            raise ValueError("gelu_backward: a bits dy takes a float32 out")
+        _bits_array(out, np.float32, "gelu_backward: out")
+        _bits_x(dy, "gelu_backward: dy", like=out)
+        if _is_bits(x):
+            _bits_x(x, "gelu_backward: x", like=out)
+            func = "gelu_backward_bdy_bx_f32"
+        else:
+            x = _input(cupy, x, "gelu_backward: x")
+            if np.dtype(x.dtype) != np.dtype(np.float32) or tuple(x.shape) != tuple(out.shape):
+                raise TypeError(f"gelu_backward: a bits dy takes a float32 x of its shape, got "
+                                f"{x.dtype} {tuple(x.shape)}")
+            func = "gelu_backward_bdy_f32"
+        args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
+        _plain_launch(func, dy.size, (dy, x, *args, out))
+        return out
     if _is_bits(x):
         dy = _input(cupy, dy, "gelu_backward: dy")
         if np.dtype(dy.dtype) != np.dtype(np.float32):
@@ -412,11 +433,13 @@ def _column_sum(x, out, accumulate, partial, what):
     splits = bias_grad_splits(rows, cols, 1)
     partial = _partial(partial, x.shape, what)
     blocks = min(-(-cols // SUM_ROWS_TILE) * splits, _MAX_BLOCKS)
-    _base._launch_blocks("reduce", "sum_rows", x.dtype, blocks, _REDUCE_THREADS,
+    bits = _is_bits(x)   # bfloat16 bits into float32: the plain entry point
+    _base._launch_blocks("reduce", "sum_rows_bits_f32" if bits else "sum_rows",
+                         None if bits else x.dtype, blocks, _REDUCE_THREADS,
                          (np.int64(cols), x, np.int64(rows), np.int64(splits),
                           _int(bool(accumulate)), partial, out))
     if splits > 1:
-        _base._launch("reduce", "bias_grad_finish", x.dtype, cols,
+        _base._launch("reduce", "bias_grad_finish", out.dtype, cols,
                       (np.int64(splits), _int(bool(accumulate)), partial, out))
 
 
@@ -425,13 +448,23 @@ def sum_rows(x, out, accumulate=False, partial=None):
     into a C-contiguous ``out`` of cols elements, in deterministic kernels
     (cuda/reduce.cu ``sum_rows``: tiles of columns x ranges of rows, then
     ``bias_grad_finish``); ``partial``: scratch of
-    ``bias_grad_scratch(x.shape)`` (None: a new device array)."""
+    ``bias_grad_scratch(x.shape)`` (None: a new device array). ``x`` may be
+    bfloat16 bits (uint16, C-contiguous; bf16 storage), ``out`` float32:
+    widened exactly in the kernel (``sum_rows_bits_f32``), the float32
+    ``x``'s sums bit for bit."""
     cupy = import_cupy()
-    x = _input(cupy, x, "sum_rows: x", ndim=2)
+    if _is_bits(x):
+        _bits_array(x, np.uint16, "sum_rows: x")
+        if x.ndim != 2:
+            raise ValueError(f"sum_rows: expected 2 dimensions, got shape {x.shape}")
+        want = np.dtype(np.float32)
+    else:
+        x = _input(cupy, x, "sum_rows: x", ndim=2)
+        want = x.dtype
     cols = int(x.shape[1])
-    if not isinstance(out, cupy.ndarray) or out.size != cols or out.dtype != x.dtype \
+    if not isinstance(out, cupy.ndarray) or out.size != cols or out.dtype != want \
             or not out.flags.c_contiguous:
-        raise ValueError(f"sum_rows: out must be a C-contiguous {x.dtype} CuPy array of "
+        raise ValueError(f"sum_rows: out must be a C-contiguous {want} CuPy array of "
                          f"{cols} elements")
     _column_sum(x, out, accumulate, partial, "sum_rows")
     return out
@@ -552,15 +585,27 @@ def layernorm_forward(x, g, b, eps, y, mean, rstd):
 def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None):
     """Layer norm's input gradient in one kernel (cuda/layernorm.cu): into
     ``dx`` (x's shape; may be ``dy`` or ``x``), and into ``dyxhat`` dy *
-    xhat, whose column sums are the weight gradient; either may be None."""
+    xhat, whose column sums are the weight gradient; either may be None.
+    ``dy`` may be bfloat16 bits (uint16, C-contiguous, x's size; x and the
+    rest float32; dx not ``dy``): widened exactly in the kernel
+    (``layernorm_backward_bdy_f32``), the float32 ``dy``'s results."""
     cupy = import_cupy()
     n = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 0
     c = int(x.shape[-1]) if x.ndim else 0
     outs = {name: (a, x.size) for name, a in (("dx", dx), ("dyxhat", dyxhat)) if a is not None}
-    x, rows, cols = _ln_rows(cupy, "layernorm_backward", x, dy=(dy, x.size), g=(g, c),
-                             mean=(mean, n), rstd=(rstd, n), **outs)
-    if rows and cols and outs:
-        _base._launch_blocks("layernorm", "layernorm_backward", x.dtype,
+    bits = _is_bits(dy)
+    if bits:
+        _bits_array(dy, np.uint16, "layernorm_backward: dy")
+        if dy.size != x.size or np.dtype(x.dtype) != np.dtype(np.float32):
+            raise ValueError(f"layernorm_backward: a bits dy of x's {x.size} elements and a "
+                             f"float32 x, got {dy.size} and {x.dtype}")
+    else:
+        outs["dy"] = (dy, x.size)
+    x, rows, cols = _ln_rows(cupy, "layernorm_backward", x, g=(g, c), mean=(mean, n),
+                             rstd=(rstd, n), **outs)
+    if rows and cols and (dx is not None or dyxhat is not None):
+        _base._launch_blocks("layernorm", "layernorm_backward_bdy_f32" if bits
+                             else "layernorm_backward", None if bits else x.dtype,
                              min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd,
                               x if dx is None else dx, _int(dx is not None),
