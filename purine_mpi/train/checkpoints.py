@@ -279,11 +279,11 @@ class Checkpoints(Service):
         # scheme none: a save writes rank 0's replica alone, so every replica
         # goes on from it (not silently: the train rows, the ranks' mean, are
         # then not the uninterrupted run's; the test rows, rank 0's, are)
-        lay = loop.graphs.layout
-        if lay.scheme == "none" and lay.replicas > 1 and loop.job.parallel.mode == "sync" \
-                and notes:
+        # (RankGraphs.apart: the scheme's replicas train apart, Scheme.trains_apart)
+        if getattr(loop.graphs, "apart", False) and notes:
             loop.say(f"note: scheme none: {path} holds one replica's weights and solver state "
-                     f"(rank 0's, as every save), so each of the {lay.replicas} replicas "
+                     f"(rank 0's, as every save), so each of the {loop.graphs.layout.replicas} "
+                     "replicas "
                      "resumes from it; the others' own were never saved, and the train rows "
                      "(the ranks' mean loss) are not those of an uninterrupted run (the test "
                      "rows, rank 0's replica, are)")
