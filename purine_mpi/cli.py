@@ -420,6 +420,7 @@ def cmd_convert(args):
 
 
 def cmd_export(args):
+    from .interop.onnx_export import export_onnx, precision_note
     if args.format == "hf":  # the weights and the net only: no data file is read
         from .interop.hf_gpt2 import export_hf
         if args.batch is not None:
@@ -432,9 +433,11 @@ def cmd_export(args):
         refuse_replacing(args.out, "--out", [("the config", args.config),
                                              ("the --weights file", args.weights)])
         summary = export_hf(job, args.weights, args.out)
+        note = precision_note(job)
+        if note is not None:  # float32 weights, as the ONNX export's: not the bf16 forward
+            print(note, file=sys.stderr)
         print(f"wrote {args.out}: {summary}")
         return 0
-    from .interop.onnx_export import export_onnx, precision_note
     if args.batch is not None and args.batch < 1:  # -1 was written as the input's dimension
         raise UserError(f"--batch {args.batch}: give a batch size >= 1, or no --batch (the "
                         "model's batch axis is then free)")

@@ -301,3 +301,20 @@ def test_plan_resume_counts_no_solver_state_for_running_statistics(tmp_path, dig
     graphs = build_rank_graphs(job, _OfflineWorld(0, 1))
     params = arrays_nbytes(load_checkpoint(run / "latest.h5").params)
     assert own_checkpoint_bytes(job, graphs) == saved, (saved, params)
+
+
+def test_export_hf_of_a_bf16_config_says_the_model_is_float32(tmp_path):
+    """``export hf`` of a bf16 config wrote the float32 master weights
+    without the note ``export onnx`` gives (stop 64's left-open item)."""
+    pytest.importorskip("safetensors.numpy")
+    from .gpt_nets import gpt_config, text_h5
+    cfg = gpt_config(text_h5(tmp_path), layers=1, iters=1)
+    weights = train_here(write_config_file(tmp_path, cfg), tmp_path / "run") / "latest.h5"
+    fp32 = run_cli_here("export", "hf", write_config_file(tmp_path, cfg, "fp32.yaml"),
+                        "--weights", weights, "--out", tmp_path / "a")
+    assert fp32.returncode == 0 and "precision" not in fp32.stderr, fp32.stderr
+    bf16 = write_config_file(tmp_path, dict(cfg, device=0, precision="bf16"), "bf16.yaml")
+    res = run_cli_here("export", "hf", bf16, "--weights", weights, "--out", tmp_path / "b")
+    assert res.returncode == 0, res.stderr  # written, not refused
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note: precision")]
+    assert len(notes) == 1 and "not those of the bf16 forward" in notes[0], res.stderr
