@@ -318,3 +318,14 @@ def test_export_hf_of_a_bf16_config_says_the_model_is_float32(tmp_path):
     assert res.returncode == 0, res.stderr  # written, not refused
     notes = [line for line in res.stderr.splitlines() if line.startswith("note: precision")]
     assert len(notes) == 1 and "not those of the bf16 forward" in notes[0], res.stderr
+
+
+def test_plan_init_of_a_data_file_is_refused_as_train_refuses_it(tmp_path, digits_h5):
+    """``plan --init DATA.h5`` (a data file, no /params) said the job fits
+    and exited 0, where ``train --init DATA.h5`` exits 2."""
+    cfg = small_net_config(digits_h5)
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_here("plan", path, "--init", digits_h5)
+    assert res.returncode == 2, (res.returncode, res.stdout[-400:], res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no /params group" in lines[0], res.stderr

@@ -382,23 +382,30 @@ def load_params(path):
     """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
     {name: array}; other groups and attributes are optional."""
     with open_h5(path, "weights file") as f:
-        if "params" not in f or not hasattr(f["params"], "keys"):
-            raise UserError(f"weights file '{path}' has no /params group; expected the "
-                            "checkpoint layout (/params/<layer>/weight, ...)")
+        _params_group(f, path)
         return _read_section(f, "params", path)
+
+
+def _params_group(f, path):
+    """``f``'s /params group; a UserError naming ``path`` where it has none
+    (a data file given as weights, for one)."""
+    if "params" not in f or not hasattr(f["params"], "keys"):
+        raise UserError(f"weights file '{path}' has no /params group; expected the "
+                        "checkpoint layout (/params/<layer>/weight, ...)")
+    return f["params"]
 
 
 @names_the_file("weights file")
 def params_nbytes(path):
     """The bytes ``load_params`` reads into memory from ``path``: its
-    ``/params`` datasets' sizes (their metadata: no data is read); 0 where
-    it has no /params (``load_params`` refuses it, naming the file)."""
+    ``/params`` datasets' sizes (their metadata: no data is read). A file
+    with no /params is refused as ``load_params`` refuses it (``plan
+    --init DATA.h5`` said it fits, where train exits 2)."""
     import h5py
     total = []
     with open_h5(path, "weights file") as f:
-        if "params" in f and hasattr(f["params"], "visititems"):
-            f["params"].visititems(lambda name, obj: total.append(
-                (obj.size or 0) * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else None)
+        _params_group(f, path).visititems(lambda name, obj: total.append(
+            (obj.size or 0) * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else None)
     return int(sum(total))
 
 
