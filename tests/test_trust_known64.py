@@ -22,7 +22,8 @@ import pytest
 
 from purine_mpi.base.errors import UserError
 
-from .conftest import run_cli_here, small_net_config, train_here, write_config_file
+from .conftest import (run_cli_args, run_cli_here, small_net_config, train_here,
+                       write_config_file)
 
 
 # ------------------------------------------------------ (a) export of bf16
@@ -329,3 +330,18 @@ def test_plan_init_of_a_data_file_is_refused_as_train_refuses_it(tmp_path, digit
     assert res.returncode == 2, (res.returncode, res.stdout[-400:], res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no /params group" in lines[0], res.stderr
+
+
+def test_resume_auto_without_a_checkpoint_names_the_init_weights(tmp_path, digits_h5):
+    """``train --init W --resume auto`` in a folder without a checkpoint said
+    "starting from scratch" and then loaded W."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"]["max_iter"] = 1
+    weights = train_here(cfg, tmp_path / "first") / "latest.h5"
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", path, "--init", weights, "--resume", "auto",
+                       "--out", tmp_path / "second")
+    assert res.returncode == 0, res.stderr
+    said = [line for line in res.stdout.splitlines() if line.startswith("no checkpoint in")]
+    assert len(said) == 1 and "starting from the --init weights" in said[0] and \
+        "scratch" not in said[0], res.stdout[-800:]

@@ -153,11 +153,12 @@ def find_resumable(out_dir, log=None):
     return None, None
 
 
-def resolve_resume(out_dir, resume, log=None):
+def resolve_resume(out_dir, resume, log=None, init=None):
     """The Checkpoint ``--resume`` continues from: ``resume`` is a path,
     ``"auto"`` (``find_resumable`` in ``out_dir``) or a Checkpoint already
     read (returned as it is); None without ``resume`` or for ``"auto"`` in a
-    folder without a checkpoint (``log`` is told so)."""
+    folder without a checkpoint (``log`` is told so, and what the run starts
+    from: the ``init`` weights where given, else scratch)."""
     if not resume:
         return None
     if isinstance(resume, Checkpoint):
@@ -165,7 +166,9 @@ def resolve_resume(out_dir, resume, log=None):
     if resume == "auto":
         path, ck = find_resumable(out_dir, log)
         if path is None and log:
-            log(f"no checkpoint in {out_dir}; starting from scratch")
+            start = f"starting from the --init weights {init}" if init else \
+                "starting from scratch"
+            log(f"no checkpoint in {out_dir}; {start}")
         return ck
     return load_checkpoint(resume)
 

@@ -203,7 +203,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     # the start-up agreement: every input that shapes the run, in one
     # allgather (job/inputs.py); --resume is read once, here
     read_here = not isinstance(resume, Checkpoint)
-    resume = resolve_resume(out_dir, resume, say if world.rank == 0 else None)
+    resume = resolve_resume(out_dir, resume, say if world.rank == 0 else None, init)
     if resume is not None and read_here:  # its arrays go once the weights are set
         resume.transient = True
     world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
