@@ -308,3 +308,43 @@ def test_synthetic_pool_smaller_than_the_samples_builds_block_by_block(monkeypat
     x, y = s.gather(np.arange(20))
     np.testing.assert_array_equal(y, labels[np.arange(20) % 7])
     np.testing.assert_array_equal(x, s.pool[np.arange(20) % 7])
+
+
+_EXIT_WITH_A_PREFETCH = """
+import atexit, threading, time
+alive = []
+# registered before purine_mpi is imported: atexit runs it after the module's own handler
+atexit.register(lambda: print("prefetch alive at exit:",
+                              any(t.is_alive() for t in threading.enumerate()
+                                  if t.name.startswith("prefetch:")), flush=True))
+import numpy as np
+from purine_mpi.graph.core import Op
+from purine_mpi.ops.data import DataReader
+attrs = {"source": {"source": "synthetic", "shape": [3, 5, 5], "classes": 2},
+         "batch_size": 2}
+k = DataReader(Op("data", "DataReader", [], ["data", "label"], attrs))
+outs = [np.empty(s, d) for s, d in DataReader.infer(k.attrs, [])]
+k.run([], outs)  # loads the source, starts the prefetch of batch 1
+k.run([], outs)  # takes it, starts batch 2's
+gather = k._source.gather
+k._source.gather = lambda idx: (time.sleep(1.0), gather(idx))[1]  # a slow file
+k.reset_position(7)
+k.run([], outs)  # batch 7 (slow), then batch 8's prefetch (slow) is in flight at exit
+"""
+
+
+def test_the_prefetch_in_flight_ends_before_the_interpreter(tmp_path):
+    """Every run ends with the next batch being prefetched by a daemon
+    thread. Still inside NumPy when the interpreter finalised, it was ended
+    by pthread_exit, whose forced unwinding through NumPy's C++ frames
+    aborted a finished `bench` once in a whole-suite run ("terminate
+    called without an active exception"). An atexit handler now lets the
+    batch finish and ends the thread first."""
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+    res = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_PREFETCH], capture_output=True,
+                         text=True, env=cli_env(), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "prefetch alive at exit: False" in res.stdout, (res.stdout, res.stderr)

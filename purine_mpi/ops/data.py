@@ -85,8 +85,11 @@ device work that read the pair (the graph holding the copy, when captured).
 So no pinned buffer is overwritten while a copy still reads it, and the
 iteration makes no host copy of the batch.
 """
+import atexit
 import queue
 import threading
+import time
+import weakref
 
 import numpy as np
 
@@ -204,13 +207,18 @@ class DataReader(OpKernel):
         the native memory by ~300 bytes per iteration under MPI."""
         while True:
             try:
-                iteration, slot = self._requests.get(timeout=self.IDLE_S)
+                request = self._requests.get(timeout=self.IDLE_S)
             except queue.Empty:
                 with self._lock:
                     if self._requests.empty():
                         self._worker = None
                         return
                 continue
+            if request is None:  # stop_prefetch: the process is ending
+                with self._lock:
+                    self._worker = None
+                return
+            iteration, slot = request
             try:
                 batch = self.prepare(iteration, slot["pad_limit"])
                 if "pair" in slot:
@@ -243,7 +251,18 @@ class DataReader(OpKernel):
                 self._worker = threading.Thread(target=self._serve, daemon=True,
                                                 name=f"prefetch:{self.op.name}")
                 self._worker.start()
+                _PREFETCHING.add(self)
         self._pending = (iteration, slot)
+
+    def stop_prefetch(self, timeout=None):
+        """End the prefetch thread once the batch it gathers is done (the
+        request queued after it is None), waiting up to ``timeout`` s."""
+        with self._lock:
+            worker = self._worker
+            if worker is None:
+                return
+            self._requests.put(None)
+        worker.join(timeout)
 
     def _take(self, iteration):
         if self._pending is not None and (self._pending[0] != iteration or
@@ -335,3 +354,26 @@ class DataReader(OpKernel):
         position = int(state["position"])
         saved_batch = int(state.get("global_batch", self.batch_size * self.world_size))
         self.reset_position(position * saved_batch // (self.batch_size * self.world_size))
+
+
+#: the readers whose prefetch thread was started (weakly: a reader dropped
+#: is no longer stopped at exit; its thread ends after IDLE_S)
+_PREFETCHING = weakref.WeakSet()
+#: how long the process's exit waits for the batches in flight, in all
+EXIT_WAIT_S = 30.0
+
+
+def stop_prefetch_threads(timeout=EXIT_WAIT_S):
+    """Stop every reader's prefetch thread, letting the batch it gathers
+    finish (registered with atexit). Each run ends with the next batch
+    being prefetched; a daemon thread still inside NumPy when the
+    interpreter finalises is ended by pthread_exit, whose forced unwinding
+    through NumPy's C++ frames aborts the process ("terminate called
+    without an active exception", exit status -6 after a finished run: seen
+    once from `bench` in a whole-suite run)."""
+    deadline = time.monotonic() + timeout
+    for reader in list(_PREFETCHING):
+        reader.stop_prefetch(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(stop_prefetch_threads)
