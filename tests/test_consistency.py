@@ -25,6 +25,21 @@ def test_a_graph_yaml_job_reports_its_own_lr_and_speed(tmp_path, digits_h5):
     assert all(int(ips.replace(",", "")) > 0 for _, ips in lrs)
 
 
+def _fc_on_digits(name, seed, digits_h5, solver, shuffle=False, **sections):
+    """A config of one fc layer and its loss on the digits' train split
+    (batch 16, no checkpoints): the graph-printing tests' job; ``sections``
+    are further top-level sections (``parallel``)."""
+    train = {"source": "hdf5", "path": digits_h5, "split": "train", "batch_size": 16}
+    if shuffle:
+        train["shuffle"] = True
+    return {"name": name, "seed": seed, "data": {"train": train},
+            "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
+                     "num_output": 10},
+                    {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                     "top": "loss"}],
+            "solver": solver, **sections, "checkpoint": {"interval": 0}}
+
+
 def _digits_sets(digits_h5):
     return ["--set", f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"]
 
@@ -117,15 +132,8 @@ def test_a_complete_graph_s_solver_section_is_its_ops(tmp_path, digits_h5):
     import yaml
     from purine_mpi.ops.lr_policy import learning_rate
     from tests.conftest import train_here, write_config_file
-    cfg = {"name": "cos", "seed": 1,
-           "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
-                              "batch_size": 16}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 10},
-                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
-                    "top": "loss"}],
-           "solver": {"base_lr": 0.1, "lr_policy": "cosine", "max_iter": 10, "display": 2,
-                      "momentum": 0.9},
-           "checkpoint": {"interval": 0}}
+    cfg = _fc_on_digits("cos", 1, digits_h5, {"base_lr": 0.1, "lr_policy": "cosine",
+                                               "max_iter": 10, "display": 2, "momentum": 0.9})
     res = run_cli_here("graph", write_config_file(tmp_path, cfg, "net.yaml"), "--format", "yaml")
     assert res.returncode == 0, res.stderr
     dumped = yaml.safe_load(res.stdout)
@@ -176,15 +184,9 @@ def test_a_dumped_graph_trains_as_its_config(tmp_path, digits_h5, extra):
     import numpy as np
     import yaml
     from tests.conftest import train_here, write_config_file
-    cfg = {"name": "fx", "seed": 1,
-           "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
-                              "batch_size": 16, "shuffle": True}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 10},
-                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
-                    "top": "loss"}],
-           "solver": {"base_lr": 0.1, "momentum": 0.9, "max_iter": 3, "display": 1},
-           "parallel": {"micro_batches": extra.get("micro_batches", 1)},
-           "checkpoint": {"interval": 0}}
+    cfg = _fc_on_digits("fx", 1, digits_h5, {"base_lr": 0.1, "momentum": 0.9, "max_iter": 3,
+                                             "display": 1}, shuffle=True,
+                        parallel={"micro_batches": extra.get("micro_batches", 1)})
     if "clip_gradients" in extra:
         cfg["solver"]["clip_gradients"] = extra["clip_gradients"]
     res = run_cli_here("graph", write_config_file(tmp_path, cfg, "net.yaml"), "--format", "yaml")
@@ -215,16 +217,9 @@ def test_a_dumped_graph_that_clips_trains_as_its_config_on_2_ranks(tmp_path, dig
     import numpy as np
     import yaml
     from tests.conftest import run_mpi_cli, write_config_file
-    cfg = {"name": "c2", "seed": 4,
-           "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
-                              "batch_size": 16, "shuffle": True}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 10},
-                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
-                    "top": "loss"}],
-           "solver": {"base_lr": 0.5, "momentum": 0.9, "max_iter": 3, "display": 1,
-                      "clip_gradients": 0.05},
-           "parallel": {"micro_batches": 2},
-           "checkpoint": {"interval": 0}}
+    cfg = _fc_on_digits("c2", 4, digits_h5, {"base_lr": 0.5, "momentum": 0.9, "max_iter": 3,
+                                             "display": 1, "clip_gradients": 0.05},
+                        shuffle=True, parallel={"micro_batches": 2})
     res = run_cli_here("graph", write_config_file(tmp_path, cfg, "net.yaml"), "--format", "yaml")
     assert res.returncode == 0, res.stderr
     assert "ClipScale" in res.stdout
@@ -253,14 +248,8 @@ def test_a_rank_slice_s_data_readers_take_the_loading_job_s_shards(tmp_path, dig
     import yaml
     from purine_mpi.job.replica import graph_from_seed
     from tests.conftest import make_job, write_config_file
-    cfg = {"name": "sl", "seed": 1,
-           "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
-                              "batch_size": 16}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 10},
-                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
-                    "top": "loss"}],
-           "solver": {"base_lr": 0.1, "max_iter": 3},
-           "parallel": {"micro_batches": micro}, "checkpoint": {"interval": 0}}
+    cfg = _fc_on_digits("sl", 1, digits_h5, {"base_lr": 0.1, "max_iter": 3},
+                        parallel={"micro_batches": micro})
     res = run_cli_here("graph", write_config_file(tmp_path, cfg, "net.yaml"), "--format", "yaml",
                        "--np", "2", "--rank", "1")
     assert res.returncode == 0, res.stderr
