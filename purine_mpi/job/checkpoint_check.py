@@ -85,7 +85,7 @@ def _is_number(value):
         not isinstance(value, (bool, np.bool_))
 
 
-def _saved_config(config_text):
+def saved_config(config_text):
     """The config (a dict) a checkpoint was written with, or None when its
     text is absent or not our config's."""
     if not isinstance(config_text, str) or not config_text.strip():
@@ -103,7 +103,7 @@ def changed_data_note(config_text, data, path):
     file is not the one the run that wrote checkpoint ``path`` read (its
     saved config holds the absolute path), or None: a resume from another
     folder or host may reach other data under the same relative path."""
-    saved = (_saved_config(config_text) or {}).get("data")
+    saved = (saved_config(config_text) or {}).get("data")
     if not isinstance(saved, dict):
         return None
     changed = []
@@ -123,7 +123,7 @@ def _max_iter(config_text):
     """solver.max_iter of the config text a checkpoint was written with, or
     None when it does not say."""
     try:
-        value = (_saved_config(config_text) or {})["solver"]["max_iter"]
+        value = (saved_config(config_text) or {})["solver"]["max_iter"]
     except (KeyError, TypeError):  # no bound from it
         return None
     return int(value) if _is_int(value) and value >= 0 else None
@@ -145,7 +145,7 @@ def check_same_meaning(config_text, net, path, layers=None, what="weights file")
     causal, conv's dilation and group, fc's axis). A file without a config
     (a .caffemodel, another tool's) and the layers it does not name are
     not compared; keys of training (solver, data, dropout) never are."""
-    saved = (_saved_config(config_text) or {}).get("net")
+    saved = (saved_config(config_text) or {}).get("net")
     if not isinstance(saved, list) or not net:
         return
     from ..layers import layer_spec

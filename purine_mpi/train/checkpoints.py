@@ -16,7 +16,7 @@ from ..graph.grad import trained
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
-from ..job.checkpoint_check import (_saved_config, changed_data_note, check_finite,
+from ..job.checkpoint_check import (saved_config, changed_data_note, check_finite,
                                     check_for_net, check_same_meaning, unused_note)
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant
@@ -461,7 +461,7 @@ def _seed_note(ck, path, job):
         return None
     saved, seed = int(saved), int(job.seed)
     now = {"shuffle": train.shuffle, "seed": train.seed}
-    then = (_saved_config(ck.attrs.get("config")) or {}).get("data")
+    then = (saved_config(ck.attrs.get("config")) or {}).get("data")
     then = then.get("train") if isinstance(then, dict) else None
     if not isinstance(then, dict):  # not said: the split as now
         then = now
