@@ -37,7 +37,6 @@ class RankGraphs:
     memory_plan: object       # the micro-batch copies' shared buffers (or None)
     params: list              # this rank's parameter blobs
     net_params: list          # the whole net's parameter blobs (before any split)
-    param_summary: tuple      # (count, bytes, blobs, dtypes) of the whole net
     # (the trained parameters' (count, bytes, blobs, dtypes), the rest's
     # (count, bytes, blobs, kinds)) of the whole net: param_counts
     param_counts: tuple
@@ -109,8 +108,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
         check_fits_memory(graph)  # a layer too big is named, not a MemoryError
     check_data_labels(graph, job)
     vocabulary = job_vocabulary(job)  # train and test agree; checkpoints keep it
-    summary = param_summary(graph)  # the whole net's, before any split
-    counts = param_counts(graph)
+    counts = param_counts(graph)  # the whole net's, before any split
     shapes = param_shapes(graph)  # the test graph runs on these arrays
     net_params = [b.name for b in graph.params()]
     composition = scheme.compose(graph, grads, job, world)
@@ -143,7 +141,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
                      loss_shares=shares, watch=watch, deferred=deferred,
                      defer_update=defer_update, memory_plan=plan,
                      params=[b.name for b in graph.params()], net_params=net_params,
-                     param_summary=summary, param_counts=counts, comm_backend=backend,
+                     param_counts=counts, comm_backend=backend,
                      comm_backend_note=backend_note, composition=composition,
                      vocabulary=vocabulary,
                      apart=scheme.trains_apart(job, layout))
@@ -228,14 +226,10 @@ def param_counts(graph):
         kinds.append("running statistics")
     if any(b.attrs.get("learnable", True) for b in rest):
         kinds.append("frozen")
-    return ((sum(int(np.prod(b.shape)) for b in used), sum(int(b.nbytes) for b in used),
-             len(used), sorted({str(np.dtype(b.dtype)) for b in used})),
-            (sum(int(np.prod(b.shape)) for b in rest), sum(int(b.nbytes) for b in rest),
-             len(rest), kinds))
+    return _summary(used), _summary(rest)[:3] + (kinds,)
 
 
-def param_summary(graph):
-    """(parameter count, bytes, parameter blobs, dtypes) of a graph."""
-    params = graph.params()
-    return (sum(int(np.prod(b.shape)) for b in params), sum(int(b.nbytes) for b in params),
-            len(params), sorted({str(np.dtype(b.dtype)) for b in params}))
+def _summary(blobs):
+    """(parameter count, bytes, blobs, dtypes) of parameter blobs."""
+    return (sum(int(np.prod(b.shape)) for b in blobs), sum(int(b.nbytes) for b in blobs),
+            len(blobs), sorted({str(np.dtype(b.dtype)) for b in blobs}))
