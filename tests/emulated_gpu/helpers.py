@@ -228,7 +228,8 @@ def bf16_gpt_steps(mp, solver, iters, blocks, cuda_graph, elementwise=False):
     which the caller made the device, ``use_emulated_cupy``, and set its
     environment), the weights filled with seed 1, token batches from seed 3,
     CUDA graphs on with ``cuda_graph``. Counts the kernel launches of each
-    step (block kernels; with ``elementwise`` the elementwise ones too).
+    step (block kernels and the plain entry points, the bits kernels; with
+    ``elementwise`` the elementwise ones too).
     Returns (losses, {param: weights}, [{kernel: launches} of each step]).
     tests/test_bf16_storage.py and benchmarks/bf16_storage.py run it."""
     import collections
@@ -244,14 +245,14 @@ def bf16_gpt_steps(mp, solver, iters, blocks, cuda_graph, elementwise=False):
         return real(source, func, *args)
 
     mp.setattr(kernels.base, "_launch_blocks", spy)
-    if elementwise:
-        real_elementwise = kernels.base._launch
+    real_elementwise = kernels.base._launch
 
-        def spy_elementwise(source, func, dtype, total, args):
+    def spy_elementwise(source, func, dtype, total, args):
+        if elementwise or dtype is None:   # the plain (bits) entry points always
             counts[func] += 1
-            return real_elementwise(source, func, dtype, total, args)
+        return real_elementwise(source, func, dtype, total, args)
 
-        mp.setattr(kernels.base, "_launch", spy_elementwise)
+    mp.setattr(kernels.base, "_launch", spy_elementwise)
     toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
     net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
     g, _, _ = gpt_graph(net, dict(solver, max_iter=iters), 2, 8)

@@ -158,7 +158,8 @@ def bias_bits(src, bias, out):
     if bias.size != src.shape[1] or np.dtype(bias.dtype) != np.dtype(np.float32):
         raise ValueError(f"bias_bits: bias has shape {tuple(bias.shape)} {bias.dtype}, "
                          f"expected ({src.shape[1]},) float32")
-    _plain_launch("bias_bits_f32", src.size, (src, bias, np.int64(src.shape[1]), out))
+    _base._launch("activation", "bias_bits_f32", None,
+                  src.size, (src, bias, np.int64(src.shape[1]), out))
     return out
 
 
@@ -174,7 +175,7 @@ def add_bits(a, b, out):
     _bits_array(out, np.float32, "add_bits: out")
     if not a.size == b.size == out.size:
         raise ValueError(f"add_bits: sizes {a.size}, {b.size} and {out.size} differ")
-    _plain_launch("add_bits_f32", a.size, (a, b, out))
+    _base._launch("activation", "add_bits_f32", None, a.size, (a, b, out))
     return out
 
 
@@ -198,15 +199,6 @@ def _gelu_args(what, approximate, round_to, dtype):
 def _is_bits(x):
     """Whether array ``x`` holds bfloat16 bits (uint16: a blob stored as bits)."""
     return np.dtype(x.dtype) == np.dtype(np.uint16)
-
-
-def _plain_launch(func, n, args):
-    """Launch the plain entry point ``func`` of cuda/activation.cu over ``n``
-    items, grid-stride."""
-    if n:
-        _base._launch_blocks("activation", func, None, min((n + _BLOCK - 1) // _BLOCK,
-                                                           _MAX_BLOCKS), _BLOCK,
-                             (np.int64(n),) + tuple(args))
 
 
 def _bits_x(x, what, like=None):
@@ -233,7 +225,7 @@ def gelu_forward(x, approximate="none", out=None, round_to=None):
             raise ValueError("gelu_forward: a bits x takes a float32 out")
         _bits_array(out, np.float32, "gelu_forward: out")
         _bits_x(x, "gelu_forward: x", like=out)
-        _plain_launch("gelu_forward_bx_f32", x.size, (x, *args, out))
+        _base._launch("activation", "gelu_forward_bx_f32", None, x.size, (x, *args, out))
         return out
     x = _input(cupy, x, "gelu_forward: x")
     args = _gelu_args("gelu_forward", approximate, round_to, x.dtype)
@@ -254,7 +246,7 @@ def gelu_forward_bits(x, approximate, out):
         tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, np.float32)
         _bits_array(out, np.uint16, "gelu_forward_bits")
         _bits_x(x, "gelu_forward_bits: x", like=out)
-        _plain_launch("gelu_forward_bx_bits_f32", x.size, (x, tanh_form, out))
+        _base._launch("activation", "gelu_forward_bx_bits_f32", None, x.size, (x, tanh_form, out))
         return out
     x = _input(cupy, x, "gelu_forward_bits: x")
     tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, x.dtype)
@@ -264,10 +256,7 @@ def gelu_forward_bits(x, approximate, out):
     if out.shape != x.shape:
         raise ValueError(f"gelu_forward_bits: out has shape {tuple(out.shape)}, expected "
                          f"{tuple(x.shape)}")
-    if x.size:
-        _base._launch_blocks("activation", "gelu_forward_bits_f32", None,
-                             min((x.size + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS), _BLOCK,
-                             (np.int64(x.size), x, tanh_form, out))
+    _base._launch("activation", "gelu_forward_bits_f32", None, x.size, (x, tanh_form, out))
     return out
 
 
@@ -297,7 +286,7 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
                                 f"{x.dtype} {tuple(x.shape)}")
             func = "gelu_backward_bdy_f32"
         args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
-        _plain_launch(func, dy.size, (dy, x, *args, out))
+        _base._launch("activation", func, None, dy.size, (dy, x, *args, out))
         return out
     if _is_bits(x):
         dy = _input(cupy, dy, "gelu_backward: dy")
@@ -306,7 +295,7 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
         _bits_x(x, "gelu_backward: x", like=dy)
         args = _gelu_args("gelu_backward", approximate, round_to, dy.dtype)
         dx, target = _output(cupy, out, dy.shape, dy.dtype, "gelu_backward")
-        _plain_launch("gelu_backward_bx_f32", dy.size, (dy, x, *args, dx))
+        _base._launch("activation", "gelu_backward_bx_f32", None, dy.size, (dy, x, *args, dx))
         return _finish(dx, target)
     dy = _input(cupy, dy, "gelu_backward: dy")
     x = _input(cupy, x, "gelu_backward: x")
