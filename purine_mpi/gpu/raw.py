@@ -34,6 +34,14 @@ def raw_kernels(xp, *arrays):
     return kernels
 
 
+def float_kernels(xp, *arrays):
+    """``raw_kernels`` for ``arrays`` but those stored as bfloat16 bits
+    (uint16, base/precision.is_bits): the kernels that take bits read them
+    themselves (the ``_bx``/``_bdy`` and bits entry points)."""
+    from ..base.precision import is_bits
+    return raw_kernels(xp, *(a for a in arrays if not is_bits(a)))
+
+
 def sum_scratch(shape, dtype):
     """The scratch specs (``OpKernel.scratch_specs``) of the deterministic
     bias-gradient and column-sum kernels (``kernels.bias_grad``,

@@ -14,7 +14,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import KERNEL_DTYPES, raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, float_kernels, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
 
@@ -330,12 +330,6 @@ def _fused_gelu(*arrays):
     return all(np.dtype(a.dtype) in KERNEL_DTYPES or is_bits(a) for a in arrays)
 
 
-def _gelu_kernels(xp, *arrays):
-    """``raw_kernels`` for a GELU's arrays, those stored as bfloat16 bits
-    left out (the kernels take them: ``_bx`` entry points)."""
-    return raw_kernels(xp, *(a for a in arrays if not is_bits(a)))
-
-
 def _host_x(flat, s, wide):
     """The host chunk ``s`` of the flat x: as it is, or where x is bfloat16
     bits its float32 values widened (exactly) into ``wide``."""
@@ -427,7 +421,7 @@ class Gelu(OpKernel):
         x = ins[0]
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
-        k = _gelu_kernels(xp, x, outs[0])
+        k = float_kernels(xp, x, outs[0])
         bits = is_bits(outs[0])
         if k is not None and bits:
             k.gelu_forward_bits(x, approximate, outs[0])
@@ -505,7 +499,7 @@ class GeluGrad(OpKernel):
         dy, x = ins
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
-        k = _gelu_kernels(xp, dy, x, outs[0])
+        k = float_kernels(xp, dy, x, outs[0])
         if k is not None:
             k.gelu_backward(dy, x, approximate, out=outs[0],
                             round_to=_own_rounding(self, ins, outs))

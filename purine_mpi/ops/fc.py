@@ -64,7 +64,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import column_scratch, last_axis_rows, raw_kernels
+from ..gpu.raw import column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .hostgemm import matmul, matmul_rows
 from .im2col import gemm_holds
 from .registry import OpKernel, gradient, register
@@ -73,13 +73,8 @@ from .registry import OpKernel, gradient, register
 def _on_gpu(xp, *arrays):
     """The GEMMs go to cuBLAS directly (gpu/blas.py) for float32/64 device
     arrays (or bfloat16 bits) that are C-contiguous (blobs always are)."""
-    return raw_kernels(xp, *_floats(arrays)) is not None and \
+    return float_kernels(xp, *arrays) is not None and \
         all(a.flags.c_contiguous for a in arrays)
-
-
-def _floats(arrays):
-    """``arrays`` but those stored as bfloat16 bits."""
-    return [a for a in arrays if not is_bits(a)]
 
 
 def _out_dtype(dtype):
@@ -264,7 +259,7 @@ class InnerProduct(OpKernel):
         else:
             matmul(xp, _host(x).reshape(M, K), _host(w).T, out=y)
         from .conv import _epilogue
-        _epilogue(xp, raw_kernels(xp, y, *_floats((x, w))), y, bias, self.attrs)
+        _epilogue(xp, float_kernels(xp, y, x, w), y, bias, self.attrs)
 
 
 @register
@@ -455,13 +450,13 @@ class InnerProductGradBias(OpKernel):
         return [(tuple(ins[0].shape), np.float32)] if is_bits(ins[0]) else []
 
     def setup(self, ins, outs):
-        if raw_kernels(get_xp(ins[0]), *_floats((ins[0],) + tuple(outs))) is not None:
+        if float_kernels(get_xp(ins[0]), ins[0], *outs) is not None:
             self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         dy = ins[0]
         xp = get_xp(dy)
-        k = raw_kernels(xp, *_floats((dy, outs[0])))
+        k = float_kernels(xp, dy, outs[0])
         if k is not None:  # deterministic column-sum kernels, coalesced loads
             (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
             rows = dy.reshape(last_axis_rows(dy.shape))

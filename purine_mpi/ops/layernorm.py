@@ -36,7 +36,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import KERNEL_DTYPES, column_scratch, last_axis_rows, raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
 
@@ -243,7 +243,7 @@ class LayerNormGrad(OpKernel):
         dy, x, g, mean, rstd = ins
         xp = get_xp(dy)
         got = dict(zip(self.attrs["outputs"], outs))
-        k = raw_kernels(xp, *(a for a in ins if not is_bits(a)))
+        k = float_kernels(xp, *ins)
         if is_bits(dy) and (k is None or np.dtype(x.dtype) != np.dtype(np.float32)):
             if xp is not np:
                 raise TypeError(f"LayerNormGrad '{self.op.name}': a dy stored as bits takes a "
