@@ -42,6 +42,24 @@ def float_kernels(xp, *arrays):
     return raw_kernels(xp, *(a for a in arrays if not is_bits(a)))
 
 
+def widen(x, out):
+    """``x``'s float32 values: ``x`` as it is, or where it is stored as
+    bfloat16 bits widened (exactly) into the float32 ``out`` of its size --
+    on the host by base/precision.from_bf16_bits, on a GPU by the
+    ``from_bf16_bits_device`` kernel (over a C-contiguous copy of a strided
+    ``x``). Returns what holds the values."""
+    from ..base.backend import get_xp
+    from ..base.precision import from_bf16_bits, is_bits
+    if not is_bits(x):
+        return x
+    xp = get_xp(x)
+    if xp is np:
+        return from_bf16_bits(x, out)
+    from .kernels import from_bf16_bits_device
+    from_bf16_bits_device(xp.ascontiguousarray(x).reshape(-1), out.reshape(-1))
+    return out
+
+
 def sum_scratch(shape, dtype):
     """The scratch specs (``OpKernel.scratch_specs``) of the deterministic
     bias-gradient and column-sum kernels (``kernels.bias_grad``,

@@ -101,8 +101,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import raw_kernels
+from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..gpu.raw import raw_kernels, widen
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
@@ -456,12 +456,7 @@ def _widened(qkv, temps):
     if not is_bits(qkv):
         return qkv, temps
     wide, *rest = temps
-    if get_xp(qkv) is np:
-        from_bf16_bits(qkv, wide)
-    else:
-        from ..gpu.kernels import from_bf16_bits_device
-        from_bf16_bits_device(qkv.reshape(-1), wide.reshape(-1))
-    return wide, rest
+    return widen(qkv, wide), rest
 
 
 def _scores_spec(qkv, heads):

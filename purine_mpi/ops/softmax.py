@@ -36,8 +36,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import raw_kernels
+from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..gpu.raw import raw_kernels, widen
 from .registry import OpKernel, gradient, register, spans
 
 #: elements of logits (whole positions, at least one) the ``from_logits``
@@ -248,18 +248,6 @@ def _chunk_positions(shape, axis):
     return rows, (rows, channels, inner)
 
 
-def _widen(x, out):
-    """``x`` (a chunk of logits) as float32: bits widened into ``out``
-    (exact), float32 as it is."""
-    if not is_bits(x):
-        return x
-    if get_xp(x) is np:
-        return from_bf16_bits(x, out)
-    from ..gpu.kernels import from_bf16_bits_device
-    from_bf16_bits_device(x.reshape(-1), out.reshape(-1))
-    return out
-
-
 def _minus_onehot(d3, lab, valid):
     """The host gradient's prob - onehot(label) in ``d3`` (holding the
     probabilities, (outer, C, inner)): 1 off at each position's label (the
@@ -414,7 +402,7 @@ class SoftmaxLoss(OpKernel):
             nll2, valid2 = nll.reshape(outer, inner), valid.reshape(outer, inner)
             for s in spans(outer, rows):
                 w3 = wide[:s.stop - s.start]
-                k.softmax_loss_forward(_widen(x3[s], w3), lab[s], ignore,
+                k.softmax_loss_forward(widen(x3[s], w3), lab[s], ignore,
                                        out=(w3, nll2[s], valid2[s]), pad_label=pad)
             _device_mean(k, nll, valid, loss, shard, ins[2:])
             return
@@ -423,7 +411,7 @@ class SoftmaxLoss(OpKernel):
         (wide,) = self.temporaries(loss, self.host_temporaries(ins, [loss])[-1])
         for s in spans(outer, rows):
             w3 = wide[:s.stop - s.start]
-            picked, sumexp = _host_softmax(xp, _widen(x3[s], w3), w3, lab[s])
+            picked, sumexp = _host_softmax(xp, widen(x3[s], w3), w3, lab[s])
             nll[s] = xp.log(sumexp[:, 0, :]) - picked
         loss[...] = (nll * valid).sum() / (ins[2] if len(ins) > 2 else count)
 
@@ -543,7 +531,7 @@ class SoftmaxLossGrad(OpKernel):
             for s in spans(outer, rows):
                 n = s.stop - s.start
                 w3 = wide[:n]
-                k.softmax_loss_forward(_widen(x3[s], w3), lab[s], ignore,
+                k.softmax_loss_forward(widen(x3[s], w3), lab[s], ignore,
                                        out=(w3, nll[:n * inner].reshape(n, inner),
                                             valid[:n * inner].reshape(n, inner)),
                                        pad_label=pad)
@@ -556,7 +544,7 @@ class SoftmaxLossGrad(OpKernel):
         *_, wide, scratch = self.temporaries(dx, *self.host_temporaries(ins, [dx]))
         for s in spans(outer, rows):
             d3 = wide[:s.stop - s.start]
-            _, sumexp = _host_softmax(xp, _widen(x3[s], d3), d3, lab[s])
+            _, sumexp = _host_softmax(xp, widen(x3[s], d3), d3, lab[s])
             d3 /= sumexp   # the probabilities, as the forward's
             _minus_onehot(d3, lab[s], valid[s])
             d3 *= dloss / (ins[3] if len(ins) > 3 else count)

@@ -9,8 +9,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import GraphError, ShapeError
-from ..base.precision import from_bf16_bits, is_bits
-from ..gpu.raw import raw_kernels
+from ..base.precision import is_bits
+from ..gpu.raw import raw_kernels, widen
 from .registry import OpKernel, gradient, register
 
 
@@ -275,15 +275,8 @@ class Eltwise(OpKernel):
         if bits:   # each widened exactly into its temporary (the last ones)
             wide, term = term[len(term) - len(bits):], term[:len(term) - len(bits)]
             ins = list(ins)
-            for i, w in zip(bits, wide):
-                if xp is np:
-                    from_bf16_bits(ins[i], w)
-                else:
-                    from ..gpu.kernels import from_bf16_bits_device
-                    # (a strided term, never a blob the pass stores as bits: a copy)
-                    from_bf16_bits_device(xp.ascontiguousarray(ins[i]).reshape(-1),
-                                          w.reshape(-1))
-                ins[i] = w
+            for i, w in zip(bits, wide):   # (a strided term on a GPU: through a copy)
+                ins[i] = widen(ins[i], w)
         if operation == "sum" and coeff[0] != 1.0:
             xp.multiply(ins[0], coeff[0], out=acc)
         else:
