@@ -55,6 +55,13 @@ def is_bits(x):
     return np.dtype(getattr(x, "dtype", x)) == np.dtype(BITS)
 
 
+def value_dtype(dtype):
+    """The dtype of the values a blob of ``dtype`` (or an array) holds:
+    float32 for bfloat16 bits storage (what its readers widen it to, what
+    a product of it accumulates in), else its own."""
+    return np.dtype(np.float32) if is_bits(dtype) else np.dtype(getattr(dtype, "dtype", dtype))
+
+
 def scratch_spec(shape, dtype):
     """(shape, dtype) of the scratch ``round_to`` needs for an array of
     ``shape`` rounded to ``dtype``."""

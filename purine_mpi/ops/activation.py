@@ -13,7 +13,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype,
+                              wire_scratch)
 from ..gpu.raw import KERNEL_DTYPES, float_kernels, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
@@ -312,7 +313,7 @@ HOST_CHUNK = 1 << 15
 def _gelu_host_specs(x, count):
     """``count`` flat temporaries of a host chunk (``HOST_CHUNK``) of ``x``
     (float32 for an ``x`` stored as bfloat16 bits)."""
-    return [((min(int(x.size), HOST_CHUNK),), np.float32 if is_bits(x) else x.dtype)] * count
+    return [((min(int(x.size), HOST_CHUNK),), value_dtype(x))] * count
 
 
 def _approximate(attrs):
@@ -400,7 +401,7 @@ class Gelu(OpKernel):
         _approximate(attrs)
         if 0 in attrs.get("bits_out", ()):
             return [(ins[0][0], BITS)]
-        return [(ins[0][0], np.float32 if is_bits(ins[0][1]) else ins[0][1])]
+        return [(ins[0][0], value_dtype(ins[0][1]))]
 
     def host_temporaries(self, ins, outs):
         """A chunk's t, e, f; for a bits y a chunk's float32 y and
@@ -481,7 +482,7 @@ class GeluGrad(OpKernel):
     @classmethod
     def infer(cls, attrs, ins):
         ((shape, dtype),) = _same_shape(cls.op_type, ins)
-        return [(shape, np.float32 if is_bits(dtype) else dtype)]   # a bits dy: float32 dx
+        return [(shape, value_dtype(dtype))]   # a bits dy: float32 dx
 
     def host_temporaries(self, ins, outs):
         """A chunk's t, d, e, f; for a bits x a chunk's float32 x; for a

@@ -101,7 +101,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import BITS, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import raw_kernels, widen
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
@@ -432,12 +432,6 @@ def _context_grad(g, op):
     if wanted:
         g.emit("AttentionContextGrad", [dctx, p, qkv], [g.grad_blob(b) for _, b in wanted],
                {"num_heads": op.attrs["num_heads"], "outputs": [n for n, _ in wanted]})
-
-
-def value_dtype(dtype):
-    """The dtype the fused ops compute in for a qkv of ``dtype``: float32
-    for one stored as bfloat16 bits (bf16 storage), else its own."""
-    return np.dtype(np.float32) if is_bits(dtype) else np.dtype(dtype)
 
 
 def _wide_qkv(qkv, sdpa=False):

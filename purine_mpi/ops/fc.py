@@ -63,7 +63,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype,
+                              wire_scratch)
 from ..gpu.raw import column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .hostgemm import matmul, matmul_rows
 from .im2col import gemm_holds
@@ -75,12 +76,6 @@ def _on_gpu(xp, *arrays):
     arrays (or bfloat16 bits) that are C-contiguous (blobs always are)."""
     return float_kernels(xp, *arrays) is not None and \
         all(a.flags.c_contiguous for a in arrays)
-
-
-def _out_dtype(dtype):
-    """The dtype of a product's result from an operand's: float32 for
-    bfloat16 bits (the GemmEx result), else the operand's."""
-    return np.float32 if is_bits(dtype) else dtype
 
 
 def _host(x):
@@ -174,7 +169,7 @@ class InnerProduct(OpKernel):
         if len(ins) == 3 and tuple(ins[2][0]) != (w_shape[0],):
             raise ShapeError(f"InnerProduct bias must have shape [{w_shape[0]}], got "
                              f"{list(ins[2][0])}")
-        y = BITS if 0 in attrs.get("bits_out", ()) else _out_dtype(ins[0][1])
+        y = BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1])
         return [(x_shape[:axis] + (w_shape[0],), y)]
 
     @classmethod
@@ -272,7 +267,7 @@ class InnerProductGradData(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        dx = BITS if 0 in attrs.get("bits_out", ()) else _out_dtype(ins[0][1])
+        dx = BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1])
         return [(tuple(attrs["x_shape"]), dx)]
 
     @classmethod
@@ -311,7 +306,7 @@ class InnerProductGradData(OpKernel):
         """The host product's scratch (a cut along K: ops/im2col.gemm_holds),
         of the float32 product's dtype when dx is stored as bits."""
         M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
-        dtype = np.float32 if is_bits(outs[0]) else outs[0].dtype
+        dtype = value_dtype(outs[0])
         return gemm_holds(dtype, ((M, ins[0].size // max(M, 1)), ins[1].shape))
 
     def setup(self, ins, outs):
@@ -356,7 +351,7 @@ class InnerProductGradWeight(OpKernel):
                 raise ShapeError(f"InnerProductGradWeight rows {[a, b]} are out of range for "
                                  f"{n} outputs")
             n = b - a
-        return [((n, K), _out_dtype(ins[0][1]))]
+        return [((n, K), value_dtype(ins[0][1]))]
 
     @classmethod
     def bits_inputs(cls, attrs):
@@ -431,7 +426,7 @@ class InnerProductGradBias(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        return [((ins[0][0][-1],), _out_dtype(ins[0][1]))]
+        return [((ins[0][0][-1],), value_dtype(ins[0][1]))]
 
     @classmethod
     def bits_inputs(cls, attrs):

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import BITS, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
@@ -236,7 +236,7 @@ class LayerNormGrad(OpKernel):
     def infer(cls, attrs, ins):
         (dys, dyd), (xs, _), (gs, _), _, _ = ins
         shapes = {"dx": tuple(xs), "dg": tuple(gs), "db": tuple(gs)}
-        dtype = np.float32 if is_bits(dyd) else dyd   # a bits dy: float32 gradients
+        dtype = value_dtype(dyd)   # a bits dy: float32 gradients
         return [(shapes[o], dtype) for o in attrs["outputs"]]
 
     def run(self, ins, outs):

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
+from ..base.precision import BITS, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import raw_kernels, widen
 from .registry import OpKernel, gradient, register, spans
 
@@ -126,7 +126,7 @@ def _loss_specs(x, axis=1):
     """Scratch of the GPU loss: per-position loss and valid flags (float32
     for logits stored as bits)."""
     outer, _, inner = _split_dims(x.shape, axis)
-    return [((outer * inner,), _values(x.dtype))] * 2
+    return [((outer * inner,), value_dtype(x.dtype))] * 2
 
 
 def _accuracy_specs(x, axis=1):
@@ -234,11 +234,6 @@ def _softmax_grad(g, op):
                {"axis": op.attrs.get("axis", 1)})
 
 
-def _values(dtype):
-    """The dtype of the values of a blob of ``dtype`` (float32 for bits)."""
-    return np.float32 if is_bits(dtype) else dtype
-
-
 def _chunk_positions(shape, axis):
     """(outer rows a chunk, (rows, C, inner)) of ``from_logits``' float32
     chunk of logits of ``shape``: ``LOSS_CHUNK`` elements of whole outer
@@ -332,7 +327,7 @@ class SoftmaxLoss(OpKernel):
     def scratch_specs(self, ins, outs):
         axis = _axis(self.attrs, ins[0].ndim)
         # with a normaliser: the shard's own count (the kernel's mean's)
-        dtype = _values(ins[0].dtype)
+        dtype = value_dtype(ins[0].dtype)
         shard = [((1,), dtype)] if len(ins) > 2 else []
         chunk = [(_chunk_positions(ins[0].shape, axis)[1], dtype)] \
             if self.attrs.get("from_logits") else []
@@ -422,7 +417,7 @@ class SoftmaxLoss(OpKernel):
         also the float32 chunk of the logits (the last)."""
         axis = _axis(self.attrs, ins[0].ndim)
         outer, _, inner = _split_dims(ins[0].shape, axis)
-        pos, dtype = (outer * inner,), _values(ins[0].dtype)
+        pos, dtype = (outer * inner,), value_dtype(ins[0].dtype)
         chunk = [(_chunk_positions(ins[0].shape, axis)[1], dtype)] \
             if self.attrs.get("from_logits") else []
         return [(pos, np.int64), (pos, np.bool_)] + [(pos, dtype)] * 4 + chunk
@@ -452,7 +447,7 @@ class SoftmaxLossGrad(OpKernel):
         return (0,) if attrs.get("from_logits") else ()
 
     def scratch_specs(self, ins, outs):
-        dtype = _values(ins[1].dtype)
+        dtype = value_dtype(ins[1].dtype)
         chunk = []
         if self.attrs.get("from_logits"):   # the chunk's losses, valid flags, logits
             axis = _axis(self.attrs, len(ins[1].shape))
@@ -470,7 +465,7 @@ class SoftmaxLossGrad(OpKernel):
         _check_label(attrs, ps, ls, cls.op_type)
         _check_normaliser(ins[3:], cls.op_type)
         if attrs.get("from_logits"):
-            return [(tuple(ps), BITS if 0 in attrs.get("bits_out", ()) else _values(pd))]
+            return [(tuple(ps), BITS if 0 in attrs.get("bits_out", ()) else value_dtype(pd))]
         return [(tuple(ps), pd)]
 
     def run(self, ins, outs):
@@ -521,7 +516,7 @@ class SoftmaxLossGrad(OpKernel):
         bits = is_bits(dx)
         if xp is not np:
             from ..gpu.kernels import to_bf16_bits_device
-            k = raw_kernels(xp, np.empty(0, _values(x.dtype)))
+            k = raw_kernels(xp, np.empty(0, value_dtype(x.dtype)))
             ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
             count, *buf = self.temporaries(x, *self.scratch_specs(ins, [dx]))
@@ -561,7 +556,7 @@ class SoftmaxLossGrad(OpKernel):
         prob = ins[1]
         axis = _axis(self.attrs, len(prob.shape))
         outer, _, inner = _split_dims(prob.shape, axis)
-        pos, dtype = (outer * inner,), _values(prob.dtype)
+        pos, dtype = (outer * inner,), value_dtype(prob.dtype)
         chunk = []
         if self.attrs.get("from_logits"):
             rows, shape = _chunk_positions(prob.shape, axis)
