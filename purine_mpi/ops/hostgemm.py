@@ -88,8 +88,9 @@ _ALL = weakref.WeakSet()
 _ALL_LOCK = threading.Lock()
 
 
-class _Cache(dict):
-    """A thread's scratch cache (a dict that a WeakSet can hold)."""
+class ThreadCache(dict):
+    """A thread's cache of reused arrays (a dict that a WeakSet can hold:
+    by identity): this module's scratch, ops/im2col.py's buffers."""
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
@@ -286,7 +287,7 @@ def _scratch(shape, dtype):
     size = int(np.prod(shape))
     cache = getattr(_LOCAL, "flat", None)
     if cache is None:
-        cache = _LOCAL.flat = _Cache()
+        cache = _LOCAL.flat = ThreadCache()
         with _ALL_LOCK:
             _ALL.add(cache)
     key = np.dtype(dtype).str

@@ -34,7 +34,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import hostgemm
-from .hostgemm import matmul
+from .hostgemm import ThreadCache, matmul
 
 _LOCAL = threading.local()
 #: every live thread's caches (``held_bytes``), registered when a thread
@@ -45,18 +45,11 @@ _LOCK = threading.Lock()
 _SHARED = {}
 
 
-class _Cache(dict):
-    """A thread's cache (a dict that a WeakSet can hold: by identity)."""
-
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
-
-
 def _cache(name):
     """This thread's cache ``name`` ("buffers", "flat"), made and registered once."""
     cache = getattr(_LOCAL, name, None)
     if cache is None:
-        cache = _Cache()
+        cache = ThreadCache()
         setattr(_LOCAL, name, cache)
         with _LOCK:
             _ALL.add(cache)
