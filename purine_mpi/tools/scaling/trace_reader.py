@@ -128,27 +128,31 @@ def load_events(path):
     return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
 
 
-def median_durations(events, skip_first=True):
-    """({op name: median seconds per iteration}, traced iteration seconds or
-    None, number of iterations used). The first traced iteration is left
-    out when there are three or more (it may start mid-way)."""
+def _per_iteration(events, skip_first):
+    """({op name: {iteration: seconds}} of the op events, {iteration: its
+    first event's start in seconds}, the iterations read: the first traced
+    one left out when there are three or more, as it may start mid-way)."""
     per = defaultdict(lambda: defaultdict(float))
-    starts, ends = defaultdict(lambda: float("inf")), defaultdict(float)
+    starts = defaultdict(lambda: float("inf"))
     for e in events:
         it = (e.get("args") or {}).get("iter")
         if it is None:
             continue
         per[e["name"]][it] += e["dur"] * 1e-6
         starts[it] = min(starts[it], e["ts"] * 1e-6)
-        ends[it] = max(ends[it], (e["ts"] + e["dur"]) * 1e-6)
     iters = sorted(starts)
     if skip_first and len(iters) >= 3:
         iters = iters[1:]
-    keep = set(iters)
-    medians = {}
-    for name, by_it in per.items():
-        values = [by_it.get(i, 0.0) for i in iters if i in keep]
-        medians[name] = statistics.median(values) if values else 0.0
+    return per, starts, iters
+
+
+def median_durations(events, skip_first=True):
+    """({op name: median seconds per iteration}, traced iteration seconds or
+    None, number of iterations used). The first traced iteration is left
+    out when there are three or more (it may start mid-way)."""
+    per, starts, iters = _per_iteration(events, skip_first)
+    medians = {name: statistics.median([by_it.get(i, 0.0) for i in iters]) if iters else 0.0
+               for name, by_it in per.items()}
     gaps = [starts[b] - starts[a] for a, b in zip(iters, iters[1:]) if b == a + 1]
     return medians, (statistics.median(gaps) if gaps else None), len(iters)
 
@@ -157,14 +161,7 @@ def op_minima(events, skip_first=True):
     """{op name: its least seconds in one iteration} over the iterations
     ``median_durations`` reads (an op that runs several times in one
     iteration counts its sum there)."""
-    per = defaultdict(lambda: defaultdict(float))
-    for e in events:
-        it = (e.get("args") or {}).get("iter")
-        if it is not None:
-            per[e["name"]][it] += e["dur"] * 1e-6
-    iters = sorted({it for by_it in per.values() for it in by_it})
-    if skip_first and len(iters) >= 3:
-        iters = iters[1:]
+    per, _, iters = _per_iteration(events, skip_first)
     return {name: min(by_it.get(i, 0.0) for i in iters) for name, by_it in per.items()
             if iters}
 
