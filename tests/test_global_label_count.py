@@ -88,7 +88,7 @@ def test_a_text_source_reads_its_labels_alone_as_in_its_batches(tmp_path):
 
 @pytest.mark.parametrize("parallel, ranks, noted", [
     ({}, 1, True), ({}, 2, False), ({"micro_batches": 2}, 1, False),
-    ({"mode": "async"}, 3, True)])
+    ({"mode": "async"}, 3, True), ({"mode": "async", "micro_batches": 2}, 3, False)])
 def test_ignore_label_mean_is_noted_where_it_has_no_effect(parallel, ranks, noted):
     """``ignore_label_mean: shard`` is noted as without effect on one shard
     (1 rank, no micro-batches) and under the parameter servers (each

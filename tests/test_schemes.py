@@ -109,7 +109,7 @@ def test_the_registry_lists_every_scheme():
 
 @pytest.mark.parametrize("parallel,name,caps", [
     ({}, "data", {"nccl": True, "staged": False, "servers": False, "micro_batches": True}),
-    ({"mode": "sync_ps"}, "param_server", {"servers": True, "micro_batches": False,
+    ({"mode": "sync_ps"}, "param_server", {"servers": True, "micro_batches": True,
                                            "nccl": False}),
     ({"scheme": "none"}, "none", {"exchanges_gradients": False, "nccl": False}),
     ({"scheme": "pipeline", "stages": {"fc": 0, "l": 1}},

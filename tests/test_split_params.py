@@ -350,3 +350,60 @@ def test_micro_batch_chunks_of_a_row_cut_product_train_bitwise(tmp_path):
     for k in runs[False]:
         assert np.array_equal(runs[True][k], runs[False][k]), \
             (k, int((runs[True][k] != runs[False][k]).sum()))
+
+
+#: scheme hybrid with tensor shards: 2 replicas x 2 stages x 2 shards, an
+#: MLP whose fc1 (640 x 1024) is column-split (320 rows a shard) on stage 0
+TENSOR_MLP = dict(hidden=(640, 640, 640), shape=(1, 32, 32), classes=10)
+TENSOR_HYBRID = {"scheme": "hybrid", "tensor_parallel": 2, "bucket_mb": 0.25,
+                 "micro_batches": 2,
+                 "stages": {"fc1": 0, "relu1": 0, "fc2": 0, "relu2": 0,
+                            "fc3": 1, "relu3": 1, "out": 1, "loss": 1}}
+
+
+def test_hybrid_tensor_micro_batches_keep_the_shards_row_chunks():
+    """Scheme hybrid with tensor shards: each copy's weight-gradient op
+    writes the row chunks of fc1's shard (320 rows, chunks of 64 at the
+    stage's cap: each micro-batch's product of 8 samples one BLAS call),
+    each chunk summed over the copies, allreduced over the stage's shard
+    replicas and updated alone; the weight itself stays one blob (the
+    chunks are views: the checkpoint joins the shards as before). Before,
+    the split was skipped with tensor shards and fc1's gradient was one
+    blob (no 'fc1.bwd.inner_product_grad_weight[0:64]@mb0')."""
+    from purine_mpi.tools.graph import compose_for
+    for split in (True, False):
+        cfg = mlp_config(batch=16, parallel=dict(TENSOR_HYBRID, split_params=split),
+                         **TENSOR_MLP)
+        graph = compose_for(make_job(cfg), 8, 1)   # stage 0, shard 1
+        chunks = [(a, a + 64) for a in range(0, 320, 64)]
+        got = all(f"fc1.bwd.inner_product_grad_weight[{a}:{b}]@mb{k}" in graph.ops
+                  for a, b in chunks for k in (0, 1))
+        assert got == split, split
+        assert graph.blobs["fc1/weight"].shape == (320, 1024)
+        reduced = [[b for b in op.inputs if b.startswith("fc1/weight.grad")]
+                   for op in graph.ops.values() if op.op_type == "Allreduce"]
+        reduced = [b for b in reduced if b]   # a chunk a bucket (the last with fc1's bias)
+        assert reduced == ([[f"fc1/weight.grad[{a}:{b}]"] for a, b in chunks] if split
+                           else [["fc1/weight.grad"]]), reduced
+
+
+@pytest.mark.mpi
+def test_hybrid_tensor_micro_batch_chunks_train_bitwise(tmp_path):
+    """8 ranks of scheme hybrid (2 replicas x 2 stages x 2 tensor shards),
+    2 micro-batches of 8, 4 SGD steps: fc1's shards split into row chunks
+    train bit for bit as with split_params: false."""
+    from tests.conftest import run_mpi_cli
+    from tests.test_micro_batches import _params
+    runs = {}
+    for split in (True, False):
+        cfg = mlp_config(batch=16, parallel=dict(TENSOR_HYBRID, split_params=split),
+                         **TENSOR_MLP)
+        path = tmp_path / f"{split}.yaml"
+        path.write_text(dump_config(cfg))
+        res = run_mpi_cli(8, "train", path, "--out", tmp_path / str(split), timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        runs[split] = _params(tmp_path / str(split) / "latest.h5")
+    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
+    for k in runs[False]:
+        assert np.array_equal(runs[True][k], runs[False][k]), \
+            (k, int((runs[True][k] != runs[False][k]).sum()))

@@ -41,6 +41,10 @@ def test_the_most_a_run_may_pick_ignores_the_load_and_our_own_export(monkeypatch
     monkeypatch.setattr(threads, "_set_before", set())
     assert threads.most({"OMP_NUM_THREADS": "1"}) == 8   # ours: the load's 1
     assert threads.most({"OMP_NUM_THREADS": "1", "MPI_LOCALNRANKS": "2"}) == 4
+    # plan --np N outside mpiexec: the ranks of the rank's node, as the launcher's count
+    assert threads.most({"OMP_NUM_THREADS": "1"}, local_ranks=2) == 4
+    assert threads.most({"MPI_LOCALNRANKS": "8"}, local_ranks=3) == 2
+    assert threads.most({"PURINE_THREADS": "3"}, local_ranks=8) == 3   # the user's count
     assert threads.most({"PURINE_THREADS": "3", "OMP_NUM_THREADS": "1"}) == 3
     assert threads.most({"PURINE_THREADS": "many"}) == 1
     monkeypatch.setattr(threads, "_set_before", {"OMP_NUM_THREADS"})
@@ -48,6 +52,9 @@ def test_the_most_a_run_may_pick_ignores_the_load_and_our_own_export(monkeypatch
     from purine_mpi.ops import hostgemm
     monkeypatch.setattr(hostgemm, "THREADS", None)
     assert hostgemm.planned_threads() == threads.most()
+    with hostgemm.planned_for(2):
+        assert hostgemm.planned_threads() == threads.most(local_ranks=2)
+    assert hostgemm.PLANNED_RANKS is None
     monkeypatch.setattr(hostgemm, "THREADS", 5)
     assert hostgemm.planned_threads() == 5
 

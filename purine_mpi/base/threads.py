@@ -165,7 +165,7 @@ def automatic(environ=os.environ):
     return "PURINE_THREADS" not in environ and _positive(environ.get("OMP_NUM_THREADS")) is None
 
 
-def most(environ=os.environ):
+def most(environ=os.environ, local_ranks=None):
     """The most threads a run started here with this environment may use:
     the user's count (``PURINE_THREADS``, an ``OMP_NUM_THREADS`` set before
     purine_mpi was imported) when set, else the usable cores over this
@@ -173,10 +173,15 @@ def most(environ=os.environ):
     only lowers the count ``apply`` picks at start-up). What ``plan``
     counts the host products' per-thread scratch for (ops/hostgemm.py's
     ``planned_threads``): the count a run will pick depends on the load at
-    its own start-up, not known before."""
+    its own start-up, not known before. ``local_ranks``: the ranks that
+    will share this host (``plan --np N`` outside mpiexec, where no
+    launcher says so: tools/plan.host_ranks), as the launcher's variable
+    would say in the run (``PURINE_LOCAL_SIZE``); None: the environment's."""
     mine = dict(environ)
     if "OMP_NUM_THREADS" not in _set_before:   # ours (``apply`` exported it), not the user's
         mine.pop("OMP_NUM_THREADS", None)
+    if local_ranks is not None:
+        mine["PURINE_LOCAL_SIZE"] = str(max(1, int(local_ranks)))
     try:
         return decide(mine)[0]
     except ValueError:

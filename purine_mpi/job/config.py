@@ -657,9 +657,6 @@ def _check_pipeline(out, path):
     par = out["parallel"]
     micro = par["micro_batches"]
     if micro > 1:
-        if par["mode"] in ("async", "sync_ps"):
-            raise ConfigError(path, "parallel.micro_batches", f"parameter-server mode "
-                              f"{excerpt(par['mode'])} takes no micro-batches; use mode: sync")
         train = (out.get("data") or {}).get("train") or {}
         batch = train.get("batch_size")
         if batch is not None and batch % micro:

@@ -322,8 +322,10 @@ def build_train_graph(job, rank=0, world_size=1, exchanged=True):
 def _count_labels_over_shards(graph, job, world_size, exchanged):
     """``global_label_counts`` where a loss is split over several shards
     of one update (``build_train_graph``) under ``ignore_label_mean: global``."""
+    if job.parallel.servers:   # a worker's push updates the servers on its own:
+        exchanged = False      # its own batch's mean (over its micro-batches)
     if (world_size if exchanged else 1) * job.parallel.micro_batches > 1 and \
-            not job.parallel.servers and job.parallel.ignore_label_mean == "global":
+            job.parallel.ignore_label_mean == "global":
         global_label_counts(graph, "global" if exchanged else "replica", job)
 
 

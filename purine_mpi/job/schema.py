@@ -211,7 +211,8 @@ PARALLEL = (
         "taken: PyTorch DDP's and gradient accumulation's plain average). Each loss's "
         "ignore_label is counted (several losses, several counts); global refuses (exit 2) a "
         "loss whose label an op other than a copy or reshape makes. The "
-        "parameter-server modes always take each worker's own mean, scheme none each rank's "
+        "parameter-server modes always take each worker's own mean (with micro-batches, "
+        "global: its batch's, shard: its micro-batches'), scheme none each rank's "
         "own batch's (see \"Sample order\")"),
     Key("schedule", _choice(PIPELINE_SCHEDULES), "1f1b", "order of the micro-batches on a "
         "stage: 1f1b (one forward, one backward; stage s of p allocates min(p-s, M) "

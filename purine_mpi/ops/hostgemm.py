@@ -54,6 +54,7 @@ themselves, so concurrent callers (the dispatcher's lanes) cannot
 deadlock. NumPy releases the GIL around BLAS. Other arrays (CuPy) go
 straight to ``xp.matmul``.
 """
+import contextlib
 import queue
 import threading
 import weakref
@@ -77,6 +78,9 @@ ALIGN = 48
 #: the rank's compute threads for ``matmul``; None: ``base/threads.py``'s
 #: decision (tests set it)
 THREADS = None
+#: the ranks on this host ``planned_threads`` counts for (``planned_for``:
+#: ``plan --np N``'s offline ranks); None: the launcher's (the environment's)
+PLANNED_RANKS = None
 
 #: the flat slot of this module's scratch in ``plan``'s Holds
 #: (ops/im2col.gemm_holds; no im2col buffer has this name)
@@ -266,12 +270,27 @@ def planned_threads():
     """The thread count ``plan`` counts the scratch for: ``THREADS`` when
     set, else the most the run may pick (base/threads.most: the user's
     count, else the usable cores over this host's ranks, which the load at
-    the run's start-up can only lower). Only whether it is 1 changes the
-    bytes (``_kept``): one matrix, else one per piece after the first; the
-    most is the larger."""
+    the run's start-up can only lower; the ranks those of ``PLANNED_RANKS``
+    when set). Only whether it is 1 changes the bytes (``_kept``): one
+    matrix, else one per piece after the first; the most is the larger."""
     if THREADS is not None:
         return max(1, int(THREADS))
-    return _threads.most()
+    return _threads.most(local_ranks=PLANNED_RANKS)
+
+
+@contextlib.contextmanager
+def planned_for(local_ranks):
+    """``planned_threads`` counts for ``local_ranks`` ranks on this host
+    (``PLANNED_RANKS``) inside the block: ``plan --np N`` run outside
+    mpiexec builds each rank as one of the ranks of its node, with the
+    threads the run's ``base/threads.decide`` gives each of them there, not
+    as one process that has the host to itself."""
+    global PLANNED_RANKS
+    before, PLANNED_RANKS = PLANNED_RANKS, local_ranks
+    try:
+        yield
+    finally:
+        PLANNED_RANKS = before
 
 
 def _blasable(o):

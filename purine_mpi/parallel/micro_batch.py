@@ -28,7 +28,8 @@ the gradient and the gradients of one copy, not M (the running sums
 belong to copy k's backward in the schedule): copy 0's gradient and the
 running sums are views of the gradient the update reads, so copy 0
 writes it as without micro-batches and each ``Sum`` adds in place
-(``_sum_in_place``; schemes data, none, sharded, pipeline and hybrid). The
+(``_sum_in_place``; schemes data, none, sharded, pipeline and hybrid,
+and a parameter-server worker, whose push sends that gradient). The
 update's ``grad_scale`` is divided by M once: every copy's loss is its
 micro-batch mean, so the update sees the mean over the whole batch (a
 loss with an ``ignore_label`` divides its micro-batch's sum by the global

@@ -17,6 +17,13 @@ layer first, so pushes overlap the rest of the backward pass):
 ``p@new`` aliases ``p``, so the pull waits for every reader of ``p`` in the
 iteration and then writes the fresh weights in place.
 
+With ``parallel.micro_batches: M`` a worker's graph is copied M times
+(micro_batch.py) after the servers' plan is made from the uncopied graph;
+the M gradients are summed in place into the gradient the push sends
+(``accumulate_micro_batches``), and every server divides its updates by M
+too (``scale_for_micro_batches``: the worker's update ops, which the
+copies scale, are replaced by the pushes and pulls).
+
 mode sync_ps (synchronous, equal to data-parallel allreduce): each server
 runs a graph too -- per owned p, one Recv per worker, a Sum, the SGDUpdate
 (grad_scale / W) and one Send of ``p@new`` per worker -- once per iteration.
@@ -134,7 +141,8 @@ def compose_param_server(graph, grads, job, world=None):
     if world.rank not in layout["workers"]:
         raise UserError(f"rank {world.rank} is a parameter server; it runs run_server(), "
                         "not a training graph")
-    plan = plan_param_server(graph, grads, layout)
+    plan = plan_param_server(graph, grads, layout)   # the servers' (uncopied graph)
+    accumulate_micro_batches(graph, grads, job)
     build_worker_graph(graph, plan)
     # parallel.transport: the windows (collective with the servers' run_server)
     # offline (plan) nothing is allocated, and the graph is converted as a run's
@@ -151,6 +159,30 @@ def compose_param_server(graph, grads, job, world=None):
     lay = Layout(job.parallel.scheme, nw, 1, world.rank, 0, job.parallel.micro_batches)
     return Composition(graph, lay, transport=transport, windows=windows, window_placement=placed,
                        server_plan=dict(plan, mode=job.parallel.mode))
+
+
+def accumulate_micro_batches(graph, grads, job):
+    """A worker's micro-batch copies (``parallel.micro_batches``), their
+    gradients summed in place into the gradient its push sends
+    (micro_batch._sum_in_place: copy 0 writes it, each running sum adds
+    into it), after the servers' plan was made from the uncopied graph
+    (its order and tags are the servers'); the copies' update scale is the
+    servers' (``scale_for_micro_batches``): the workers' updates are
+    replaced by pushes and pulls."""
+    from .schemes.steps import accumulate
+    accumulate(graph, grads, job, in_place=True)
+
+
+def scale_for_micro_batches(graph, job):
+    """A server's updates of a worker's pushes divided by the micro-batches
+    too (in place on the server's uncopied graph, before ``server_graph``
+    or the async loop reads them): a worker pushes the sum of its M
+    micro-batch gradients, each its micro-batch's mean, as
+    micro_batch.replicate_micro_batches scales the update once by 1/M."""
+    m = int(job.parallel.micro_batches)
+    if m > 1:
+        for op in served_params(graph).values():
+            op.attrs["grad_scale"] = float(op.attrs.get("grad_scale", 1.0)) / m
 
 
 def synchronous_if_no_staleness(job):
@@ -184,6 +216,7 @@ def compose_for_rank(graph, grads, job, world_size, rank):
         for op in graph.ops.values():
             if op.op_type == "DataReader":
                 op.attrs["rank"], op.attrs["world_size"] = rank, nw
+        accumulate_micro_batches(graph, grads, job)   # copy k reads shard rank*M + k
         build_worker_graph(graph, plan)
         if windowed:
             ps_windows.windowed_worker(graph, plan, rank, par.mode, par.max_staleness,
@@ -191,6 +224,7 @@ def compose_for_rank(graph, grads, job, world_size, rank):
         gradients_first(graph, plan["grads"])
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
+    scale_for_micro_batches(graph, job)
     if lockstep(par.mode):
         server = server_graph(graph, grads, plan, rank, job)
         return ps_windows.windowed_server(server, plan, rank).validate() if windowed else server

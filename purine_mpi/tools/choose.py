@@ -752,7 +752,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
                 raise UserError(f"{NO_EFFECT}: {why}")
         built, like = ranks_to_build(job, n)
         graphs = {}
-        by_rank = offline_footprints(job, n, built, built=graphs)[0]
+        by_rank = offline_footprints(job, n, built, built=graphs, limits=limits)[0]
         set_transports(by_rank, n, limits)
         fps = list(by_rank.values())
         need, lims = {}, {}

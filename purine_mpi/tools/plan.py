@@ -72,6 +72,16 @@ def node_ranks(limits, size):
     return size, None
 
 
+def host_ranks(limits, size, rank):
+    """The ranks of a ``size``-rank job that share ``rank``'s node, the
+    ranks placed in blocks of ``node_ranks`` (``block_nodes``: the last
+    node the rest): what the launcher tells that rank in the run
+    (base/threads.LOCAL_SIZE_VARS), and so the ranks its thread count is
+    shared among (base/threads.decide)."""
+    per_node = node_ranks(limits, size)[0]
+    return min(per_node, size - rank // per_node * per_node)
+
+
 def mem_available():
     """Bytes of /proc/meminfo's MemAvailable (the free memory a new process
     can take without swapping), else the free pages; None if unknown."""
@@ -210,34 +220,55 @@ def set_transports(fps, size, limits):
     """``set_transport`` on ``plan``'s footprints ({rank: footprint}): the
     ranks placed in blocks of ``node_ranks`` (a footprint that stands for
     other ranks too, ``ranks_to_build``, takes its own rank's node)."""
-    per_node = node_ranks(limits, size)[0]
     for r, fp in fps.items():
-        first = r // per_node * per_node
-        set_transport(fp, min(per_node, size - first))
+        set_transport(fp, host_ranks(limits, size, r))
 
 
 # ------------------------------------------------------------------ graphs
-def offline_footprint(job, size, rank, everyone=None, restore=None):
+def offline_footprint(job, size, rank, everyone=None, restore=None, limits=None):
     """The footprint of ``rank`` of ``size``, built without MPI;
     ``everyone``: the ranks' ``save_meta`` (``save_metas``) its checkpoint
     save's bytes are figured from (None: ``save_metas`` builds them);
-    ``restore``: ``load_bytes``' init and resume ({}: a fresh start)."""
-    graphs = _offline_graphs(job, size, rank)
-    if everyone is None:
-        everyone = save_metas(job, size, {rank: graphs})
-    return _footprint_of(job, graphs, rank, everyone, restore)
+    ``restore``: ``load_bytes``' init and resume ({}: a fresh start);
+    ``limits``: the ``MemoryLimits`` whose ``ranks_per_node`` places the
+    ranks on nodes (``_as_placed``)."""
+    with _as_placed(limits, size, rank):
+        graphs = _offline_graphs(job, size, rank)
+        if everyone is None:
+            everyone = save_metas(job, size, {rank: graphs})
+        return _footprint_of(job, graphs, rank, everyone, restore)
 
 
-def offline_footprints(job, size, ranks, restore=None, built=None):
+def _as_placed(limits, size, rank):
+    """The block in which ``rank`` of ``size`` is built and counted as one
+    of the ``host_ranks`` of its node: the host products' scratch
+    (ops/hostgemm.planned_threads) at the threads the run gives each of
+    them (base/threads.decide over those ranks, as under mpiexec), not at
+    those of one process alone on the host (``plan`` runs outside
+    mpiexec: no launcher's count of the ranks; before, ``--np 2`` on 2
+    cores counted 2 threads, a K-cut product's pieces after the first one
+    matrix each, where each rank runs 1 thread and keeps one matrix)."""
+    from ..ops.hostgemm import planned_for
+    return planned_for(host_ranks(limits, size, rank))
+
+
+def offline_footprints(job, size, ranks, restore=None, built=None, limits=None):
     """({rank: footprint} of ``ranks`` of ``size`` (``offline_footprint``),
     every rank's part of a save (``save_metas``) their save's bytes come from).
     ``built``: a dict that takes each rank's (graphs, their memory plans:
     ``runtime/footprint.workspace_plans``; None for a parameter server)
-    (``plan --choose`` predicts from them: ``predictable_graph``)."""
-    graphs = {r: _offline_graphs(job, size, r) for r in ranks}
+    (``plan --choose`` predicts from them: ``predictable_graph``);
+    ``limits``: as ``offline_footprint``'s."""
+    graphs = {}
+    for r in ranks:
+        with _as_placed(limits, size, r):
+            graphs[r] = _offline_graphs(job, size, r)
     everyone = save_metas(job, size, graphs)
     plans = {}
-    fps = {r: _footprint_of(job, g, r, everyone, restore, plans) for r, g in graphs.items()}
+    fps = {}
+    for r, g in graphs.items():
+        with _as_placed(limits, size, r):
+            fps[r] = _footprint_of(job, g, r, everyone, restore, plans)
     if built is not None:
         built.update({r: (g, plans.get(r)) for r, g in graphs.items()})
     return fps, everyone
@@ -489,22 +520,23 @@ def _with_batch(job, batch):
     return job.replace(data=dataclasses.replace(job.data, train=train))
 
 
-def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=None):
+def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=None,
+                  limits=None):
     """The largest ``data.train.batch_size`` (a multiple of the
     micro-batches) under which ``rank`` needs at most ``limit`` bytes on
     ``device`` (-1: the host), from the footprints at two batch sizes (the
     bytes grow with the batch by a constant per sample), checked by
     building it; None when even the smallest does not fit. At most four
     builds. ``everyone``: the ranks' parts of a save (``save_metas``: the
-    batch does not change them); ``restore``: the start-up load's
-    (``offline_footprint``)."""
+    batch does not change them); ``restore``: the start-up load's and
+    ``limits`` the ranks' nodes (``offline_footprint``)."""
     b0 = job.train_batch
     m = job.parallel.micro_batches
     if b0 is None or b0 <= m:
         return None
     b1 = max(m, b0 // 2 // m * m)
-    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank, everyone, restore),
-                 device)
+    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank, everyone, restore,
+                                   limits), device)
     per = (need - n1) / (b0 - b1)
     if n1 <= limit and per <= 0:
         return b1
@@ -514,15 +546,15 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=N
     for _ in range(3):
         if b < m:
             return None
-        if need_of(offline_footprint(_with_batch(job, b), size, rank, everyone, restore),
-                   device) <= limit:
+        if need_of(offline_footprint(_with_batch(job, b), size, rank, everyone, restore,
+                                     limits), device) <= limit:
             return b
         b = b * 3 // 4 // m * m
     return None
 
 
-def advice(job, size, rank, device, limit, need, everyone=None, restore=None):
-    """What would make ``rank`` fit, in words."""
+def advice(job, size, rank, device, limit, need, everyone=None, restore=None, limits=None):
+    """What would make ``rank`` fit, in words (``limits``: ``fitting_batch``'s)."""
     if size > 1 and job.parallel.servers:
         from ..parallel.param_server import ps_layout
         servers = ps_layout(size, job.parallel.ps_ranks, job.path)["servers"]
@@ -531,7 +563,7 @@ def advice(job, size, rank, device, limit, need, everyone=None, restore=None):
                     "more ranks) split the parameters further; the batch does not change "
                     "what it holds")
     parts = []
-    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore)
+    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore, limits)
     if b is not None:
         parts.append(f"data.train.batch_size {b} would fit (--set data.train.batch_size={b})")
     elif job.train_batch is not None:
@@ -689,7 +721,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
     ``restore``: {"init": the --init file, "resume": True}: the run's
     start-up load (``load_bytes``; None: a fresh start)."""
     built, like = ranks_to_build(job, size)
-    fps, everyone = offline_footprints(job, size, built, restore)
+    fps, everyone = offline_footprints(job, size, built, restore, limits=limits)
     set_transports(fps, size, limits)
     groups = {}
     for r in range(size):
@@ -795,7 +827,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
             if not f["fits"]:
                 d = -1 if where == "host" else int(where.split()[1])
                 lines.append("    " + advice(job, size, ranks[0], d, f["limit_bytes"],
-                                             f["need_bytes"], everyone, restore))
+                                             f["need_bytes"], everyone, restore, limits))
         if fp.devices and not any(w != "host" for w in fits):
             lines.append("  no GPU here: give --device-memory to check the GPU's part")
         for note in fp.notes:
@@ -807,7 +839,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
                      f"({c['limit_from']}; the ranks' host needs summed)")
         if not c["fits"]:  # a rank alone on its node: the batch that would fit it
             lines.append("  " + (advice(job, size, c["ranks"][0], -1, c["limit_bytes"],
-                                        c["need_bytes"], everyone, restore)
+                                        c["need_bytes"], everyone, restore, limits)
                                  if len(c["ranks"]) == 1 else NODE_ADVICE))
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +

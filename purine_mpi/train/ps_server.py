@@ -16,7 +16,8 @@ import numpy as np
 
 from ..graph.solver_graph import momentum_name
 from ..job.run_checkpoints import resolve_resume
-from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
+from ..parallel.param_server import (plan_param_server, ps_layout, scale_for_micro_batches,
+                                      served_params, server_graph)
 from ..parallel.schemes.param_server import lockstep
 from ..runtime.stop import StopSignal
 from .async_server import MEMORY_TAG, STATE_TAG, AsyncServer, send_state
@@ -55,6 +56,7 @@ class ServerRank:
         layout = ps_layout(world.size, par.ps_ranks, job.path)
         self.graph, self.grads = build_train_graph(job, 0, len(layout["workers"]))
         self.plan = plan_param_server(self.graph, self.grads, layout)
+        scale_for_micro_batches(self.graph, job)
         self.owned = [p for p in self.plan["order"] if self.plan["owner"][p] == world.rank]
         # parallel.transport: the windows (collective with the workers' compose)
         self.windows, self.transport, self.placement = allocate(job, world, self.graph,

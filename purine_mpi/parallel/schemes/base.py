@@ -479,9 +479,10 @@ class Scheme:
             note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
                  "micro-batch it has no effect")
         if "ignore_label_mean" in changed:  # (the layout asked only then)
-            if served is not None:
+            if served is not None and par.micro_batches == 1:
                 note(["ignore_label_mean"], "normalises a loss's shards by the global batch's "
-                     "count; the parameter-server modes keep each worker's own mean, so it "
+                     "count; the parameter-server modes keep each worker's own mean (over "
+                     "its micro-batches, where it has several), so with one micro-batch it "
                      "has no effect")
             elif self.shards(job, world_size) == 1:
                 note(["ignore_label_mean"], "normalises a loss's shards (replicas x "

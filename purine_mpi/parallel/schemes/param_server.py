@@ -32,7 +32,6 @@ class ParameterServers(DataParallel):
     keys = SERVER_KEYS
     servers = True
     allreduces = False
-    micro_batches = False
     nccl = False
     #: {"workers": [...], "servers": [...]} of a worker's part (WorkerScheme), else None
     ranks = None
@@ -44,7 +43,8 @@ class ParameterServers(DataParallel):
         """On one rank, the replica as scheme data composes it; on several the
         workers compose through ``WorkerScheme`` (train/trainer.run_param_server)."""
         from .steps import accumulate, clipped
-        accumulate(graph, grads, job)
+        # the replica's own gradients: the running sums add into them
+        accumulate(graph, grads, job, in_place=True)
         if world.size == 1:
             return clipped(Composition(graph.validate(), self.layout(job, world)), job, world)
         raise UserError(f"{job.path}: key 'parallel.mode': mode "

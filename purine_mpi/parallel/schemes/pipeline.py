@@ -74,8 +74,9 @@ class Pipeline(Scheme):
             accumulate(graph, grads, job, in_place=True)
             return clipped(Composition(graph.validate(), lay), job, world)
         pairs = self._split(graph, job, world, lay)
-        if self.allreduces and lay.replicas > 1 and lay.tensor == 1:
-            # hybrid: a stage's large weight in row chunks, each copy's too
+        if self.allreduces and lay.replicas > 1:
+            # hybrid: a stage's large weight (with tensor shards, its shard)
+            # in row chunks, each copy's too
             from .steps import split_stages_before_copies
             grads = split_stages_before_copies(graph, grads, job)
         comp = compose_stages(graph, job, world, micro_copies(graph, grads, job, in_place=True))

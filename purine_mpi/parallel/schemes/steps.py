@@ -53,11 +53,16 @@ def split_before_copies(graph, grads, job):
 
 
 def split_stages_before_copies(graph, grads, job):
-    """``split_before_copies`` for scheme hybrid (stages without tensor
-    shards): each stage's gradients apart, at the cap of that stage's own
-    (``allreduce_stage`` buckets a stage's slice, and splits it at one
-    micro-batch, by the gradients in the slice); a parameter goes with its
-    layer's stage (``parallel.stages``)."""
+    """``split_before_copies`` for scheme hybrid: each stage's gradients
+    apart, at the cap of that stage's own (``allreduce_stage`` buckets a
+    stage's slice, and splits it at one micro-batch, by the gradients in
+    the slice); a parameter goes with its layer's stage
+    (``parallel.stages``). With tensor shards the graph is this rank's
+    shard already (tensor_parallel.split_for): a split weight's chunks are
+    rows of its shard, views of the shard's blob (the checkpoint joins the
+    shards from the whole blob as before; the clip's norm counts a chunk by
+    its storage root, the shard: tensor_parallel.count_whole_once), its
+    weight-gradient op the shard's product (``_row_bounds`` on its shapes)."""
     from ..model_parallel import layer_of
     stage_of = job.stage_map
     groups = {}

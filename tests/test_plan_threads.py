@@ -1,0 +1,160 @@
+"""``plan --np N`` run outside mpiexec counts the host products' K-cut
+scratch (ops/hostgemm.scratch_shape, at ``planned_threads``) at the
+threads each of the N ranks gets on this host (base/threads.decide over
+the ranks of its node, as a run under mpiexec computes them), not at those
+of one process alone on the host. The case: one fc of 512 inputs into 32
+outputs at 4096 samples a rank, whose weight gradient dy^T @ x, (32,
+4096) @ (4096, 512), is cut along K into 8 pieces: 1 thread keeps one (32,
+512) matrix (64 KiB), 2 threads one per piece after the first (7, 448
+KiB). Its host scratch row holds nothing else."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+
+from purine_mpi.base import threads
+from purine_mpi.job.config import load_job
+from purine_mpi.ops import hostgemm
+from purine_mpi.ops.catalog import get_kernel_class
+from purine_mpi.tools.plan import MemoryLimits, offline_footprints, run_plan
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
+
+BATCH, IN, OUT = 4096, 512, 32
+
+
+def _config(tmp_path):
+    cfg = {"name": "wide_k", "seed": 1,
+           "data": {"train": {"source": "synthetic", "shape": [IN], "classes": OUT,
+                              "num_samples": 2 * BATCH, "batch_size": BATCH}},
+           "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
+                    "num_output": OUT},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"],
+                    "top": "loss"}],
+           "solver": {"type": "sgd", "base_lr": 0.01, "max_iter": 2},
+           "checkpoint": {"interval": 0}}
+    path = tmp_path / "wide_k.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _kept_by_the_kernel(count):
+    """The bytes a fresh thread keeps after fc1's weight-gradient kernel
+    ran on ``count`` threads (hostgemm's scratch)."""
+    rng = np.random.default_rng(0)
+    dy = rng.standard_normal((BATCH, OUT), dtype=np.float32)
+    x = rng.standard_normal((BATCH, IN), dtype=np.float32)
+    out = np.empty((OUT, IN), np.float32)
+    k = get_kernel_class("InnerProductGradWeight")(SimpleNamespace(attrs={}, name="g"))
+    k.setup([dy, x], [out])
+    got = []
+
+    def work():
+        k.run([dy, x], [out])
+        got.append(sum(a.nbytes for a in getattr(hostgemm._LOCAL, "flat", {}).values()))
+    before = hostgemm.THREADS
+    hostgemm.THREADS = count
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        hostgemm.THREADS = before
+    np.testing.assert_allclose(out, dy.T @ x, rtol=1e-4, atol=1e-2)
+    return got[0]
+
+
+@pytest.fixture
+def host_of(monkeypatch):
+    """A host of ``cores`` usable cores, no launcher, no thread count set."""
+    def make(cores):
+        monkeypatch.setattr(threads, "usable_cores", lambda: cores)
+        monkeypatch.setattr(threads, "_set_before", set())
+        monkeypatch.setattr(hostgemm, "THREADS", None)
+        for var in threads.LOCAL_SIZE_VARS + ("PURINE_THREADS", "OMP_NUM_THREADS"):
+            monkeypatch.delenv(var, raising=False)
+    return make
+
+
+@pytest.mark.parametrize("cores,size,per_node,rank_threads", [
+    (2, 2, None, 1),   # 2 ranks on 2 cores: 1 thread each (before: planned at 2)
+    (2, 2, 1, 2),      # one rank a node (--ranks-per-node 1): the node's 2 cores
+    (4, 2, None, 2),   # 2 ranks on 4 cores: 2 each
+    (4, 3, 2, None),   # nodes of 2 ranks and of 1: 2 threads, then 4
+    (2, 1, None, 2),   # one rank: the host's
+])
+def test_plan_counts_the_threads_each_rank_gets(tmp_path, host_of, cores, size, per_node,
+                                                rank_threads):
+    """plan's host scratch row of each rank is what its weight-gradient
+    kernel keeps at the threads ``threads.decide`` gives it under
+    mpiexec (the launcher's count of the ranks on its node, none busy).
+    Before, 2 ranks on 2 cores were planned at 2 threads each: 458752
+    bytes against the 65536 a rank keeps ('assert 458752 == 65536')."""
+    host_of(cores)
+    job = load_job(str(_config(tmp_path)), (), None, check_files=False)
+    limits = MemoryLimits(ranks_per_node=per_node)
+    fps, _ = offline_footprints(job, size, list(range(size)), limits=limits)
+    per = per_node or size
+    for r in range(size):
+        local = min(per, size - r // per * per)
+        count = threads.decide({"MPI_LOCALNRANKS": str(local)})[0]
+        if rank_threads is not None:
+            assert count == rank_threads
+        assert fps[r].host["host_scratch"] == _kept_by_the_kernel(count), (r, count)
+    # plan's own JSON says the same
+    out, status = run_plan(job, size, limits, as_json=True)
+    rows = {r: k["host"]["host_scratch"] for k in json.loads(out)["ranks"] for r in k["ranks"]}
+    assert rows == {r: fps[r].host["host_scratch"] for r in range(size)}
+
+
+#: a 2-rank run's ranks write their hostgemm scratch after the last iteration
+_HELD_AT_LOOP_END = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import rss_vs_plan
+out = sys.argv[1]
+def at_end(rank):
+    from purine_mpi.ops import hostgemm
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump([hostgemm.held_bytes(), hostgemm.threads()], f)
+sys.argv = ["purine_mpi"] + sys.argv[2:]
+rss_vs_plan.run_hooked(lambda: None, at_end)
+"""
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs taskset and 2 cores")
+def test_plan_is_what_two_ranks_on_two_cores_keep(tmp_path):
+    """``plan --np 2`` and ``mpiexec -n 2 train`` on the same 2 cores
+    (taskset), no thread count set: each rank keeps the 64 KiB of one
+    K-cut matrix at its 1 thread, and plan says so (before, it planned
+    448 KiB: 2 threads, one matrix a piece after the first)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    path = _config(tmp_path)
+    env = cli_env()
+    for var in threads.LOCAL_SIZE_VARS + ("PURINE_THREADS", "OMP_NUM_THREADS"):
+        env.pop(var, None)
+    cores = ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))]
+    p = subprocess.run(cores + [PYTHON, "-m", "purine_mpi", "plan", str(path), "--np", "2",
+                                "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    planned = {r: k["host"]["host_scratch"] for k in json.loads(p.stdout)["ranks"]
+               for r in k["ranks"]}
+    out = tmp_path / "held"
+    t = subprocess.run(cores + [MPIEXEC, "-n", "2", PYTHON, "-c", _HELD_AT_LOOP_END, str(out),
+                                "train", str(path), "--out", str(tmp_path / "run"),
+                                "--iters", "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert t.returncode == 0, t.stderr[-3000:]
+    for r in range(2):
+        held, used = json.loads((tmp_path / f"held.{r}").read_text())
+        assert used == 1, used
+        assert held == planned[r] == OUT * IN * 4, (r, held, planned)
