@@ -246,6 +246,100 @@ def test_gelus_gradient_reads_a_dy_stored_as_bits(device, approximate, x_bits):
         ((2, 3), np.float32)]
 
 
+@pytest.mark.parametrize("dy_bits,x_bits", [(False, False), (False, True), (True, False),
+                                             (True, True)], ids=["f32", "bx", "bdy", "bdy_bx"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelus_gradient_writes_dx_and_its_bits_in_one_pass(device, approximate, dy_bits,
+                                                           x_bits):
+    """GeluGrad with ``bits_copy: [0]`` (parallel/precision.fold_copies: dx
+    read by the fc bias gradient as float32 and by the products as bits):
+    dx the same float32 bits as without the copy, and its second output
+    NumPy's bfloat16 bits of that dx (what the Cast wrote), in one launch
+    on the device (the ``_copy`` kernel of dy's and x's storage), a chunk
+    at a time over several chunks on the host. The op infers a float32 dx
+    and a bits copy; a copy of anything but output 0 is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.ops.activation import HOST_CHUNK, GeluGrad
+    rng = np.random.default_rng(5)
+    shape = (3, HOST_CHUNK // 2 + 7)
+    x32, xb = _bf16_values(rng, shape)
+    dy32, dyb = _bf16_values(rng, shape)
+    x, dy = (xb if x_bits else x32), (dyb if dy_bits else dy32)
+    attrs = {"approximate": approximate}
+    func = "gelu_backward" + "_bdy" * dy_bits + "_bx" * x_bits + "_copy_f32"
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        plain = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs))
+        ins = [put(dy), put(x)]
+        want = put(np.full(shape, np.nan, np.float32))
+        plain.setup(ins, [want])
+        plain.run(ins, [want])
+        k = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx", "dx@bf16"],
+                           dict(attrs, bits_copy=[0], bits_out=[1])))
+        outs = [put(np.full(shape, np.nan, np.float32)), put(np.zeros(shape, np.uint16))]
+        assert k.scratch_specs(ins, outs) == []
+        k.setup(ins, outs)
+        if dev:
+            device.launched.clear()
+        k.run(ins, outs)
+        if dev:
+            assert device.launched == [func]
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+    assert GeluGrad.bits_copies({}) == (0,)
+    assert GeluGrad.infer(dict(attrs, bits_copy=[0]), [((2, 3), "uint16")] * 2) == [
+        ((2, 3), np.float32), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        GeluGrad.infer(dict(attrs, bits_copy=[1]), [((2, 3), "float32")] * 2)
+
+
+def test_the_gelu_gradient_copy_kernels_on_adversarial_values(device):
+    """The ``_copy`` GELU gradient kernels (dy and x float32 or bits) against
+    the float32 kernel followed by to_bf16_bits_device, bit for bit, at an
+    odd length: dx the same float32 and the copy its bits. Where x is 20
+    the factor is exactly 1 (Phi 1, phi 0; tanh's s 1, s(1 - s) 0), so dx
+    is dy itself and the rounding meets every adversarial value of
+    test_precision_device._adversarial (ties both ways, carries into
+    infinity, subnormals, infinities, NaNs with payloads in the low
+    bits); elsewhere x runs over them too."""
+    from purine_mpi.gpu import kernels
+    v = _adversarial()
+    n = v.size // 2 * 2 - 1   # odd
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    dy32 = v[:n].copy()
+    x32 = v[::-1][:n].copy()
+    x32[::2] = 20.0                       # dx = dy exactly
+    # bits operands: each holding the values of their float32 twin
+    dyb, xb = _numpy_bits(dy32), _numpy_bits(x32)
+    widen = (lambda b: (b.astype(np.uint32) << np.uint32(16)).view(np.float32))
+    for approximate in ("none", "tanh"):
+        for dy_bits in (False, True):
+            for x_bits in (False, True):
+                dy = dyb if dy_bits else dy32
+                x = xb if x_bits else x32
+                want = put(np.zeros(n, np.float32))
+                with np.errstate(all="ignore"):
+                    kernels.gelu_backward(put(widen(dyb) if dy_bits else dy32),
+                                          put(widen(xb) if x_bits else x32), approximate,
+                                          out=want)
+                bits = put(np.zeros(n, np.uint16))
+                kernels.to_bf16_bits_device(want, bits)
+                out, copy = put(np.zeros(n, np.float32)), put(np.zeros(n, np.uint16))
+                with np.errstate(all="ignore"):
+                    kernels.gelu_backward(put(dy), put(x), approximate, out=out, copy=copy)
+                what = (approximate, dy_bits, x_bits)
+                np.testing.assert_array_equal(get(out).view(np.uint32),
+                                              get(want).view(np.uint32), err_msg=str(what))
+                np.testing.assert_array_equal(get(copy), get(bits), err_msg=str(what))
+                if not dy_bits:   # where the factor is 1, the copy is dy's own rounding
+                    keep = ~np.isnan(dy32[::2])   # (dy * 1 quiets a signalling NaN)
+                    np.testing.assert_array_equal(get(copy)[::2][keep],
+                                                  _numpy_bits(dy32[::2])[keep])
+    with pytest.raises(ValueError, match="copy"):
+        kernels.gelu_backward(put(dy32), put(x32), out=None, copy=put(np.zeros(n, np.uint16)))
+
+
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
 def test_the_data_gradient_writes_dx_as_the_float32_paths_bits(device, monkeypatch, where):
     """InnerProductGradData with ``bits_out: [0]`` (bf16 storage: a data
@@ -799,7 +893,21 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
     assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and (
-        "weight" in n or (".grad" in n and "logits" not in n)))
+        "weight" in n or (".grad" in n and "logits" not in n and "_m.grad" not in n)))
+    # GELU's gradient writes dx (float32 values, read by the fc bias gradient
+    # as they are) and its bits for fc1's data and weight gradients, in one
+    # pass: no Cast of dx (parallel/precision.fold_copies)
+    for i in (0, 1):
+        dx, copy = f"h{i}_m.grad", f"h{i}_m.grad@bf16"
+        (w,) = prod[copy]
+        assert w.op_type == "GeluGrad" and w.outputs == [dx, copy]
+        assert w.attrs["bits_copy"] == [0] and w.attrs["bits_out"] == [1]
+        assert g.blobs[dx].dtype == "float32"
+        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
+        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
+                                                         "InnerProductGradWeight"]
+    assert not any(op.op_type == "Cast" and op.inputs[0].endswith("_m.grad")
+                   for op in g.ops.values())
     # the layer norms' input gradients' dy (the data gradients of qkv, fc1
     # and the lm-head) written as bits by their GemmEx, read by the layer
     # norms' gradients, which write float32 gradients
@@ -976,14 +1084,16 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     # gradient read x as bits (one launch each per block), the gradient its dy
     # too (the projection's data gradient, written as bits by its GemmEx),
     # none without bits storage
+    # and writes dx's bits beside its float32 dx (no Cast of dx)
     gelu = first_on["gelu_forward_bx_bits_f32"]
-    assert gelu > 0 and first_on["gelu_backward_bdy_bx_f32"] == gelu
+    assert gelu > 0 and first_on["gelu_backward_bdy_bx_copy_f32"] == gelu
+    assert first_on.get("gelu_backward_bdy_bx_f32", 0) == 0
     # qkv, the attention's projection, fc1 and fc2 (with their biases)
     # write bits: four for each GELU; the two residual adds read them
     assert first_on["bias_bits_f32"] == 4 * gelu
     assert first_on["add_bits_f32"] == 2 * gelu
     for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
-                 "gelu_backward_bdy_bx_f32", "add_bits_f32"):
+                 "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32"):
         assert first_off[func] == 0, func
 
 

@@ -161,6 +161,11 @@ def _cases():
          [_bits(4, 64, 512), _bits(512, 512)], [np.empty((4, 64, 512), np.float32)]),
         ("InnerProductGradWeight", {"axis": 2, "compute_dtype": "bfloat16"},
          [_bits(4, 64, 512), _bits(4, 64, 512)], [np.empty((512, 512), np.float32)]),
+        # GELU's gradient of a bits dy and x writing dx's bits too (bits_copy):
+        # a chunk's t, d, e, f, widened dy and x, and to_bf16_bits's scratch
+        ("GeluGrad", {"approximate": "tanh", "bits_copy": [0], "bits_out": [1]},
+         [_bits(4, 64, 512), _bits(4, 64, 512)],
+         [np.empty((4, 64, 512), np.float32), np.empty((4, 64, 512), np.uint16)]),
         # a weight gradient of several chunks: each chunk's product after
         # the first a new (O, K) array (1.6 MiB; before it was declared
         # 'assert 1644528 <= ((0 * 1.1) + 262144)'), on the rows path and
