@@ -506,6 +506,54 @@ def test_the_attention_gradient_reads_dctx_and_writes_dqkv_as_bits(device, dropo
                                       got["float32"][1].view(np.uint32))
 
 
+@pytest.mark.parametrize("t", [6, 13])
+def test_the_attention_gradient_with_a_packed_mask_reads_dctx_and_writes_dqkv_as_bits(t):
+    """The host's fused attention with dropout keeps its mask bit-packed
+    (attr ``packed_mask``: the forward's second output, which the gradient
+    unpacks instead of drawing again): AttentionGrad reading dctx as bits
+    and writing dqkv as bits (``bits_out``) from that mask gives the bits of
+    the float32 storage's dqkv (dctx float32) from the same mask, bit for
+    bit, and those are the bits of the gradient that redraws the mask (no
+    ``packed_mask``). (Its host temporaries: tests/test_host_temporaries.py.)"""
+    from purine_mpi.ops.attention import AttentionGrad
+    from purine_mpi.ops.dropout import packed_shape
+    rng = np.random.default_rng(17)
+    n, heads = 3, 2
+    c = 4 * heads
+    qkv, qkvb = _bf16_values(rng, (n, t, 3 * c))
+    dctx, dctxb = _bf16_values(rng, (n, t, c))
+    it = np.asarray(5, np.int64)
+    attrs = {"num_heads": heads, "compute_dtype": BF16, "dropout": 0.25, "stream": "a",
+             "seed": 7}
+    fwd = make_kernel(Op("a", "Attention", ["qkv", "iter"], ["ctx", "bits"],
+                         dict(attrs, packed_mask=True)))
+    mask = np.zeros(packed_shape((n, heads, t, t)), np.uint8)
+    ctx = np.full((n, t, c), np.nan, np.float32)
+    fwd.setup([qkvb, it], [ctx, mask])
+    fwd.run([qkvb, it], [ctx, mask])
+    assert mask.any() and not np.all(mask == 255)
+    assert AttentionGrad.infer(dict(attrs, packed_mask=True, bits_out=[0]), [
+        ((n, t, c), "uint16"), ((n, t, 3 * c), "uint16"), (mask.shape, "uint8"),
+        ((), "int64")]) == [((n, t, 3 * c), "uint16")]
+    got = {}
+    for name, d, out_dtype, pack in (("float32", dctx, np.float32, True),
+                                     ("bits", dctxb, np.uint16, True),
+                                     ("redrawn", dctxb, np.uint16, False)):
+        extra = {"bits_out": [0]} if out_dtype == np.uint16 else {}
+        if pack:
+            extra["packed_mask"] = True
+        grad = make_kernel(Op("ag", "AttentionGrad",
+                              ["dctx", "qkv"] + (["bits"] if pack else []) + ["iter"],
+                              ["dqkv"], dict(attrs, **extra)))
+        ins = [d, qkvb] + ([mask] if pack else []) + [it]
+        dqkv = np.zeros((n, t, 3 * c), out_dtype)
+        grad.setup(ins, [dqkv])
+        grad.run(ins, [dqkv])
+        got[name] = dqkv
+    np.testing.assert_array_equal(got["bits"], _numpy_bits(got["float32"]))
+    np.testing.assert_array_equal(got["bits"], got["redrawn"])
+
+
 @pytest.mark.parametrize("wanted", [("dx", "dg", "db"), ("dx",), ("dg", "db")])
 def test_the_layer_norm_gradient_reads_a_dy_stored_as_bits(device, wanted):
     """LayerNormGrad with dy stored as bfloat16 bits (a data gradient of the

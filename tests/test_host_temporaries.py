@@ -119,6 +119,12 @@ def _cases():
         ("AttentionGrad", {"num_heads": 4, "dropout": 0.1, "packed_mask": True},
          [_f(8, 128, 128), _f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8),
           np.array(3)], [np.empty((8, 128, 384), np.float32)]),
+        # bf16 storage: dctx and qkv read as bits (widened), dqkv written as
+        # bits (its float32 and to_bf16_bits's scratch), the mask unpacked
+        ("AttentionGrad", {"num_heads": 4, "dropout": 0.1, "packed_mask": True,
+                           "compute_dtype": "bfloat16", "bits_out": [0]},
+         [_bits(8, 128, 128), _bits(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8),
+          np.array(3)], [np.empty((8, 128, 384), np.uint16)]),
         # a recompute copy of the forward: it unpacks the kept mask, no draw
         ("Attention", {"num_heads": 4, "dropout": 0.1, "replay_mask": True},
          [_f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8), np.array(3)],
