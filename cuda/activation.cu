@@ -386,6 +386,19 @@ extern "C" __global__ void add_bits_f32(long long total, const float* a,
   CUDA_KERNEL_LOOP(i, total) { y[i] = a[i] + purine_bf16_float(b[i]); }
 }
 
+// A gradient sum whose result products read as bits too (a residual
+// gradient, bf16 storage; ops/basic.py Sum with bits_copy): y[i] = a[i] +
+// b[i] in float32 (the sum's own addition) and copy[i] = the bits of the
+// bfloat16 nearest y[i] (to_bf16_bits of y), one pass. y may be a or b.
+extern "C" __global__ void add_copy_f32(long long total, const float* a, const float* b,
+                                        float* y, unsigned short* copy) {
+  CUDA_KERNEL_LOOP(i, total) {
+    const float v = a[i] + b[i];
+    y[i] = v;
+    purine_store(copy, i, v, 0);
+  }
+}
+
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \
   extern "C" __global__ void relu_forward_##SUFFIX(long long total, const T* x,        \
                                                    T slope, int has_slope, T* y) {     \

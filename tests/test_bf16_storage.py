@@ -338,6 +338,63 @@ def test_the_gelu_gradient_copy_kernels_on_adversarial_values(device):
                                                   _numpy_bits(dy32[::2])[keep])
     with pytest.raises(ValueError, match="copy"):
         kernels.gelu_backward(put(dy32), put(x32), out=None, copy=put(np.zeros(n, np.uint16)))
+    # a gradient sum's copy (add_copy_f32): the float32 addition, then
+    # to_bf16_bits_device; b holds zeros (y = a, every adversarial value
+    # rounded) and the values reversed (sums of them, NaN with NaN)
+    a = put(dy32)
+    for b in (np.zeros(n, np.float32), x32[::-1].copy(), dy32[::-1].copy()):
+        with np.errstate(all="ignore"):
+            want = put(dy32 + b)
+        bits = put(np.zeros(n, np.uint16))
+        kernels.to_bf16_bits_device(want, bits)
+        out, copy = put(np.zeros(n, np.float32)), put(np.zeros(n, np.uint16))
+        kernels.add_copy(a, put(b), out, copy)
+        np.testing.assert_array_equal(get(out).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(copy), get(bits))
+
+
+@pytest.mark.parametrize("terms", [2, 3])
+def test_a_gradient_sum_writes_its_bits_beside_its_float32_sum(device, terms):
+    """Sum with ``bits_copy: [0]`` (parallel/precision.fold_copies: a
+    residual gradient read as float32 by the next sum and a bias gradient,
+    as bits by the products): y the same float32 bits as without the copy,
+    the copy NumPy's bfloat16 bits of y (what the Cast wrote); on the device
+    two terms in one launch (add_copy_f32), three as the sum then one
+    to_bf16_bits; on the host the sum then to_bf16_bits in its declared
+    scratch. The op infers a float32 y and a bits copy; a copy of a float64
+    sum is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.ops.basic import Sum
+    rng = np.random.default_rng(19)
+    shape = (5, 37)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(terms)]
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        names = [f"x{i}" for i in range(terms)]
+        plain = make_kernel(Op("s", "Sum", names, ["y"], {}))
+        ins = [put(x) for x in xs]
+        want = put(np.full(shape, np.nan, np.float32))
+        plain.setup(ins, [want])
+        plain.run(ins, [want])
+        k = make_kernel(Op("s", "Sum", names, ["y", "y@bf16"], {"bits_copy": [0],
+                                                               "bits_out": [1]}))
+        outs = [put(np.full(shape, np.nan, np.float32)), put(np.zeros(shape, np.uint16))]
+        k.setup(ins, outs)
+        if dev:
+            device.launched.clear()
+        k.run(ins, outs)
+        if dev:
+            assert device.launched == (["add_copy_f32"] if terms == 2 else ["to_bf16_bits"])
+        else:
+            assert k.host_temporaries(ins, outs) == [((3, int(np.prod(shape))), np.uint32)]
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+    assert Sum.bits_copies({}) == (0,)
+    assert Sum.infer({"bits_copy": [0]}, [((2, 3), "float32")] * 2) == [
+        ((2, 3), "float32"), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        Sum.infer({"bits_copy": [0]}, [((2, 3), "float64")] * 2)
 
 
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
@@ -940,8 +997,21 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         "h0_n1@bf16", "h0_n2@bf16", "h1_n1@bf16", "h1_n2@bf16", "xf@bf16"}
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
-    assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and (
-        "weight" in n or (".grad" in n and "logits" not in n and "_m.grad" not in n)))
+    assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and "weight" in n)
+    # the float32 gradients the products read as bits: GELU's dx and the
+    # residual sums write their bits themselves; ln_f's dx (a LayerNormGrad,
+    # which writes no copy) keeps its Cast
+    assert {n: t for n, t in writers.items() if ".grad@bf16" in n and "logits" not in n} == {
+        "h0_m.grad@bf16": "GeluGrad", "h1_m.grad@bf16": "GeluGrad",
+        "h0_x1.grad@bf16": "Sum", "h1_x1.grad@bf16": "Sum", "h0_x.grad@bf16": "Sum",
+        "h1_x.grad@bf16": "Cast"}
+    for i in (0, 1):   # the residual sums: float32 for the next sum and the bias gradient
+        for dx, copy in ((f"h{i}_x1.grad", f"h{i}_x1.grad@bf16"),) + (
+                ((f"h{i}_x.grad", f"h{i}_x.grad@bf16"),) if i == 0 else ()):
+            (w,) = prod[copy]
+            assert w.outputs == [dx, copy] and w.attrs["bits_copy"] == [0]
+            assert w.attrs["bits_out"] == [1] and g.blobs[dx].dtype == "float32"
+            assert sorted(r.op_type for r in cons[dx]) == ["InnerProductGradBias", "Sum"]
     # GELU's gradient writes dx (float32 values, read by the fc bias gradient
     # as they are) and its bits for fc1's data and weight gradients, in one
     # pass: no Cast of dx (parallel/precision.fold_copies)
@@ -1136,12 +1206,17 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     gelu = first_on["gelu_forward_bx_bits_f32"]
     assert gelu > 0 and first_on["gelu_backward_bdy_bx_copy_f32"] == gelu
     assert first_on.get("gelu_backward_bdy_bx_f32", 0) == 0
+    # the residual gradients' sums write their bits too: a block's two, but
+    # for the last block's first, ln_f's dx (a LayerNormGrad's: a Cast) --
+    # three sums for the two blocks' GELUs
+    assert 2 * first_on["add_copy_f32"] == 3 * gelu
     # qkv, the attention's projection, fc1 and fc2 (with their biases)
     # write bits: four for each GELU; the two residual adds read them
     assert first_on["bias_bits_f32"] == 4 * gelu
     assert first_on["add_bits_f32"] == 2 * gelu
     for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
-                 "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32"):
+                 "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32",
+                 "add_copy_f32"):
         assert first_off[func] == 0, func
 
 

@@ -37,7 +37,7 @@ PLAIN_ENTRY_POINTS = {
                    "gelu_backward_bx_f32", "gelu_backward_bdy_f32", "gelu_backward_bdy_bx_f32",
                    "gelu_backward_copy_f32", "gelu_backward_bx_copy_f32",
                    "gelu_backward_bdy_copy_f32", "gelu_backward_bdy_bx_copy_f32",
-                   "bias_bits_f32", "add_bits_f32"),
+                   "bias_bits_f32", "add_bits_f32", "add_copy_f32"),
     "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32"),
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),

@@ -179,6 +179,24 @@ def add_bits(a, b, out):
     return out
 
 
+def add_copy(a, b, out, copy):
+    """``out`` = float32 ``a`` + ``b`` and ``copy`` (uint16) = the bits of
+    the bfloat16 nearest each sum, one kernel (cuda/activation.cu
+    ``add_copy_f32``): a gradient sum that products read as bits too, the
+    float32 addition and ``to_bf16_bits_device`` of it bit for bit. All
+    C-contiguous, one size; ``out`` may be ``a`` or ``b``, ``copy`` is
+    neither."""
+    import_cupy()
+    for what, x, dtype in (("a", a, np.float32), ("b", b, np.float32),
+                           ("out", out, np.float32), ("copy", copy, np.uint16)):
+        _bits_array(x, dtype, f"add_copy: {what}")
+    if not a.size == b.size == out.size == copy.size:
+        raise ValueError(f"add_copy: sizes {a.size}, {b.size}, {out.size} and {copy.size} "
+                         f"differ")
+    _base._launch("activation", "add_copy_f32", None, a.size, (a, b, out, copy))
+    return out
+
+
 #: the ``round`` argument of cuda/activation.cu's GELU kernels: the low type
 #: their float32 output is rounded to in the same pass (precision.cuh)
 ROUND_MODES = {None: 0, "bfloat16": 1, "float16": 2}
