@@ -16,6 +16,10 @@ by its producer, and the products take it as it is.
   cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
 - GELU and its gradient reading x as bits, the fused attention and its
   gradient reading qkv as bits, against the float32 storage bit for bit;
+- the gradients' copies (``fold_copies``): GELU's gradient and a gradient
+  Sum writing their float32 output's bits beside it (the kernels against
+  the float32 kernel and to_bf16_bits on adversarial values; the ops on
+  the device and the host), no Cast of them in the GPT;
 - GemmEx into a bfloat16 result, the fc writing its output as bits
   (without a bias from GemmEx, with one through bias_bits: one rounding
   after the bias), the softmax loss and its gradient ``from_logits`` on

@@ -43,7 +43,11 @@ the memory plan sizes it at 2 bytes, and no float32 copy of it exists.
 Where such a copy's Cast is the only reader of a transient float32 blob
 whose producer can write bits itself (LayerNorm's y, GELU's y), the
 producer writes the bits and the Cast and the float32 blob go
-(``fold_casts``). A bf16 product (no fused ReLU) writes its output as bits
+(``fold_casts``). Where the source has float32 readers too and its
+producer can write the bits as a second output (``OpKernel.bits_copies``:
+GELU's gradient, a gradient ``Sum``), it does, in the same pass, and the
+Cast goes (``fold_copies``): the float32 blob stays for those readers.
+A bf16 product (no fused ReLU) writes its output as bits
 too: without a bias its GemmEx's bfloat16 result; with one its GemmEx's
 float32 result into scratch, to which one kernel adds the bias before the
 one rounding (ops/fc.py). In GPT-2: the MLP's fc output (read by GELU and
