@@ -1158,6 +1158,56 @@ def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
                                                                        "float32"]
 
 
+@pytest.mark.parametrize("case", ["folded", "accumulate", "in_place", "elsewhere", "kept",
+                                  "waits", "no_copies"])
+def test_fold_copies_folds_a_cast_into_a_producer_that_can_write_the_bits(case):
+    """A Cast to bits (``bits_out``) of a float32 gradient that a bias
+    gradient reads too: folded into the producer (GeluGrad, ``bits_copies``)
+    as its second output (attrs ``bits_copy`` [0], ``bits_out`` [1]; an op
+    that waited for the Cast waits for the producer), the float32 blob kept
+    for the bias gradient; not where the producer accumulates, writes the
+    blob in place over an input, lives on another device than the Cast,
+    where the blob is kept across iterations (a parameter's), where the
+    Cast waits on a control input, nor where the producer copies nothing
+    (a Relu gradient)."""
+    from purine_mpi.graph.core import Graph
+    from purine_mpi.parallel.precision import fold_copies, store_bits
+    g = Graph()
+    dev = "gpu:0"
+    grad = "ReluGrad" if case == "no_copies" else "GeluGrad"
+    for name in ("dy", "x"):
+        g.add_blob(name, (4, 6), "float32", dev, kind="data")
+    g.add_blob("dx", (4, 6), "float32", dev, kind="param" if case == "kept" else "data")
+    g.add_op("gg", grad, ["dy", "x"] if case != "in_place" else ["dx", "x"], ["dx"],
+             {"approximate": "tanh"} if grad == "GeluGrad" else {},
+             location="gpu:1" if case == "elsewhere" else dev,
+             accumulate=case == "accumulate")
+    if case == "waits":
+        g.add_op("before", "Noop", [], [], {"shape": []}, location=dev)
+    g.add_blob("db", None, "float32", dev, kind="data")
+    g.add_op("fb", "InnerProductGradBias", ["dx"], ["db"], location=dev)
+    g.add_blob("dx@bf16", None, "float32", dev, kind="data", attrs={"precision": BF16})
+    g.add_op("cast", "Cast", ["dx"], ["dx@bf16"], {"dtype": BF16}, location=dev,
+             control_inputs=["before"] if case == "waits" else ())
+    g.add_blob("dw", None, "float32", dev, kind="data")
+    g.add_op("fw", "InnerProductGradWeight", ["dx@bf16", "x"], ["dw"],
+             {"compute_dtype": BF16}, location=dev)
+    g.add_op("after", "Noop", [], [], {"shape": []}, location=dev, control_inputs=["cast"])
+    assert store_bits(g) == ["dx@bf16"]
+    folded = fold_copies(g)
+    g.infer_shapes()
+    assert g.blobs["dx"].dtype == "float32" and g.blobs["dx@bf16"].dtype == "uint16"
+    if case != "folded":
+        assert folded == [] and "cast" in g.ops and g.ops["gg"].outputs == ["dx"]
+        return
+    assert folded == ["cast"] and "cast" not in g.ops
+    op = g.ops["gg"]
+    assert op.outputs == ["dx", "dx@bf16"]
+    assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
+    assert [r.name for r in g.consumers()["dx"]] == ["fb"]
+    assert g.ops["after"].control_inputs == ["gg"]
+
+
 # ------------------------------------------------------ training, bitwise
 def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
     """(losses, weights, launches by kernel per step) of ``iters`` AdamW
