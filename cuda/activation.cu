@@ -123,6 +123,19 @@ __device__ __forceinline__ T purine_add_rn(T a, T b) { return a + b; }
 template <typename T>
 __device__ __forceinline__ T purine_mul_rn(T a, T b) { return a * b; }
 #endif
+// dx = dy * d of the GELU gradient. A GPU's product of a NaN is its one
+// canonical NaN; x86's, of two NaNs, the first operand's, which g++ may
+// swap, differently in each kernel instantiated: the host build (the
+// emulated device) multiplies in one out-of-line function, so that every
+// gradient kernel (dy float32 or bits, with a copy or not) gives the same
+// NaN for the same operands.
+#ifdef __CUDACC__
+template <typename T>
+__device__ __forceinline__ T purine_mul_dx(T a, T b) { return a * b; }
+#else
+__attribute__((noinline)) float purine_mul_dx(float a, float b) { return a * b; }
+__attribute__((noinline)) double purine_mul_dx(double a, double b) { return a * b; }
+#endif
 // The constants' rounding errors, c - T(c): 1/sqrt(2), A = 2 sqrt(2/pi)
 // and B = 0.044715 A (the tanh form's 2u = x (A + B x^2))
 __device__ __forceinline__ float purine_sqrt_half_lo(float) { return 1.21016175e-08f; }
@@ -248,8 +261,12 @@ extern "C" __global__ void gelu_forward_bx_bits_f32(long long total, const unsig
 }
 
 // D, X: dy's and x's storage (T, or bfloat16 bits for T float)
-template <typename T, typename D, typename X, bool TANH>
-__device__ void gelu_backward_loop(long long total, const D* dy, const X* x, int round, T* dx) {
+// copy: null, or (T float) also the bits of the bfloat16 nearest each dx
+// written (a gradient that products read as bits, bf16 storage: the Cast's
+// bits of the float32 dx, in the same pass)
+template <typename T, typename D, typename X, bool TANH, bool COPY>
+__device__ void gelu_backward_loop(long long total, const D* dy, const X* x, int round, T* dx,
+                                   unsigned short* copy) {
   CUDA_KERNEL_LOOP(i, total) {
     const T v = purine_load(x, i);
     T d;
@@ -263,7 +280,8 @@ __device__ void gelu_backward_loop(long long total, const D* dy, const X* x, int
       purine_normal(v, &cdf, &pdf);
       d = cdf + v * pdf;
     }
-    dx[i] = purine_round_low(T(purine_load(dy, i)) * d, round);
+    dx[i] = purine_round_low(purine_mul_dx(T(purine_load(dy, i)), d), round);
+    if (COPY) purine_store(copy, i, float(dx[i]), 0);
   }
 }
 
@@ -278,11 +296,15 @@ __device__ void gelu_forward_impl(long long total, const T* x, int tanh_form, in
 
 template <typename T, typename D, typename X>
 __device__ void gelu_backward_impl(long long total, const D* dy, const X* x, int tanh_form,
-                                   int round, T* dx) {
-  if (tanh_form) {
-    gelu_backward_loop<T, D, X, true>(total, dy, x, round, dx);
+                                   int round, T* dx, unsigned short* copy = nullptr) {
+  if (copy != nullptr && tanh_form) {
+    gelu_backward_loop<T, D, X, true, true>(total, dy, x, round, dx, copy);
+  } else if (copy != nullptr) {
+    gelu_backward_loop<T, D, X, false, true>(total, dy, x, round, dx, copy);
+  } else if (tanh_form) {
+    gelu_backward_loop<T, D, X, true, false>(total, dy, x, round, dx, copy);
   } else {
-    gelu_backward_loop<T, D, X, false>(total, dy, x, round, dx);
+    gelu_backward_loop<T, D, X, false, false>(total, dy, x, round, dx, copy);
   }
 }
 
@@ -308,6 +330,38 @@ extern "C" __global__ void gelu_backward_bdy_bx_f32(long long total, const unsig
                                                             dx);
 }
 
+// The _copy entry points: float32 dx as above (dy, x float32 or as bits)
+// and its bfloat16 bits in `copy` too (uint16, to_bf16_bits of dx), one pass:
+// dx read by a float32 reader (a bias gradient) and its bits by the products
+// (parallel/precision.fold_copies). copy is no input's bytes.
+extern "C" __global__ void gelu_backward_copy_f32(long long total, const float* dy,
+                                                  const float* x, int tanh_form, int round,
+                                                  float* dx, unsigned short* copy) {
+  gelu_backward_impl<float, float, float>(total, dy, x, tanh_form, round, dx, copy);
+}
+
+extern "C" __global__ void gelu_backward_bx_copy_f32(long long total, const float* dy,
+                                                     const unsigned short* x, int tanh_form,
+                                                     int round, float* dx,
+                                                     unsigned short* copy) {
+  gelu_backward_impl<float, float, unsigned short>(total, dy, x, tanh_form, round, dx, copy);
+}
+
+extern "C" __global__ void gelu_backward_bdy_copy_f32(long long total, const unsigned short* dy,
+                                                      const float* x, int tanh_form, int round,
+                                                      float* dx, unsigned short* copy) {
+  gelu_backward_impl<float, unsigned short, float>(total, dy, x, tanh_form, round, dx, copy);
+}
+
+extern "C" __global__ void gelu_backward_bdy_bx_copy_f32(long long total,
+                                                         const unsigned short* dy,
+                                                         const unsigned short* x,
+                                                         int tanh_form, int round, float* dx,
+                                                         unsigned short* copy) {
+  gelu_backward_impl<float, unsigned short, unsigned short>(total, dy, x, tanh_form, round, dx,
+                                                            copy);
+}
+
 // The bias of a fully connected layer whose output is stored as bits: y[i]
 // = the bfloat16 bits of the float32 src[i] + bias[i % channels] (src: the
 // float32 product, row-major (rows, channels)) -- the float32 storage path's
@@ -330,6 +384,19 @@ extern "C" __global__ void bias_bits_f32(long long total, const float* src, cons
 extern "C" __global__ void add_bits_f32(long long total, const float* a,
                                         const unsigned short* b, float* y) {
   CUDA_KERNEL_LOOP(i, total) { y[i] = a[i] + purine_bf16_float(b[i]); }
+}
+
+// A gradient sum whose result products read as bits too (a residual
+// gradient, bf16 storage; ops/basic.py Sum with bits_copy): y[i] = a[i] +
+// b[i] in float32 (the sum's own addition) and copy[i] = the bits of the
+// bfloat16 nearest y[i] (to_bf16_bits of y), one pass. y may be a or b.
+extern "C" __global__ void add_copy_f32(long long total, const float* a, const float* b,
+                                        float* y, unsigned short* copy) {
+  CUDA_KERNEL_LOOP(i, total) {
+    const float v = a[i] + b[i];
+    y[i] = v;
+    purine_store(copy, i, v, 0);
+  }
 }
 
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \

@@ -16,6 +16,10 @@ by its producer, and the products take it as it is.
   cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
 - GELU and its gradient reading x as bits, the fused attention and its
   gradient reading qkv as bits, against the float32 storage bit for bit;
+- the gradients' copies (``fold_copies``): GELU's gradient and a gradient
+  Sum writing their float32 output's bits beside it (the kernels against
+  the float32 kernel and to_bf16_bits on adversarial values; the ops on
+  the device and the host), no Cast of them in the GPT;
 - GemmEx into a bfloat16 result, the fc writing its output as bits
   (without a bias from GemmEx, with one through bias_bits: one rounding
   after the bias), the softmax loss and its gradient ``from_logits`` on
@@ -246,6 +250,157 @@ def test_gelus_gradient_reads_a_dy_stored_as_bits(device, approximate, x_bits):
         ((2, 3), np.float32)]
 
 
+@pytest.mark.parametrize("dy_bits,x_bits", [(False, False), (False, True), (True, False),
+                                             (True, True)], ids=["f32", "bx", "bdy", "bdy_bx"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelus_gradient_writes_dx_and_its_bits_in_one_pass(device, approximate, dy_bits,
+                                                           x_bits):
+    """GeluGrad with ``bits_copy: [0]`` (parallel/precision.fold_copies: dx
+    read by the fc bias gradient as float32 and by the products as bits):
+    dx the same float32 bits as without the copy, and its second output
+    NumPy's bfloat16 bits of that dx (what the Cast wrote), in one launch
+    on the device (the ``_copy`` kernel of dy's and x's storage), a chunk
+    at a time over several chunks on the host. The op infers a float32 dx
+    and a bits copy; a copy of anything but output 0 is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.ops.activation import HOST_CHUNK, GeluGrad
+    rng = np.random.default_rng(5)
+    shape = (3, HOST_CHUNK // 2 + 7)
+    x32, xb = _bf16_values(rng, shape)
+    dy32, dyb = _bf16_values(rng, shape)
+    x, dy = (xb if x_bits else x32), (dyb if dy_bits else dy32)
+    attrs = {"approximate": approximate}
+    func = "gelu_backward" + "_bdy" * dy_bits + "_bx" * x_bits + "_copy_f32"
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        plain = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs))
+        ins = [put(dy), put(x)]
+        want = put(np.full(shape, np.nan, np.float32))
+        plain.setup(ins, [want])
+        plain.run(ins, [want])
+        k = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx", "dx@bf16"],
+                           dict(attrs, bits_copy=[0], bits_out=[1])))
+        outs = [put(np.full(shape, np.nan, np.float32)), put(np.zeros(shape, np.uint16))]
+        assert k.scratch_specs(ins, outs) == []
+        k.setup(ins, outs)
+        if dev:
+            device.launched.clear()
+        k.run(ins, outs)
+        if dev:
+            assert device.launched == [func]
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+    assert GeluGrad.bits_copies({}) == (0,)
+    assert GeluGrad.infer(dict(attrs, bits_copy=[0]), [((2, 3), "uint16")] * 2) == [
+        ((2, 3), np.float32), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        GeluGrad.infer(dict(attrs, bits_copy=[1]), [((2, 3), "float32")] * 2)
+
+
+def test_the_gelu_gradient_copy_kernels_on_adversarial_values(device):
+    """The ``_copy`` GELU gradient kernels (dy and x float32 or bits) against
+    the float32 kernel followed by to_bf16_bits_device, bit for bit, at an
+    odd length: dx the same float32 and the copy its bits. Where x is 20
+    the factor is exactly 1 (Phi 1, phi 0; tanh's s 1, s(1 - s) 0), so dx
+    is dy itself and the rounding meets every adversarial value of
+    test_precision_device._adversarial (ties both ways, carries into
+    infinity, subnormals, infinities, NaNs with payloads in the low
+    bits); elsewhere x runs over them too."""
+    from purine_mpi.gpu import kernels
+    v = _adversarial()
+    n = v.size // 2 * 2 - 1   # odd
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    dy32 = v[:n].copy()
+    x32 = v[::-1][:n].copy()
+    x32[::2] = 20.0                       # dx = dy exactly
+    # bits operands: each holding the values of their float32 twin
+    dyb, xb = _numpy_bits(dy32), _numpy_bits(x32)
+    widen = (lambda b: (b.astype(np.uint32) << np.uint32(16)).view(np.float32))
+    for approximate in ("none", "tanh"):
+        for dy_bits in (False, True):
+            for x_bits in (False, True):
+                dy = dyb if dy_bits else dy32
+                x = xb if x_bits else x32
+                want = put(np.zeros(n, np.float32))
+                with np.errstate(all="ignore"):
+                    kernels.gelu_backward(put(widen(dyb) if dy_bits else dy32),
+                                          put(widen(xb) if x_bits else x32), approximate,
+                                          out=want)
+                bits = put(np.zeros(n, np.uint16))
+                kernels.to_bf16_bits_device(want, bits)
+                out, copy = put(np.zeros(n, np.float32)), put(np.zeros(n, np.uint16))
+                with np.errstate(all="ignore"):
+                    kernels.gelu_backward(put(dy), put(x), approximate, out=out, copy=copy)
+                what = (approximate, dy_bits, x_bits)
+                np.testing.assert_array_equal(get(out).view(np.uint32),
+                                              get(want).view(np.uint32), err_msg=str(what))
+                np.testing.assert_array_equal(get(copy), get(bits), err_msg=str(what))
+                if not dy_bits:   # where the factor is 1, the copy is dy's own rounding
+                    keep = ~np.isnan(dy32[::2])   # (dy * 1 quiets a signalling NaN)
+                    np.testing.assert_array_equal(get(copy)[::2][keep],
+                                                  _numpy_bits(dy32[::2])[keep])
+    with pytest.raises(ValueError, match="copy"):
+        kernels.gelu_backward(put(dy32), put(x32), out=None, copy=put(np.zeros(n, np.uint16)))
+    # a gradient sum's copy (add_copy_f32): the float32 addition, then
+    # to_bf16_bits_device; b holds zeros (y = a, every adversarial value
+    # rounded) and the values reversed (sums of them, NaN with NaN)
+    a = put(dy32)
+    for b in (np.zeros(n, np.float32), x32[::-1].copy(), dy32[::-1].copy()):
+        with np.errstate(all="ignore"):
+            want = put(dy32 + b)
+        bits = put(np.zeros(n, np.uint16))
+        kernels.to_bf16_bits_device(want, bits)
+        out, copy = put(np.zeros(n, np.float32)), put(np.zeros(n, np.uint16))
+        kernels.add_copy(a, put(b), out, copy)
+        np.testing.assert_array_equal(get(out).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(copy), get(bits))
+
+
+@pytest.mark.parametrize("terms", [2, 3])
+def test_a_gradient_sum_writes_its_bits_beside_its_float32_sum(device, terms):
+    """Sum with ``bits_copy: [0]`` (parallel/precision.fold_copies: a
+    residual gradient read as float32 by the next sum and a bias gradient,
+    as bits by the products): y the same float32 bits as without the copy,
+    the copy NumPy's bfloat16 bits of y (what the Cast wrote); on the device
+    two terms in one launch (add_copy_f32), three as the sum then one
+    to_bf16_bits; on the host the sum then to_bf16_bits in its declared
+    scratch. The op infers a float32 y and a bits copy; a copy of a float64
+    sum is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.ops.basic import Sum
+    rng = np.random.default_rng(19)
+    shape = (5, 37)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(terms)]
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        names = [f"x{i}" for i in range(terms)]
+        plain = make_kernel(Op("s", "Sum", names, ["y"], {}))
+        ins = [put(x) for x in xs]
+        want = put(np.full(shape, np.nan, np.float32))
+        plain.setup(ins, [want])
+        plain.run(ins, [want])
+        k = make_kernel(Op("s", "Sum", names, ["y", "y@bf16"], {"bits_copy": [0],
+                                                               "bits_out": [1]}))
+        outs = [put(np.full(shape, np.nan, np.float32)), put(np.zeros(shape, np.uint16))]
+        k.setup(ins, outs)
+        if dev:
+            device.launched.clear()
+        k.run(ins, outs)
+        if dev:
+            assert device.launched == (["add_copy_f32"] if terms == 2 else ["to_bf16_bits"])
+        else:
+            assert k.host_temporaries(ins, outs) == [((3, int(np.prod(shape))), np.uint32)]
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+    assert Sum.bits_copies({}) == (0,)
+    assert Sum.infer({"bits_copy": [0]}, [((2, 3), "float32")] * 2) == [
+        ((2, 3), "float32"), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        Sum.infer({"bits_copy": [0]}, [((2, 3), "float64")] * 2)
+
+
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
 def test_the_data_gradient_writes_dx_as_the_float32_paths_bits(device, monkeypatch, where):
     """InnerProductGradData with ``bits_out: [0]`` (bf16 storage: a data
@@ -410,6 +565,54 @@ def test_the_attention_gradient_reads_dctx_and_writes_dqkv_as_bits(device, dropo
             (got["bits"][0].astype(np.uint32) << np.uint32(16)), got["float32"][0].view(np.uint32))
         np.testing.assert_array_equal(got["bits"][1].view(np.uint32),
                                       got["float32"][1].view(np.uint32))
+
+
+@pytest.mark.parametrize("t", [6, 13])
+def test_the_attention_gradient_with_a_packed_mask_reads_dctx_and_writes_dqkv_as_bits(t):
+    """The host's fused attention with dropout keeps its mask bit-packed
+    (attr ``packed_mask``: the forward's second output, which the gradient
+    unpacks instead of drawing again): AttentionGrad reading dctx as bits
+    and writing dqkv as bits (``bits_out``) from that mask gives the bits of
+    the float32 storage's dqkv (dctx float32) from the same mask, bit for
+    bit, and those are the bits of the gradient that redraws the mask (no
+    ``packed_mask``). (Its host temporaries: tests/test_host_temporaries.py.)"""
+    from purine_mpi.ops.attention import AttentionGrad
+    from purine_mpi.ops.dropout import packed_shape
+    rng = np.random.default_rng(17)
+    n, heads = 3, 2
+    c = 4 * heads
+    qkv, qkvb = _bf16_values(rng, (n, t, 3 * c))
+    dctx, dctxb = _bf16_values(rng, (n, t, c))
+    it = np.asarray(5, np.int64)
+    attrs = {"num_heads": heads, "compute_dtype": BF16, "dropout": 0.25, "stream": "a",
+             "seed": 7}
+    fwd = make_kernel(Op("a", "Attention", ["qkv", "iter"], ["ctx", "bits"],
+                         dict(attrs, packed_mask=True)))
+    mask = np.zeros(packed_shape((n, heads, t, t)), np.uint8)
+    ctx = np.full((n, t, c), np.nan, np.float32)
+    fwd.setup([qkvb, it], [ctx, mask])
+    fwd.run([qkvb, it], [ctx, mask])
+    assert mask.any() and not np.all(mask == 255)
+    assert AttentionGrad.infer(dict(attrs, packed_mask=True, bits_out=[0]), [
+        ((n, t, c), "uint16"), ((n, t, 3 * c), "uint16"), (mask.shape, "uint8"),
+        ((), "int64")]) == [((n, t, 3 * c), "uint16")]
+    got = {}
+    for name, d, out_dtype, pack in (("float32", dctx, np.float32, True),
+                                     ("bits", dctxb, np.uint16, True),
+                                     ("redrawn", dctxb, np.uint16, False)):
+        extra = {"bits_out": [0]} if out_dtype == np.uint16 else {}
+        if pack:
+            extra["packed_mask"] = True
+        grad = make_kernel(Op("ag", "AttentionGrad",
+                              ["dctx", "qkv"] + (["bits"] if pack else []) + ["iter"],
+                              ["dqkv"], dict(attrs, **extra)))
+        ins = [d, qkvb] + ([mask] if pack else []) + [it]
+        dqkv = np.zeros((n, t, 3 * c), out_dtype)
+        grad.setup(ins, [dqkv])
+        grad.run(ins, [dqkv])
+        got[name] = dqkv
+    np.testing.assert_array_equal(got["bits"], _numpy_bits(got["float32"]))
+    np.testing.assert_array_equal(got["bits"], got["redrawn"])
 
 
 @pytest.mark.parametrize("wanted", [("dx", "dg", "db"), ("dx",), ("dg", "db")])
@@ -798,8 +1001,35 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
         "h0_n1@bf16", "h0_n2@bf16", "h1_n1@bf16", "h1_n2@bf16", "xf@bf16"}
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
-    assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and (
-        "weight" in n or (".grad" in n and "logits" not in n)))
+    assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and "weight" in n)
+    # the float32 gradients the products read as bits: GELU's dx and the
+    # residual sums write their bits themselves; ln_f's dx (a LayerNormGrad,
+    # which writes no copy) keeps its Cast
+    assert {n: t for n, t in writers.items() if ".grad@bf16" in n and "logits" not in n} == {
+        "h0_m.grad@bf16": "GeluGrad", "h1_m.grad@bf16": "GeluGrad",
+        "h0_x1.grad@bf16": "Sum", "h1_x1.grad@bf16": "Sum", "h0_x.grad@bf16": "Sum",
+        "h1_x.grad@bf16": "Cast"}
+    for i in (0, 1):   # the residual sums: float32 for the next sum and the bias gradient
+        for dx, copy in ((f"h{i}_x1.grad", f"h{i}_x1.grad@bf16"),) + (
+                ((f"h{i}_x.grad", f"h{i}_x.grad@bf16"),) if i == 0 else ()):
+            (w,) = prod[copy]
+            assert w.outputs == [dx, copy] and w.attrs["bits_copy"] == [0]
+            assert w.attrs["bits_out"] == [1] and g.blobs[dx].dtype == "float32"
+            assert sorted(r.op_type for r in cons[dx]) == ["InnerProductGradBias", "Sum"]
+    # GELU's gradient writes dx (float32 values, read by the fc bias gradient
+    # as they are) and its bits for fc1's data and weight gradients, in one
+    # pass: no Cast of dx (parallel/precision.fold_copies)
+    for i in (0, 1):
+        dx, copy = f"h{i}_m.grad", f"h{i}_m.grad@bf16"
+        (w,) = prod[copy]
+        assert w.op_type == "GeluGrad" and w.outputs == [dx, copy]
+        assert w.attrs["bits_copy"] == [0] and w.attrs["bits_out"] == [1]
+        assert g.blobs[dx].dtype == "float32"
+        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
+        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
+                                                         "InnerProductGradWeight"]
+    assert not any(op.op_type == "Cast" and op.inputs[0].endswith("_m.grad")
+                   for op in g.ops.values())
     # the layer norms' input gradients' dy (the data gradients of qkv, fc1
     # and the lm-head) written as bits by their GemmEx, read by the layer
     # norms' gradients, which write float32 gradients
@@ -928,6 +1158,56 @@ def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
                                                                        "float32"]
 
 
+@pytest.mark.parametrize("case", ["folded", "accumulate", "in_place", "elsewhere", "kept",
+                                  "waits", "no_copies"])
+def test_fold_copies_folds_a_cast_into_a_producer_that_can_write_the_bits(case):
+    """A Cast to bits (``bits_out``) of a float32 gradient that a bias
+    gradient reads too: folded into the producer (GeluGrad, ``bits_copies``)
+    as its second output (attrs ``bits_copy`` [0], ``bits_out`` [1]; an op
+    that waited for the Cast waits for the producer), the float32 blob kept
+    for the bias gradient; not where the producer accumulates, writes the
+    blob in place over an input, lives on another device than the Cast,
+    where the blob is kept across iterations (a parameter's), where the
+    Cast waits on a control input, nor where the producer copies nothing
+    (a Relu gradient)."""
+    from purine_mpi.graph.core import Graph
+    from purine_mpi.parallel.precision import fold_copies, store_bits
+    g = Graph()
+    dev = "gpu:0"
+    grad = "ReluGrad" if case == "no_copies" else "GeluGrad"
+    for name in ("dy", "x"):
+        g.add_blob(name, (4, 6), "float32", dev, kind="data")
+    g.add_blob("dx", (4, 6), "float32", dev, kind="param" if case == "kept" else "data")
+    g.add_op("gg", grad, ["dy", "x"] if case != "in_place" else ["dx", "x"], ["dx"],
+             {"approximate": "tanh"} if grad == "GeluGrad" else {},
+             location="gpu:1" if case == "elsewhere" else dev,
+             accumulate=case == "accumulate")
+    if case == "waits":
+        g.add_op("before", "Noop", [], [], {"shape": []}, location=dev)
+    g.add_blob("db", None, "float32", dev, kind="data")
+    g.add_op("fb", "InnerProductGradBias", ["dx"], ["db"], location=dev)
+    g.add_blob("dx@bf16", None, "float32", dev, kind="data", attrs={"precision": BF16})
+    g.add_op("cast", "Cast", ["dx"], ["dx@bf16"], {"dtype": BF16}, location=dev,
+             control_inputs=["before"] if case == "waits" else ())
+    g.add_blob("dw", None, "float32", dev, kind="data")
+    g.add_op("fw", "InnerProductGradWeight", ["dx@bf16", "x"], ["dw"],
+             {"compute_dtype": BF16}, location=dev)
+    g.add_op("after", "Noop", [], [], {"shape": []}, location=dev, control_inputs=["cast"])
+    assert store_bits(g) == ["dx@bf16"]
+    folded = fold_copies(g)
+    g.infer_shapes()
+    assert g.blobs["dx"].dtype == "float32" and g.blobs["dx@bf16"].dtype == "uint16"
+    if case != "folded":
+        assert folded == [] and "cast" in g.ops and g.ops["gg"].outputs == ["dx"]
+        return
+    assert folded == ["cast"] and "cast" not in g.ops
+    op = g.ops["gg"]
+    assert op.outputs == ["dx", "dx@bf16"]
+    assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
+    assert [r.name for r in g.consumers()["dx"]] == ["fb"]
+    assert g.ops["after"].control_inputs == ["gg"]
+
+
 # ------------------------------------------------------ training, bitwise
 def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
     """(losses, weights, launches by kernel per step) of ``iters`` AdamW
@@ -976,14 +1256,21 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     # gradient read x as bits (one launch each per block), the gradient its dy
     # too (the projection's data gradient, written as bits by its GemmEx),
     # none without bits storage
+    # and writes dx's bits beside its float32 dx (no Cast of dx)
     gelu = first_on["gelu_forward_bx_bits_f32"]
-    assert gelu > 0 and first_on["gelu_backward_bdy_bx_f32"] == gelu
+    assert gelu > 0 and first_on["gelu_backward_bdy_bx_copy_f32"] == gelu
+    assert first_on.get("gelu_backward_bdy_bx_f32", 0) == 0
+    # the residual gradients' sums write their bits too: a block's two, but
+    # for the last block's first, ln_f's dx (a LayerNormGrad's: a Cast) --
+    # three sums for the two blocks' GELUs
+    assert 2 * first_on["add_copy_f32"] == 3 * gelu
     # qkv, the attention's projection, fc1 and fc2 (with their biases)
     # write bits: four for each GELU; the two residual adds read them
     assert first_on["bias_bits_f32"] == 4 * gelu
     assert first_on["add_bits_f32"] == 2 * gelu
     for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
-                 "gelu_backward_bdy_bx_f32", "add_bits_f32"):
+                 "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32",
+                 "add_copy_f32"):
         assert first_off[func] == 0, func
 
 

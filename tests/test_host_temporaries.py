@@ -119,6 +119,12 @@ def _cases():
         ("AttentionGrad", {"num_heads": 4, "dropout": 0.1, "packed_mask": True},
          [_f(8, 128, 128), _f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8),
           np.array(3)], [np.empty((8, 128, 384), np.float32)]),
+        # bf16 storage: dctx and qkv read as bits (widened), dqkv written as
+        # bits (its float32 and to_bf16_bits's scratch), the mask unpacked
+        ("AttentionGrad", {"num_heads": 4, "dropout": 0.1, "packed_mask": True,
+                           "compute_dtype": "bfloat16", "bits_out": [0]},
+         [_bits(8, 128, 128), _bits(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8),
+          np.array(3)], [np.empty((8, 128, 384), np.uint16)]),
         # a recompute copy of the forward: it unpacks the kept mask, no draw
         ("Attention", {"num_heads": 4, "dropout": 0.1, "replay_mask": True},
          [_f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8), np.array(3)],
@@ -161,6 +167,11 @@ def _cases():
          [_bits(4, 64, 512), _bits(512, 512)], [np.empty((4, 64, 512), np.float32)]),
         ("InnerProductGradWeight", {"axis": 2, "compute_dtype": "bfloat16"},
          [_bits(4, 64, 512), _bits(4, 64, 512)], [np.empty((512, 512), np.float32)]),
+        # GELU's gradient of a bits dy and x writing dx's bits too (bits_copy):
+        # a chunk's t, d, e, f, widened dy and x, and to_bf16_bits's scratch
+        ("GeluGrad", {"approximate": "tanh", "bits_copy": [0], "bits_out": [1]},
+         [_bits(4, 64, 512), _bits(4, 64, 512)],
+         [np.empty((4, 64, 512), np.float32), np.empty((4, 64, 512), np.uint16)]),
         # a weight gradient of several chunks: each chunk's product after
         # the first a new (O, K) array (1.6 MiB; before it was declared
         # 'assert 1644528 <= ((0 * 1.1) + 262144)'), on the rows path and

@@ -462,7 +462,14 @@ class GeluGrad(OpKernel):
     projection's data gradient, bf16 storage; ``gelu_backward_bdy_f32``,
     ``gelu_backward_bdy_bx_f32``; the host widens a chunk at a time): dx is
     float32, the float32 dy's bit for bit (not on dy's bytes: 4 bytes an
-    element against 2)."""
+    element against 2).
+
+    With attr ``bits_copy: [0]`` (bf16 storage, parallel/precision.
+    fold_copies: dx read by a float32 reader, the fc bias gradient, and by
+    products that take bits) a second output, dx's bfloat16 bits (uint16,
+    the bits a Cast of dx wrote), in the same pass on a GPU (the ``_copy``
+    kernels), a chunk at a time on the host (``to_bf16_bits`` of the float32
+    chunk): no Cast, no second read of dx."""
 
     op_type = "GeluGrad"
     in_place = ((0, 0),)  # dx over dy
@@ -470,6 +477,10 @@ class GeluGrad(OpKernel):
     @classmethod
     def bits_inputs(cls, attrs):
         return (0, 1)
+
+    @classmethod
+    def bits_copies(cls, attrs):
+        return (0,)
 
     def scratch_specs(self, ins, outs):
         if _fused_gelu(*ins):
@@ -482,16 +493,25 @@ class GeluGrad(OpKernel):
     @classmethod
     def infer(cls, attrs, ins):
         ((shape, dtype),) = _same_shape(cls.op_type, ins)
-        return [(shape, value_dtype(dtype))]   # a bits dy: float32 dx
+        copy = list(attrs.get("bits_copy", ()))
+        if copy not in ([], [0]) or (copy and value_dtype(dtype) != np.float32):
+            raise ShapeError(f"GeluGrad: bits_copy takes [0] of a float32 dx, got {copy} "
+                             f"({value_dtype(dtype)})")
+        # a bits dy: float32 dx
+        return [(shape, value_dtype(dtype))] + [(shape, BITS)] * len(copy)
 
     def host_temporaries(self, ins, outs):
         """A chunk's t, d, e, f; for a bits x a chunk's float32 x; for a
-        bits dy a chunk's float32 dy."""
+        bits dy a chunk's float32 dy; for a bits copy of dx to_bf16_bits's
+        scratch."""
         dy, x = ins
         n = min(int(x.size), HOST_CHUNK)
         wide = is_bits(dy) or is_bits(x)
         specs = [((n,), np.float32 if wide else x.dtype)] * 4
-        return specs + [((n,), np.float32) for a in (x, dy) if is_bits(a)]
+        specs += [((n,), np.float32) for a in (x, dy) if is_bits(a)]
+        if len(outs) > 1:
+            specs.append((wire_scratch(n).shape, np.uint32))
+        return specs
 
     def rounds_own_outputs(self, ins, outs):
         return _rounds_own(self, outs[0]) if _fused_gelu(*ins) else ()
@@ -500,13 +520,14 @@ class GeluGrad(OpKernel):
         dy, x = ins
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
+        copy = outs[1] if len(outs) > 1 else None
         k = float_kernels(xp, dy, x, outs[0])
         if k is not None:
             k.gelu_backward(dy, x, approximate, out=outs[0],
-                            round_to=_own_rounding(self, ins, outs))
+                            round_to=_own_rounding(self, ins, outs), copy=copy)
             return
         if xp is not np:
-            if is_bits(x) or is_bits(dy):
+            if is_bits(x) or is_bits(dy) or copy is not None:
                 raise TypeError(f"GeluGrad: bfloat16 bits take a float32 dy, x and dx, got "
                                 f"{dy.dtype}, {x.dtype} and {outs[0].dtype}")
             t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
@@ -515,12 +536,16 @@ class GeluGrad(OpKernel):
             return
         flat, g, dx = x.reshape(-1), dy.reshape(-1), outs[0].reshape(-1)   # dx may be dy
         temps = self.temporaries(outs[0], *self.host_temporaries(ins, outs))
-        wx = temps[4] if is_bits(x) else None
-        wdy = temps[-1] if is_bits(dy) else None
+        rest = temps[4:-1] if copy is not None else temps[4:]
+        wx = rest[0] if is_bits(x) else None
+        wdy = rest[-1] if is_bits(dy) else None
+        bits = copy.reshape(-1) if copy is not None else None
         for s in spans(flat.size, HOST_CHUNK):
             t, d, e, f = (a[:s.stop - s.start] for a in temps[:4])
             _gelu_factor(xp, _host_x(flat, s, wx), approximate, t, d, e, f)
             np.multiply(_host_x(g, s, wdy), d, out=dx[s])
+            if bits is not None:
+                to_bf16_bits(dx[s], bits[s], temps[-1])
 
 
 @gradient("Gelu")

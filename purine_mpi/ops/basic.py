@@ -35,23 +35,58 @@ class Constant(OpKernel):
 
 @register
 class Sum(OpKernel):
-    """y = x_0 + x_1 + ... (same shapes).  Gradient: dx_i = dy."""
+    """y = x_0 + x_1 + ... (same shapes).  Gradient: dx_i = dy.
+
+    With attr ``bits_copy: [0]`` (bf16 storage, parallel/precision.
+    fold_copies: a float32 gradient sum, a residual's, read by float32
+    readers -- the next sum, a bias gradient -- and, as bits, by products) a
+    second output, y's bfloat16 bits (uint16: the bits a Cast of y wrote):
+    on a GPU two float32 C-contiguous terms in one pass (``add_copy_f32``),
+    else the sum then ``to_bf16_bits`` of it (the host a chunk of scratch
+    at a time, declared in ``host_temporaries``)."""
 
     op_type = "Sum"
 
     @classmethod
+    def bits_copies(cls, attrs):
+        return (0,)
+
+    @classmethod
     def infer(cls, attrs, ins):
+        from ..base.errors import ShapeError
         shapes = {tuple(s) for s, _ in ins}
         if len(shapes) != 1:
-            from ..base.errors import ShapeError
             raise ShapeError(f"Sum needs inputs of one shape, got {sorted(shapes)}")
-        return [ins[0]]
+        copy = list(attrs.get("bits_copy", ()))
+        if copy not in ([], [0]) or (copy and np.dtype(ins[0][1]) != np.float32):
+            raise ShapeError(f"Sum: bits_copy takes [0] of a float32 sum, got {copy} "
+                             f"({ins[0][1]})")
+        return [ins[0]] + [(ins[0][0], BITS)] * len(copy)
+
+    def host_temporaries(self, ins, outs):
+        """to_bf16_bits's scratch where y's bits are written too."""
+        return [(wire_scratch(outs[0].size).shape, np.uint32)] if len(outs) > 1 else []
 
     def run(self, ins, outs):
         xp = get_xp(outs[0])
+        copy = outs[1] if len(outs) > 1 else None
+        if copy is not None and xp is not np and len(ins) == 2 and all(
+                np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous
+                for a in (*ins, outs[0])):
+            from ..gpu.kernels import add_copy
+            add_copy(ins[0], ins[1], outs[0], copy)
+            return
         xp.add(ins[0], ins[1], out=outs[0]) if len(ins) > 1 else outs[0].__setitem__(..., ins[0])
         for x in ins[2:]:
             outs[0] += x
+        if copy is None:
+            return
+        if xp is np:
+            to_bf16_bits(outs[0], copy, self.temporaries(outs[0],
+                                                         *self.host_temporaries(ins, outs))[0])
+        else:
+            from ..gpu.kernels import to_bf16_bits_device
+            to_bf16_bits_device(outs[0].reshape(-1), copy.reshape(-1))
 
 
 @gradient("Sum")

@@ -162,6 +162,15 @@ class OpKernel:
         return ()
 
     @classmethod
+    def bits_copies(cls, attrs):
+        """The indices of the float32 outputs whose bfloat16 bits the kernel
+        (with ``attrs``) can write as well, as an extra output after its own
+        (the pass's attr ``bits_copy``: the i-th listed output's bits are
+        output ``len(outputs) + i``), the bits of a Cast of that output
+        (parallel/precision.fold_copies); () none (the default)."""
+        return ()
+
+    @classmethod
     def bits_outputs_of(cls, op):
         """``bits_outputs`` of the graph op ``op`` (its attrs); a kernel
         whose answer depends on its inputs too would override it (none

@@ -43,7 +43,11 @@ the memory plan sizes it at 2 bytes, and no float32 copy of it exists.
 Where such a copy's Cast is the only reader of a transient float32 blob
 whose producer can write bits itself (LayerNorm's y, GELU's y), the
 producer writes the bits and the Cast and the float32 blob go
-(``fold_casts``). A bf16 product (no fused ReLU) writes its output as bits
+(``fold_casts``). Where the source has float32 readers too and its
+producer can write the bits as a second output (``OpKernel.bits_copies``:
+GELU's gradient, a gradient ``Sum``), it does, in the same pass, and the
+Cast goes (``fold_copies``): the float32 blob stays for those readers.
+A bf16 product (no fused ReLU) writes its output as bits
 too: without a bias its GemmEx's bfloat16 result; with one its GemmEx's
 float32 result into scratch, to which one kernel adds the bias before the
 one rounding (ops/fc.py). In GPT-2: the MLP's fc output (read by GELU and
@@ -120,6 +124,7 @@ def apply_precision(graph, precision):
         loss_from_logits(graph)
     if dtype == "bfloat16" and store_bits(graph):
         fold_casts(graph)
+        fold_copies(graph)
     graph.infer_shapes()
     return marked
 
@@ -274,6 +279,54 @@ def fold_casts(graph):
         w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
         graph.remove_op(cast.name)
         del graph.blobs[src]
+        for other in graph.ops.values():
+            if cast.name in other.control_inputs:
+                other.control_inputs = list(dict.fromkeys(
+                    w.name if c == cast.name else c for c in other.control_inputs))
+        folded.append(cast.name)
+    return folded
+
+
+def fold_copies(graph):
+    """Fold each Cast that writes bits (``bits_out``) of a transient float32
+    blob that other ops read too (a float32 reader that needs its float32
+    values: a bias gradient summing them) into the blob's producer, where
+    that is one op on the Cast's device, not accumulating, that can write
+    the bits of that output as well (``bits_copies``): the producer gets the
+    Cast's output as an extra output, after its own (listed in its attr
+    ``bits_out``), and the copied output's index in its attr
+    ``bits_copy``; the Cast goes (an op that waited for
+    it waits for the producer). The float32 blob stays for its other
+    readers; the bits are those the Cast wrote, written in the producer's
+    pass (GeluGrad's dx read by the fc bias gradient and, as bits, by the
+    fc's data and weight gradients). Run after ``fold_casts``. Returns the
+    names of the Casts folded. Call ``graph.infer_shapes()`` after."""
+    from ..ops.catalog import get_kernel_class
+    prod, cons = graph.producers(), graph.consumers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    folded = []
+    for cast in list(graph.ops.values()):
+        if cast.op_type != CAST or 0 not in cast.attrs.get("bits_out", ()) \
+                or cast.control_inputs:
+            continue
+        src = cast.inputs[0]
+        blob = graph.blobs[src]
+        writers = prod.get(src, ())
+        if blob.kind in PERSISTENT_KINDS or blob.alias_of or src in viewed or \
+                blob.dtype != "float32" or "loss_weight" in blob.attrs or \
+                blob.attrs.get("metric") or len(writers) != 1:
+            continue
+        w = writers[0]
+        out = w.outputs.index(src)
+        copies = list(w.attrs.get("bits_copy", ()))
+        if w.accumulate or src in w.inputs or w.location != cast.location or out in copies \
+                or out not in get_kernel_class(w.op_type, w.name).bits_copies(w.attrs):
+            continue
+        w.attrs["bits_copy"] = copies + [out]
+        w.outputs.append(cast.outputs[0])
+        w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) |
+                                     {len(w.outputs) - 1})
+        graph.remove_op(cast.name)
         for other in graph.ops.values():
             if cast.name in other.control_inputs:
                 other.control_inputs = list(dict.fromkeys(

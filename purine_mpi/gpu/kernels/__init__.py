@@ -32,7 +32,7 @@ from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, ad
                    all_finite, adaptive_update)
 from .elementwise import (dropout_forward, dropout_apply, dropout_backward, philox_words,  # noqa: F401
                           relu_forward,
-                          relu_backward, bias_act, bias_bits, add_bits, gelu_forward,
+                          relu_backward, bias_act, bias_bits, add_bits, add_copy, gelu_forward,
                           gelu_forward_bits, gelu_backward,
                           channel_sum, bias_grad, bias_grad_scratch,
                           sum_rows, embedding_grad, embedding_grad_scratch, layernorm_forward,

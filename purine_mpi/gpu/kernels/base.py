@@ -35,7 +35,9 @@ PLAIN_ENTRY_POINTS = {
     # float32 or bfloat16 bits (bx: x as bits) in, bfloat16 bits or float32 out
     "activation": ("gelu_forward_bits_f32", "gelu_forward_bx_f32", "gelu_forward_bx_bits_f32",
                    "gelu_backward_bx_f32", "gelu_backward_bdy_f32", "gelu_backward_bdy_bx_f32",
-                   "bias_bits_f32", "add_bits_f32"),
+                   "gelu_backward_copy_f32", "gelu_backward_bx_copy_f32",
+                   "gelu_backward_bdy_copy_f32", "gelu_backward_bdy_bx_copy_f32",
+                   "bias_bits_f32", "add_bits_f32", "add_copy_f32"),
     "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32"),
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),

@@ -179,6 +179,24 @@ def add_bits(a, b, out):
     return out
 
 
+def add_copy(a, b, out, copy):
+    """``out`` = float32 ``a`` + ``b`` and ``copy`` (uint16) = the bits of
+    the bfloat16 nearest each sum, one kernel (cuda/activation.cu
+    ``add_copy_f32``): a gradient sum that products read as bits too, the
+    float32 addition and ``to_bf16_bits_device`` of it bit for bit. All
+    C-contiguous, one size; ``out`` may be ``a`` or ``b``, ``copy`` is
+    neither."""
+    import_cupy()
+    for what, x, dtype in (("a", a, np.float32), ("b", b, np.float32),
+                           ("out", out, np.float32), ("copy", copy, np.uint16)):
+        _bits_array(x, dtype, f"add_copy: {what}")
+    if not a.size == b.size == out.size == copy.size:
+        raise ValueError(f"add_copy: sizes {a.size}, {b.size}, {out.size} and {copy.size} "
+                         f"differ")
+    _base._launch("activation", "add_copy_f32", None, a.size, (a, b, out, copy))
+    return out
+
+
 #: the ``round`` argument of cuda/activation.cu's GELU kernels: the low type
 #: their float32 output is rounded to in the same pass (precision.cuh)
 ROUND_MODES = {None: 0, "bfloat16": 1, "float16": 2}
@@ -260,7 +278,7 @@ def gelu_forward_bits(x, approximate, out):
     return out
 
 
-def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
+def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None):
     """dx = dy * dGELU/dx at ``x`` (``approximate`` as ``gelu_forward``), one
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
     ``gelu_forward``'s. ``x`` may be bfloat16 bits (uint16, C-contiguous, dy's
@@ -269,8 +287,13 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
     data gradient stored as bits; ``x`` float32 or bits, ``out`` a float32
     array of dy's shape, not ``dy``): widened exactly in the kernel
     (``gelu_backward_bdy_f32``, ``gelu_backward_bdy_bx_f32``), the float32
-    ``dy``'s dx bit for bit."""
+    ``dy``'s dx bit for bit. ``copy`` (uint16, C-contiguous, dy's shape, no
+    input's bytes; ``out`` a float32 array, not ``dy``): also the bits of the
+    bfloat16 nearest each float32 dx, in the same pass (the ``_copy`` entry
+    points: ``to_bf16_bits_device`` of ``out`` bit for bit)."""
     cupy = import_cupy()
+    if copy is not None:
+        return _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy)
     if _is_bits(dy):
         if out is None:
             raise ValueError("gelu_backward: a bits dy takes a float32 out")
@@ -304,6 +327,30 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
     dx, target = _output(cupy, out, dy.shape, dy.dtype, "gelu_backward")
     _base._launch("activation", "gelu_backward", dy.dtype, dy.size, (dy, x, *args, dx))
     return _finish(dx, target)
+
+
+def _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy):
+    """``gelu_backward`` with a bits ``copy`` of the float32 dx (``out``)."""
+    if out is None:
+        raise ValueError("gelu_backward: a copy takes a float32 out")
+    _bits_array(out, np.float32, "gelu_backward: out")
+    _bits_x(copy, "gelu_backward: copy", like=out)
+    if out is dy or copy is dy or copy is x:
+        raise ValueError("gelu_backward: out and copy take no input's bytes")
+    operands = []
+    for what, a in (("dy", dy), ("x", x)):
+        if _is_bits(a):
+            operands.append(_bits_x(a, f"gelu_backward: {what}", like=out))
+            continue
+        a = _input(cupy, a, f"gelu_backward: {what}")
+        if np.dtype(a.dtype) != np.dtype(np.float32) or tuple(a.shape) != tuple(out.shape):
+            raise TypeError(f"gelu_backward: a copy takes a float32 or bits {what} of out's "
+                            f"shape, got {a.dtype} {tuple(a.shape)}")
+        operands.append(a)
+    func = "gelu_backward" + "_bdy" * _is_bits(dy) + "_bx" * _is_bits(x) + "_copy_f32"
+    args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
+    _base._launch("activation", func, None, out.size, (*operands, *args, out, copy))
+    return out
 
 
 # ------------------------------------------------------------- reductions ---
