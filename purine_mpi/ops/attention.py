@@ -108,7 +108,7 @@ from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, drop
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
 from .im2col import gemm_holds, shared, shared_hold
-from .registry import OpKernel, gradient, register, spans, specs_nbytes
+from .registry import OpKernel, ProductKernel, gradient, register, spans, specs_nbytes
 
 
 def gemm(*args, **kwargs):
@@ -311,12 +311,10 @@ def softmax_rows_grad(xp, dp, p):
 
 
 @register
-class AttentionScores(_AttentionKernel):
+class AttentionScores(ProductKernel, _AttentionKernel):
     """[qkv] -> [S]: S = q k^T / sqrt(D), -inf above the diagonal when causal."""
 
     op_type = "AttentionScores"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -333,12 +331,10 @@ class AttentionScores(_AttentionKernel):
 
 
 @register
-class AttentionScoresGrad(OpKernel):
+class AttentionScoresGrad(ProductKernel):
     """[dS, qkv] -> [dqkv]: dq = dS k / sqrt(D), dk = dS^T q / sqrt(D), dv = 0."""
 
     op_type = "AttentionScoresGrad"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -365,12 +361,10 @@ def _scores_grad(g, op):
 
 
 @register
-class AttentionContext(OpKernel):
+class AttentionContext(ProductKernel):
     """[P, qkv] -> [ctx]: ctx[:, :, head h] = P_h v_h, heads side by side (N, T, C)."""
 
     op_type = "AttentionContext"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -389,13 +383,11 @@ class AttentionContext(OpKernel):
 
 
 @register
-class AttentionContextGrad(OpKernel):
+class AttentionContextGrad(ProductKernel):
     """[dctx, P, qkv] -> the gradients named in attr ``outputs`` (dP, dqkv):
     dP = dO v^T; dqkv: dv = P^T dO, dq = dk = 0."""
 
     op_type = "AttentionContextGrad"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -68,7 +68,7 @@ from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value
 from ..gpu.raw import column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .hostgemm import matmul, matmul_rows
 from .im2col import gemm_holds
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, ProductKernel, gradient, register
 
 
 def _on_gpu(xp, *arrays):
@@ -148,13 +148,11 @@ def _split(shape, axis):
 
 
 @register
-class InnerProduct(OpKernel):
+class InnerProduct(ProductKernel):
     """y = x.reshape(M, K) @ w^T + b, then a fused ReLU when attr ``relu`` is
     true; see the module docstring."""
 
     op_type = "InnerProduct"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -258,12 +256,10 @@ class InnerProduct(OpKernel):
 
 
 @register
-class InnerProductGradData(OpKernel):
+class InnerProductGradData(ProductKernel):
     """dx = (dy @ w).reshape(x_shape).  Inputs [dy, w]; attrs x_shape, axis."""
 
     op_type = "InnerProductGradData"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -329,7 +325,7 @@ class InnerProductGradData(OpKernel):
 
 
 @register
-class InnerProductGradWeight(OpKernel):
+class InnerProductGradWeight(ProductKernel):
     """dw = dy^T @ x.reshape(M, K).  Inputs [dy, x]; attr axis.
 
     Attr ``rows: [a, b]`` computes only rows a..b-1 of dw (output shape
@@ -338,8 +334,6 @@ class InnerProductGradWeight(OpKernel):
     starts before the last rows are computed (``parallel.split_params``)."""
 
     op_type = "InnerProductGradWeight"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):

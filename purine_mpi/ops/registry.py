@@ -248,6 +248,15 @@ class OpKernel:
             op_scratch(self, array_device(like)).reserve(*specs)
 
 
+class ProductKernel(OpKernel):
+    """A kernel whose device work is cuBLAS products (gpu/blas.py:
+    ``products``) that read only its own inputs, which the precision pass
+    rounds, so marked bf16/fp16 they may run on TF32 (``tf32_when_low``)."""
+
+    products = True
+    tf32_when_low = True
+
+
 def spans(n, step):
     """The slices of ``n`` items ``step`` at a time (the last one shorter):
     the pieces an op's host kernel runs one by one."""
