@@ -429,9 +429,6 @@ class InnerProductGradBias(OpKernel):
     def scratch_specs(self, ins, outs):
         """The partial sums of the column sum's row ranges (float32/64; a
         bits dy's: float32's)."""
-        if is_bits(ins[0]):
-            from ..gpu.raw import sum_scratch
-            return sum_scratch(last_axis_rows(ins[0].shape), np.float32)
         return column_scratch(ins[0])
 
     def host_temporaries(self, ins, outs):
