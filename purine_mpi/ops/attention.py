@@ -225,7 +225,7 @@ class _AttentionKernel(OpKernel):
         ops' path without dropout (``host_probs_t``), none when not causal;
         the scores' products' scratch (``score_product_holds``)."""
         qkv = self.qkv_input(ins)
-        fused = isinstance(self, (Attention, AttentionGrad))
+        fused = isinstance(self, _FusedAttention)
         group = host_group(self, qkv) if fused else None
         products = score_product_holds(self.attrs, qkv, group)
         if not bool(self.attrs.get("causal", True)):
@@ -594,8 +594,26 @@ def _kept_mask(kernel, bits, p, mask, out):
     dropout_backward(p, mask, kernel.ratio, out)
 
 
+class _FusedAttention(PhiloxStream, _AttentionKernel):
+    """What the fused ops (Attention, AttentionGrad) share: cuDNN's SDPA
+    plans where they take the op (``_sdpa``), else the causal mask, set up
+    on their qkv input (``qkv_input``) with the scratch reserved."""
+
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
+    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
+    _sdpa = None
+    _sdpa_rng = None
+
+    def setup(self, ins, outs):
+        qkv = self.qkv_input(ins)
+        self._sdpa = _sdpa_plans(self, qkv)
+        if self._sdpa is None:
+            self.setup_mask(qkv, qkv.shape[1])
+        self.reserve_temporaries(qkv, *self.scratch_specs(ins, outs))
+
+
 @register
-class Attention(PhiloxStream, _AttentionKernel):
+class Attention(_FusedAttention):
     """[qkv] -> [ctx] (or [ctx, stats] when marked ``sdpa``): the fused
     path, softmax(q k^T / sqrt(D)) v in one op, the probabilities in the
     op's scratch only; see the module docstring. In bf16/fp16 on a GPU,
@@ -609,10 +627,6 @@ class Attention(PhiloxStream, _AttentionKernel):
     the packed mask an original op wrote (a recompute copy: no draw)."""
 
     op_type = "Attention"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
-    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
-    _sdpa = None
-    _sdpa_rng = None
 
     def __init__(self, op):
         super().__init__(op)
@@ -649,12 +663,6 @@ class Attention(PhiloxStream, _AttentionKernel):
         bfloat16 output there (no widening); the cuBLAS path writes ctx's
         float32 into its scratch and rounds it into the bits."""
         return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
-
-    def setup(self, ins, outs):
-        self._sdpa = _sdpa_plans(self, ins[0])
-        if self._sdpa is None:
-            self.setup_mask(ins[0], ins[0].shape[1])
-        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
         """(a float32 qkv where qkv is bits,) P (and with dropout its mask;
@@ -722,7 +730,7 @@ class Attention(PhiloxStream, _AttentionKernel):
 
 
 @register
-class AttentionGrad(PhiloxStream, _AttentionKernel):
+class AttentionGrad(_FusedAttention):
     """[dctx, qkv] (or [dctx, qkv, ctx, stats] when marked ``sdpa``) ->
     [dqkv], recomputing S and P; see the module docstring. On the SDPA path
     (gpu/sdpa.py; the same plans as its forward op's, so both take it or
@@ -733,10 +741,6 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
     the input before the iteration."""
 
     op_type = "AttentionGrad"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
-    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
-    _sdpa = None
-    _sdpa_rng = None
 
     @classmethod
     def bits_inputs(cls, attrs):
@@ -765,12 +769,6 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
     def qkv_input(self, ins):
         """The op's qkv input (its second, after dctx)."""
         return ins[1]
-
-    def setup(self, ins, outs):
-        self._sdpa = _sdpa_plans(self, ins[1])
-        if self._sdpa is None:
-            self.setup_mask(ins[1], ins[1].shape[1])
-        self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
         """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
