@@ -117,6 +117,17 @@ __device__ void maxpool_backward_impl(long long total, const T* dy,
   }
 }
 
+// The average's window from (hstart, wstart) (unclipped) clipped to the
+// padded input: its ends (*hend, *wend) and its size, the divisor
+// (padding counts, the part past the padded border does not).
+__device__ __forceinline__ int ave_window(int hstart, int wstart, int height, int width,
+                                          int kh, int kw, int ph, int pw, int* hend,
+                                          int* wend) {
+  *hend = int_min(hstart + kh, height + ph);
+  *wend = int_min(wstart + kw, width + pw);
+  return (*hend - hstart) * (*wend - wstart);
+}
+
 // One thread per output (n, c, oh, ow).
 template <typename T>
 __device__ void avepool_forward_impl(long long total, const T* x, int height,
@@ -129,9 +140,9 @@ __device__ void avepool_forward_impl(long long total, const T* x, int height,
     pool_window(index, out_h, out_w, sh, sw, ph, pw, &plane, &hstart, &wstart);
     const T* x_plane = x + plane * height * width;
     // The divisor counts the window clipped to the padded input...
-    int hend = int_min(hstart + kh, height + ph);
-    int wend = int_min(wstart + kw, width + pw);
-    const int pool_size = (hend - hstart) * (wend - wstart);
+    int hend, wend;
+    const int pool_size = ave_window(hstart, wstart, height, width, kh, kw, ph, pw, &hend,
+                                     &wend);
     // ...the sum only the pixels inside the image (padding is zero).
     hstart = int_max(hstart, 0);
     wstart = int_max(wstart, 0);
@@ -165,11 +176,9 @@ __device__ void avepool_backward_impl(long long total, const T* dy, int height,
     T sum = T(0);
     for (int oh = oh_start; oh < oh_end; ++oh) {
       for (int ow = ow_start; ow < ow_end; ++ow) {
-        const int hstart = oh * sh - ph;
-        const int wstart = ow * sw - pw;
-        const int hend = int_min(hstart + kh, height + ph);
-        const int wend = int_min(wstart + kw, width + pw);
-        const int pool_size = (hend - hstart) * (wend - wstart);
+        int hend, wend;
+        const int pool_size = ave_window(oh * sh - ph, ow * sw - pw, height, width, kh, kw,
+                                         ph, pw, &hend, &wend);
         sum += dy_plane[oh * out_w + ow] / T(pool_size);
       }
     }
