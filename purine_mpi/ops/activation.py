@@ -13,10 +13,9 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype,
-                              wire_scratch)
+from ..base.precision import from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, float_kernels, raw_kernels
-from .registry import OpKernel, gradient, register, spans
+from .registry import OpKernel, gradient, out_dtype, register, spans
 
 
 def relu(xp, x, slope, out):
@@ -404,9 +403,7 @@ class Gelu(OpKernel):
     @classmethod
     def infer(cls, attrs, ins):
         _approximate(attrs)
-        if 0 in attrs.get("bits_out", ()):
-            return [(ins[0][0], BITS)]
-        return [(ins[0][0], value_dtype(ins[0][1]))]
+        return [(ins[0][0], out_dtype(attrs, ins[0][1]))]
 
     def host_temporaries(self, ins, outs):
         """A chunk's t, e, f; for a bits y a chunk's float32 y and

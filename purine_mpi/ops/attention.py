@@ -101,14 +101,15 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, value_dtype, wire_scratch
+from ..base.precision import is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import raw_kernels, widen
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
 from .im2col import gemm_holds, shared, shared_hold
-from .registry import OpKernel, ProductKernel, gradient, register, spans, specs_nbytes
+from .registry import (OpKernel, ProductKernel, gradient, out_dtype, register, spans,
+                       specs_nbytes)
 
 
 def gemm(*args, **kwargs):
@@ -643,7 +644,7 @@ class Attention(_FusedAttention):
         n, t, c, h, _ = _dims(attrs, ins[0][0])
         if replay:
             _check_packed("Attention", (n, h, t, t), ins[1])
-        outs = [((n, t, c), BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1]))]
+        outs = [((n, t, c), out_dtype(attrs, ins[0][1]))]
         if attrs.get("sdpa"):
             outs.append(((n, h, t, 1), "float32"))
         if packed(attrs):   # the bit-packed keep-mask, for the gradient
@@ -764,7 +765,7 @@ class AttentionGrad(_FusedAttention):
         _check_dropout_inputs("AttentionGrad", attrs, ins, base)
         if packed(attrs):
             _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
-        return [(ins[1][0], BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[1][1]))]
+        return [(ins[1][0], out_dtype(attrs, ins[1][1]))]
 
     def qkv_input(self, ins):
         """The op's qkv input (its second, after dctx)."""

@@ -63,12 +63,11 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype,
-                              wire_scratch)
+from ..base.precision import from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .hostgemm import matmul, matmul_rows
 from .im2col import gemm_holds
-from .registry import OpKernel, ProductKernel, gradient, register
+from .registry import OpKernel, ProductKernel, gradient, out_dtype, register
 
 
 def _on_gpu(xp, *arrays):
@@ -167,7 +166,7 @@ class InnerProduct(ProductKernel):
         if len(ins) == 3 and tuple(ins[2][0]) != (w_shape[0],):
             raise ShapeError(f"InnerProduct bias must have shape [{w_shape[0]}], got "
                              f"{list(ins[2][0])}")
-        y = BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1])
+        y = out_dtype(attrs, ins[0][1])
         return [(x_shape[:axis] + (w_shape[0],), y)]
 
     @classmethod
@@ -263,7 +262,7 @@ class InnerProductGradData(ProductKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        dx = BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1])
+        dx = out_dtype(attrs, ins[0][1])
         return [(tuple(attrs["x_shape"]), dx)]
 
     @classmethod

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import GraphError
+from ..base.precision import BITS, value_dtype
 
 KERNELS = {}
 GRADIENTS = {}
@@ -246,6 +247,14 @@ class OpKernel:
         if get_xp(like) is not np:
             from ..gpu.raw import array_device, op_scratch
             op_scratch(self, array_device(like)).reserve(*specs)
+
+
+def out_dtype(attrs, dtype, index=0):
+    """The dtype ``infer`` gives output ``index`` of a kernel with ``attrs``
+    computed from values of ``dtype``: bfloat16 bits (BITS) where the
+    precision pass stores it so (attr ``bits_out``, ``bits_outputs``), else
+    the values' dtype (base/precision.value_dtype: float32 for bits)."""
+    return BITS if index in attrs.get("bits_out", ()) else value_dtype(dtype)
 
 
 class ProductKernel(OpKernel):
