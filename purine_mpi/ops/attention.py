@@ -612,6 +612,13 @@ class _FusedAttention(PhiloxStream, _AttentionKernel):
             self.setup_mask(qkv, qkv.shape[1])
         self.reserve_temporaries(qkv, *self.scratch_specs(ins, outs))
 
+    def run_temporaries(self, qkv, ins, outs):
+        """The temporaries of a run off the SDPA path: the host path's
+        (``host_specs``) on the host, else the device's (``scratch_specs``)."""
+        host = get_xp(qkv) is np
+        return self.temporaries(
+            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs)))
+
 
 @register
 class Attention(_FusedAttention):
@@ -695,8 +702,7 @@ class Attention(_FusedAttention):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         host = xp is np
-        qkv, (p, *mask) = _widened(qkv, self.temporaries(
-            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        qkv, (p, *mask) = _widened(qkv, self.run_temporaries(qkv, ins, outs))
         q, k, v = split_heads(qkv, heads)
         bits = is_bits(outs[0])
         if bits:   # ctx's float32 into the scratch, then rounded into the bits
@@ -803,8 +809,7 @@ class AttentionGrad(_FusedAttention):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         host = xp is np
-        qkv, temps = _widened(qkv, self.temporaries(
-            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        qkv, temps = _widened(qkv, self.run_temporaries(qkv, ins, outs))
         dctx, (p, dp, *mask) = _widened(dctx, temps)
         bits = is_bits(outs[0])
         if not host and self._over_qkv(ins, outs):   # in qkv's widening, then rounded
