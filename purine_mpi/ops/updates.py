@@ -19,7 +19,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels, same_buffer
+from ..gpu.raw import carry, raw_kernels
 from .registry import OpKernel, register
 
 
@@ -36,9 +36,7 @@ def frozen(attrs):
 def _kept(held, outs):
     """A frozen update: its outputs hold the inputs ``held`` (the weight and
     the states), copied only where they are not the same buffers."""
-    for old, new in zip(held, outs):
-        if not same_buffer(old, new):
-            new[...] = old
+    carry(held, outs)
 
 
 @register
@@ -104,9 +102,7 @@ class SGDUpdate(OpKernel):
         # a host lr blob is read as a number (no sync); a device blob is read
         # by the kernel, which applies lr_mult (no host round trip, no temporary)
         rate = float(lr.reshape(())) if get_xp(lr) is np else lr
-        for old, new in ((w, w_new), (v, v_new)):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry((w, v), (w_new, v_new))
         k.sgd_momentum_update(w_new, grad, v_new, rate,
                               momentum=float(a.get("momentum", 0.0)),
                               weight_decay=float(a.get("weight_decay", 0.0))
@@ -197,9 +193,7 @@ class MultiSGDUpdate(OpKernel):
         w, v, lr = ins[:3]
         w_new, v_new = outs
         a = self.attrs
-        for old, new in ((w, w_new), (v, v_new)):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry((w, v), (w_new, v_new))
         table = getattr(self, "_table", None)
         if table is not None:
             from ..gpu import kernels
@@ -430,9 +424,7 @@ class AdamUpdate(_AdaptiveUpdate):
             return
         # on a GPU: one fused kernel (cuda/adam.cu), no temporaries; the lr
         # and iteration blobs on the device are read by the kernel
-        for old, new in zip((w, m, v), outs):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry((w, m, v), outs)
         a = self.attrs
         lr = float(lr.reshape(())) if get_xp(lr) is np else lr
         it = int(it.reshape(())) if get_xp(it) is np else it
@@ -493,9 +485,7 @@ class MultiAdamUpdate(MultiSGDUpdate):
 
     def run(self, ins, outs):
         a = self.attrs
-        for old, new in zip(ins[:3], outs):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry(ins[:3], outs)
         lr, it = ins[3:5]
         table = getattr(self, "_table", None)
         if table is not None:
