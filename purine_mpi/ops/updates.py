@@ -33,12 +33,6 @@ def frozen(attrs):
     return float(attrs.get("lr_mult", 1.0)) == 0.0
 
 
-def _kept(held, outs):
-    """A frozen update: its outputs hold the inputs ``held`` (the weight and
-    the states), copied only where they are not the same buffers."""
-    carry(held, outs)
-
-
 @register
 class SGDUpdate(OpKernel):
     """[w, grad, momentum, lr] -> [w_new, momentum_new] (aliases of w and
@@ -71,7 +65,7 @@ class SGDUpdate(OpKernel):
         w_new, v_new = outs
         a = self.attrs
         if frozen(a):
-            _kept((w, v), outs)
+            carry((w, v), outs)   # frozen: the weight and state as they are
             return
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, v)
@@ -283,7 +277,7 @@ class _AdaptiveUpdate(OpKernel):
         lr = ins[2 + n]
         a = self.attrs
         xp = get_xp(w)
-        _kept([w] + list(ins[2:2 + n]), outs)
+        carry([w] + list(ins[2:2 + n]), outs)
         if frozen(a):
             return
         w_new, states = outs[0], outs[1:]
@@ -415,7 +409,7 @@ class AdamUpdate(_AdaptiveUpdate):
     def run(self, ins, outs):
         w, grad, m, v, lr, it = ins
         if frozen(self.attrs):
-            _kept((w, m, v), outs)
+            carry((w, m, v), outs)   # frozen: the weight and states as they are
             return
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, m, v)
