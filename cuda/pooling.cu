@@ -33,6 +33,27 @@ template <> __device__ __forceinline__ double lowest<double>() {
   return -1.7976931348623157e+308;
 }
 
+// The output (n, c, oh, ow) of thread ``index``: its (n, c) plane and its
+// window's first row and column, unclipped (oh*sh - ph, ow*sw - pw).
+__device__ __forceinline__ void pool_window(long long index, int out_h, int out_w, int sh,
+                                            int sw, int ph, int pw, long long* plane,
+                                            int* hstart, int* wstart) {
+  const int ow = (int)(index % out_w);
+  const int oh = (int)((index / out_w) % out_h);
+  *plane = index / ((long long)out_w * out_h);
+  *hstart = oh * sh - ph;
+  *wstart = ow * sw - pw;
+}
+
+// The outputs [*start, *end) along one axis (window k, stride s, out of
+// them) whose window covers the padded coordinate p (the input's plus its
+// padding).
+__device__ __forceinline__ void pool_outputs(int p, int k, int s, int out, int* start,
+                                             int* end) {
+  *start = (p < k) ? 0 : (p - k) / s + 1;
+  *end = int_min(p / s + 1, out);
+}
+
 // One thread per output (n, c, oh, ow).
 template <typename T>
 __device__ void maxpool_forward_impl(long long total, const T* x, int height,
@@ -40,12 +61,10 @@ __device__ void maxpool_forward_impl(long long total, const T* x, int height,
                                      int kw, int sh, int sw, int ph, int pw,
                                      T* y, int* mask) {
   CUDA_KERNEL_LOOP(index, total) {
-    const int ow = (int)(index % out_w);
-    const int oh = (int)((index / out_w) % out_h);
-    const long long plane = index / ((long long)out_w * out_h);
+    long long plane;
+    int hstart, wstart;
+    pool_window(index, out_h, out_w, sh, sw, ph, pw, &plane, &hstart, &wstart);
     const T* x_plane = x + plane * height * width;
-    int hstart = oh * sh - ph;
-    int wstart = ow * sw - pw;
     const int hend = int_min(hstart + kh, height);
     const int wend = int_min(wstart + kw, width);
     hstart = int_max(hstart, 0);
@@ -79,10 +98,9 @@ __device__ void maxpool_backward_impl(long long total, const T* dy,
     const int w = (int)(index % width);
     const int h = (int)((index / width) % height);
     const long long plane = index / ((long long)width * height);
-    const int oh_start = (h + ph < kh) ? 0 : (h + ph - kh) / sh + 1;
-    const int oh_end = int_min((h + ph) / sh + 1, out_h);
-    const int ow_start = (w + pw < kw) ? 0 : (w + pw - kw) / sw + 1;
-    const int ow_end = int_min((w + pw) / sw + 1, out_w);
+    int oh_start, oh_end, ow_start, ow_end;
+    pool_outputs(h + ph, kh, sh, out_h, &oh_start, &oh_end);
+    pool_outputs(w + pw, kw, sw, out_w, &ow_start, &ow_end);
     const long long offset = plane * out_h * out_w;
     const T* dy_plane = dy + offset;
     const int* mask_plane = mask + offset;
@@ -99,6 +117,17 @@ __device__ void maxpool_backward_impl(long long total, const T* dy,
   }
 }
 
+// The average's window from (hstart, wstart) (unclipped) clipped to the
+// padded input: its ends (*hend, *wend) and its size, the divisor
+// (padding counts, the part past the padded border does not).
+__device__ __forceinline__ int ave_window(int hstart, int wstart, int height, int width,
+                                          int kh, int kw, int ph, int pw, int* hend,
+                                          int* wend) {
+  *hend = int_min(hstart + kh, height + ph);
+  *wend = int_min(wstart + kw, width + pw);
+  return (*hend - hstart) * (*wend - wstart);
+}
+
 // One thread per output (n, c, oh, ow).
 template <typename T>
 __device__ void avepool_forward_impl(long long total, const T* x, int height,
@@ -106,16 +135,14 @@ __device__ void avepool_forward_impl(long long total, const T* x, int height,
                                      int kw, int sh, int sw, int ph, int pw,
                                      T* y) {
   CUDA_KERNEL_LOOP(index, total) {
-    const int ow = (int)(index % out_w);
-    const int oh = (int)((index / out_w) % out_h);
-    const long long plane = index / ((long long)out_w * out_h);
+    long long plane;
+    int hstart, wstart;
+    pool_window(index, out_h, out_w, sh, sw, ph, pw, &plane, &hstart, &wstart);
     const T* x_plane = x + plane * height * width;
-    int hstart = oh * sh - ph;
-    int wstart = ow * sw - pw;
     // The divisor counts the window clipped to the padded input...
-    int hend = int_min(hstart + kh, height + ph);
-    int wend = int_min(wstart + kw, width + pw);
-    const int pool_size = (hend - hstart) * (wend - wstart);
+    int hend, wend;
+    const int pool_size = ave_window(hstart, wstart, height, width, kh, kw, ph, pw, &hend,
+                                     &wend);
     // ...the sum only the pixels inside the image (padding is zero).
     hstart = int_max(hstart, 0);
     wstart = int_max(wstart, 0);
@@ -142,19 +169,16 @@ __device__ void avepool_backward_impl(long long total, const T* dy, int height,
     const int w = (int)(index % width) + pw;
     const int h = (int)((index / width) % height) + ph;
     const long long plane = index / ((long long)width * height);
-    const int oh_start = (h < kh) ? 0 : (h - kh) / sh + 1;
-    const int oh_end = int_min(h / sh + 1, out_h);
-    const int ow_start = (w < kw) ? 0 : (w - kw) / sw + 1;
-    const int ow_end = int_min(w / sw + 1, out_w);
+    int oh_start, oh_end, ow_start, ow_end;
+    pool_outputs(h, kh, sh, out_h, &oh_start, &oh_end);
+    pool_outputs(w, kw, sw, out_w, &ow_start, &ow_end);
     const T* dy_plane = dy + plane * out_h * out_w;
     T sum = T(0);
     for (int oh = oh_start; oh < oh_end; ++oh) {
       for (int ow = ow_start; ow < ow_end; ++ow) {
-        const int hstart = oh * sh - ph;
-        const int wstart = ow * sw - pw;
-        const int hend = int_min(hstart + kh, height + ph);
-        const int wend = int_min(wstart + kw, width + pw);
-        const int pool_size = (hend - hstart) * (wend - wstart);
+        int hend, wend;
+        const int pool_size = ave_window(oh * sh - ph, ow * sw - pw, height, width, kh, kw,
+                                         ph, pw, &hend, &wend);
         sum += dy_plane[oh * out_w + ow] / T(pool_size);
       }
     }

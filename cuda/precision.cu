@@ -48,29 +48,42 @@ __device__ __forceinline__ unsigned int purine_round_value(unsigned int b) {
   return FP16 ? purine_round_fp16(b) : purine_round_bf16(b);
 }
 
-template <int FP16>
-__device__ __forceinline__ void purine_round_pass(long long n, const unsigned int* src,
-                                                  unsigned int* dst) {
+// The grid-stride pass of every kernel here: quad(i) for each group i of 4
+// values (i < n / 4) where ``vector`` (the pointers allow 16-byte access),
+// then one(i) for each value i from the first that no quad covered.
+template <class Quad, class One>
+__device__ __forceinline__ void purine_quad_pass(long long n, bool vector, Quad quad, One one) {
   const long long stride = (long long)blockDim.x * gridDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   long long scalar_from = 0;
-  if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0ull) {
+  if (vector) {
     const long long quads = n >> 2;
-    const uint4* s4 = (const uint4*)src;
-    uint4* d4 = (uint4*)dst;
     for (long long i = first; i < quads; i += stride) {
-      uint4 v = s4[i];
-      v.x = purine_round_value<FP16>(v.x);
-      v.y = purine_round_value<FP16>(v.y);
-      v.z = purine_round_value<FP16>(v.z);
-      v.w = purine_round_value<FP16>(v.w);
-      d4[i] = v;
+      quad(i);
     }
     scalar_from = quads << 2;
   }
   for (long long i = scalar_from + first; i < n; i += stride) {
-    dst[i] = purine_round_value<FP16>(src[i]);
+    one(i);
   }
+}
+
+template <int FP16>
+__device__ __forceinline__ void purine_round_pass(long long n, const unsigned int* src,
+                                                  unsigned int* dst) {
+  const uint4* s4 = (const uint4*)src;
+  uint4* d4 = (uint4*)dst;
+  purine_quad_pass(
+      n, (((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0ull,
+      [=](long long i) {
+        uint4 v = s4[i];
+        v.x = purine_round_value<FP16>(v.x);
+        v.y = purine_round_value<FP16>(v.y);
+        v.z = purine_round_value<FP16>(v.z);
+        v.w = purine_round_value<FP16>(v.w);
+        d4[i] = v;
+      },
+      [=](long long i) { dst[i] = purine_round_value<FP16>(src[i]); });
 }
 
 extern "C" __global__ void round_bf16(long long n, const unsigned int* src, unsigned int* dst) {
@@ -85,50 +98,40 @@ extern "C" __global__ void round_fp16(long long n, const unsigned int* src, unsi
 // 8 of bfloat16 bits: a uint4 and a uint2) where the float32 array is
 // 16-byte aligned and the bits 8-byte aligned, then the n % 4 last ones;
 // otherwise one a thread. The same bits either way.
+__device__ __forceinline__ bool purine_bits_vector(const void* x, const void* bits) {
+  return ((unsigned long long)x & 15ull) == 0ull && ((unsigned long long)bits & 7ull) == 0ull;
+}
+
 extern "C" __global__ void to_bf16_bits(long long n, const unsigned int* x,
                                         unsigned short* bits) {
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  long long scalar_from = 0;
-  if (((unsigned long long)x & 15ull) == 0ull && ((unsigned long long)bits & 7ull) == 0ull) {
-    const long long quads = n >> 2;
-    const uint4* x4 = (const uint4*)x;
-    uint2* b4 = (uint2*)bits;
-    for (long long i = first; i < quads; i += stride) {
-      const uint4 v = x4[i];
-      uint2 out;   // little-endian: value 4i in the low half of out.x
-      out.x = (purine_round_bf16(v.x) >> 16) | (purine_round_bf16(v.y) & 0xffff0000u);
-      out.y = (purine_round_bf16(v.z) >> 16) | (purine_round_bf16(v.w) & 0xffff0000u);
-      b4[i] = out;
-    }
-    scalar_from = quads << 2;
-  }
-  for (long long i = scalar_from + first; i < n; i += stride) {
-    bits[i] = (unsigned short)(purine_round_bf16(x[i]) >> 16);
-  }
+  const uint4* x4 = (const uint4*)x;
+  uint2* b4 = (uint2*)bits;
+  purine_quad_pass(
+      n, purine_bits_vector(x, bits),
+      [=](long long i) {
+        const uint4 v = x4[i];
+        uint2 out;   // little-endian: value 4i in the low half of out.x
+        out.x = (purine_round_bf16(v.x) >> 16) | (purine_round_bf16(v.y) & 0xffff0000u);
+        out.y = (purine_round_bf16(v.z) >> 16) | (purine_round_bf16(v.w) & 0xffff0000u);
+        b4[i] = out;
+      },
+      [=](long long i) { bits[i] = (unsigned short)(purine_round_bf16(x[i]) >> 16); });
 }
 
 extern "C" __global__ void from_bf16_bits(long long n, const unsigned short* bits,
                                           unsigned int* x) {
-  const long long stride = (long long)blockDim.x * gridDim.x;
-  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  long long scalar_from = 0;
-  if (((unsigned long long)x & 15ull) == 0ull && ((unsigned long long)bits & 7ull) == 0ull) {
-    const long long quads = n >> 2;
-    const uint2* b4 = (const uint2*)bits;
-    uint4* x4 = (uint4*)x;
-    for (long long i = first; i < quads; i += stride) {
-      const uint2 b = b4[i];
-      uint4 out;
-      out.x = b.x << 16;
-      out.y = b.x & 0xffff0000u;
-      out.z = b.y << 16;
-      out.w = b.y & 0xffff0000u;
-      x4[i] = out;
-    }
-    scalar_from = quads << 2;
-  }
-  for (long long i = scalar_from + first; i < n; i += stride) {
-    x[i] = (unsigned int)bits[i] << 16;
-  }
+  const uint2* b4 = (const uint2*)bits;
+  uint4* x4 = (uint4*)x;
+  purine_quad_pass(
+      n, purine_bits_vector(x, bits),
+      [=](long long i) {
+        const uint2 b = b4[i];
+        uint4 out;
+        out.x = b.x << 16;
+        out.y = b.x & 0xffff0000u;
+        out.z = b.y << 16;
+        out.w = b.y & 0xffff0000u;
+        x4[i] = out;
+      },
+      [=](long long i) { x[i] = (unsigned int)bits[i] << 16; });
 }

@@ -189,7 +189,7 @@ def cmd_test(args):
     from .train.trainer import Trainer
     from .job.checkpoint_file import load_params
     from .job.checkpoint_check import NonFiniteWeights
-    from .train.evaluation import non_finite_figures
+    from .base.logfile import non_finite_figures
     job = _load(args)
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):

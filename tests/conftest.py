@@ -352,6 +352,19 @@ def email_h5(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def text_h5(tmp_path_factory):
+    """The byte-level token file ``data text`` makes of the json package's
+    *.py files, once a session (the tests only read it): the GPT jobs'
+    text data (their graphs read the vocabulary from the file)."""
+    import json
+    path = tmp_path_factory.mktemp("text") / "json.h5"
+    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
+                       "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def digits_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits.h5"
     res = run_cli_here("data", "digits", "--out", path)

@@ -46,6 +46,13 @@ from tests.test_precision_device import _adversarial
 BF16 = "bfloat16"
 
 
+def _places(device):
+    """(dev, put, get) for the emulated ``device``, then for the host (dev
+    None): ``put`` an array there, ``get`` one back as a NumPy array."""
+    yield device, device.to_device, lambda a: np.asarray(device.to_host(a))
+    yield None, np.array, np.asarray
+
+
 def _numpy_bits(x):
     """The uint16 bits of the bfloat16 nearest each float32 of ``x``: the
     upper halves of base/precision._round_bits (NumPy)."""
@@ -124,9 +131,7 @@ def test_gelu_and_layer_norm_write_numpys_bits_of_their_float32_output(device, o
     launch (no separate conversion); the other outputs (the layer norm's
     mean and rstd) the same bits as the float32 run's; the host path too."""
     attrs, ins, shapes = _producer_case(op_type, rows, cols)
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         wide = _producer(op_type, False, **attrs)
         on = [put(a) for a in ins]
         ref = [put(np.full(s, np.nan, np.float32)) for s in shapes]
@@ -173,9 +178,7 @@ def test_gelu_and_its_gradient_read_an_x_stored_as_bits(device, approximate, row
                                dict(attrs, **({"bits_out": [0]} if bits_out else {})))),
                 make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs)))
 
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         results = {}
         for name, xs in (("float32", x), ("bits", xb)):
             (fwd, grad), (fwd_bits, _) = ops(False), ops(True)
@@ -227,9 +230,7 @@ def test_gelus_gradient_reads_a_dy_stored_as_bits(device, approximate, x_bits):
     dy32[1, :3] = (dyb[1, :3].astype(np.uint32) << np.uint32(16)).view(np.float32)
     x = xb if x_bits else x32
     attrs = {"approximate": approximate}
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         got = {}
         for name, dy in (("float32", dy32), ("bits", dyb)):
             k = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx"], attrs))
@@ -464,9 +465,7 @@ def test_the_fused_attention_and_its_gradient_read_a_qkv_stored_as_bits(device, 
     assert Attention.infer(attrs, [((n, t, 3 * c), "uint16")]) == [((n, t, c), np.float32)]
     assert AttentionGrad.infer(attrs, [((n, t, c), "float32"), ((n, t, 3 * c), "uint16")]) \
         == [((n, t, 3 * c), np.float32)]
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         results = {}
         for name, x in (("float32", qkv), ("bits", qkvb)):
             fwd = make_kernel(Op("a", "Attention", ["qkv"], ["ctx"], attrs))
@@ -524,9 +523,7 @@ def test_the_attention_gradient_reads_dctx_and_writes_dqkv_as_bits(device, dropo
     assert InnerProductGradBias.bits_inputs({}) == (0,)
     assert InnerProductGradBias.infer({}, [((n, t, 3 * c), "uint16")]) == [
         ((3 * c,), np.float32)]
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         extra = [put(np.asarray(5, np.int64))] if dropout else []
         inputs = ["dctx", "qkv"] + (["iter"] if dropout else [])
         got = {}
@@ -639,9 +636,7 @@ def test_the_layer_norm_gradient_reads_a_dy_stored_as_bits(device, wanted):
                                        ((cols,), "float32"), ((rows,), "float32"),
                                        ((rows,), "float32")]) == [
         (shapes[w], np.float32) for w in wanted]
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         got = {}
         for name, dy in (("float32", dy32), ("bits", dyb)):
             k = make_kernel(Op("lg", "LayerNormGrad", ["dy", "x", "g", "mean", "rstd"],
@@ -690,9 +685,7 @@ def test_the_residual_add_reads_a_term_stored_as_bits(device, case):
     assert out_shape == shape and np.dtype(out_dtype) == np.float32
     assert Eltwise.bits_inputs(attrs) == (0, 1)
     assert Eltwise.bits_inputs({"operation": "prod"}) == ()
-    for dev in (device, None):
-        put = (lambda a: device.to_device(a)) if dev else np.array
-        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+    for dev, put, get in _places(device):
         got = {}
         for name, ins in (("float32", values), ("bits", stored)):
             k = make_kernel(Op("add", "Eltwise", ["a", "b"], ["y"], attrs))

@@ -17,19 +17,8 @@ from purine_mpi.graph.core import Location
 from purine_mpi.ops.registry import OpKernel, register
 from purine_mpi.runtime.cuda_runtime import CudaRuntime
 from purine_mpi.runtime.factory import make_dispatcher
-from tests.emulated_gpu import CUDARuntimeError, DeviceArray, SimulatedRuntime, use_emulated_cupy
+from tests.emulated_gpu import CUDARuntimeError, SimulatedRuntime, on_device
 from tests.emulated_gpu.device import INVALIDATED
-
-
-@pytest.fixture
-def emulated(monkeypatch, host_build_dir):
-    fake = use_emulated_cupy(monkeypatch, host_build_dir)
-    yield fake
-    gpu.clear_kernel_cache()
-
-
-def _on_device(values):
-    return np.array(values, dtype=np.float32).view(DeviceArray)
 
 
 def _add_one(x):
@@ -40,7 +29,7 @@ def _add_one(x):
 def test_an_invalidated_capture_is_ended_and_its_stream_runs_eagerly(emulated, error):
     rt = SimulatedRuntime(0)
     assert isinstance(rt, CudaRuntime)
-    x = _on_device([1.0, 2.0])
+    x = on_device([1.0, 2.0])
     origin = rt.stream(0, "capture")
     rt.begin_capture(0, origin)
 

@@ -24,7 +24,6 @@ Resume with captures on is in tests/test_cuda_graph.py
 import numpy as np
 import pytest
 
-import purine_mpi.gpu as gpu
 from purine_mpi.gpu import kernels
 from purine_mpi.parallel.placement import add_loss_watch, prepare_for_device
 from purine_mpi.gpu.streams import copy_to_device_async, pinned_empty
@@ -33,18 +32,7 @@ from purine_mpi.runtime.factory import make_dispatcher
 from tests.emulated_gpu import capture as sim_capture
 from tests.conftest import make_job
 from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, init_params, net_config,
-                                use_emulated_cupy)
-
-
-@pytest.fixture
-def emulated(monkeypatch, host_build_dir):
-    fake = use_emulated_cupy(monkeypatch, host_build_dir)
-    yield fake
-    gpu.clear_kernel_cache()
-
-
-def _on_device(values):
-    return np.array(values, dtype=np.float32).view(DeviceArray)
+                                on_device)
 
 
 def _host_buffer(values):
@@ -94,7 +82,7 @@ REFUSED = [
 def test_a_capture_refuses_what_cupy_refuses(emulated, name, host_code, exc, message):
     rt = SimulatedRuntime(0)
     assert rt.faithful  # the emulated CuPy is in place: captures run host code
-    x = _on_device([1.0, 2.0, 3.0])
+    x = on_device([1.0, 2.0, 3.0])
     origin = rt.stream(0, "capture")
     rt.begin_capture(0, origin)
     with pytest.raises(exc) as info:
@@ -113,8 +101,8 @@ def test_cupys_own_cublas_refuses_a_capture_and_nvmath_is_recorded(emulated, mon
     setStream check); through nvmath's, on a reserved stream, it is recorded."""
     from purine_mpi.gpu import blas
     from tests.emulated_gpu import use_emulated_nvmath
-    a, b = _on_device(np.ones((2, 3))), _on_device(np.ones((3, 2)))
-    c = _on_device(np.zeros((2, 2)))
+    a, b = on_device(np.ones((2, 3))), on_device(np.ones((3, 2)))
+    c = on_device(np.zeros((2, 2)))
     for nvmath in (False, True):
         use_emulated_nvmath(monkeypatch, enabled=nvmath)
         rt = SimulatedRuntime(0)
@@ -142,7 +130,7 @@ def test_what_a_capture_allows_is_recorded_and_read_at_replay(emulated):
     as it is then."""
     rt = SimulatedRuntime(0)
     staging = _pinned([1.0, 2.0, 3.0])
-    x, y = _on_device([0.0, 0.0, 0.0]), _on_device([0.0, 0.0, 0.0])
+    x, y = on_device([0.0, 0.0, 0.0]), on_device([0.0, 0.0, 0.0])
     counter, iteration = (np.zeros(1, np.int64).view(DeviceArray) for _ in range(2))
     counter[...] = 5
     scale = 3.0
@@ -174,7 +162,7 @@ def test_a_direct_cupy_style_capture_records_the_work_of_its_with_block(emulated
     same block runs eagerly once, the work between the two calls is the
     graph, and each replay runs it again on the memory as it is then."""
     stream = emulated.cuda.Stream(non_blocking=True)
-    x, y = _on_device([1.0, 2.0]), _on_device([0.0, 0.0])
+    x, y = on_device([1.0, 2.0]), on_device([0.0, 0.0])
     with stream:
         y[...] += x                  # before the capture: runs once
         stream.begin_capture()
@@ -263,7 +251,7 @@ def test_relaxed_mode_allocates_from_the_private_pool(emulated, monkeypatch):
     capture at all.)"""
     monkeypatch.setitem(sim_capture.HOUSE_RULE, "no_capture_allocation", False)
     rt = SimulatedRuntime(0)
-    x, y = _on_device([1.0, 2.0, 3.0]), _on_device([0.0, 0.0, 0.0])
+    x, y = on_device([1.0, 2.0, 3.0]), on_device([0.0, 0.0, 0.0])
     origin = rt.stream(0, "capture")
     allocator, pool = rt.capture_memory(0)
     with allocator:

@@ -15,18 +15,10 @@ import purine_mpi.gpu.streams  # noqa: F401  (gpu.streams)
 from purine_mpi.parallel import placement
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.data import DataReader
-from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, tiny_config,
-                                    train_simulated, use_emulated_cupy)
+from tests.emulated_gpu import DeviceArray, SimulatedRuntime, tiny_config, train_simulated
 
 SOURCE = {"source": "synthetic", "shape": [2, 3, 3], "classes": 4, "num_samples": 10,
           "shuffle": True}
-
-
-@pytest.fixture
-def emulated(monkeypatch, host_build_dir):
-    fake = use_emulated_cupy(monkeypatch, host_build_dir)
-    yield fake
-    gpu.clear_kernel_cache()
 
 
 def _reader(batch=4):

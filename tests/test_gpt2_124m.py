@@ -14,16 +14,6 @@ from tests.conftest import REPO, make_job, run_cli_here
 JOB = os.path.join(REPO, "jobs", "gpt2_124m.yaml")
 
 
-@pytest.fixture(scope="module")
-def text_h5(tmp_path_factory):
-    import json
-    path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
-                       "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
-
-
 def _sets(text_h5, *more):
     return [f"data.train.path={text_h5}", f"data.test.path={text_h5}", *more]
 

@@ -17,23 +17,21 @@ writes into its planned outputs and its planned scratch (Workspace.scratch_for).
 import numpy as np
 import pytest
 
-import purine_mpi.gpu as gpu
 from purine_mpi.parallel.placement import prepare_for_device
 from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.factory import make_dispatcher
 from tests.conftest import cuda_cupy_or_skip, make_job
-from tests.emulated_gpu import (Allocations, SimulatedRuntime, init_params, net_config,
-                                use_emulated_cupy)
+from tests.emulated_gpu import Allocations, SimulatedRuntime, init_params, net_config
 
 NETS = ["tiny", "cifar10_quick", "nin_cifar10"]
 
 
 @pytest.fixture
-def emulated(host_build_dir, monkeypatch):
-    fake = use_emulated_cupy(monkeypatch, host_build_dir)
-    yield fake
+def emulated(emulated):
+    """The shared fixture's (tests/emulated_gpu/fixtures.py), allocation
+    counting off after the test."""
+    yield emulated
     Allocations.counting = False
-    gpu.clear_kernel_cache()
 
 
 def _counted_iteration(d, iterations=3):

@@ -14,7 +14,6 @@ import threading
 import numpy as np
 import pytest
 
-import purine_mpi.gpu as gpu
 from purine_mpi.comm import device as comm_device
 from purine_mpi.parallel.placement import prepare_for_device
 from purine_mpi.job.replica import build_train_graph
@@ -24,17 +23,16 @@ from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import COPY_OUT_STREAM
 from tests import emulated_gpu
 from tests.conftest import make_job
-from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, init_params, tiny_config,
-                                    use_emulated_cupy)
+from tests.emulated_gpu import DeviceArray, SimulatedRuntime, init_params, tiny_config
 
 ITERS = 4
 
 
 @pytest.fixture
-def emulated(monkeypatch, host_build_dir):
-    fake = use_emulated_cupy(monkeypatch, host_build_dir)
-    yield fake
-    gpu.clear_kernel_cache()
+def emulated(emulated):
+    """The shared fixture's (tests/emulated_gpu/fixtures.py), the CUDA-aware
+    MPI answer forgotten after the test."""
+    yield emulated
     comm_device.cuda_aware.cache_clear()
 
 

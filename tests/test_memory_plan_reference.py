@@ -16,7 +16,6 @@ from purine_mpi.tools.graph import compose_for
 
 from .conftest import make_job
 from .test_memory_plan import _assert_sound, _job
-from .test_micro_memory import text_h5  # noqa: F401  (the fixture)
 
 
 def _reference_colour(units, order, best_fit, link, align):
@@ -99,7 +98,7 @@ def _graphs(name, np_, rank, sets):
 ])
 @pytest.mark.parametrize("order_ops", [True, False])
 def test_plan_is_the_reference_plan(name, np_, sets, order_ops, monkeypatch, digits_h5,
-                                    text_h5):  # noqa: F811
+                                    text_h5):
     data = text_h5 if name.startswith("gpt") else digits_h5
     sets = dict(sets, **{"data.train.path": data, "data.test.path": data})
     checked = 0
@@ -120,7 +119,7 @@ def test_plan_is_the_reference_plan(name, np_, sets, order_ops, monkeypatch, dig
     assert checked
 
 
-def test_interference_pairs_are_neighbours_only(text_h5, monkeypatch):  # noqa: F811
+def test_interference_pairs_are_neighbours_only(text_h5, monkeypatch):
     """The pairs ``_interference`` keeps grow with the micro-batch copies,
     not their square: each copy meets its own units and its neighbours'."""
     counts = {}

@@ -15,7 +15,7 @@ from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.micro_memory import (activation_bytes, copy_index, live_slots,
                                               plan_micro_batch_memory, shareable_roots)
 from purine_mpi.runtime.workspace import Workspace
-from tests.conftest import REPO, make_job, run_cli_here
+from tests.conftest import REPO, make_job
 from tests.mpi_scripts.launch import run_mpi
 from tests.test_micro_batches import STAGES, _config
 
@@ -201,17 +201,6 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
     assert got[0] == ref[0]
     for name, value in ref[1].items():
         np.testing.assert_array_equal(got[1][name], value, err_msg=name)
-
-
-@pytest.fixture(scope="module")
-def text_h5(tmp_path_factory):
-    """Text data for gpt_tiny (its graph reads the vocabulary from the file)."""
-    import json
-    path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
-                       "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
 
 
 def _planned(name, micro, text_h5):

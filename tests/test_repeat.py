@@ -27,16 +27,6 @@ def test_the_file_is_shorter_and_resolves_to_the_spelled_out_net():
     assert new["net"] == old["net"]
 
 
-@pytest.fixture(scope="module")
-def text_h5(tmp_path_factory):
-    import json
-    path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
-                       "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
-
-
 def _data(text_h5):
     return [f"data.train.path={text_h5}", f"data.test.path={text_h5}"]
 

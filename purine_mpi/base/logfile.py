@@ -88,6 +88,15 @@ def note_error(text, rank=None):
         _append(f"error (rank {_rank if rank is None else rank}): {text}")
 
 
+def non_finite_figures(res):
+    """The figures of a test pass's result that are NaN or inf (the
+    evaluation's own as it measured them, train/evaluation.py: a pass that
+    measured nothing); the one rule of the last line, the loop's row and
+    final line, and ``test``'s exit status."""
+    return [k for k, v in (res or {}).items()
+            if k != "samples" and isinstance(v, float) and not math.isfinite(v)]
+
+
 def set_outcome(result, max_iter, start_iter=0):
     """Words for the last line from the loop's ``result`` (train/loop.py)."""
     global _outcome
@@ -96,8 +105,7 @@ def set_outcome(result, max_iter, start_iter=0):
         _outcome = f"already finished at iteration {start_iter}, nothing done"
     elif "diverged_at" in result:
         _outcome = f"diverged at iteration {result['diverged_at']}"
-    elif not result.get("stopped_by") and any(
-            isinstance(v, float) and not math.isfinite(v) for v in result.values()):
+    elif not result.get("stopped_by") and non_finite_figures(result):
         # the last test pass overflowed (train/evaluation.py)
         _outcome = (f"non-finite test figures at iteration "
                     f"{result.get('early_stop') or max_iter}")

@@ -22,6 +22,7 @@ and the positions there wrap around as above but are padding, not samples:
 ``pass_counts`` says how many samples of each rank's batch count (those at
 positions < n), so every sample counts exactly once on any number of ranks.
 """
+import functools
 import json
 import os
 import resource
@@ -35,7 +36,7 @@ import numpy as np
 from ..base import env
 from ..base.errors import DataSpecError, UserError
 from ..base.progress_bar import human_bytes
-from .filecache import INFO_DIGEST_BYTES, RACY, file_identity, same_version
+from .filecache import INFO_DIGEST_BYTES, file_identity, per_file_version, same_version
 from .h5links import check_sources, link_outside
 
 #: synthetic sources hold at most this many bytes of distinct samples and
@@ -88,14 +89,12 @@ def data_hint(data_path, what="data file"):
             "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")
 
 
-#: hdf5_info's answers in this process, by the file's identity (device,
-#: inode, size, mtime, ctime, and a file changed within the last
-#: filecache.RACY_SECONDS its digest, or, over INFO_DIGEST_BYTES, no
-#: answer kept: coarse timestamps may not move): a start-up asks it ~25
-#: times of the same file (each op's shapes, the plan, the notes), 5 ms an
-#: open; a file replaced or rewritten is read again. Only answers are kept,
-#: never errors.
-_HDF5_INFO = {}
+@functools.lru_cache(maxsize=None)
+def _info_reader(split, external):
+    """The reader of a file's (split, external) answer of ``hdf5_info``:
+    one function per pair, under which filecache.per_file_version keeps
+    the answer of each file's version."""
+    return lambda path: _read_hdf5_info(path, split, external)
 
 
 def hdf5_info(path, split=None, external=False):
@@ -113,15 +112,12 @@ def hdf5_info(path, split=None, external=False):
         raise UserError(f"data file '{path}' is a folder, not a file; give the file's path")
     if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(f"data file '{path}' not found; {data_hint(path)}")
-    try:  # metadata only: a large racy file is not hashed (filecache.file_identity)
-        key = (split, bool(external), file_identity(path, INFO_DIGEST_BYTES))
-    except OSError:
-        key = None
-    if key is None or key[-1][-1] == RACY:  # changed just now: read again, keep nothing
-        return _read_hdf5_info(path, split, external)
-    if key not in _HDF5_INFO:
-        _HDF5_INFO[key] = _read_hdf5_info(path, split, external)
-    return _HDF5_INFO[key]
+    # a start-up asks ~25 times of one file (each op's shapes, the plan, the
+    # notes), 5 ms an open: the answer is read once per file version (a
+    # file replaced or rewritten is read again; metadata only, so a racy
+    # file over INFO_DIGEST_BYTES is not hashed but read each time); only
+    # answers are kept, never errors
+    return per_file_version(path, _info_reader(split, bool(external)), digest=INFO_DIGEST_BYTES)
 
 
 def _read_hdf5_info(path, split, external):

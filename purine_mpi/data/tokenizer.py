@@ -166,15 +166,23 @@ def whole_text_json(json_text):
     when both are off already, or the JSON does not parse (plain JSON,
     without the tokenizers library)."""
     import json
+    spec, changed = _whole_text_spec(json_text)
+    return json.dumps(spec, ensure_ascii=False) if changed else json_text
+
+
+def _whole_text_spec(json_text):
+    """(the JSON object of a vocabulary's text with its ``truncation`` and
+    ``padding`` off (null), whether either was on), or (None, False) where
+    the text does not parse to a JSON object."""
+    import json
     try:
         spec = json.loads(json_text)
     except ValueError:
-        return json_text
-    if not isinstance(spec, dict) or (spec.get("truncation") is None and
-                                      spec.get("padding") is None):
-        return json_text
-    spec["truncation"] = spec["padding"] = None
-    return json.dumps(spec, ensure_ascii=False)
+        return None, False
+    if not isinstance(spec, dict):
+        return None, False
+    changed = spec.get("truncation") is not None or spec.get("padding") is not None
+    return dict(spec, truncation=None, padding=None), changed
 
 
 def vocabulary_digest(json_text):
@@ -187,13 +195,9 @@ def vocabulary_digest(json_text):
     still tells two vocabularies apart. A JSON that does not parse is
     digested as it is (it matches only itself)."""
     import json
-    try:
-        spec = json.loads(json_text)
-    except ValueError:
+    spec, _ = _whole_text_spec(json_text)
+    if spec is None:
         return digest(json_text)
-    if not isinstance(spec, dict):
-        return digest(json_text)
-    spec = dict(spec, truncation=None, padding=None)
     return digest(json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 

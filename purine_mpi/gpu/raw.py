@@ -16,6 +16,7 @@ Importing this module needs only NumPy.
 """
 import numpy as np
 
+from ..base.precision import value_dtype
 from . import data_ptr  # noqa: F401  (raw.data_ptr, as before)
 
 #: dtypes the ``cuda/*.cu`` entry points exist for (``<func>_f32``, ``<func>_f64``)
@@ -81,8 +82,9 @@ def last_axis_rows(shape):
 def column_scratch(x):
     """The scratch specs of the column sums of ``x``'s ``last_axis_rows``
     view on a GPU (a fully connected layer's bias gradient, a layer norm's
-    dg and db)."""
-    return sum_scratch(last_axis_rows(x.shape), x.dtype)
+    dg and db): those of its values' dtype (float32's for bfloat16 bits,
+    which the sums widen: ``sum_rows_bits_f32``)."""
+    return sum_scratch(last_axis_rows(x.shape), value_dtype(x))
 
 
 def same_buffer(a, b):
@@ -91,6 +93,16 @@ def same_buffer(a, b):
                        and np.dtype(a.dtype) == np.dtype(b.dtype)
                        and data_ptr(a) == data_ptr(b)))
 
+
+
+def carry(srcs, dsts):
+    """``dst[...] = src`` for each pair of ``srcs`` and ``dsts`` (an
+    output that holds its input, updated or as it is), except where the two
+    view the same elements (the memory plan put the output on its input:
+    nothing to copy)."""
+    for src, dst in zip(srcs, dsts):
+        if not same_buffer(src, dst):
+            dst[...] = src
 
 def op_scratch(kernel, device):
     """The scratch buffer (``runtime.workspace.Scratch``) of ``kernel``'s op

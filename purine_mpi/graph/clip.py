@@ -63,19 +63,31 @@ def add_clip(graph, clip, group=None, seq=None, thread=0):
     if group is not None and len(group) > 1:
         total = "clip.sumsq.all"
         graph.add_blob(total, (1,), "float64", location, kind="grad")
-        attrs = {"seq": int(seq if seq is not None else _next_seq(graph)),
-                 "group": sorted(int(r) for r in group)}
-        graph.add_op("clip.sum", "Allreduce", ["clip.sumsq"], [total], attrs,
-                     location=location, thread=thread)
+        graph.add_op("clip.sum", "Allreduce", ["clip.sumsq"], [total],
+                     group_attrs(graph, group, seq), location=location, thread=thread)
     for op, grad in zip(updates, grads):
-        blob = graph.blobs[grad]
-        clipped = f"{grad}@clip"
-        graph.add_blob(clipped, blob.shape, blob.dtype, blob.location, kind="grad",
-                       alias_of=grad)
-        graph.add_op(f"{grad}.clip", "ClipScale", [grad, total], [clipped],
-                     {"clip": float(clip)}, location=blob.location, thread=op.thread)
-        op.inputs[1] = clipped
+        reroute_grad(graph, op, grad, "clip", "ClipScale", [grad, total], {"clip": float(clip)})
     return graph.infer_shapes()
+
+
+def reroute_grad(graph, update, grad, suffix, op_type, inputs, attrs=None):
+    """Make ``update`` read ``grad@suffix`` instead of its gradient ``grad``:
+    an alias of ``grad`` that a new op ``grad.suffix`` (``op_type`` of
+    ``inputs``, ``attrs``) writes, where the gradient lives, on the
+    update's thread (ClipScale, loss scaling's Unscale)."""
+    blob = graph.blobs[grad]
+    alias = f"{grad}@{suffix}"
+    graph.add_blob(alias, blob.shape, blob.dtype, blob.location, kind="grad", alias_of=grad)
+    graph.add_op(f"{grad}.{suffix}", op_type, inputs, [alias], attrs, location=blob.location,
+                 thread=update.thread)
+    update.inputs[1] = alias
+
+
+def group_attrs(graph, group, seq=None):
+    """The attrs of an Allreduce of one value among the ranks ``group``:
+    its ``seq`` (None: after the graph's other comm ops) and the group."""
+    return {"seq": int(seq if seq is not None else _next_seq(graph)),
+            "group": sorted(int(r) for r in group)}
 
 
 def _next_seq(graph):

@@ -32,7 +32,7 @@ GradScaler sees no gradient of a parameter that does not require one. Imports th
 the solver table (the graph layer).
 """
 from ..ops.updates import frozen
-from .clip import _next_seq, update_ops
+from .clip import group_attrs, reroute_grad, update_ops
 
 #: the blobs of the scale and its counters (kind state)
 SCALE, GOOD, SKIPPED = "loss_scale", "loss_scale.good_steps", "loss_scale.skipped"
@@ -83,18 +83,11 @@ def add_loss_scale(graph, settings, group=None, seq=None, thread=0, inject=None)
         flag, flag_op = f"{FLAG}.all", "loss_scale.any"
         graph.add_blob(flag, (1,), "float32", location, kind="grad")
         graph.add_op(flag_op, "Allreduce", [FLAG], [flag],
-                     {"seq": int(seq if seq is not None else _next_seq(graph)),
-                      "group": sorted(int(r) for r in group), "reduce": "max"},
+                     dict(group_attrs(graph, group, seq), reduce="max"),
                      location=location, thread=thread)
     step = None
     for op, grad in zip(updates, grads):
-        blob = graph.blobs[grad]
-        unscaled = f"{grad}@unscale"
-        graph.add_blob(unscaled, blob.shape, blob.dtype, blob.location, kind="grad",
-                       alias_of=grad)
-        graph.add_op(f"{grad}.unscale", "Unscale", [grad, SCALE], [unscaled],
-                     location=blob.location, thread=op.thread)
-        op.inputs[1] = unscaled
+        reroute_grad(graph, op, grad, "unscale", "Unscale", [grad, SCALE])
         op.attrs["skip_if"] = SKIP  # the host's copy of the decision
         op.control_inputs.append(UPDATE)
         if op.op_type in ("AdamUpdate", "AdamWUpdate"):  # the step count of applied steps

@@ -13,10 +13,9 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype,
-                              wire_scratch)
+from ..base.precision import from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, float_kernels, raw_kernels
-from .registry import OpKernel, gradient, register, spans
+from .registry import OpKernel, gradient, out_dtype, register, spans
 
 
 def relu(xp, x, slope, out):
@@ -131,37 +130,50 @@ class Sigmoid(OpKernel):
         y *= 0.5
 
 
-class _OneTemporary(OpKernel):
-    """A gradient whose run takes one temporary of ``dy``'s shape."""
-
-    def host_temporaries(self, ins, outs):
-        return [(ins[0].shape, ins[0].dtype)]
-
-
-@register
-class SigmoidGrad(_OneTemporary):
-    """[dy, y] -> [dx]: dx = dy * y * (1 - y)."""
-
-    op_type = "SigmoidGrad"
+class _OutputGrad(OpKernel):
+    """[dy, y] -> [dx]: the gradient of an elementwise op from its output y
+    (Sigmoid's, Tanh's), all three of one shape; its run takes one temporary
+    of ``dy``'s shape (``temporary``)."""
 
     @classmethod
     def infer(cls, attrs, ins):
         return _same_shape(cls.op_type, ins)
 
+    def host_temporaries(self, ins, outs):
+        return [(ins[0].shape, ins[0].dtype)]
+
+    def temporary(self, ins, outs):
+        """The temporary, capturable (``temporaries``)."""
+        (t,) = self.temporaries(ins[0], *self.host_temporaries(ins, outs))
+        return t
+
+
+def _output_gradient(op_type, grad_type):
+    """Register the gradient of ``op_type`` (y = f(x)): ``grad_type``
+    [dy, y] -> [dx] (an ``_OutputGrad``)."""
+    @gradient(op_type)
+    def _grad(g, op):
+        dy = g.grad_of(op.outputs[0])
+        if dy is not None and g.needs_grad(op.inputs[0]):
+            g.emit(grad_type, [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])])
+
+
+@register
+class SigmoidGrad(_OutputGrad):
+    """[dy, y] -> [dx]: dx = dy * y * (1 - y)."""
+
+    op_type = "SigmoidGrad"
+
     def run(self, ins, outs):
         dy, y = ins
         xp, dx = get_xp(dy), outs[0]
-        (t,) = self.temporaries(dy, *self.host_temporaries(ins, outs))  # capturable
+        t = self.temporary(ins, outs)
         xp.subtract(1, y, out=t)
         xp.multiply(dy, y, out=dx)
         dx *= t
 
 
-@gradient("Sigmoid")
-def _sigmoid_grad(g, op):
-    dy = g.grad_of(op.outputs[0])
-    if dy is not None and g.needs_grad(op.inputs[0]):
-        g.emit("SigmoidGrad", [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])])
+_output_gradient("Sigmoid", "SigmoidGrad")
 
 
 @register
@@ -179,29 +191,21 @@ class Tanh(OpKernel):
 
 
 @register
-class TanhGrad(_OneTemporary):
+class TanhGrad(_OutputGrad):
     """[dy, y] -> [dx]: dx = dy * (1 - y^2)."""
 
     op_type = "TanhGrad"
 
-    @classmethod
-    def infer(cls, attrs, ins):
-        return _same_shape(cls.op_type, ins)
-
     def run(self, ins, outs):
         dy, y = ins
         xp = get_xp(dy)
-        (t,) = self.temporaries(dy, *self.host_temporaries(ins, outs))  # capturable
+        t = self.temporary(ins, outs)
         xp.multiply(y, y, out=t)
         xp.subtract(1, t, out=t)
         xp.multiply(dy, t, out=outs[0])
 
 
-@gradient("Tanh")
-def _tanh_grad(g, op):
-    dy = g.grad_of(op.outputs[0])
-    if dy is not None and g.needs_grad(op.inputs[0]):
-        g.emit("TanhGrad", [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])])
+_output_gradient("Tanh", "TanhGrad")
 
 
 _SQRT_2_OVER_PI = 0.7978845608028654   # sqrt(2 / pi)
@@ -399,9 +403,7 @@ class Gelu(OpKernel):
     @classmethod
     def infer(cls, attrs, ins):
         _approximate(attrs)
-        if 0 in attrs.get("bits_out", ()):
-            return [(ins[0][0], BITS)]
-        return [(ins[0][0], value_dtype(ins[0][1]))]
+        return [(ins[0][0], out_dtype(attrs, ins[0][1]))]
 
     def host_temporaries(self, ins, outs):
         """A chunk's t, e, f; for a bits y a chunk's float32 y and

@@ -101,14 +101,15 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, value_dtype, wire_scratch
+from ..base.precision import is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import raw_kernels, widen
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
 from .im2col import gemm_holds, shared, shared_hold
-from .registry import OpKernel, gradient, register, spans, specs_nbytes
+from .registry import (OpKernel, ProductKernel, gradient, out_dtype, register, spans,
+                       specs_nbytes)
 
 
 def gemm(*args, **kwargs):
@@ -225,7 +226,7 @@ class _AttentionKernel(OpKernel):
         ops' path without dropout (``host_probs_t``), none when not causal;
         the scores' products' scratch (``score_product_holds``)."""
         qkv = self.qkv_input(ins)
-        fused = isinstance(self, (Attention, AttentionGrad))
+        fused = isinstance(self, _FusedAttention)
         group = host_group(self, qkv) if fused else None
         products = score_product_holds(self.attrs, qkv, group)
         if not bool(self.attrs.get("causal", True)):
@@ -311,12 +312,10 @@ def softmax_rows_grad(xp, dp, p):
 
 
 @register
-class AttentionScores(_AttentionKernel):
+class AttentionScores(ProductKernel, _AttentionKernel):
     """[qkv] -> [S]: S = q k^T / sqrt(D), -inf above the diagonal when causal."""
 
     op_type = "AttentionScores"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -333,12 +332,10 @@ class AttentionScores(_AttentionKernel):
 
 
 @register
-class AttentionScoresGrad(OpKernel):
+class AttentionScoresGrad(ProductKernel):
     """[dS, qkv] -> [dqkv]: dq = dS k / sqrt(D), dk = dS^T q / sqrt(D), dv = 0."""
 
     op_type = "AttentionScoresGrad"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -365,12 +362,10 @@ def _scores_grad(g, op):
 
 
 @register
-class AttentionContext(OpKernel):
+class AttentionContext(ProductKernel):
     """[P, qkv] -> [ctx]: ctx[:, :, head h] = P_h v_h, heads side by side (N, T, C)."""
 
     op_type = "AttentionContext"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -389,13 +384,11 @@ class AttentionContext(OpKernel):
 
 
 @register
-class AttentionContextGrad(OpKernel):
+class AttentionContextGrad(ProductKernel):
     """[dctx, P, qkv] -> the gradients named in attr ``outputs`` (dP, dqkv):
     dP = dO v^T; dqkv: dv = P^T dO, dq = dk = 0."""
 
     op_type = "AttentionContextGrad"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -602,8 +595,33 @@ def _kept_mask(kernel, bits, p, mask, out):
     dropout_backward(p, mask, kernel.ratio, out)
 
 
+class _FusedAttention(PhiloxStream, _AttentionKernel):
+    """What the fused ops (Attention, AttentionGrad) share: cuDNN's SDPA
+    plans where they take the op (``_sdpa``), else the causal mask, set up
+    on their qkv input (``qkv_input``) with the scratch reserved."""
+
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
+    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
+    _sdpa = None
+    _sdpa_rng = None
+
+    def setup(self, ins, outs):
+        qkv = self.qkv_input(ins)
+        self._sdpa = _sdpa_plans(self, qkv)
+        if self._sdpa is None:
+            self.setup_mask(qkv, qkv.shape[1])
+        self.reserve_temporaries(qkv, *self.scratch_specs(ins, outs))
+
+    def run_temporaries(self, qkv, ins, outs):
+        """The temporaries of a run off the SDPA path: the host path's
+        (``host_specs``) on the host, else the device's (``scratch_specs``)."""
+        host = get_xp(qkv) is np
+        return self.temporaries(
+            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs)))
+
+
 @register
-class Attention(PhiloxStream, _AttentionKernel):
+class Attention(_FusedAttention):
     """[qkv] -> [ctx] (or [ctx, stats] when marked ``sdpa``): the fused
     path, softmax(q k^T / sqrt(D)) v in one op, the probabilities in the
     op's scratch only; see the module docstring. In bf16/fp16 on a GPU,
@@ -617,10 +635,6 @@ class Attention(PhiloxStream, _AttentionKernel):
     the packed mask an original op wrote (a recompute copy: no draw)."""
 
     op_type = "Attention"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
-    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
-    _sdpa = None
-    _sdpa_rng = None
 
     def __init__(self, op):
         super().__init__(op)
@@ -637,7 +651,7 @@ class Attention(PhiloxStream, _AttentionKernel):
         n, t, c, h, _ = _dims(attrs, ins[0][0])
         if replay:
             _check_packed("Attention", (n, h, t, t), ins[1])
-        outs = [((n, t, c), BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1]))]
+        outs = [((n, t, c), out_dtype(attrs, ins[0][1]))]
         if attrs.get("sdpa"):
             outs.append(((n, h, t, 1), "float32"))
         if packed(attrs):   # the bit-packed keep-mask, for the gradient
@@ -657,12 +671,6 @@ class Attention(PhiloxStream, _AttentionKernel):
         bfloat16 output there (no widening); the cuBLAS path writes ctx's
         float32 into its scratch and rounds it into the bits."""
         return (0,) if attrs.get("compute_dtype") == "bfloat16" else ()
-
-    def setup(self, ins, outs):
-        self._sdpa = _sdpa_plans(self, ins[0])
-        if self._sdpa is None:
-            self.setup_mask(ins[0], ins[0].shape[1])
-        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
         """(a float32 qkv where qkv is bits,) P (and with dropout its mask;
@@ -694,8 +702,7 @@ class Attention(PhiloxStream, _AttentionKernel):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         host = xp is np
-        qkv, (p, *mask) = _widened(qkv, self.temporaries(
-            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        qkv, (p, *mask) = _widened(qkv, self.run_temporaries(qkv, ins, outs))
         q, k, v = split_heads(qkv, heads)
         bits = is_bits(outs[0])
         if bits:   # ctx's float32 into the scratch, then rounded into the bits
@@ -730,7 +737,7 @@ class Attention(PhiloxStream, _AttentionKernel):
 
 
 @register
-class AttentionGrad(PhiloxStream, _AttentionKernel):
+class AttentionGrad(_FusedAttention):
     """[dctx, qkv] (or [dctx, qkv, ctx, stats] when marked ``sdpa``) ->
     [dqkv], recomputing S and P; see the module docstring. On the SDPA path
     (gpu/sdpa.py; the same plans as its forward op's, so both take it or
@@ -741,10 +748,6 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
     the input before the iteration."""
 
     op_type = "AttentionGrad"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
-    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
-    _sdpa = None
-    _sdpa_rng = None
 
     @classmethod
     def bits_inputs(cls, attrs):
@@ -768,17 +771,11 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         _check_dropout_inputs("AttentionGrad", attrs, ins, base)
         if packed(attrs):
             _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
-        return [(ins[1][0], BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[1][1]))]
+        return [(ins[1][0], out_dtype(attrs, ins[1][1]))]
 
     def qkv_input(self, ins):
         """The op's qkv input (its second, after dctx)."""
         return ins[1]
-
-    def setup(self, ins, outs):
-        self._sdpa = _sdpa_plans(self, ins[1])
-        if self._sdpa is None:
-            self.setup_mask(ins[1], ins[1].shape[1])
-        self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
         """(a float32 qkv where qkv is bits, a float32 dctx where dctx is
@@ -812,8 +809,7 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         host = xp is np
-        qkv, temps = _widened(qkv, self.temporaries(
-            qkv, *(self.host_specs(ins, outs) if host else self.scratch_specs(ins, outs))))
+        qkv, temps = _widened(qkv, self.run_temporaries(qkv, ins, outs))
         dctx, (p, dp, *mask) = _widened(dctx, temps)
         bits = is_bits(outs[0])
         if not host and self._over_qkv(ins, outs):   # in qkv's widening, then rounded

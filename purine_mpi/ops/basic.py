@@ -3,7 +3,7 @@ import numpy as np
 
 from ..base.backend import get_xp, to_numpy
 from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import same_buffer
+from ..gpu.raw import carry
 from .registry import OpKernel, gradient, register, round_low
 
 
@@ -236,8 +236,7 @@ class Cast(OpKernel):
             from ..gpu.kernels import round_copy
             round_copy(ins[0], dst, self.attrs["dtype"])
             return
-        if not same_buffer(ins[0], dst):   # the plan put the copy on its source: no copy
-            dst[...] = ins[0]
+        carry([ins[0]], [dst])   # none where the plan put the copy on its source
         round_low(self, [dst], self.attrs["dtype"])
 
     def host_temporaries(self, ins, outs):

@@ -63,12 +63,11 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import (BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype,
-                              wire_scratch)
+from ..base.precision import from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .hostgemm import matmul, matmul_rows
 from .im2col import gemm_holds
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, ProductKernel, gradient, out_dtype, register
 
 
 def _on_gpu(xp, *arrays):
@@ -148,13 +147,11 @@ def _split(shape, axis):
 
 
 @register
-class InnerProduct(OpKernel):
+class InnerProduct(ProductKernel):
     """y = x.reshape(M, K) @ w^T + b, then a fused ReLU when attr ``relu`` is
     true; see the module docstring."""
 
     op_type = "InnerProduct"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -169,7 +166,7 @@ class InnerProduct(OpKernel):
         if len(ins) == 3 and tuple(ins[2][0]) != (w_shape[0],):
             raise ShapeError(f"InnerProduct bias must have shape [{w_shape[0]}], got "
                              f"{list(ins[2][0])}")
-        y = BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1])
+        y = out_dtype(attrs, ins[0][1])
         return [(x_shape[:axis] + (w_shape[0],), y)]
 
     @classmethod
@@ -258,16 +255,14 @@ class InnerProduct(OpKernel):
 
 
 @register
-class InnerProductGradData(OpKernel):
+class InnerProductGradData(ProductKernel):
     """dx = (dy @ w).reshape(x_shape).  Inputs [dy, w]; attrs x_shape, axis."""
 
     op_type = "InnerProductGradData"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
-        dx = BITS if 0 in attrs.get("bits_out", ()) else value_dtype(ins[0][1])
+        dx = out_dtype(attrs, ins[0][1])
         return [(tuple(attrs["x_shape"]), dx)]
 
     @classmethod
@@ -329,7 +324,7 @@ class InnerProductGradData(OpKernel):
 
 
 @register
-class InnerProductGradWeight(OpKernel):
+class InnerProductGradWeight(ProductKernel):
     """dw = dy^T @ x.reshape(M, K).  Inputs [dy, x]; attr axis.
 
     Attr ``rows: [a, b]`` computes only rows a..b-1 of dw (output shape
@@ -338,8 +333,6 @@ class InnerProductGradWeight(OpKernel):
     starts before the last rows are computed (``parallel.split_params``)."""
 
     op_type = "InnerProductGradWeight"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
-    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -435,9 +428,6 @@ class InnerProductGradBias(OpKernel):
     def scratch_specs(self, ins, outs):
         """The partial sums of the column sum's row ranges (float32/64; a
         bits dy's: float32's)."""
-        if is_bits(ins[0]):
-            from ..gpu.raw import sum_scratch
-            return sum_scratch(last_axis_rows(ins[0].shape), np.float32)
         return column_scratch(ins[0])
 
     def host_temporaries(self, ins, outs):

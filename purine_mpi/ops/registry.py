@@ -37,6 +37,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import GraphError
+from ..base.precision import BITS, value_dtype
 
 KERNELS = {}
 GRADIENTS = {}
@@ -255,6 +256,23 @@ class OpKernel:
         if get_xp(like) is not np:
             from ..gpu.raw import array_device, op_scratch
             op_scratch(self, array_device(like)).reserve(*specs)
+
+
+def out_dtype(attrs, dtype, index=0):
+    """The dtype ``infer`` gives output ``index`` of a kernel with ``attrs``
+    computed from values of ``dtype``: bfloat16 bits (BITS) where the
+    precision pass stores it so (attr ``bits_out``, ``bits_outputs``), else
+    the values' dtype (base/precision.value_dtype: float32 for bits)."""
+    return BITS if index in attrs.get("bits_out", ()) else value_dtype(dtype)
+
+
+class ProductKernel(OpKernel):
+    """A kernel whose device work is cuBLAS products (gpu/blas.py:
+    ``products``) that read only its own inputs, which the precision pass
+    rounds, so marked bf16/fp16 they may run on TF32 (``tf32_when_low``)."""
+
+    products = True
+    tf32_when_low = True
 
 
 def spans(n, step):

@@ -36,9 +36,9 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import BITS, is_bits, to_bf16_bits, value_dtype, wire_scratch
+from ..base.precision import is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import raw_kernels, widen
-from .registry import OpKernel, gradient, register, spans
+from .registry import OpKernel, gradient, out_dtype, register, spans
 
 #: elements of logits (whole positions, at least one) the ``from_logits``
 #: loss and its gradient widen into float32 at a time: their scratch
@@ -465,7 +465,7 @@ class SoftmaxLossGrad(OpKernel):
         _check_label(attrs, ps, ls, cls.op_type)
         _check_normaliser(ins[3:], cls.op_type)
         if attrs.get("from_logits"):
-            return [(tuple(ps), BITS if 0 in attrs.get("bits_out", ()) else value_dtype(pd))]
+            return [(tuple(ps), out_dtype(attrs, pd))]
         return [(tuple(ps), pd)]
 
     def run(self, ins, outs):

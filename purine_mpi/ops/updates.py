@@ -19,7 +19,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels, same_buffer
+from ..gpu.raw import carry, raw_kernels
 from .registry import OpKernel, register
 
 
@@ -31,14 +31,6 @@ def frozen(attrs):
     in the clip's norm (graph/clip.py) nor in fp16's overflow check
     (graph/loss_scale.py)."""
     return float(attrs.get("lr_mult", 1.0)) == 0.0
-
-
-def _kept(held, outs):
-    """A frozen update: its outputs hold the inputs ``held`` (the weight and
-    the states), copied only where they are not the same buffers."""
-    for old, new in zip(held, outs):
-        if not same_buffer(old, new):
-            new[...] = old
 
 
 @register
@@ -73,7 +65,7 @@ class SGDUpdate(OpKernel):
         w_new, v_new = outs
         a = self.attrs
         if frozen(a):
-            _kept((w, v), outs)
+            carry((w, v), outs)   # frozen: the weight and state as they are
             return
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, v)
@@ -104,9 +96,7 @@ class SGDUpdate(OpKernel):
         # a host lr blob is read as a number (no sync); a device blob is read
         # by the kernel, which applies lr_mult (no host round trip, no temporary)
         rate = float(lr.reshape(())) if get_xp(lr) is np else lr
-        for old, new in ((w, w_new), (v, v_new)):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry((w, v), (w_new, v_new))
         k.sgd_momentum_update(w_new, grad, v_new, rate,
                               momentum=float(a.get("momentum", 0.0)),
                               weight_decay=float(a.get("weight_decay", 0.0))
@@ -197,9 +187,7 @@ class MultiSGDUpdate(OpKernel):
         w, v, lr = ins[:3]
         w_new, v_new = outs
         a = self.attrs
-        for old, new in ((w, w_new), (v, v_new)):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry((w, v), (w_new, v_new))
         table = getattr(self, "_table", None)
         if table is not None:
             from ..gpu import kernels
@@ -289,7 +277,7 @@ class _AdaptiveUpdate(OpKernel):
         lr = ins[2 + n]
         a = self.attrs
         xp = get_xp(w)
-        _kept([w] + list(ins[2:2 + n]), outs)
+        carry([w] + list(ins[2:2 + n]), outs)
         if frozen(a):
             return
         w_new, states = outs[0], outs[1:]
@@ -421,7 +409,7 @@ class AdamUpdate(_AdaptiveUpdate):
     def run(self, ins, outs):
         w, grad, m, v, lr, it = ins
         if frozen(self.attrs):
-            _kept((w, m, v), outs)
+            carry((w, m, v), outs)   # frozen: the weight and states as they are
             return
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, m, v)
@@ -430,9 +418,7 @@ class AdamUpdate(_AdaptiveUpdate):
             return
         # on a GPU: one fused kernel (cuda/adam.cu), no temporaries; the lr
         # and iteration blobs on the device are read by the kernel
-        for old, new in zip((w, m, v), outs):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry((w, m, v), outs)
         a = self.attrs
         lr = float(lr.reshape(())) if get_xp(lr) is np else lr
         it = int(it.reshape(())) if get_xp(it) is np else it
@@ -493,9 +479,7 @@ class MultiAdamUpdate(MultiSGDUpdate):
 
     def run(self, ins, outs):
         a = self.attrs
-        for old, new in zip(ins[:3], outs):
-            if not same_buffer(old, new):
-                new[...] = old
+        carry(ins[:3], outs)
         lr, it = ins[3:5]
         table = getattr(self, "_table", None)
         if table is not None:

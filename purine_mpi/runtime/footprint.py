@@ -450,14 +450,22 @@ def window_bytes(composition, rank):
     scheme's Composition places them; a list of placements: windows
     allocated apart, scheme sharded's stage transfers and stage-3 weights
     with stages), 0 without."""
-    placed = getattr(composition, "window_placement", None)
-    if placed is None:
-        return 0
     total = 0
-    for layout, node_of in placed if isinstance(placed, list) else [placed]:
-        sizes = layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
+    for _, sizes in _placed(composition):
         total += sum(n for (_, owner), n in sizes.items() if owner == rank)
     return total
+
+
+def _placed(composition):
+    """(layout, its segments' sizes ``layout.place`` gives) for each window
+    placement of ``composition`` (one, or a list), each placed as it is
+    yielded (its regions' offsets then are this placement's); none without
+    a window."""
+    placed = getattr(composition, "window_placement", None)
+    if placed is None:
+        return
+    for layout, node_of in placed if isinstance(placed, list) else [placed]:
+        yield layout, layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
 
 
 def peer_window_bytes(composition, rank, page=None):
@@ -470,13 +478,9 @@ def peer_window_bytes(composition, rank, page=None):
     stored into or loaded from them (memory.json's ``peer_window_bytes``),
     so they are a figure beside the rows (``Footprint.peer_windows``), not
     one of them. 0 without a shared window."""
-    placed = getattr(composition, "window_placement", None)
-    if placed is None:
-        return 0
     page = page or mmap.PAGESIZE
     total = 0
-    for layout, node_of in placed if isinstance(placed, list) else [placed]:
-        layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
+    for layout, _ in _placed(composition):
         spans = {}
         for group in (layout.words, layout.regions):
             for r in group.values():

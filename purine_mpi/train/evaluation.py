@@ -7,12 +7,12 @@ nanoGPT). For token data (a ``text`` source) the line names the split
 (``val @ iter 100: ...``) and counts tokens, and the row adds ``tokens``. ``loop.state.result`` holds its
 figures for the services after it (watch.py) and the run's result.
 """
-import math
 
 import numpy as np
 
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
 from ..parallel.schemes import scheme_of
+from ..base.logfile import non_finite_figures
 from ..base.progress_bar import progress
 from .collectives import share_running_stats, world_sum
 from .loop import Service
@@ -165,10 +165,3 @@ class Evaluation(Service):
                      "counted, not a measurement")
         out["samples"] = int(counted)
         return out
-
-
-def non_finite_figures(res):
-    """The figures of a test pass's result that are NaN or inf (the
-    evaluation's own as it measured them: a pass that measured nothing)."""
-    return [k for k, v in (res or {}).items()
-            if k != "samples" and isinstance(v, float) and not math.isfinite(v)]

@@ -36,7 +36,7 @@ from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world, world_gather
 from .divergence import DivergenceWatch
-from .evaluation import Evaluation, non_finite_figures
+from .evaluation import Evaluation
 from .loop import Loop
 from .loss_scale import LossScaleLog
 from .progress import Progress
@@ -324,7 +324,7 @@ def run_and_report(trainer, world, baseline=None):
                                              for k, v in result.items()}))
     # the last test pass overflowed (train/evaluation.py): its figures are
     # not a result, and the run does not end as a good one (``test``'s exit 3)
-    if non_finite_figures(result) and not result.get("stopped_by"):
+    if logfile.non_finite_figures(result) and not result.get("stopped_by"):
         if world.rank == 0:
             kept = _last_finite(trainer.state.last_finite, trainer.out_dir)
             at = result.get("early_stop") or trainer.job.solver.max_iter

@@ -29,12 +29,12 @@ from .cupy_module import MEMCPY_LOG, emulated_cupy, pinned_range, use_emulated_c
 from .device import SimEvent, SimGraph, SimStream, check_order, cpu_workspace, log_kernels
 from .runtime import SimulatedRuntime
 from .helpers import compare, emulated_gpu_env, emulated_trainer_env, init_params, net_config, \
-    reporting_raw, run_graph_on_gpu, run_kernel, tiny_config, tiny_raw, train_simulated
+    on_device, reporting_raw, run_graph_on_gpu, run_kernel, tiny_config, tiny_raw, train_simulated
 from .host_kernels import HostCublas, host_cupy, use_emulated_nvmath
 
 __all__ = ["SYNC_COPIES", "Allocations", "DeviceArray", "CUDARuntimeError", "MEMCPY_LOG",
            "emulated_cupy", "pinned_range", "use_emulated_cupy", "SimEvent", "SimGraph", "SimStream",
            "SimulatedRuntime", "check_order", "cpu_workspace", "log_kernels", "compare",
-           "emulated_gpu_env", "emulated_trainer_env", "init_params", "net_config", "reporting_raw", "run_graph_on_gpu", "run_kernel",
+           "emulated_gpu_env", "emulated_trainer_env", "init_params", "net_config", "on_device", "reporting_raw", "run_graph_on_gpu", "run_kernel",
            "tiny_config", "tiny_raw", "train_simulated", "HostCublas", "host_cupy",
            "use_emulated_nvmath"]

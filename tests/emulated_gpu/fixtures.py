@@ -4,7 +4,9 @@ the fixtures it uses, ``from tests.emulated_gpu.fixtures import device``).
 - ``device``: where an op's GPU branch runs (the emulated CuPy, or real
   CuPy on a GPU); records the raw kernels launched;
 - ``backend``: where the raw kernels run (host-compiled, or real CuPy);
-- ``host_device``: the host-compiled kernels as ``cupy``, no GPU twin."""
+- ``host_device``: the host-compiled kernels as ``cupy``, no GPU twin;
+- ``emulated``: the emulated ``cupy`` (``use_emulated_cupy``), no GPU twin;
+  yields the stand-in module."""
 import sys
 
 import numpy as np
@@ -89,4 +91,13 @@ def host_device(host_build_dir, monkeypatch):
     gpu.clear_kernel_cache()
     monkeypatch.setitem(sys.modules, "cupy", host_cupy(host_build_dir))
     yield
+    gpu.clear_kernel_cache()
+
+
+@pytest.fixture
+def emulated(monkeypatch, host_build_dir):
+    """The emulated CuPy as ``cupy`` (``use_emulated_cupy``), no GPU twin:
+    the stand-in module."""
+    fake = use_emulated_cupy(monkeypatch, host_build_dir)
+    yield fake
     gpu.clear_kernel_cache()

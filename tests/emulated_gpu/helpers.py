@@ -14,8 +14,14 @@ from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from tests.conftest import make_job
 
+from .arrays import DeviceArray
 from .cupy_module import use_emulated_cupy
 from .runtime import SimulatedRuntime
+
+
+def on_device(values):
+    """``values`` as a float32 array on the emulated device."""
+    return np.array(values, dtype=np.float32).view(DeviceArray)
 
 
 def run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
