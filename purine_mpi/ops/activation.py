@@ -13,7 +13,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..base.precision import from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
+from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
 from ..gpu.raw import KERNEL_DTYPES, float_kernels, raw_kernels
 from .registry import OpKernel, gradient, out_dtype, register, spans
 
