@@ -94,7 +94,6 @@ def same_buffer(a, b):
                        and data_ptr(a) == data_ptr(b)))
 
 
-
 def carry(srcs, dsts):
     """``dst[...] = src`` for each pair of ``srcs`` and ``dsts`` (an
     output that holds its input, updated or as it is), except where the two
@@ -103,6 +102,7 @@ def carry(srcs, dsts):
     for src, dst in zip(srcs, dsts):
         if not same_buffer(src, dst):
             dst[...] = src
+
 
 def op_scratch(kernel, device):
     """The scratch buffer (``runtime.workspace.Scratch``) of ``kernel``'s op
