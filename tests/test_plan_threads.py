@@ -191,10 +191,11 @@ def test_a_rank_alone_on_the_last_node_is_planned_at_its_own_threads(tmp_path, h
 
 
 def test_ranks_alike_on_the_last_node_are_built_once(tmp_path, host_of):
-    """``--np 11 --ranks-per-node 4``: ranks 8-10 share the last node (3
-    ranks, as many as nodes of 4 get threads here: 1 on 2 cores, but
-    another MPI transport row); rank 8 is built for them, ranks 9 and 10
-    are taken as like it, ranks 2-7 as like rank 1."""
+    """``--np 11 --ranks-per-node 4``: ranks 8-10 share the last node, 3
+    ranks (on 2 cores 1 thread each, as on the nodes of 4, but 2 local
+    peers' MPI cells, not 3); rank 8 is built for them, ranks 9 and 10 are
+    taken as like it, ranks 2-7 as like rank 1. With 12 ranks every node
+    holds 4: ranks 0 and 1 stand for all."""
     from purine_mpi.tools.plan import ranks_to_build
     host_of(2)
     job = load_job(str(_config(tmp_path)), (), None, check_files=False)
