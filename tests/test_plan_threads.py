@@ -158,3 +158,49 @@ def test_plan_is_what_two_ranks_on_two_cores_keep(tmp_path):
         held, used = json.loads((tmp_path / f"held.{r}").read_text())
         assert used == 1, used
         assert held == planned[r] == OUT * IN * 4, (r, held, planned)
+
+
+def test_a_rank_alone_on_the_last_node_is_planned_at_its_own_threads(tmp_path, host_of):
+    """Above ``plan.ALL_RANKS`` ranks plan builds two and takes the others
+    as like them; ``--np 9 --ranks-per-node 2`` on nodes of 2 cores puts
+    rank 8 alone on the last node, where the run gives it both cores (2
+    threads: a K-cut matrix a piece after the first, 448 KiB) and no
+    local peer's MPI cells. plan builds it for that node (rank 8 in a row
+    of its own); before, it took rank 1's figures, planned at 1 thread
+    beside a peer ('assert 65536 == 458752')."""
+    from purine_mpi.base.threads import decide
+    from purine_mpi.comm.mpi_transport import transport_bytes
+    host_of(2)
+    job = load_job(str(_config(tmp_path)), (), None, check_files=False)
+    limits = MemoryLimits(ranks_per_node=2)
+    out, status = run_plan(job, 9, limits, as_json=True)
+    plan = json.loads(out)
+    rows = {r: k["host"] for k in plan["ranks"] for r in k["ranks"]}
+    assert sorted(rows) == list(range(9))
+    for r in range(9):
+        local = 1 if r == 8 else 2
+        count = decide({"MPI_LOCALNRANKS": str(local)})[0]
+        assert rows[r]["host_scratch"] == _kept_by_the_kernel(count), (r, count)
+        assert rows[r]["mpi_transport"] == transport_bytes(local), r
+    assert [r for k in plan["ranks"] if len(k["ranks"]) == 1 for r in k["ranks"]] == [8]
+    node = {tuple(n["ranks"]): n["need_bytes"] for n in plan["nodes"]}
+    assert node[(8,)] == rows[8]["total"]
+    # the text says which ranks stand for others
+    text, _ = run_plan(job, 9, limits)
+    assert "ranks 2-7 were not built" in text and "rank 8:" in text, text
+
+
+def test_ranks_alike_on_the_last_node_are_built_once(tmp_path, host_of):
+    """``--np 11 --ranks-per-node 4``: ranks 8-10 share the last node, 3
+    ranks (on 2 cores 1 thread each, as on the nodes of 4, but 2 local
+    peers' MPI cells, not 3); rank 8 is built for them, ranks 9 and 10 are
+    taken as like it, ranks 2-7 as like rank 1. With 12 ranks every node
+    holds 4: ranks 0 and 1 stand for all."""
+    from purine_mpi.tools.plan import ranks_to_build
+    host_of(2)
+    job = load_job(str(_config(tmp_path)), (), None, check_files=False)
+    built, like = ranks_to_build(job, 11, MemoryLimits(ranks_per_node=4))
+    assert built == [0, 1, 8]
+    assert like == {**{r: 1 for r in range(2, 8)}, 9: 8, 10: 8}
+    built, like = ranks_to_build(job, 12, MemoryLimits(ranks_per_node=4))
+    assert built == [0, 1] and like == {r: 1 for r in range(2, 12)}

@@ -124,3 +124,58 @@ def test_a_worker_counts_its_ignored_labels_over_its_own_micro_batches(tmp_path,
                for op in graph.ops.values() if op.op_type == "DataReader" and
                op.attrs.get("count_label") is not None]
     assert readers == ([(IGNORE, "replica")] if micro > 1 else []), readers
+
+
+def _losses(out):
+    import json
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("phase") == "train"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["clip", "ignore_label"])
+def test_sync_ps_micro_batches_clip_decay_and_ignored_labels_as_one_batch(tmp_path, case):
+    """3 ranks of sync_ps (2 workers, 1 server), M micro-batches against one
+    batch a worker: with ``clip_gradients`` 0.05 (clipping every step: the
+    server's norm is of its updates' scaled gradients, 1/(W M)) and weight
+    decay 0.5 (not scaled by 1/M: a step applies it once), M = 3; with a
+    loss whose ignore_label count differs between the micro-batches
+    (test_trust_step_oracle's data; ``ignore_label_mean: global``: a
+    worker's batch mean), M = 2 and 4. The weights and the servers'
+    momenta agree to float rounding, and so do the reported losses of every
+    iteration (each the mean over the micro-batches, not their sum or the
+    last one's). Checked to fail: with the servers' weight decay divided by
+    M too, 'Mismatched elements: 59 / 64' (clip) and '6 / 6'
+    (ignore_label); without the servers' 1/M the ignore_label case fails
+    ('6 / 6'), the clip case not (a clip active at every step takes the
+    gradient to the same norm at any scale)."""
+    if case == "clip":
+        def cfg(m):
+            base = _cfg("sync_ps", m)
+            return base.replace(solver=dataclasses.replace(
+                base.solver, clip_gradients=0.05, weight_decay=0.5, display=1))
+        ms = (3,)
+    else:
+        from tests.conftest import make_job
+        from tests.test_trust_step_oracle import _config, _data
+        data = _data(tmp_path / "d.h5")
+
+        def cfg(m):
+            raw = _config(data, "sgd", {"mode": "sync_ps", "ps_ranks": 1, "micro_batches": m})
+            raw["solver"]["display"] = 1
+            raw["checkpoint"] = {"interval": 0}
+            return make_job(raw)
+        ms = (2, 4)
+    one = _train(tmp_path, "one", 3, cfg(1))
+    for m in ms:
+        got = _train(tmp_path, f"m{m}", 3, cfg(m))
+        assert sorted(got) == sorted(one) and any(k.startswith("solver/") for k in got)
+        for k in one:
+            np.testing.assert_allclose(got[k], one[k], rtol=1e-4, atol=1e-6, err_msg=(m, k))
+        np.testing.assert_allclose(_losses(tmp_path / f"m{m}"), _losses(tmp_path / "one"),
+                                   rtol=1e-5)
+    if case == "clip":   # the clip was on: one batch without it takes other steps
+        free = _train(tmp_path, "free", 3, cfg(1).replace(solver=dataclasses.replace(
+            cfg(1).solver, clip_gradients=None)))
+        assert not np.allclose(free["params/fc1/weight"], one["params/fc1/weight"],
+                               rtol=1e-3, atol=1e-5)

@@ -750,7 +750,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
             why = selective_no_effect(job)
             if why is not None:
                 raise UserError(f"{NO_EFFECT}: {why}")
-        built, like = ranks_to_build(job, n)
+        built, like = ranks_to_build(job, n, limits)
         graphs = {}
         by_rank = offline_footprints(job, n, built, built=graphs, limits=limits)[0]
         set_transports(by_rank, n, limits)

@@ -463,7 +463,7 @@ def save_metas(job, size, built):
     for r in scheme.save_ranks(first):
         if r not in metas:
             metas[r] = scheme.save_meta(_offline_graphs(job, size, r))
-    _, like = ranks_to_build(job, size)
+    _, like = _alike(job, size)   # a part of a save does not depend on the node
     for r in range(size):
         if r not in metas:
             src = like.get(r, per + r % per)
@@ -497,8 +497,33 @@ def held_bytes(job, graphs):
     return _scheme_of(job, graphs).held_bytes(graphs)
 
 
-def ranks_to_build(job, size):
-    """The ranks ``plan`` builds, and {rank not built: the rank it is like}."""
+def ranks_to_build(job, size, limits=None):
+    """The ranks ``plan`` builds, and {rank not built: the rank it is like}:
+    the ranks alike by their place in the job (``_alike``) and on nodes of
+    as many ranks (``limits``' placement, ``host_ranks``: the threads a
+    rank's host products get, and so their K-cut scratch, and its MPI
+    transport row depend on them). A rank on a node of another count than
+    the rank it would be like (the last node, which holds the rest) is
+    built once for that rank and that count; before, ``plan --np 9
+    --ranks-per-node 2`` on 2 cores gave rank 8, alone on its node at 2
+    threads, rank 1's 1-thread scratch: 65536 bytes for 458752."""
+    built, like = _alike(job, size)
+    count = {r: host_ranks(limits, size, r) for r in set(like) | set(like.values())}
+    placed, first = {}, {}
+    for r in sorted(like):
+        src = like[r]
+        if count[r] == count[src]:
+            placed[r] = src
+        elif (src, count[r]) in first:
+            placed[r] = first[(src, count[r])]
+        else:
+            first[(src, count[r])] = r
+    return built + sorted(first.values()), placed
+
+
+def _alike(job, size):
+    """The ranks ``plan`` builds, and {rank not built: the rank it is like},
+    by their place in the job alone (``ranks_to_build`` adds their nodes)."""
     if size <= ALL_RANKS:
         return list(range(size)), {}
     if job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
@@ -720,7 +745,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
     """``plan``: (text or JSON object, exit status): 0 when every rank fits.
     ``restore``: {"init": the --init file, "resume": True}: the run's
     start-up load (``load_bytes``; None: a fresh start)."""
-    built, like = ranks_to_build(job, size)
+    built, like = ranks_to_build(job, size, limits)
     fps, everyone = offline_footprints(job, size, built, restore, limits=limits)
     set_transports(fps, size, limits)
     groups = {}
@@ -844,5 +869,8 @@ def run_plan(job, size, limits, as_json=False, restore=None):
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
                      ("worker rank 1 holds" if per == "worker" else
-                      "the rank of the second replica at its place holds"))
+                      "the rank of the second replica at its place holds") +
+                     (" (on a node of another count of ranks, what the rank built for "
+                      "that count holds)" if set(like.values()) - set(_alike(job, size)[0])
+                      else ""))
     return "\n".join(lines), 0 if ok else 2
