@@ -302,8 +302,9 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     take part in the stop agreement, send rank 0 this rank's resident bytes
     for its OUT/memory.json (MEMORY_TAG: ``baseline``, its resident bytes
     before the graphs were built, and the high-water mark;
-    trainer.write_memory) and return the same exit status as the workers
-    (trainer.run_and_report). ``memory``: train's start-up check (tools/plan.py
+    trainer.write_memory) and return the stop agreement's exit status (what
+    the workers alone find at the end, a non-finite last test pass, comes
+    in trainer.agreed_status, after this). ``memory``: train's start-up check (tools/plan.py
     check_memory), given this rank's ``ServerRank``."""
     from ..base.rss import peak_rss_bytes
     from ..runtime.footprint import planned_figures
