@@ -4,13 +4,19 @@
 exit 3 (trainer.run_and_report), and before, the server ranks exited 0, so
 the launcher's status was 3 only where it took the workers'. Every rank now
 ends with the same status, agreed in one collective of the whole world.
+
+(2) The note on resuming a checkpoint of another number of ranks counts the
+ranks launched, a parameter-server run's servers too, and says how many of
+them are workers.
 """
 import os
 import subprocess
 
+import h5py
 import pytest
 
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli,
+                            small_net_config, write_config_file)
 from tests.test_trust_mpi_resume import _outlier_h5, _overflow_config
 
 
@@ -44,3 +50,26 @@ def test_every_rank_of_a_ps_run_exits_3_on_a_non_finite_last_test_pass(tmp_path,
         res.stderr
     assert status == {0: 3, 1: 3, 2: 3}, (status, res.stdout, res.stderr)
     assert res.returncode == 3, res.returncode
+
+
+@pytest.mark.mpi
+def test_a_ps_resume_note_counts_the_ranks_launched(tmp_path, digits_h5):
+    """(2) A 3-rank parameter-server run (2 workers, 1 server) resuming a
+    1-rank checkpoint: before, the note said "this run has 2" (the workers)
+    of the 3 ranks launched, and its own checkpoints recorded world_size 2."""
+    cfg = small_net_config(digits_h5)
+    one = write_config_file(tmp_path, cfg, "one.yaml")
+    first = run_cli_args("train", one, "--out", tmp_path / "a", "--iters", "2")
+    assert first.returncode == 0, first.stderr
+    cfg["parallel"] = {"scheme": "data", "mode": "sync_ps", "ps_ranks": 1, "stall_timeout": 30}
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    res = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume",
+                      tmp_path / "a" / "latest.h5", "--iters", "4")
+    assert res.returncode == 0, res.stderr
+    assert "note: resuming a 1-rank checkpoint on 3 rank(s) (2 workers, 1 parameter " \
+        "server(s)), layout [data: 1 replica, 1 rank] -> [data: 2 replicas, 2 ranks]" \
+        in res.stdout, res.stdout
+    assert "was written by 1 rank(s) with a global batch of 16, this run has 3 (2 workers, " \
+        "1 parameter server(s)): the global batch is now 32" in res.stdout, res.stdout
+    with h5py.File(tmp_path / "b" / "latest.h5", "r") as f:
+        assert int(f.attrs["world_size"]) == 3
