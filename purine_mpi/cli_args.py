@@ -193,7 +193,9 @@ def build_parser():
     p.add_argument("--rank", type=int, default=0, help="which rank's slice to print (default 0)")
     p.add_argument("--format", choices=["text", "yaml", "dot"], default="text",
                    help="text: one line per op (default); yaml: the graph: list of "
-                        "docs/config.md, loadable as a config; dot: Graphviz")
+                        "docs/config.md, loadable as a config (with --np N > 1: rank R's "
+                        "slice, which is not a config of the N-rank run; a note on stderr "
+                        "says so); dot: Graphviz")
     p.add_argument("--phase", choices=["train", "test"], default="train",
                    help="the training graph with backward and solver ops (default), or the "
                         "test graph")

@@ -8,11 +8,15 @@ ends with the same status, agreed in one collective of the whole world.
 (2) The note on resuming a checkpoint of another number of ranks counts the
 ranks launched, a parameter-server run's servers too, and says how many of
 them are workers.
+
+(3) ``graph --format yaml --np N`` says (stderr, one line) that a rank's
+slice is no config of the N-rank run.
 """
 import os
 import subprocess
 
 import h5py
+import yaml
 import pytest
 
 from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli,
@@ -73,3 +77,25 @@ def test_a_ps_resume_note_counts_the_ranks_launched(tmp_path, digits_h5):
         "1 parameter server(s)): the global batch is now 32" in res.stdout, res.stdout
     with h5py.File(tmp_path / "b" / "latest.h5", "r") as f:
         assert int(f.attrs["world_size"]) == 3
+
+
+def test_graph_yaml_of_a_rank_slice_says_it_is_no_config_of_the_run(tmp_path, digits_h5):
+    """(3) ``graph --format yaml --np 2`` prints rank 0's slice (its reader
+    shard 0 of 2, its gradients scaled by 1/2), which loads as a config that
+    trains alone on one rank: before, without a word. Now one stderr line says
+    so; without --np (or with --np 1) nothing is said."""
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    res = run_cli_args("graph", job, "--format", "yaml", "--np", "2")
+    assert res.returncode == 0, res.stderr
+    graph = yaml.safe_load(res.stdout)["graph"]
+    reader = next(e for e in graph if e.get("op_type") == "DataReader")
+    assert (reader["attrs"]["rank"], reader["attrs"]["world_size"]) == (0, 2)
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "note: this is rank 0's slice of the graph composed for 2 ranks"), res.stderr
+    assert "not a config of the 2-rank run" in lines[0]
+    for np_ in ([], ["--np", "1"]):
+        plain = run_cli_args("graph", job, "--format", "yaml", *np_)
+        assert plain.returncode == 0 and plain.stderr == "", plain.stderr
+    text = run_cli_args("graph", job, "--np", "2")
+    assert text.returncode == 0 and text.stderr == "", text.stderr
