@@ -11,13 +11,17 @@ them are workers.
 
 (3) ``graph --format yaml --np N`` says (stderr, one line) that a rank's
 slice is no config of the N-rank run.
+
+(4) ``inspect`` shows bytes >= 0x80 of an ASCII string as escapes instead of
+calling the file corrupt.
 """
-import os
+import json
 import subprocess
 
 import h5py
-import yaml
+import numpy as np
 import pytest
+import yaml
 
 from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli,
                             small_net_config, write_config_file)
@@ -99,3 +103,40 @@ def test_graph_yaml_of_a_rank_slice_says_it_is_no_config_of_the_run(tmp_path, di
         assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     text = run_cli_args("graph", job, "--np", "2")
     assert text.returncode == 0 and text.stderr == "", text.stderr
+
+
+def test_inspect_shows_non_ascii_bytes_of_an_ascii_string_as_escapes(tmp_path):
+    """(4) HDF5 stores an ASCII string's bytes as given: bytes >= 0x80 in one
+    make a valid file. Before, ``inspect`` exited 2 calling it corrupt
+    (h5py's strict ASCII decoding: ``'x.h5' is corrupt: UnicodeDecodeError``)
+    and showed such an attribute with U+FFFD in place of the bytes."""
+    path = tmp_path / "x.h5"
+    ascii_type = h5py.string_dtype("ascii")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=np.arange(3.0))
+        f.create_dataset("name", data=b"na\xefve", dtype=ascii_type)
+        f.create_dataset("fixed", data=np.bytes_(b"ab\xff"))
+        f.create_dataset("names", data=np.array([b"caf\xe9", b"ok"], dtype=object),
+                         dtype=ascii_type)
+        f.attrs.create("note", b"r\xe9sum\xe9", dtype=ascii_type)
+        f.attrs.create("notes", np.array([b"r\xe9", b"x"], dtype=object), dtype=ascii_type)
+    res = run_cli_args("inspect", path)
+    assert res.returncode == 0, res.stderr
+    assert "corrupt" not in res.stderr
+    lines = res.stdout.splitlines()
+    assert "  @note = r\\xe9sum\\xe9" in lines, res.stdout
+    assert any(line.startswith("/name ") and line.endswith(" na\\xefve") for line in lines), \
+        res.stdout
+    assert any(line.startswith("/fixed ") and line.endswith(" ab\\xff") for line in lines), \
+        res.stdout
+    assert any(line.startswith("/w ") for line in lines), res.stdout
+    js = run_cli_args("inspect", path, "--json")
+    assert js.returncode == 0, js.stderr
+    report = json.loads(js.stdout)
+    assert report["attrs"] == {"note": "r\\xe9sum\\xe9", "notes": ["r\\xe9", "x"]}
+    values = {d["name"]: d.get("value") for d in report["datasets"]}
+    assert values["/name"] == "na\\xefve" and values["/fixed"] == "ab\\xff", values
+    # --diff of the file with itself: the same strings, equal
+    same = run_cli_args("inspect", path, "--diff", path, "--json")
+    assert same.returncode == 0, same.stderr
+    assert all(row.get("equal", True) for row in json.loads(same.stdout)["diff"]["datasets"])

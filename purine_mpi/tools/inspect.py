@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..base.errors import UserError
-from ..job.checkpoint_file import KIND, open_h5, plain_attr, read_attrs
+from ..job.checkpoint_file import KIND, open_h5, plain_attr
 
 
 # ------------------------------------------------------------------ inspect
@@ -58,6 +58,29 @@ def _datasets(f):
     return found
 
 
+def _shown_attrs(obj):
+    """An object's attributes as plain Python (job/checkpoint_file.read_attrs),
+    text as it is shown: bytes that are not UTF-8 (an
+    ASCII string attribute holding \xe9) as escapes, not replaced by U+FFFD
+    nor as lone surrogates (which no terminal prints)."""
+    return {k: _text(v) if isinstance(v, (bytes, str, np.ndarray)) else plain_attr(v)
+            for k, v in obj.attrs.items()}
+
+
+def _text(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # h5py's surrogateescape of bytes that are not UTF-8
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OS":
+        return np.array([_text(v) for v in value.reshape(-1)], dtype=object).reshape(value.shape)
+    return value
+
+
 def _numeric(dset):
     return dset.dtype.kind in "biuf"
 
@@ -68,7 +91,9 @@ def _small_value(dset):
     if dset.dtype.kind in "SO" or plain_attr(dset.attrs.get(KIND)) == "json":
         if dset.size * 64 > BLOCK_BYTES:
             return None
-        return dset.asstr()[()]
+        # bytes an ASCII (or UTF-8) string type does not allow are shown as
+        # escapes (\xe9): a value HDF5 stored as given, not a damaged file
+        return dset.asstr(encoding="utf-8", errors="backslashreplace")[()]
     return np.asarray(dset[...]) if dset.nbytes <= BLOCK_BYTES else None
 
 
@@ -188,7 +213,7 @@ def _describe(path):
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
             for name, dset in _datasets(f).items():
                 datasets.append(_stats(name, dset))
-        return {"path": str(path), "attrs": read_attrs(f), "datasets": datasets}
+        return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
 
 
 def _stats(name, dset):
@@ -289,7 +314,7 @@ def _difference(raw_x, raw_y, x, y):
 def _diff(path, other):
     with open_h5(path, "file") as fa, open_h5(other, "file") as fb, _read_errors(path):
         a_sets, b_sets = _datasets(fa), _datasets(fb)
-        a_attrs, b_attrs = read_attrs(fa), read_attrs(fb)
+        a_attrs, b_attrs = _shown_attrs(fa), _shown_attrs(fb)
         rows = []
         for name in a_sets:
             if name not in b_sets:
