@@ -14,6 +14,9 @@ slice is no config of the N-rank run.
 
 (4) ``inspect`` shows bytes >= 0x80 of an ASCII string as escapes instead of
 calling the file corrupt.
+
+(5) Found in the audit: a parameter-server run's server checks a --resume
+checkpoint against the net as the workers do.
 """
 import json
 import subprocess
@@ -60,19 +63,29 @@ def test_every_rank_of_a_ps_run_exits_3_on_a_non_finite_last_test_pass(tmp_path,
     assert res.returncode == 3, res.returncode
 
 
+PS = {"scheme": "data", "mode": "sync_ps", "ps_ranks": 1, "stall_timeout": 30}
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(digits_h5, tmp_path_factory):
+    """The tiny net's checkpoint of 2 iterations on one rank (read only)."""
+    base = tmp_path_factory.mktemp("one")
+    one = write_config_file(base, small_net_config(digits_h5), "one.yaml")
+    first = run_cli_args("train", one, "--out", base / "a", "--iters", "2")
+    assert first.returncode == 0, first.stderr
+    return base / "a" / "latest.h5"
+
+
 @pytest.mark.mpi
-def test_a_ps_resume_note_counts_the_ranks_launched(tmp_path, digits_h5):
+def test_a_ps_resume_note_counts_the_ranks_launched(tmp_path, digits_h5, one_rank_run):
     """(2) A 3-rank parameter-server run (2 workers, 1 server) resuming a
     1-rank checkpoint: before, the note said "this run has 2" (the workers)
     of the 3 ranks launched, and its own checkpoints recorded world_size 2."""
     cfg = small_net_config(digits_h5)
-    one = write_config_file(tmp_path, cfg, "one.yaml")
-    first = run_cli_args("train", one, "--out", tmp_path / "a", "--iters", "2")
-    assert first.returncode == 0, first.stderr
-    cfg["parallel"] = {"scheme": "data", "mode": "sync_ps", "ps_ranks": 1, "stall_timeout": 30}
+    cfg["parallel"] = dict(PS)
     ps = write_config_file(tmp_path, cfg, "ps.yaml")
-    res = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume",
-                      tmp_path / "a" / "latest.h5", "--iters", "4")
+    res = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume", one_rank_run,
+                      "--iters", "4")
     assert res.returncode == 0, res.stderr
     assert "note: resuming a 1-rank checkpoint on 3 rank(s) (2 workers, 1 parameter " \
         "server(s)), layout [data: 1 replica, 1 rank] -> [data: 2 replicas, 2 ranks]" \
@@ -140,3 +153,27 @@ def test_inspect_shows_non_ascii_bytes_of_an_ascii_string_as_escapes(tmp_path):
     same = run_cli_args("inspect", path, "--diff", path, "--json")
     assert same.returncode == 0, same.stderr
     assert all(row.get("equal", True) for row in json.loads(same.stdout)["diff"]["datasets"])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_a_ps_resume_of_another_nets_checkpoint_is_a_user_error(tmp_path, digits_h5,
+                                                                 one_rank_run, mode):
+    """(5, found in this session's audit) ``--resume`` of a checkpoint of
+    another net in a parameter-server run: the workers refused it (exit 2,
+    naming the missing parameters), but the server read the file unchecked
+    and died on ``rank 2: KeyError: 'head/weight'``, ending the job with
+    exit 1, a runtime failure. The server now checks it as the workers do."""
+    cfg = small_net_config(digits_h5)
+    for layer in cfg["net"]:  # fc1 renamed: a net the checkpoint does not hold
+        layer.update({k: "head" if v == "fc1" else ["head" if b == "fc1" else b for b in v]
+                      if isinstance(v, list) else v for k, v in layer.items()
+                      if k in ("name", "top", "bottom")})
+    cfg["parallel"] = dict(PS, mode=mode, max_staleness=1)
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    res = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume", one_rank_run)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "KeyError" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {one_rank_run}: checkpoint lacks parameter(s) head/weight, " \
+        "head/bias of this net", res.stderr

@@ -15,6 +15,7 @@ stop agreement and send their momenta to rank 0 for its checkpoints
 import numpy as np
 
 from ..graph.solver_graph import momentum_name
+from ..job.checkpoint_check import check_for_net
 from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
 from ..parallel.schemes.param_server import lockstep
@@ -167,6 +168,13 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         del loaded
     if resume:
         ck = resolve_resume(None, resume)  # a path, or the Checkpoint already read
+        # checked against the net as the workers check it (train/checkpoints.py),
+        # before any of it is read: a checkpoint of another net is the user's
+        # error, found alike on every rank (exit 2), not a KeyError of a server
+        zeros = {p: np.broadcast_to(np.zeros((), graph.blobs[p].dtype), graph.blobs[p].shape)
+                 for p in owned}
+        check_for_net(ck, ck.path, [b.name for b in graph.params()], zeros,
+                      {(p, "momentum"): a for p, a in zeros.items()})
         start = int(ck.attrs["iteration"])
         for p in owned:
             values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
