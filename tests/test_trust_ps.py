@@ -94,6 +94,13 @@ def test_a_ps_resume_note_counts_the_ranks_launched(tmp_path, digits_h5, one_ran
         "1 parameter server(s)): the global batch is now 32" in res.stdout, res.stdout
     with h5py.File(tmp_path / "b" / "latest.h5", "r") as f:
         assert int(f.attrs["world_size"]) == 3
+    # and back on one rank: the file's 3 ranks, 2 of them workers
+    back = run_cli_args("train", write_config_file(tmp_path, small_net_config(digits_h5)),
+                        "--out", tmp_path / "c", "--resume", tmp_path / "b" / "latest.h5",
+                        "--iters", "5")
+    assert back.returncode == 0, back.stderr
+    assert "note: resuming a 3-rank checkpoint (2 workers) on 1 rank(s), layout " \
+        "[data: 2 replicas, 2 ranks] -> [data: 1 replica, 1 rank]" in back.stdout, back.stdout
 
 
 def test_graph_yaml_of_a_rank_slice_says_it_is_no_config_of_the_run(tmp_path, digits_h5):

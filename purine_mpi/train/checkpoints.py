@@ -191,7 +191,10 @@ class Checkpoints(Service):
                 size, servers = launched_ranks(loop)
                 workers = f" ({loop.world.size} workers, {servers} parameter server(s))" \
                     if servers else ""
-                loop.log(f"note: resuming a {saved_world or len(ranks)}-rank checkpoint on "
+                # a parameter-server run's file holds its workers' states alone
+                saved_world = int(saved_world or len(ranks))
+                held = f" ({len(ranks)} workers)" if saved_world > len(ranks) else ""
+                loop.log(f"note: resuming a {saved_world}-rank checkpoint{held} on "
                          f"{size} rank(s){workers}, layout {was} -> {loop.graphs.layout.describe()}: the weights "
                          "and solver state load by name, each stage taking its layers'; the data "
                          "order continues at the same sample count; random streams (dropout) "
