@@ -17,6 +17,9 @@ calling the file corrupt.
 
 (5) Found in the audit: a parameter-server run's server checks a --resume
 checkpoint against the net as the workers do.
+
+(6) Found in the audit: ``test`` of a parameter-server job on several ranks
+says how to evaluate its weights.
 """
 import json
 import subprocess
@@ -184,3 +187,26 @@ def test_a_ps_resume_of_another_nets_checkpoint_is_a_user_error(tmp_path, digits
     lines = res.stderr.strip().splitlines()
     assert lines[-1] == f"error: {one_rank_run}: checkpoint lacks parameter(s) head/weight, " \
         "head/bias of this net", res.stderr
+
+
+@pytest.mark.mpi
+def test_test_of_a_ps_job_on_several_ranks_says_what_to_do(tmp_path, digits_h5, one_rank_run):
+    """(6, audit) ``mpiexec -n 2 ... test`` of a parameter-server job: before,
+    ``key 'parallel.mode': mode 'sync_ps' runs through the parameter-server
+    trainer``, which names no way on. It now says how to evaluate the
+    weights, and that way gives the figures of one rank."""
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS)
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    res = run_mpi_cli(2, "test", ps, "--weights", one_rank_run)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: {ps}: key 'parallel.mode': mode 'sync_ps' (parameter servers) runs in train "
+        "and bench only; evaluate its weights on one rank, or on several with --set "
+        "parallel.mode=sync"), res.stderr
+    two = run_mpi_cli(2, "test", ps, "--weights", one_rank_run, "--set", "parallel.mode=sync")
+    one = run_cli_args("test", ps, "--weights", one_rank_run)
+    assert two.returncode == 0 and one.returncode == 0, (two.stderr, one.stderr)
+    a, b = json.loads(two.stdout), json.loads(one.stdout)
+    assert a["samples"] == b["samples"] == 360 and a["accuracy"] == b["accuracy"], (a, b)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
