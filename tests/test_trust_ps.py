@@ -20,6 +20,10 @@ checkpoint against the net as the workers do.
 
 (6) Found in the audit: ``test`` of a parameter-server job on several ranks
 says how to evaluate its weights.
+
+(7, 8) Found in the audit: ``inspect`` of variable-length number sequences
+(a traceback before) and of a NaN attribute under --diff (a difference from
+itself before).
 """
 import json
 import subprocess
@@ -210,3 +214,34 @@ def test_test_of_a_ps_job_on_several_ranks_says_what_to_do(tmp_path, digits_h5, 
     a, b = json.loads(two.stdout), json.loads(one.stdout)
     assert a["samples"] == b["samples"] == 360 and a["accuracy"] == b["accuracy"], (a, b)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+
+
+def test_inspect_of_variable_length_numbers_and_a_nan_attribute(tmp_path):
+    """(7, audit) A dataset of variable-length integer sequences (dtype object,
+    not text): before, ``inspect`` ended in a traceback (``TypeError:
+    dset.asstr() can only be used on datasets with an HDF5 string
+    datatype``, exit 1). Now shown by shape as ``vlen int32``, and equal to
+    itself under --diff. (8) ``--diff`` of a file with itself said
+    ``attribute @n: nan vs nan``: a NaN attribute is now no difference, as a
+    NaN in the same place of a dataset is not."""
+    path, other = tmp_path / "v.h5", tmp_path / "w.h5"
+    for p, last in ((path, [3]), (other, [4])):
+        with h5py.File(p, "w") as f:
+            f.create_dataset("seq", data=np.array([np.array([1, 2]), np.array(last)],
+                                                  dtype=object),
+                             dtype=h5py.vlen_dtype(np.int32))
+            f.attrs["n"] = np.nan
+            f.attrs["arr"] = np.array([1.5, np.nan])
+    res = run_cli_args("inspect", path)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    row = next(line for line in res.stdout.splitlines() if line.startswith("/seq "))
+    assert row.split()[1:] == ["2", "vlen", "int32"], row
+    same = run_cli_args("inspect", path, "--diff", path, "--json")
+    assert same.returncode == 0, same.stderr
+    diff = json.loads(same.stdout)["diff"]
+    assert diff["attrs"] == {} and diff["datasets"] == [{"name": "/seq", "equal": True}], diff
+    text = run_cli_args("inspect", path, "--diff", path)
+    assert "attribute @" not in text.stdout, text.stdout
+    changed = json.loads(run_cli_args("inspect", path, "--diff", other, "--json").stdout)
+    assert changed["diff"]["datasets"] == [{"name": "/seq", "equal": False}], changed

@@ -81,6 +81,15 @@ def _text(value):
     return value
 
 
+def _is_text(dset):
+    """A dataset of strings (fixed or variable length) or of JSON text; not
+    one of variable-length sequences of numbers (dtype object too), which
+    reads as an array of arrays."""
+    import h5py
+    return h5py.check_string_dtype(dset.dtype) is not None or \
+        plain_attr(dset.attrs.get(KIND)) == "json"
+
+
 def _numeric(dset):
     return dset.dtype.kind in "biuf"
 
@@ -88,7 +97,7 @@ def _numeric(dset):
 def _small_value(dset):
     """A non-numeric dataset's value (text for strings/JSON), or None when it
     is larger than BLOCK_BYTES (shown by shape and dtype only)."""
-    if dset.dtype.kind in "SO" or plain_attr(dset.attrs.get(KIND)) == "json":
+    if _is_text(dset):
         if dset.size * 64 > BLOCK_BYTES:
             return None
         # bytes an ASCII (or UTF-8) string type does not allow are shown as
@@ -224,9 +233,13 @@ def _stats(name, dset):
             entry.update(_numeric_stats(dset, name))
         return entry
     value = _small_value(dset)
-    if isinstance(value, np.ndarray):
+    import h5py
+    base = None if _is_text(dset) else h5py.check_vlen_dtype(dset.dtype)
+    if base is not None:  # variable-length sequences of numbers (an array of arrays)
+        entry.update(shape=list(dset.shape), dtype=f"vlen {np.dtype(base)}")
+    elif isinstance(value, np.ndarray):
         entry.update(shape=list(value.shape), dtype=str(value.dtype))
-    elif value is None and dset.dtype.kind not in "SO":
+    elif value is None and not _is_text(dset):
         entry.update(shape=list(dset.shape), dtype=str(dset.dtype))
     elif value is None:
         entry.update(shape=list(dset.shape), dtype="string",
@@ -345,8 +358,17 @@ def _same(a, b):
     """Whether two values (arrays, strings, numbers) are equal; values that
     cannot be compared (a record array and floats) are not."""
     try:
+        if any(isinstance(v, np.ndarray) and v.dtype == object for v in (a, b)):
+            # variable-length sequences: an array of arrays, compared element by element
+            a, b = np.asarray(a, dtype=object), np.asarray(b, dtype=object)
+            return a.shape == b.shape and all(_same(x, y) for x, y in zip(a.flat, b.flat))
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return bool(np.array_equal(a, b))
+            try:  # NaN in the same place is no difference, as in a dataset's diff
+                return bool(np.array_equal(a, b, equal_nan=True))
+            except TypeError:  # values without NaN (strings, records)
+                return bool(np.array_equal(a, b))
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            return True
         return bool(a == b)
     except Exception:
         return False
