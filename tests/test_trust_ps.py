@@ -24,6 +24,9 @@ says how to evaluate its weights.
 (7, 8) Found in the audit: ``inspect`` of variable-length number sequences
 (a traceback before) and of a NaN attribute under --diff (a difference from
 itself before).
+
+(9) Found in the audit: ``export onnx`` refuses weights holding NaN (exit 3),
+as ``export hf`` does.
 """
 import json
 import subprocess
@@ -245,3 +248,28 @@ def test_inspect_of_variable_length_numbers_and_a_nan_attribute(tmp_path):
     assert "attribute @" not in text.stdout, text.stdout
     changed = json.loads(run_cli_args("inspect", path, "--diff", other, "--json").stdout)
     assert changed["diff"]["datasets"] == [{"name": "/seq", "equal": False}], changed
+
+
+def test_export_onnx_refuses_non_finite_weights_as_export_hf_does(tmp_path, one_rank_run,
+                                                                    digits_h5):
+    """(9, audit) ``export onnx`` of weights holding a NaN wrote the model and
+    exited 0, where ``export hf``, ``test``, ``predict`` and ``generate`` of
+    such weights exit 3 naming the blob. Now exit 3, nothing written."""
+    pytest.importorskip("onnx")
+    bad = tmp_path / "nan.h5"
+    bad.write_bytes(one_rank_run.read_bytes())
+    with h5py.File(bad, "a") as f:
+        d = f["params/fc1/weight"]
+        a = d[...]
+        a[0, 0] = np.nan
+        d[...] = a
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    out = tmp_path / "m.onnx"
+    res = run_cli_args("export", "onnx", job, "--weights", bad, "--out", out)
+    assert res.returncode == 3, (res.returncode, res.stdout, res.stderr)
+    assert f"error: weights file '{bad}' holds non-finite values (NaN or inf) in blob " \
+        "'fc1/weight' (1 of 640)" in res.stderr, res.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["cfg.yaml", "nan.h5"]
+    good = run_cli_args("export", "onnx", job, "--weights", one_rank_run, "--out", out)
+    assert good.returncode == 0 and out.exists(), good.stderr

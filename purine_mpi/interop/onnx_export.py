@@ -65,6 +65,10 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                         "model's input shape)")
     graph = forward_graph(job, "test", job.data.test)
     values = trained_values(graph, job, weights_path)
+    # a model of NaN weights computes nothing: exit 3, as export hf, test,
+    # predict and generate refuse them, before anything is written
+    from ..job.checkpoint_check import check_finite
+    check_finite(values, weights_path)
     spec = job.data.test.source_dict()  # the source and transform keys, as data/sources reads them
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)
