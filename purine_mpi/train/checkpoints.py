@@ -315,17 +315,18 @@ class Checkpoints(Service):
         if changed and loop.job.data.train is not None and notes:
             b, replicas = loop.job.train_batch, loop.graphs.data_size
             was = f" with a global batch of {batches[0]}" if batches else ""
+            each = "worker" if servers else "rank"  # the ranks that read data
             if not batches:
                 keep = "(keep the global batch with --set data.train.batch_size=G/N)"
             elif batches[0] % replicas == 0:
                 keep = ("(keep the global batch with --set "
                         f"data.train.batch_size={batches[0] // replicas})")
             else:  # no batch per rank keeps it on this many replicas
-                keep = f"({batches[0]} does not split into {replicas} equal batches per rank)"
+                keep = f"({batches[0]} does not split into {replicas} equal batches per {each})"
             workers = f" ({replicas} workers, {servers} parameter server(s))" if servers else ""
             loop.say(f"note: {path} was written by {saved_world} rank(s){was}, this run has "
                      f"{size}{workers}: the global batch is now {loop.job.global_batch(replicas)} "
-                     f"({b} per rank x {replicas}); the data order goes on at the same "
+                     f"({b} per {each} x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
                      + keep)
         return path
