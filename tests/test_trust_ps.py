@@ -16,7 +16,8 @@ slice is no config of the N-rank run.
 calling the file corrupt.
 
 (5) Found in the audit: a parameter-server run's server checks a --resume
-checkpoint against the net as the workers do.
+checkpoint against the net as the workers do, and the momenta it holds
+alone for NaN (5b).
 
 (6) Found in the audit: ``test`` of a parameter-server job on several ranks
 says how to evaluate its weights.
@@ -273,3 +274,29 @@ def test_export_onnx_refuses_non_finite_weights_as_export_hf_does(tmp_path, one_
         ["cfg.yaml", "nan.h5"]
     good = run_cli_args("export", "onnx", job, "--weights", one_rank_run, "--out", out)
     assert good.returncode == 0 and out.exists(), good.stderr
+
+
+@pytest.mark.mpi
+def test_a_ps_resume_of_a_nan_momentum_is_refused_naming_it(tmp_path, digits_h5,
+                                                            one_rank_run):
+    """(5b) The servers hold the momenta, which the workers never check: a
+    --resume checkpoint whose momentum holds a NaN trained on, its first
+    update made the weights NaN, and the run said ``the training diverged
+    ... 'ckpt' stays the last finite checkpoint ... Lower solver.base_lr``,
+    which is wrong on both counts. Now exit 3 naming the blob, as a resume
+    on data-parallel ranks says."""
+    bad = tmp_path / "nan_momentum.h5"
+    bad.write_bytes(one_rank_run.read_bytes())
+    with h5py.File(bad, "a") as f:
+        d = f["solver/fc1/weight/momentum"]
+        a = d[...]
+        a[0, 0] = np.nan
+        d[...] = a
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS)
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    res = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume", bad, "--iters", "4")
+    assert res.returncode == 3, (res.returncode, res.stderr)
+    assert "diverged" not in res.stderr, res.stderr
+    assert f"checkpoint '{bad}' holds non-finite values (NaN or inf) in blob " \
+        "'fc1/weight.momentum' (1 of 640)" in res.stderr, res.stderr
