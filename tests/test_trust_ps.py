@@ -300,3 +300,32 @@ def test_a_ps_resume_of_a_nan_momentum_is_refused_naming_it(tmp_path, digits_h5,
     assert "diverged" not in res.stderr, res.stderr
     assert f"checkpoint '{bad}' holds non-finite values (NaN or inf) in blob " \
         "'fc1/weight.momentum' (1 of 640)" in res.stderr, res.stderr
+
+
+@pytest.mark.mpi
+def test_a_ps_init_of_nan_weights_ends_every_rank_with_one_message(tmp_path, digits_h5,
+                                                                   one_rank_run):
+    """(10, audit) ``--init`` of weights holding a NaN in a parameter-server
+    run: the workers refused them, the server did not look, so the ranks did
+    not agree on the error and each worker printed its own line (``error:
+    rank 0: ...``, ``error: rank 1: ...``) and aborted the job. The server
+    now checks them as the workers do: one line, exit 3. (And with the
+    servers finding the error too, every rank ends the same way: before, a
+    server without threads waited in MPI_Finalize and Hydra, seeing a worker
+    end by os._exit, killed it: exit 9 in 10 of 12 runs of 4 ranks with an
+    --init of another net, 1 of 12 since, comm/world.report_user_error.)"""
+    bad = tmp_path / "nan.h5"
+    bad.write_bytes(one_rank_run.read_bytes())
+    with h5py.File(bad, "a") as f:
+        d = f["params/conv1/weight"]
+        a = d[...]
+        a[0, 0, 0, 0] = np.inf
+        d[...] = a
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS)
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    res = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--init", bad, "--iters", "4")
+    assert res.stderr.count("error:") == 1, res.stderr
+    assert f"error: weights file '{bad}' holds non-finite values (NaN or inf) in blob " \
+        "'conv1/weight' (1 of 36)" in res.stderr, res.stderr
+    assert res.returncode == 3, (res.returncode, res.stderr)

@@ -15,7 +15,7 @@ stop agreement and send their momenta to rank 0 for its checkpoints
 import numpy as np
 
 from ..graph.solver_graph import momentum_name
-from ..job.checkpoint_check import check_for_net
+from ..job.checkpoint_check import check_finite, check_for_net
 from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
 from ..parallel.schemes.param_server import lockstep
@@ -163,6 +163,12 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         else:
             loaded = load_params(init)
         wanted = init_params(loaded if found is None else found, owned, job, init, init_skip)
+        # NaN or inf in the file: found here as the workers find it (every
+        # parameter they take, in their order), so every rank ends with one
+        # message (exit 3), not each worker with its own while this one waits
+        skip = set(init_skip)
+        check_finite({p: loaded[p] for p in (b.name for b in graph.params())
+                      if p in loaded and p.split("/")[0] not in skip}, init)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted
                        if p in loaded})
         del loaded
