@@ -102,7 +102,8 @@ def test_a_ps_resume_note_counts_the_ranks_launched(tmp_path, digits_h5, one_ran
         "server(s)), layout [data: 1 replica, 1 rank] -> [data: 2 replicas, 2 ranks]" \
         in res.stdout, res.stdout
     assert "was written by 1 rank(s) with a global batch of 16, this run has 3 (2 workers, " \
-        "1 parameter server(s)): the global batch is now 32 (16 per worker x 2)" in res.stdout, res.stdout
+        "1 parameter server(s)): the global batch is now 32 (16 per worker x 2)" \
+        in res.stdout, res.stdout
     with h5py.File(tmp_path / "b" / "latest.h5", "r") as f:
         assert int(f.attrs["world_size"]) == 3
     # and back on one rank: the file's 3 ranks, 2 of them workers

@@ -483,7 +483,8 @@ def _graph():
         "parallel composition: a view of what rank R runs, not a config of the N-rank run "
         "-- under scheme data its reader reads shard R of N and its gradients are scaled "
         "by 1/N, so loaded alone it trains on 1/N of the data at 1/N of the rate --, which "
-        "a one-line note on stderr says; train the net config on N ranks). An op's `location` places it on a rank and device, so a "
+        "a one-line note on stderr says; train the net config on N ranks). An op's "
+        "`location` places it on a rank and device, so a "
         "`graph` config can describe any placement by hand.",
         "",
         "```yaml",

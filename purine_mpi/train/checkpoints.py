@@ -195,8 +195,9 @@ class Checkpoints(Service):
                 saved_world = int(saved_world or len(ranks))
                 held = f" ({len(ranks)} workers)" if saved_world > len(ranks) else ""
                 loop.log(f"note: resuming a {saved_world}-rank checkpoint{held} on "
-                         f"{size} rank(s){workers}, layout {was} -> {loop.graphs.layout.describe()}: the weights "
-                         "and solver state load by name, each stage taking its layers'; the data "
+                         f"{size} rank(s){workers}, layout {was} -> "
+                         f"{loop.graphs.layout.describe()}: the weights and solver state "
+                         "load by name, each stage taking its layers'; the data "
                          "order continues at the same sample count; random streams (dropout) "
                          "restart from the seed, so the run is not bit-identical to an "
                          "uninterrupted one")

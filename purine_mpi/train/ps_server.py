@@ -318,8 +318,8 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     before the graphs were built, and the high-water mark;
     trainer.write_memory) and return the stop agreement's exit status (what
     the workers alone find at the end, a non-finite last test pass, comes
-    in trainer.agreed_status, after this). ``memory``: train's start-up check (tools/plan.py
-    check_memory), given this rank's ``ServerRank``."""
+    in trainer.agreed_status, after this). ``memory``: train's start-up
+    check (tools/plan.py check_memory), given this rank's ``ServerRank``."""
     from ..base.rss import peak_rss_bytes
     from ..runtime.footprint import planned_figures
     # the same checkpoint the workers' Trainer resumes from
