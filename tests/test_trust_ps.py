@@ -28,8 +28,13 @@ itself before).
 
 (9) Found in the audit: ``export onnx`` refuses weights holding NaN (exit 3),
 as ``export hf`` does.
+
+(10, 11) Found in the audit: a server checks --init weights for NaN as the
+workers do; an --out where nothing can be written is one line, not a
+traceback.
 """
 import json
+import os
 import subprocess
 
 import h5py
@@ -330,3 +335,30 @@ def test_a_ps_init_of_nan_weights_ends_every_rank_with_one_message(tmp_path, dig
     assert f"error: weights file '{bad}' holds non-finite values (NaN or inf) in blob " \
         "'conv1/weight' (1 of 36)" in res.stderr, res.stderr
     assert res.returncode == 3, (res.returncode, res.stderr)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("command", ["export onnx", "predict", "data digits"])
+@pytest.mark.parametrize("where", ["/proc/purine_out.h5", "/proc/purine_dir/out.h5"])
+def test_an_output_where_no_file_can_be_made_is_one_line(tmp_path, digits_h5, one_rank_run,
+                                                         command, where):
+    """(11, audit) An --out where no file or folder can be made (/proc here;
+    a read-only file system or a folder without write permission alike):
+    before, a Python traceback and exit 1 (``FileNotFoundError: ...
+    '/proc/purine_out.h5.tmp.123'``); now one line naming the path, exit 2."""
+    if command == "export onnx":
+        pytest.importorskip("onnx")
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    args = {"export onnx": ["export", "onnx", job, "--weights", one_rank_run],
+            "predict": ["predict", job, "--weights", one_rank_run],
+            "data digits": ["data", "digits"]}[command]
+    res = run_cli_args(*args, "--out", where)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    folder = os.path.dirname(where)
+    assert last in (f"error: {where}: cannot be written there (No such file or directory); "
+                    "give another --out",
+                    f"error: {folder}: cannot make this folder (No such file or directory); "
+                    "give another --out"), last
+    assert last.startswith(f"error: {where}:" if folder == "/proc" else f"error: {folder}:")
