@@ -31,7 +31,8 @@ as ``export hf`` does.
 
 (10, 11) Found in the audit: a server checks --init weights for NaN as the
 workers do; an --out where nothing can be written is one line, not a
-traceback.
+traceback; (12) an async run of no iteration ends without waiting for
+state the servers never send.
 """
 import json
 import os
@@ -362,3 +363,22 @@ def test_an_output_where_no_file_can_be_made_is_one_line(tmp_path, digits_h5, on
                     f"error: {folder}: cannot make this folder (No such file or directory); "
                     "give another --out"), last
     assert last.startswith(f"error: {where}:" if folder == "/proc" else f"error: {folder}:")
+
+
+@pytest.mark.mpi
+def test_an_async_run_of_no_iteration_ends_without_waiting(tmp_path, digits_h5):
+    """(12, audit) ``train --iters 0`` (or ``solver.max_iter: 0``) in mode
+    async: rank 0 waited for the servers' state before its checkpoint, which
+    the servers (nothing trained) never send, and every rank hung until
+    the stall timeout (``rank 0: the server state (momenta) from rank 2
+    stalled``, exit 1). Now the run ends at once, as in sync_ps: the test
+    pass of the starting weights and a checkpoint of iteration 0."""
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS, mode="async", max_staleness=1, stall_timeout=10)
+    job = write_config_file(tmp_path, cfg)
+    res = run_mpi_cli(3, "train", job, "--out", tmp_path / "b", "--iters", "0", timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    assert "stalled" not in res.stderr, res.stderr
+    assert "test @ iter 0:" in res.stdout, res.stdout
+    with h5py.File(tmp_path / "b" / "latest.h5", "r") as f:
+        assert int(f.attrs["iteration"]) == 0
