@@ -290,6 +290,15 @@ def cmd_graph(args):
         raise UserError(f"--np {args.np}: give a number of ranks >= 1")
     job = _load(args, check_files=False)
     print(render_graph(job, args.np, args.rank, args.format, args.phase, memory=args.memory))
+    if args.format == "yaml" and (args.np or 1) > 1:
+        # one rank's slice loads as a config of its own, which is not the N-rank
+        # run (data parallel: its reader's shard of N, its gradients scaled by
+        # 1/N, trained alone on one rank): said, once
+        from .runtime.stop import print_err
+        print_err(f"note: this is rank {args.rank}'s slice of the graph composed for "
+                  f"{args.np} ranks (its share of the data, layers and gradients), not a "
+                  f"config of the {args.np}-rank run: train the job's own config on "
+                  f"{args.np} ranks (graph --format yaml without --np prints a graph to load)")
     return 0
 
 

@@ -135,7 +135,7 @@ def build_parser():
                         "a changed layer); repeat it or give a comma list for several")
     p.add_argument("--profile", action="store_true",
                    help="write a Chrome trace per rank (OUT/trace.rank<R>.json, streamed as "
-                        "the run goes; open it in Perfetto)")
+                        "the run goes; open it in Perfetto; parameter servers write none)")
     p.add_argument("--profile-iters", metavar="A:B",
                    help="trace only iterations A to B-1 (implies --profile), e.g. 100:110")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
@@ -193,7 +193,9 @@ def build_parser():
     p.add_argument("--rank", type=int, default=0, help="which rank's slice to print (default 0)")
     p.add_argument("--format", choices=["text", "yaml", "dot"], default="text",
                    help="text: one line per op (default); yaml: the graph: list of "
-                        "docs/config.md, loadable as a config; dot: Graphviz")
+                        "docs/config.md, loadable as a config (with --np N > 1: rank R's "
+                        "slice, which is not a config of the N-rank run; a note on stderr "
+                        "says so); dot: Graphviz")
     p.add_argument("--phase", choices=["train", "test"], default="train",
                    help="the training graph with backward and solver ops (default), or the "
                         "test graph")

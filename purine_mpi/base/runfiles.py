@@ -121,6 +121,39 @@ def disk_error(path, exc):
     return None
 
 
+#: what writing a new file or folder at a path the user named fails with
+#: there: no permission, a read-only file system, a place no file can be
+#: made (/proc), a part of the path that is a file
+_REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR)
+
+
+def cannot_write(path, tmp, exc):
+    """The ``UserError`` for an ``OSError`` ``exc`` of creating ``tmp`` (the
+    temporary name a write of ``path`` goes through) where files cannot be
+    made: one line naming ``path``; None for any other error (one of
+    another file, e.g. an input read while writing, stays what it is)."""
+    code = getattr(exc, "errno", None)
+    mine = getattr(exc, "filename", None) == tmp or str(tmp) in str(exc)
+    if code in _REFUSED and mine:
+        return UserError(f"{path}: cannot be written there ({os.strerror(code)}); give "
+                         "another --out")
+    return None
+
+
+def make_folder(path):
+    """``os.makedirs(path, exist_ok=True)`` for an output the user named;
+    a folder that cannot be made there is one line naming it (exit 2)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        code = exc.errno if exc.errno in _REFUSED + (errno.EEXIST,) else None
+        if code is None:
+            raise
+        why = "a file is there" if code == errno.EEXIST else os.strerror(code)
+        raise UserError(f"{path}: cannot make this folder ({why}); give another --out") \
+            from None
+
+
 def write_replacing(path, write):
     """``write(tmp)`` into a temporary name beside ``path``, then rename it
     over ``path``: never a half-written file under the final name (a full
@@ -131,8 +164,8 @@ def write_replacing(path, write):
     try:
         write(tmp)
         os.replace(tmp, path)
-    except OSError as exc:  # a full disk: one line naming the file
-        raise disk_error(path, exc) or exc
+    except OSError as exc:  # a full disk, a place no file can be made: one line
+        raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -344,7 +344,16 @@ def report_user_error(exc, agree_s=3.0):
             write_line(f"error: {exc}")
             logfile.note_error(f"error: {exc}")
             logfile.end_run(code)
-        if _wait_for(comm.Ibarrier(), agree_s):  # rank 0 has written before anyone ends
+        # rank 0 has written before anyone ends; and every rank ends the same
+        # way: MPI_Finalize where none has threads of ours running, else none
+        # finalizes. A rank in MPI_Finalize waits for the others, and Hydra
+        # takes one that ended by os._exit for a dead one and kills the rest
+        # with SIGKILL: a parameter-server run's server (no threads) was
+        # killed in its MPI_Finalize by its workers' os._exit, the job
+        # ending 9 where its status was 2, in about half of the runs
+        alone = np.array([threading.active_count() == 1], dtype=np.int32)
+        every = np.zeros(1, dtype=np.int32)
+        if _wait_for(comm.Iallreduce(alone, every, op=MPI.MIN), agree_s) and every[0]:
             _finalize_and_exit(MPI, code)
         _exit_unfinalized(code)
     write_line(f"error: rank {rank}: {exc}")

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.progress_bar import progress
+from ..base.runfiles import cannot_write, make_folder
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -139,7 +140,7 @@ def _write_splits(out_path, splits, attrs, log=None):
     (shuffle + gzip), so a reader of a few samples decodes little."""
     import h5py
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
+    make_folder(out_dir)
     tmp = f"{out_path}.tmp.{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as f:
@@ -172,9 +173,11 @@ def _write_splits(out_path, splits, attrs, log=None):
                         f"{'x'.join(map(str, sample))})")
                 group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
         os.replace(tmp, out_path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError):  # a place no file can be made: one line
+            raise cannot_write(out_path, tmp, exc) or exc
         raise
 
 
@@ -188,7 +191,7 @@ def write_lmdb(splits, out_path, log=None, block=1024):
     from .lmdb_source import LMDBSource
     sources = {split: LMDBSource(path) for split, path in splits.items()}
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
+    make_folder(out_dir)
     tmp = f"{out_path}.tmp.{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as f:
@@ -216,8 +219,10 @@ def write_lmdb(splits, out_path, log=None, block=1024):
                     log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
                         f"{'x'.join(map(str, sample))})")
         os.replace(tmp, out_path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError):  # a place no file can be made: one line
+            raise cannot_write(out_path, tmp, exc) or exc
         raise
     return {split: src.n_samples for split, src in sources.items()}

@@ -54,6 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
+from ..base.runfiles import cannot_write, make_folder
 from .filecache import INFO_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
@@ -192,7 +193,7 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
                         f"a validation split with --val-fraction {val_fraction}")
     splits = {"train": stream[:len(stream) - n_val], "val": stream[len(stream) - n_val:]}
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
+    make_folder(out_dir)
     tmp = f"{out_path}.tmp.{os.getpid()}"
     kind = "bytes" if vocab is None else ("file" if tokenizer is not None else "bpe")
     encoding = {"bytes": "bytes of UTF-8 text, one token per byte",
@@ -222,9 +223,11 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
                 f.create_dataset("file_tokens", data=np.array(per_file, np.int64))
                 write_json(f, json_text)
         os.replace(tmp, out_path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError):  # a place no file can be made: one line
+            raise cannot_write(out_path, tmp, exc) or exc
         raise
     summary = {"path": out_path, "files": len(files), "bytes": int(n_bytes),
                "tokens": int(len(stream)), "train": int(len(splits["train"])),

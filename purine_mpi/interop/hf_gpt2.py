@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base.errors import InitMismatch, UserError
-from ..base.runfiles import write_replacing, write_text_replacing
+from ..base.runfiles import make_folder, write_replacing, write_text_replacing
 
 INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 #: the weights file of a Hugging Face model folder
@@ -533,7 +533,7 @@ def export_hf(job, weights_path, out_dir):
                         "ids are UTF-8 bytes): Hugging Face would load that vocabulary with "
                         f"it; remove {' and '.join(held)} or give another --out. Nothing "
                         "written")
-    os.makedirs(out_dir, exist_ok=True)
+    make_folder(out_dir)
     weights = os.path.join(out_dir, WEIGHTS)
     write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(layout.config, indent=2) + "\n"

@@ -37,7 +37,7 @@ import os
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import write_replacing
+from ..base.runfiles import make_folder, write_replacing
 from .onnx_gpt import EMITTERS as GPT_EMITTERS, GPT_OPS, OPSET_GPT
 
 OPSET = 13
@@ -65,6 +65,10 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                         "model's input shape)")
     graph = forward_graph(job, "test", job.data.test)
     values = trained_values(graph, job, weights_path)
+    # a model of NaN weights computes nothing: exit 3, as export hf, test,
+    # predict and generate refuse them, before anything is written
+    from ..job.checkpoint_check import check_finite
+    check_finite(values, weights_path)
     spec = job.data.test.source_dict()  # the source and transform keys, as data/sources reads them
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)
@@ -90,7 +94,7 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                         "in a way ONNX reads otherwise (an exporter bug: report it with the "
                         "config)") from None
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
+    make_folder(out_dir)
     write_replacing(out_path, lambda tmp: onnx.save(model, tmp))
     outputs = ", ".join(o.name for o in model.graph.output)
     return f"{len(model.graph.node)} nodes, outputs {outputs}; {said['line']}"

@@ -481,7 +481,11 @@ def _graph():
         "Instead of `net`, a config may give `graph`: the bi-graph itself, one entry per "
         "blob or op. `python -m purine_mpi graph JOB.yaml --format yaml` prints any "
         "config's graph in this form (with `--np N --rank R`, a rank's slice after the "
-        "parallel composition). An op's `location` places it on a rank and device, so a "
+        "parallel composition: a view of what rank R runs, not a config of the N-rank run "
+        "-- under scheme data its reader reads shard R of N and its gradients are scaled "
+        "by 1/N, so loaded alone it trains on 1/N of the data at 1/N of the rate --, which "
+        "a one-line note on stderr says; train the net config on N ranks). An op's "
+        "`location` places it on a rank and device, so a "
         "`graph` config can describe any placement by hand.",
         "",
         "```yaml",

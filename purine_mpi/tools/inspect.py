@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..base.errors import UserError
-from ..job.checkpoint_file import KIND, open_h5, plain_attr, read_attrs
+from ..job.checkpoint_file import KIND, open_h5, plain_attr
 
 
 # ------------------------------------------------------------------ inspect
@@ -58,6 +58,38 @@ def _datasets(f):
     return found
 
 
+def _shown_attrs(obj):
+    """An object's attributes as plain Python (job/checkpoint_file.read_attrs),
+    text as it is shown: bytes that are not UTF-8 (an
+    ASCII string attribute holding \xe9) as escapes, not replaced by U+FFFD
+    nor as lone surrogates (which no terminal prints)."""
+    return {k: _text(v) if isinstance(v, (bytes, str, np.ndarray)) else plain_attr(v)
+            for k, v in obj.attrs.items()}
+
+
+def _text(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # h5py's surrogateescape of bytes that are not UTF-8
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OS":
+        return np.array([_text(v) for v in value.reshape(-1)], dtype=object).reshape(value.shape)
+    return value
+
+
+def _is_text(dset):
+    """A dataset of strings (fixed or variable length) or of JSON text; not
+    one of variable-length sequences of numbers (dtype object too), which
+    reads as an array of arrays."""
+    import h5py
+    return h5py.check_string_dtype(dset.dtype) is not None or \
+        plain_attr(dset.attrs.get(KIND)) == "json"
+
+
 def _numeric(dset):
     return dset.dtype.kind in "biuf"
 
@@ -65,10 +97,12 @@ def _numeric(dset):
 def _small_value(dset):
     """A non-numeric dataset's value (text for strings/JSON), or None when it
     is larger than BLOCK_BYTES (shown by shape and dtype only)."""
-    if dset.dtype.kind in "SO" or plain_attr(dset.attrs.get(KIND)) == "json":
+    if _is_text(dset):
         if dset.size * 64 > BLOCK_BYTES:
             return None
-        return dset.asstr()[()]
+        # bytes an ASCII (or UTF-8) string type does not allow are shown as
+        # escapes (\xe9): a value HDF5 stored as given, not a damaged file
+        return dset.asstr(encoding="utf-8", errors="backslashreplace")[()]
     return np.asarray(dset[...]) if dset.nbytes <= BLOCK_BYTES else None
 
 
@@ -188,7 +222,7 @@ def _describe(path):
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
             for name, dset in _datasets(f).items():
                 datasets.append(_stats(name, dset))
-        return {"path": str(path), "attrs": read_attrs(f), "datasets": datasets}
+        return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
 
 
 def _stats(name, dset):
@@ -199,9 +233,13 @@ def _stats(name, dset):
             entry.update(_numeric_stats(dset, name))
         return entry
     value = _small_value(dset)
-    if isinstance(value, np.ndarray):
+    import h5py
+    base = None if _is_text(dset) else h5py.check_vlen_dtype(dset.dtype)
+    if base is not None:  # variable-length sequences of numbers (an array of arrays)
+        entry.update(shape=list(dset.shape), dtype=f"vlen {np.dtype(base)}")
+    elif isinstance(value, np.ndarray):
         entry.update(shape=list(value.shape), dtype=str(value.dtype))
-    elif value is None and dset.dtype.kind not in "SO":
+    elif value is None and not _is_text(dset):
         entry.update(shape=list(dset.shape), dtype=str(dset.dtype))
     elif value is None:
         entry.update(shape=list(dset.shape), dtype="string",
@@ -289,7 +327,7 @@ def _difference(raw_x, raw_y, x, y):
 def _diff(path, other):
     with open_h5(path, "file") as fa, open_h5(other, "file") as fb, _read_errors(path):
         a_sets, b_sets = _datasets(fa), _datasets(fb)
-        a_attrs, b_attrs = read_attrs(fa), read_attrs(fb)
+        a_attrs, b_attrs = _shown_attrs(fa), _shown_attrs(fb)
         rows = []
         for name in a_sets:
             if name not in b_sets:
@@ -320,8 +358,17 @@ def _same(a, b):
     """Whether two values (arrays, strings, numbers) are equal; values that
     cannot be compared (a record array and floats) are not."""
     try:
+        if any(isinstance(v, np.ndarray) and v.dtype == object for v in (a, b)):
+            # variable-length sequences: an array of arrays, compared element by element
+            a, b = np.asarray(a, dtype=object), np.asarray(b, dtype=object)
+            return a.shape == b.shape and all(_same(x, y) for x, y in zip(a.flat, b.flat))
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return bool(np.array_equal(a, b))
+            try:  # NaN in the same place is no difference, as in a dataset's diff
+                return bool(np.array_equal(a, b, equal_nan=True))
+            except TypeError:  # values without NaN (strings, records)
+                return bool(np.array_equal(a, b))
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            return True
         return bool(a == b)
     except Exception:
         return False

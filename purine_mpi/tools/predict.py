@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import GuardedFile, disk_error
+from ..base.runfiles import GuardedFile, cannot_write, disk_error, make_folder
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
 from ..parallel.tensor_split import join_shards
@@ -224,7 +224,7 @@ def _host(array):
 
 def _write(path, rows, blobs, trainer, weights, split, n):
     import h5py
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    make_folder(os.path.dirname(os.path.abspath(path)))
     tmp = f"{path}.tmp{os.getpid()}"
     if os.path.lexists(tmp):
         os.remove(tmp)
@@ -245,7 +245,7 @@ def _write(path, rows, blobs, trainer, weights, split, n):
             raw.check()
         os.replace(tmp, path)
     except OSError as exc:
-        raise disk_error(path, exc) or exc
+        raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

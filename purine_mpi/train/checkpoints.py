@@ -158,7 +158,7 @@ class Checkpoints(Service):
             out["adam_step0"] = max(step0)
         return out
 
-    def load_state_dict(self, loop, state, notes=True):
+    def load_state_dict(self, loop, state, notes=True, saved_world=None):
         """Per-rank state of a checkpoint. On the layout it was written on
         (ranks, scheme, replicas x stages, micro-batches) each rank takes its
         own, random streams included: the resume is bit-exact. On another
@@ -166,7 +166,10 @@ class Checkpoints(Service):
         rank) each kernel takes the state of the first kernel of the same
         name, micro-batch copies ``<op>@mb<k>`` counting as ``<op>``: the
         data position carries over (readers convert it to the new global
-        batch), but per-rank random streams cannot: they restart from the seed."""
+        batch), but per-rank random streams cannot: they restart from the seed.
+        ``saved_world``: the ranks of the run that wrote it (its
+        ``world_size``; default: the ranks whose state it holds), said in the
+        note on another layout beside this run's ranks (``launched_ranks``)."""
         ranks = state.get("ranks", {})
         saved = state.get("layout")
         same_world = len(ranks) == loop.world.size and (saved is None or
@@ -185,9 +188,16 @@ class Checkpoints(Service):
                     mine.setdefault(name.split("@mb")[0], s)
             if loop.world.rank == 0 and notes:
                 was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
-                loop.log(f"note: resuming a {len(ranks)}-rank checkpoint on {loop.world.size} "
-                         f"rank(s), layout {was} -> {loop.graphs.layout.describe()}: the weights "
-                         "and solver state load by name, each stage taking its layers'; the data "
+                size, servers = launched_ranks(loop)
+                workers = f" ({loop.world.size} workers, {servers} parameter server(s))" \
+                    if servers else ""
+                # a parameter-server run's file holds its workers' states alone
+                saved_world = int(saved_world or len(ranks))
+                held = f" ({len(ranks)} workers)" if saved_world > len(ranks) else ""
+                loop.log(f"note: resuming a {saved_world}-rank checkpoint{held} on "
+                         f"{size} rank(s){workers}, layout {was} -> "
+                         f"{loop.graphs.layout.describe()}: the weights and solver state "
+                         "load by name, each stage taking its layers'; the data "
                          "order continues at the same sample count; random streams (dropout) "
                          "restart from the seed, so the run is not bit-identical to an "
                          "uninterrupted one")
@@ -261,9 +271,9 @@ class Checkpoints(Service):
         # is to say, so the notes on a changed world are left out
         notes = not finished_run(loop, int(ck.attrs["iteration"]))
         if ck.state:
-            self.load_state_dict(loop, ck.state, notes)
+            self.load_state_dict(loop, ck.state, notes, ck.attrs.get("world_size"))
         self._adam_step0(loop, ck, {s for _, s in fresh} & other_type)
-        st, size = loop.state, loop.world.size
+        st = loop.state
         # what the test passes decided (train/watch.py); the best files are
         # the checkpoint's folder's: another folder starts its own best list
         st.watch = dict((ck.state or {}).get("watch") or {})
@@ -292,6 +302,9 @@ class Checkpoints(Service):
         note = _seed_note(ck, path, loop.job)
         if note and notes:
             loop.say(note)
+        # the ranks the user launched (a parameter-server run's servers too),
+        # as the file counts them: its world_size is the writing run's
+        size, servers = launched_ranks(loop)
         saved_world = int(ck.attrs.get("world_size", size) or size)
         # the global batch the file's data position was counted in (its
         # reader's /state), against this run's: a changed one is said,
@@ -303,16 +316,18 @@ class Checkpoints(Service):
         if changed and loop.job.data.train is not None and notes:
             b, replicas = loop.job.train_batch, loop.graphs.data_size
             was = f" with a global batch of {batches[0]}" if batches else ""
+            each = "worker" if servers else "rank"  # the ranks that read data
             if not batches:
                 keep = "(keep the global batch with --set data.train.batch_size=G/N)"
             elif batches[0] % replicas == 0:
                 keep = ("(keep the global batch with --set "
                         f"data.train.batch_size={batches[0] // replicas})")
             else:  # no batch per rank keeps it on this many replicas
-                keep = f"({batches[0]} does not split into {replicas} equal batches per rank)"
+                keep = f"({batches[0]} does not split into {replicas} equal batches per {each})"
+            workers = f" ({replicas} workers, {servers} parameter server(s))" if servers else ""
             loop.say(f"note: {path} was written by {saved_world} rank(s){was}, this run has "
-                     f"{size}: the global batch is now {loop.job.global_batch(replicas)} "
-                     f"({b} per rank x {replicas}); the data order goes on at the same "
+                     f"{size}{workers}: the global batch is now {loop.job.global_batch(replicas)} "
+                     f"({b} per {each} x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
                      + keep)
         return path
@@ -375,7 +390,8 @@ class Checkpoints(Service):
                     pass
             loop.emit("after_save", iteration)
             return
-        payload = dict(params=params, solver=solver, state=state, world_size=loop.world.size,
+        payload = dict(params=params, solver=solver, state=state,
+                       world_size=launched_ranks(loop)[0],
                        seed=loop.job.seed, config_text=dump_config(loop.job),
                        run_id=loop.state.run_id, elapsed=loop.elapsed(),
                        tokenizer=getattr(loop.graphs, "vocabulary", None))
@@ -491,6 +507,14 @@ def _seed_note(ck, path, job):
                 f"not the train data's order ({why}, as in that run); --seed {saved} continues "
                 "the run as it was")
     return None
+
+
+def launched_ranks(loop):
+    """(the ranks of the run, the parameter servers among them): a
+    parameter-server run's loop runs over its workers' World, the servers
+    stand beside it (parallel/param_server.WorkerScheme's global World)."""
+    servers = len((getattr(loop.scheme, "ranks", None) or {}).get("servers", ()))
+    return (loop.scheme.world.size if servers else loop.world.size), servers
 
 
 def _global_batches(loop, state):

@@ -15,6 +15,7 @@ stop agreement and send their momenta to rank 0 for its checkpoints
 import numpy as np
 
 from ..graph.solver_graph import momentum_name
+from ..job.checkpoint_check import check_finite, check_for_net
 from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import (plan_param_server, ps_layout, scale_for_micro_batches,
                                       served_params, server_graph)
@@ -164,11 +165,24 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         else:
             loaded = load_params(init)
         wanted = init_params(loaded if found is None else found, owned, job, init, init_skip)
+        # NaN or inf in the file: found here as the workers find it (every
+        # parameter they take, in their order), so every rank ends with one
+        # message (exit 3), not each worker with its own while this one waits
+        skip = set(init_skip)
+        check_finite({p: loaded[p] for p in (b.name for b in graph.params())
+                      if p in loaded and p.split("/")[0] not in skip}, init)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted
                        if p in loaded})
         del loaded
     if resume:
         ck = resolve_resume(None, resume)  # a path, or the Checkpoint already read
+        # checked against the net as the workers check it (train/checkpoints.py),
+        # before any of it is read: a checkpoint of another net is the user's
+        # error, found alike on every rank (exit 2), not a KeyError of a server
+        zeros = {p: np.broadcast_to(np.zeros((), graph.blobs[p].dtype), graph.blobs[p].shape)
+                 for p in owned}
+        check_for_net(ck, ck.path, [b.name for b in graph.params()], zeros,
+                      {(p, "momentum"): a for p, a in zeros.items()})
         start = int(ck.attrs["iteration"])
         for p in owned:
             values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
@@ -304,9 +318,10 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     take part in the stop agreement, send rank 0 this rank's resident bytes
     for its OUT/memory.json (MEMORY_TAG: ``baseline``, its resident bytes
     before the graphs were built, and the high-water mark;
-    trainer.write_memory) and return the same exit status as the workers
-    (trainer.run_and_report). ``memory``: train's start-up check (tools/plan.py
-    check_memory), given this rank's ``ServerRank``."""
+    trainer.write_memory) and return the stop agreement's exit status (what
+    the workers alone find at the end, a non-finite last test pass, comes
+    in trainer.agreed_status, after this). ``memory``: train's start-up
+    check (tools/plan.py check_memory), given this rank's ``ServerRank``."""
     from ..base.rss import peak_rss_bytes
     from ..runtime.footprint import planned_figures
     # the same checkpoint the workers' Trainer resumes from

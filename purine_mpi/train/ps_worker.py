@@ -99,8 +99,13 @@ class WorkerStopAgreement(StopAgreement):
 
     def before_save(self, loop, iteration):
         if asynchronous(self.mode):
-            self.sync(loop, iteration)
-            due = self.world.rank == 0
+            # a save before any iteration ran (solver.max_iter 0, --iters 0):
+            # the servers hold the starting values the workers hold, and send
+            # nothing (ps_server.state_transfer_due); waiting for their state
+            # was a hang until the stall timeout. As in sync_ps, no momenta.
+            due = self.world.rank == 0 and iteration > loop.state.start_iter
+            if iteration > loop.state.start_iter:
+                self.sync(loop, iteration)
             momenta = self.momenta
         else:
             due = self.sent(loop, iteration)

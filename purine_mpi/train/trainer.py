@@ -234,15 +234,29 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
     from .ps_worker import WorkerStopAgreement
     job, sub = split_workers(job, world)
     if sub is None:
-        return run_server_rank(job, out_dir, world, resume=resume, init=init,
-                               init_skip=init_skip, dispatcher=dispatcher, memory=memory,
-                               baseline=baseline)
-    return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
-                                  profile=profile, log=log, dispatcher=dispatcher,
-                                  init_skip=init_skip, scheme=WorkerScheme(job, world),
-                                  agreement=WorkerStopAgreement(job, world),
-                                  tensorboard=tensorboard, memory=memory),
-                          world, baseline)
+        status = run_server_rank(job, out_dir, world, resume=resume, init=init,
+                                 init_skip=init_skip, dispatcher=dispatcher, memory=memory,
+                                 baseline=baseline)
+    else:
+        status = run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
+                                        profile=profile, log=log, dispatcher=dispatcher,
+                                        init_skip=init_skip, scheme=WorkerScheme(job, world),
+                                        agreement=WorkerStopAgreement(job, world),
+                                        tensorboard=tensorboard, memory=memory),
+                                world, baseline)
+    return agreed_status(world, status)
+
+
+def agreed_status(world, status):
+    """The exit status every rank of ``world`` ends with: the highest of
+    theirs (one allreduce, the last collective of every rank's run, under
+    the stall timeout). A parameter-server run's servers know only the stop
+    agreement's outcome; what the workers found at the end (a non-finite
+    last test pass: 3) is theirs alone, so without this a server ended 0
+    where the workers ended 3."""
+    import numpy as np
+    return int(world.allreduce(np.array([status], np.int64), "max",
+                               what="the ranks' exit status (allreduce)")[0])
 
 
 def write_memory(trainer, baseline):

@@ -47,8 +47,11 @@ class ParameterServers(DataParallel):
         accumulate(graph, grads, job, in_place=True)
         if world.size == 1:
             return clipped(Composition(graph.validate(), self.layout(job, world)), job, world)
-        raise UserError(f"{job.path}: key 'parallel.mode': mode "
-                        f"'{job.parallel.mode}' runs through the parameter-server trainer")
+        # test and predict compose the net on every rank (no servers): they
+        # evaluate a parameter-server run's weights as any other's
+        raise UserError(f"{job.path}: key 'parallel.mode': mode '{job.parallel.mode}' "
+                        "(parameter servers) runs in train and bench only; evaluate its "
+                        "weights on one rank, or on several with --set parallel.mode=sync")
 
     # ---- the notes of the mode, whatever the scheme (Scheme.settings_without_effect)
     @classmethod
