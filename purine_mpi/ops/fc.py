@@ -47,9 +47,10 @@ nearest bfloat16, the bits of the float32 result's rounding the float32
 storage path makes after the product (``round_bf16``), so no float32 y
 exists. With a bias, GemmEx cannot add a
 float32 bias before its rounding (and a bias added to rounded values would
-round twice; cuBLASLt's bias epilogue, which can, comes through
-nvmath-python's ``Matmul.execute``, which allocates its result at each
-call: gpu/blaslt.py): GemmEx writes its float32 result into the op's
+round twice; cuBLASLt's bias epilogue takes a bias of D's type, a
+bfloat16 bias for a bfloat16 D -- a float32 bias only with a float32 D,
+cuBLAS's ``cublasLtMatmul()`` datatype table -- so it would round the
+bias first: docs/gpu.md, "Precision"): GemmEx writes its float32 result into the op's
 scratch (the float32 product of y's size, the same scratch a refused
 GemmEx multiplies into) and one kernel (gpu/kernels ``bias_bits``,
 cuda/activation.cu) adds the bias in float32 and rounds once into y: the
