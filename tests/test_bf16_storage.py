@@ -1280,7 +1280,7 @@ def test_fold_copies_runs_the_float32_readers_before_the_readers_of_the_bits():
     once and hold dx across them. ``fold_copies`` moves a float32 reader
     that would be ready as early before the first reader of the bits; one
     that waits for an op emitted later (a sum of dx and the weight
-    gradient's output) stays where it is."""
+    gradient's output) stays where it is, and so does a comm op."""
     from purine_mpi.graph.core import Graph
     from purine_mpi.parallel.precision import fold_copies, store_bits
     g = Graph()
@@ -1296,12 +1296,15 @@ def test_fold_copies_runs_the_float32_readers_before_the_readers_of_the_bits():
              {"compute_dtype": BF16}, location=dev)
     g.add_op("fb", "InnerProductGradBias", ["dx"], ["db"], location=dev)
     g.add_op("later", "Sum", ["dx", "dw"], ["dd"], location=dev)   # waits for fw
+    # a pipeline's send of dx: a comm op keeps its place
+    g.add_op("send", "Send", ["dx"], [], {"seq": 0, "peer": 1, "tag": 0}, location=dev,
+             thread="comm")
     g.infer_shapes()
-    assert [op.name for op in g.topo_order()] == ["gg", "cast", "fw", "fb", "later"]
+    assert [op.name for op in g.topo_order()] == ["gg", "cast", "fw", "fb", "later", "send"]
     assert store_bits(g) == ["dx@bf16"] and fold_copies(g) == ["cast"]
     g.infer_shapes().validate()
-    assert list(g.ops) == ["gg", "fb", "fw", "later"]
-    assert [op.name for op in g.topo_order()] == ["gg", "fb", "fw", "later"]
+    assert list(g.ops) == ["gg", "fb", "fw", "later", "send"]
+    assert [op.name for op in g.topo_order()] == ["gg", "fb", "fw", "later", "send"]
 
 
 # ------------------------------------------------------ training, bitwise

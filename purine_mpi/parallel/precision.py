@@ -344,14 +344,16 @@ def fold_copies(graph):
 
 
 def _float32_readers_first(graph, pairs):
-    """For each (float32 blob, its bits copy) of ``pairs``: move the readers
-    of the float32 blob that do not read the copy, are emitted after the
-    copy's first reader and would be ready as early (each op writing one of
-    their inputs, and each of their control inputs, emitted before that
-    reader) to just before it in the emission order (``graph.ops``), which
-    breaks the ties of the schedule (``Graph.topo_order``; the memory
-    plan's): they then run before the copy's readers, and the float32
-    blob's lifetime ends there, not after them."""
+    """For each (float32 blob, its bits copy) of ``pairs``: move the compute
+    ops reading the float32 blob that do not read the copy, are emitted
+    after the copy's first reader and would be ready as early (each op
+    writing one of their inputs, and each of their control inputs, emitted
+    before that reader) to just before it in the emission order
+    (``graph.ops``), which breaks the ties of the schedule
+    (``Graph.topo_order``; the memory plan's): they then run before the
+    copy's readers, and the float32 blob's lifetime ends there, not after
+    them. A comm op (a pipeline's send of the gradient) stays where it is."""
+    from ..ops.catalog import get_kernel_class
     for src, copy in pairs:
         names = list(graph.ops)
         pos = {n: i for i, n in enumerate(names)}
@@ -362,6 +364,7 @@ def _float32_readers_first(graph, pairs):
         first = min(firsts)
         move = [n for n in names[first + 1:]
                 if src in graph.ops[n].inputs and copy not in graph.ops[n].inputs and
+                get_kernel_class(graph.ops[n].op_type, n).category != "comm" and
                 all(pos[w.name] < first for b in graph.ops[n].inputs for w in prod.get(b, ()))
                 and all(pos.get(c, -1) < first for c in graph.ops[n].control_inputs)]
         if not move:
