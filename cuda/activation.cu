@@ -333,7 +333,9 @@ extern "C" __global__ void gelu_backward_bdy_bx_f32(long long total, const unsig
 // The _copy entry points: float32 dx as above (dy, x float32 or as bits)
 // and its bfloat16 bits in `copy` too (uint16, to_bf16_bits of dx), one pass:
 // dx read by a float32 reader (a bias gradient) and its bits by the products
-// (parallel/precision.fold_copies). copy is no input's bytes.
+// (parallel/precision.fold_copies). dx may be a float32 dy's bytes, copy a
+// dy's or an x's stored as bits (in place: each element of them is read
+// before dx's and copy's are written; ops/activation.py GeluGrad.in_place).
 extern "C" __global__ void gelu_backward_copy_f32(long long total, const float* dy,
                                                   const float* x, int tanh_form, int round,
                                                   float* dx, unsigned short* copy) {

@@ -299,6 +299,36 @@ def test_gelus_gradient_writes_dx_and_its_bits_in_one_pass(device, approximate, 
         GeluGrad.infer(dict(attrs, bits_copy=[1]), [((2, 3), "float32")] * 2)
 
 
+@pytest.mark.parametrize("over", ["dy", "x"])
+def test_gelus_gradient_writes_dx_s_bits_over_a_bits_dy_or_x(device, over):
+    """``GeluGrad.in_place`` lets the memory plan put dx's bits copy on the
+    bytes of a dy or an x stored as bits (each element read before its copy
+    is written): the same dx and copy as on bytes of their own, on the
+    device (one ``_copy`` launch) and on the host (a chunk at a time over
+    several chunks)."""
+    from purine_mpi.ops.activation import HOST_CHUNK, GeluGrad
+    assert {(0, 1), (1, 1)} <= set(GeluGrad.in_place)
+    rng = np.random.default_rng(23)
+    shape = (3, HOST_CHUNK // 2 + 7)
+    _, xb = _bf16_values(rng, shape)
+    _, dyb = _bf16_values(rng, shape)
+    attrs = {"approximate": "tanh", "bits_copy": [0], "bits_out": [1]}
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        k = make_kernel(Op("gg", "GeluGrad", ["dy", "x"], ["dx", "dx@bf16"], attrs))
+        ins = [put(dyb), put(xb)]
+        outs = [put(np.zeros(shape, np.float32)), put(np.zeros(shape, np.uint16))]
+        k.setup(ins, outs)
+        k.run(ins, outs)
+        want = [get(o).copy() for o in outs]
+        ins = [put(dyb), put(xb)]
+        outs = [put(np.zeros(shape, np.float32)), ins[0 if over == "dy" else 1]]
+        k.run(ins, outs)
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), want[0].view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), want[1])
+
+
 def test_the_gelu_gradient_copy_kernels_on_adversarial_values(device):
     """The ``_copy`` GELU gradient kernels (dy and x float32 or bits) against
     the float32 kernel followed by to_bf16_bits_device, bit for bit, at an
@@ -939,13 +969,13 @@ def test_the_fc_ops_on_the_host_widen_bits_operands():
 
 
 # ------------------------------------------------------------- the pass
-def _gpt(monkeypatch, host_build_dir, precision="bf16"):
+def _gpt(monkeypatch, host_build_dir, precision="bf16", blocks=2):
     from purine_mpi.parallel.placement import prepare_for_device
     from tests.emulated_gpu import use_emulated_cupy
     from tests.gpt_oracle import gpt_graph, gpt_net
     from tests.test_precision import SOLVER
     use_emulated_cupy(monkeypatch, host_build_dir)
-    net = gpt_net(vocab=16, width=16, heads=2, blocks=2, max_length=8, approximate="tanh")
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
     g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=3), 2, 8)
     prepare_for_device(g, 0, precision=precision)
     return g
@@ -1118,6 +1148,39 @@ def test_the_biased_outputs_as_bits_shrink_the_device_plan(host_build_dir, monke
     assert now < before, (now, before)
 
 
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_the_gradients_copies_take_no_more_device_memory_than_their_casts(host_build_dir,
+                                                                         monkeypatch, blocks):
+    """The GPT's device arena (runtime/memory_plan) with the gradients'
+    copies written by their producers (``fold_copies``) is no larger than
+    with the Casts that wrote them: GELU's gradient writes dx's bits over
+    its dy stored as bits (``GeluGrad.in_place`` (0, 1): dy is read before
+    the copy is written, 2 bytes an element each), where its dy and x
+    died at it and the Cast's copy came after them. Here the arena peaks
+    at GELU's gradient (vocabulary 16, an MLP 4x wide): with the copy of
+    its own beside dy it grew by the copy (one block: 1536 -> 1792
+    bytes)."""
+    from purine_mpi.parallel import precision
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+
+    def plan(fold):
+        with monkeypatch.context() as m:
+            if not fold:
+                m.setattr(precision, "fold_copies", lambda graph: [])
+            g = _gpt(m, host_build_dir, blocks=blocks)
+        _, devices = memory_plans(g, keep=batch_blobs(g))
+        return g, devices[0]
+
+    (g, now), (_, before) = plan(True), plan(False)
+    grads = [op for op in g.ops.values() if op.op_type == "GeluGrad"]
+    assert len(grads) == blocks and all(op.attrs.get("bits_copy") == [0] for op in grads)
+    for op in grads:   # the copy on the bits dy's bytes
+        assert g.blobs[op.inputs[0]].dtype == "uint16"
+        assert now.in_place.get(op.outputs[1]) == (op.inputs[0], op.name), op.name
+    assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
+
+
 def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
     """A copy read by a product and by an op that takes no bits (here a
     weight gradient of rows, whose dy is a strided slice) stays float32;
@@ -1200,6 +1263,42 @@ def test_fold_copies_folds_a_cast_into_a_producer_that_can_write_the_bits(case):
     assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
     assert [r.name for r in g.consumers()["dx"]] == ["fb"]
     assert g.ops["after"].control_inputs == ["gg"]
+
+
+def test_fold_copies_runs_the_float32_readers_before_the_readers_of_the_bits():
+    """The bias gradient (emitted after the fc's data and weight gradients,
+    as the fc's backward emits them) reads the float32 dx; the products its
+    bits. With the Cast, the products waited for it and the schedule
+    (``Graph.topo_order``: emission order breaks ties) ran the bias gradient
+    first, ending dx's lifetime; folded, the products would be ready at
+    once and hold dx across them. ``fold_copies`` moves a float32 reader
+    that would be ready as early before the first reader of the bits; one
+    that waits for an op emitted later (a sum of dx and the weight
+    gradient's output) stays where it is, and so does a comm op."""
+    from purine_mpi.graph.core import Graph
+    from purine_mpi.parallel.precision import fold_copies, store_bits
+    g = Graph()
+    dev = "gpu:0"
+    for name in ("dy", "x", "dx"):
+        g.add_blob(name, (6, 6), "float32", dev, kind="data")   # square: dw is dx's shape
+    g.add_op("gg", "GeluGrad", ["dy", "x"], ["dx"], {"approximate": "tanh"}, location=dev)
+    g.add_blob("dx@bf16", None, "float32", dev, kind="data", attrs={"precision": BF16})
+    g.add_op("cast", "Cast", ["dx"], ["dx@bf16"], {"dtype": BF16}, location=dev)
+    for name in ("dw", "db", "dd"):
+        g.add_blob(name, None, "float32", dev, kind="data")
+    g.add_op("fw", "InnerProductGradWeight", ["dx@bf16", "x"], ["dw"],
+             {"compute_dtype": BF16}, location=dev)
+    g.add_op("fb", "InnerProductGradBias", ["dx"], ["db"], location=dev)
+    g.add_op("later", "Sum", ["dx", "dw"], ["dd"], location=dev)   # waits for fw
+    # a pipeline's send of dx: a comm op keeps its place
+    g.add_op("send", "Send", ["dx"], [], {"seq": 0, "peer": 1, "tag": 0}, location=dev,
+             thread="comm")
+    g.infer_shapes()
+    assert [op.name for op in g.topo_order()] == ["gg", "cast", "fw", "fb", "later", "send"]
+    assert store_bits(g) == ["dx@bf16"] and fold_copies(g) == ["cast"]
+    g.infer_shapes().validate()
+    assert list(g.ops) == ["gg", "fb", "fw", "later", "send"]
+    assert [op.name for op in g.topo_order()] == ["gg", "fb", "fw", "later", "send"]
 
 
 # ------------------------------------------------------ training, bitwise

@@ -63,6 +63,36 @@ def test_steady_state_iteration_allocates_nothing_on_the_emulated_device(emulate
         d.close()
 
 
+@pytest.mark.parametrize("storage", ["1", "0"])
+def test_a_bf16_gpt_steady_iteration_allocates_nothing(emulated, monkeypatch, storage):
+    """The 2-block test GPT in bf16, placed and fused, with bits storage
+    (``PURINE_BF16_STORAGE=1``: the products' operands as bits, GELU's
+    gradient and the residual gradients' sums writing their float32
+    output's bits beside it, ``fold_copies``) and without: the third
+    iteration allocates nothing on the emulated device."""
+    from tests.emulated_gpu.helpers import fill
+    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.test_precision import SOLVER
+    monkeypatch.setenv("PURINE_BF16_STORAGE", storage)
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=2, max_length=8, approximate="tanh")
+    graph, _, _ = gpt_graph(net, dict(SOLVER, max_iter=3), 2, 8)
+    prepare_for_device(graph, 0, precision="bf16")
+    copies = {op.op_type for op in graph.ops.values() if op.attrs.get("bits_copy")}
+    assert copies == ({"GeluGrad", "Sum"} if storage == "1" else set())
+    d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=1, cuda_graph=False)
+    tokens = np.random.default_rng(3).integers(0, 16, (2, 9))
+    try:
+        for p in graph.params():
+            d.workspace.set(p.name, fill(p, 1))
+        d.workspace.set("data", tokens[:, :-1].astype(np.int32))
+        d.workspace.set("label", tokens[:, 1:].astype(np.int32))
+        log = _counted_iteration(d)
+        assert log == [], f"device allocations in a steady-state iteration: {log}"
+        assert np.isfinite(float(d.workspace["loss"]))
+    finally:
+        d.close()
+
+
 def _probe_loss_graph():
     """WeightedSum, the tests' probe loss: sum(x * w) through xp, a product
     and a reduction into new arrays (no raw kernel) -- an op that allocates."""

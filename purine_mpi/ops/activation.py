@@ -471,10 +471,15 @@ class GeluGrad(OpKernel):
     products that take bits) a second output, dx's bfloat16 bits (uint16,
     the bits a Cast of dx wrote), in the same pass on a GPU (the ``_copy``
     kernels), a chunk at a time on the host (``to_bf16_bits`` of the float32
-    chunk): no Cast, no second read of dx."""
+    chunk): no Cast, no second read of dx. The copy may take the bytes of a
+    dy or an x stored as bits (``in_place`` (0, 1), (1, 1): 2 bytes an
+    element each, each element read before its copy is written): where they
+    die at this op the memory plan puts it there, as the Cast's copy came
+    after them (GPT: dx's bits on the projection's data gradient's)."""
 
     op_type = "GeluGrad"
-    in_place = ((0, 0),)  # dx over dy
+    # dx over dy; dx's bits copy (bits_copy) over a dy or an x stored as bits
+    in_place = ((0, 0), (0, 1), (1, 1))
 
     @classmethod
     def bits_inputs(cls, attrs):

@@ -299,12 +299,18 @@ def fold_copies(graph):
     it waits for the producer). The float32 blob stays for its other
     readers; the bits are those the Cast wrote, written in the producer's
     pass (GeluGrad's dx read by the fc bias gradient and, as bits, by the
-    fc's data and weight gradients). Run after ``fold_casts``. Returns the
-    names of the Casts folded. Call ``graph.infer_shapes()`` after."""
+    fc's data and weight gradients). A float32 reader emitted after the
+    first reader of the bits that would be ready as early (the bias
+    gradient, emitted after the fc's data and weight gradients) moves
+    before it in the emission order (``_float32_readers_first``), so the
+    float32 blob is not held across the products that read the bits (with
+    the Cast, which they waited for, the schedule ran it first). Run after
+    ``fold_casts``. Returns the names of the Casts folded. Call
+    ``graph.infer_shapes()`` after."""
     from ..ops.catalog import get_kernel_class
     prod, cons = graph.producers(), graph.consumers()
     viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
-    folded = []
+    folded, pairs = [], []
     for cast in list(graph.ops.values()):
         if cast.op_type != CAST or 0 not in cast.attrs.get("bits_out", ()) \
                 or cast.control_inputs:
@@ -332,7 +338,41 @@ def fold_copies(graph):
                 other.control_inputs = list(dict.fromkeys(
                     w.name if c == cast.name else c for c in other.control_inputs))
         folded.append(cast.name)
+        pairs.append((src, cast.outputs[0]))
+    _float32_readers_first(graph, pairs)
     return folded
+
+
+def _float32_readers_first(graph, pairs):
+    """For each (float32 blob, its bits copy) of ``pairs``: move the compute
+    ops reading the float32 blob that do not read the copy, are emitted
+    after the copy's first reader and would be ready as early (each op
+    writing one of their inputs, and each of their control inputs, emitted
+    before that reader) to just before it in the emission order
+    (``graph.ops``), which breaks the ties of the schedule
+    (``Graph.topo_order``; the memory plan's): they then run before the
+    copy's readers, and the float32 blob's lifetime ends there, not after
+    them. A comm op (a pipeline's send of the gradient) stays where it is."""
+    from ..ops.catalog import get_kernel_class
+    for src, copy in pairs:
+        names = list(graph.ops)
+        pos = {n: i for i, n in enumerate(names)}
+        prod, cons = graph.producers(), graph.consumers()
+        firsts = [pos[op.name] for op in cons.get(copy, ())]
+        if not firsts:
+            continue
+        first = min(firsts)
+        move = [n for n in names[first + 1:]
+                if src in graph.ops[n].inputs and copy not in graph.ops[n].inputs and
+                get_kernel_class(graph.ops[n].op_type, n).category != "comm" and
+                all(pos[w.name] < first for b in graph.ops[n].inputs for w in prod.get(b, ()))
+                and all(pos.get(c, -1) < first for c in graph.ops[n].control_inputs)]
+        if not move:
+            continue
+        moved = set(move)
+        order = [n for n in names[:first] if n not in moved] + move + \
+            [n for n in names[first:] if n not in moved]
+        graph.ops = {n: graph.ops[n] for n in order}
 
 
 def _dies_at(graph, cast, prod, cons, viewed):

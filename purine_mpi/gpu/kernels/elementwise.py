@@ -287,10 +287,12 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     data gradient stored as bits; ``x`` float32 or bits, ``out`` a float32
     array of dy's shape, not ``dy``): widened exactly in the kernel
     (``gelu_backward_bdy_f32``, ``gelu_backward_bdy_bx_f32``), the float32
-    ``dy``'s dx bit for bit. ``copy`` (uint16, C-contiguous, dy's shape, no
-    input's bytes; ``out`` a float32 array, not ``dy``): also the bits of the
-    bfloat16 nearest each float32 dx, in the same pass (the ``_copy`` entry
-    points: ``to_bf16_bits_device`` of ``out`` bit for bit)."""
+    ``dy``'s dx bit for bit. ``copy`` (uint16, C-contiguous, dy's shape;
+    ``out`` a float32 array): also the bits of the bfloat16 nearest each
+    float32 dx, in the same pass (the ``_copy`` entry points:
+    ``to_bf16_bits_device`` of ``out`` bit for bit); ``out`` may be a float32
+    ``dy``, ``copy`` a ``dy`` or ``x`` of bits (in place: each element is
+    read before it is written)."""
     cupy = import_cupy()
     if copy is not None:
         return _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy)
@@ -335,8 +337,6 @@ def _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy):
         raise ValueError("gelu_backward: a copy takes a float32 out")
     _bits_array(out, np.float32, "gelu_backward: out")
     _bits_x(copy, "gelu_backward: copy", like=out)
-    if out is dy or copy is dy or copy is x:
-        raise ValueError("gelu_backward: out and copy take no input's bytes")
     operands = []
     for what, a in (("dy", dy), ("x", x)):
         if _is_bits(a):
