@@ -308,6 +308,26 @@ def test_graph_yaml_loads_back_and_trains_identically(base):
     assert yaml.safe_load(again.stdout)["graph"] == doc["graph"]
 
 
+def test_graph_yaml_of_a_gpu_job_loads_back_as_the_same_placed_graph(base, tmp_path):
+    # the yaml is the graph before the device passes, with the job's device
+    # (and precision) keys: loaded, it is placed and fused as train does.
+    # Before: the graph already fused for the GPU (one MultiSGDUpdate) was
+    # printed; loaded, its backward was built again: "op 'loss.grad_seed' is
+    # defined twice", exit 2 (no CuPy needed: graph composes offline)
+    res = run_cli_here("graph", base["path"], "--format", "yaml", "--set", "device=0")
+    assert res.returncode == 0, res.stderr
+    doc = yaml.safe_load(res.stdout)
+    assert doc["device"] == 0 and "precision" not in doc
+    assert not any(e.get("op_type", "").startswith("Multi") for e in doc["graph"])
+    cfg = dict(doc, data=base["cfg"]["data"])
+    path = write_config_file(tmp_path, cfg, "from_gpu_graph.yaml")
+    loaded = run_cli_here("graph", path)
+    direct = run_cli_here("graph", base["path"], "--set", "device=0")
+    assert loaded.returncode == 0, loaded.stderr
+    assert "MultiSGDUpdate" in direct.stdout
+    assert loaded.stdout.splitlines()[1:] == direct.stdout.splitlines()[1:]
+
+
 def _dot_structure(text):
     assert text.startswith("digraph ") and text.rstrip().endswith("}")
     assert text.count("{") == text.count("}")

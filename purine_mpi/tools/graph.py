@@ -16,9 +16,13 @@ def compose_for(job, world_size, rank, phase="train"):
     return composed(job, world_size, rank, phase)[0]
 
 
-def composed(job, world_size, rank, phase="train"):
+def composed(job, world_size, rank, phase="train", device_passes=True):
     """(the graph ``rank`` of ``world_size`` would run, built without MPI,
-    and its scheme's Composition; (None, None) without such a phase)."""
+    and its scheme's Composition; (None, None) without such a phase).
+    ``device_passes`` False: the graph before ``prepare_for_device`` (no
+    device placement, precision pass or device fusions: what ``graph
+    --format yaml`` prints, which a loaded config's run places and fuses
+    again as ``train`` does)."""
     from ..job.replica import build_test_graph, build_train_graph, check_test_phase, param_shapes
     from ..parallel.schemes import Composition, run_scheme_of
     world = _OfflineWorld(rank, world_size)
@@ -47,9 +51,10 @@ def composed(job, world_size, rank, phase="train"):
         offline = job.replace(parallel=dataclasses.replace(par, check_collectives=False))
         comp = scheme.compose(graph, grads, offline, world)
         graph = comp.graph
-    from ..parallel.placement import prepare_for_device
-    # placed and fused as the trainer runs it (needs no CuPy)
-    prepare_for_device(graph, job.device, precision=job.precision)
+    if device_passes:
+        from ..parallel.placement import prepare_for_device
+        # placed and fused as the trainer runs it (needs no CuPy)
+        prepare_for_device(graph, job.device, precision=job.precision)
     from ..parallel.partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
         graph = comp.graph = partition(graph, rank, size=world_size)
@@ -134,7 +139,11 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     if not 0 <= rank < world_size:
         from ..base.errors import UserError
         raise UserError(f"--rank {rank} is outside 0..{world_size - 1} (--np {world_size})")
-    graph, comp = composed(job, world_size, rank, phase)
+    # yaml: the graph before the device passes, with the job's device and
+    # precision keys, so the loaded config places, casts and fuses it as
+    # train does (a graph already fused for a GPU did not load: its fused
+    # updates hid the backward, built again: 'op loss.grad_seed is defined twice')
+    graph, comp = composed(job, world_size, rank, phase, device_passes=fmt != "yaml")
     if graph is None:  # graph --phase test of a job without test data (or with a 'graph:')
         from ..base.errors import ConfigError
         if job.data.get(phase) is None:
@@ -148,8 +157,12 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
         # seed, which draws the initial weights (the fillers) and the dropout
         # masks: without it the graph trained from other weights than the config
         solver = {k: v for k, v in job.solver.to_config().items() if v is not None}
-        return yaml.dump({"name": job.name, "seed": job.seed, "solver": solver,
-                          "graph": seed_yaml.dump(graph)},
+        head = {"name": job.name, "seed": job.seed}
+        if int(job.device) >= 0:
+            head["device"] = int(job.device)
+        if job.precision != "fp32":
+            head["precision"] = job.precision
+        return yaml.dump(dict(head, solver=solver, graph=seed_yaml.dump(graph)),
                          Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None,
                          width=100)
     if fmt == "dot":
