@@ -83,6 +83,21 @@ class ParameterServers(DataParallel):
             note(["max_staleness"], "applies to mode async only; mode sync_ps is synchronous, "
                  "so it has no effect")
 
+    # ---- the state the servers hold
+    def whole_solver_shapes(self, graphs):
+        """A worker's view of the momenta its servers hold (train/ps_server.py
+        loads them from a --resume checkpoint, every served parameter's):
+        checked on the workers as well (train/checkpoints.py check_for_net),
+        so a checkpoint whose momentum holds NaN, or has another shape, is
+        found on every rank alike (one message by rank 0), not by a server
+        alone (its own ``error: rank R: ...`` and an abort of the job; one
+        line per server). Nothing on one rank (no servers)."""
+        plan = getattr(graphs.composition, "server_plan", None)
+        if plan is None:
+            return {}
+        blobs = graphs.graph.blobs
+        return {(p, "momentum"): (tuple(blobs[p].shape), blobs[p].dtype) for p in plan["order"]}
+
     # ---- what rank 0 holds of the servers' state (``plan``'s figures)
     # A save (and, in async, a test pass) brings the servers' state to rank 0
     # (train/ps_worker.py): each server's momenta (async: and weights) pickled
