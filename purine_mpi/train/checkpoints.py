@@ -189,11 +189,11 @@ class Checkpoints(Service):
             if loop.world.rank == 0 and notes:
                 was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
                 size, servers = launched_ranks(loop)
-                workers = f" ({loop.world.size} workers, {servers} parameter server(s))" \
+                workers = f" ({_workers(loop.world.size)}, {servers} parameter server(s))" \
                     if servers else ""
                 # a parameter-server run's file holds its workers' states alone
                 saved_world = int(saved_world or len(ranks))
-                held = f" ({len(ranks)} workers)" if saved_world > len(ranks) else ""
+                held = f" ({_workers(len(ranks))})" if saved_world > len(ranks) else ""
                 loop.log(f"note: resuming a {saved_world}-rank checkpoint{held} on "
                          f"{size} rank(s){workers}, layout {was} -> "
                          f"{loop.graphs.layout.describe()}: the weights and solver state "
@@ -324,7 +324,7 @@ class Checkpoints(Service):
                         f"data.train.batch_size={batches[0] // replicas})")
             else:  # no batch per rank keeps it on this many replicas
                 keep = f"({batches[0]} does not split into {replicas} equal batches per {each})"
-            workers = f" ({replicas} workers, {servers} parameter server(s))" if servers else ""
+            workers = f" ({_workers(replicas)}, {servers} parameter server(s))" if servers else ""
             loop.say(f"note: {path} was written by {saved_world} rank(s){was}, this run has "
                      f"{size}{workers}: the global batch is now {loop.job.global_batch(replicas)} "
                      f"({b} per {each} x {replicas}); the data order goes on at the same "
@@ -427,6 +427,11 @@ class Checkpoints(Service):
                       if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         return params, {p: s for p, s in solver.items() if s}
 
+
+
+def _workers(n):
+    """'1 worker', 'N workers' (the resume notes of a parameter-server run)."""
+    return f"{n} worker" + ("" if n == 1 else "s")
 
 def _adam_kernels(loop):
     """The loop's Adam and AdamW update kernels (fused or not)."""
