@@ -16,10 +16,10 @@ Gradients::
 On a GPU the products are cuBLAS calls on the blobs themselves (gpu/blas.py:
 the transposes are cuBLAS flags, nothing is copied or allocated), the bias
 and a fused ReLU one epilogue kernel, the bias gradient one reduction kernel.
-With ``PURINE_FC_EPILOGUE=cublaslt`` and nvmath-python's advanced API, an
-eager forward product adds the bias and applies a fused ReLU in its cuBLASLt
-epilogue instead (gpu/blaslt.py, which says why that is not the default;
-inside a CUDA-graph capture it keeps the path above).
+With ``PURINE_FC_EPILOGUE=cublaslt`` and nvmath-python's cuBLASLt binding,
+the forward product adds the bias and applies a fused ReLU in its cuBLASLt
+epilogue instead, writing y itself (gpu/blaslt.py: nothing allocated, so
+captured too; the plan made at the first, eager, product).
 
 An op the precision pass marked bf16 (``compute_dtype``: its inputs are
 bfloat16 values in float32 storage) multiplies them as bfloat16 on a GPU:
@@ -59,6 +59,16 @@ Where GemmEx is refused, the product goes to that float32 scratch and one
 ``to_bf16_bits`` (or ``bias_bits``) rounds it into y (on the host: a
 float32 product, the bias added, and base/precision.to_bf16_bits), the same
 bits.
+
+With ``PURINE_FC_EPILOGUE=cublaslt`` (``_lt_bits``) a biased y stored as
+bits is one cuBLASLt product instead (gpu/blaslt.fc_forward_bits): the
+bias rounded to bfloat16 (one ``to_bf16_bits`` into the op's scratch: O
+elements, in place of the float32 product's M x O) and added by the BIAS
+epilogue to the float32 accumulator before the one rounding into y --
+PyTorch autocast's linear; the same numbers as above where the bias
+holds bfloat16 values (the precision pass's ``b@bf16`` copy, as in every
+bf16 graph), not for a float32 bias. A refusal (said once) returns this
+op to the path above for good.
 """
 import numpy as np
 
