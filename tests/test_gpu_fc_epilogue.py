@@ -211,12 +211,8 @@ def test_a_leaky_relu_keeps_its_kernel(lt):
                                rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
-def test_a_net_with_fc_relu_trains_like_the_cpu(lt, cuda_graph):
-    """fc -> relu fused (parallel/fuse.py) in the epilogue, eagerly and
-    captured (the captured iterations replay the cuBLASLt products): both
-    train like the CPU."""
-    from tests.emulated_gpu.helpers import tiny_raw, train_simulated
+def _fc_net_config():
+    from tests.emulated_gpu.helpers import tiny_raw
     from purine_mpi.job.config import validate_config
     gauss = {"type": "gaussian", "std": 0.1}
     raw = tiny_raw()
@@ -227,7 +223,58 @@ def test_a_net_with_fc_relu_trains_like_the_cpu(lt, cuda_graph):
            {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 5,
             "weight_filler": gauss},
            {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"], "top": "loss"}]
-    config = validate_config(dict(raw, net=net), check_files=False)
+    return validate_config(dict(raw, net=net), check_files=False)
+
+
+def test_a_captured_iteration_with_the_epilogue_allocates_nothing(lt, monkeypatch):
+    """The fc net in CUDA graphs under the opt-in (as tests/test_gpu_no_alloc.py
+    counts): the eager first iteration plans, the captured ones replay the
+    cuBLASLt products, and the third iteration allocates nothing."""
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.runtime.factory import make_dispatcher
+    from tests.conftest import make_job
+    from tests.emulated_gpu import init_params
+    from tests.emulated_gpu import capture
+    real, captured = lt.matmul, []
+
+    def matmul(*args):   # whether each call is recorded into a capture
+        captured.append(capture.is_capturing())
+        return real(*args)
+    monkeypatch.setattr(lt, "matmul", matmul)
+    graph, _ = build_train_graph(make_job(_fc_net_config()))
+    prepare_for_device(graph, 0)
+    d = make_dispatcher(graph, runtime=SimulatedRuntime(2), seed=1, cuda_graph=True)
+    try:
+        init_params(d.workspace, graph, 3)
+        for it in range(3):
+            d.workspace["iter"][...] = it
+            Allocations.log = []
+            Allocations.counting = it == 2
+            try:
+                d.run(it)
+            finally:
+                Allocations.counting = False
+        assert Allocations.log == [], Allocations.log
+        assert np.isfinite(float(d.workspace["loss"]))
+        segs = list(d.executor.segment_plan.values())   # captured, replayed
+        assert segs and all(s.failed is None and s.captures for s in segs), \
+            [(s.name, s.failed) for s in segs]
+    finally:
+        d.close()
+    # fc1 (+ ReLU) and fc2: eagerly first, then recorded into the captures
+    assert lt.matmuls[:2] == [("RELU_BIAS", "float32"), ("BIAS", "float32")], lt.matmuls
+    assert not captured[0] and any(captured), captured
+    assert blaslt.plan_count() == 2 and not blaslt.refused()
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_net_with_fc_relu_trains_like_the_cpu(lt, cuda_graph):
+    """fc -> relu fused (parallel/fuse.py) in the epilogue, eagerly and
+    captured (the captured iterations replay the cuBLASLt products): both
+    train like the CPU."""
+    from tests.emulated_gpu.helpers import train_simulated
+    config = _fc_net_config()
     cpu_losses, cpu_params = train_simulated(config, -1, iters=3)
     losses, params, _ = train_simulated(config, 0, iters=3, cuda_graph=cuda_graph, fuse=True)
     np.testing.assert_allclose(losses, cpu_losses, rtol=1e-4)
