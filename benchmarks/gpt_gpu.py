@@ -587,11 +587,11 @@ def main(argv=None):
                 entry["cuda_graph"] = runs[0]["cuda_graph"]
                 entry["bench_mfu"] = runs[0]["bench_mfu"]
                 entry["environment"] = OURS[side]
-                if side != "purine":
+                if side == "purine":
+                    entry["op_breakdown"], entry["op_breakdown_note"] = None, None
+                else:
                     entry["attention_note"] = entry["kernels_note"] = \
                         "not profiled: this side of ours is timed only"
-            if side == "purine":
-                entry["op_breakdown"], entry["op_breakdown_note"] = None, None
             else:
                 entry["last_loss"] = runs[-1]["last_loss"]
             out_sides[side] = entry
