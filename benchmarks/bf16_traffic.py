@@ -22,7 +22,10 @@ kernels make on top of that (``conversions``; ops/fc.py, gpu/sdpa.py):
 - a fully connected product's output of bfloat16 values in float32 storage:
   one rounding in place (``round_bf16``: 4 + 4 bytes); its output stored as
   bits with a bias: GemmEx's float32 result in scratch, read by
-  ``bias_bits`` (4 + 4 bytes);
+  ``bias_bits`` (4 + 4 bytes) -- or, with ``PURINE_FC_EPILOGUE=cublaslt``
+  (``--fc-epilogue``), one cuBLASLt product writing the bits itself, its
+  bias's bf16 bits written to scratch and read by the epilogue (2 + 2 bytes
+  a bias element; the float32 bias's read is in ``io``);
 - an attention op's output of 16-bit values in float32 storage: SDPA's
   16-bit result widened (2 + 2 bytes).
 
@@ -46,6 +49,11 @@ Two bounds of the step time (``bounds``):
     PYTHONPATH=. python benchmarks/bf16_traffic.py --job jobs/gpt2_124m.yaml \\
         --set data.train.batch_size=16 --set parallel.micro_batches=1 \\
         --set data.train.path=DATA.h5 --set data.test.path=DATA.h5
+
+``--fc-epilogue both`` (the default where ``PURINE_FC_EPILOGUE=cublaslt``
+is set) adds a fourth configuration, ``bf16_bits_storage_fc_cublaslt``:
+the bf16-storage graph counted under that opt-in (docs/gpu.md,
+"Precision"); ``--fc-epilogue kernel`` (else the default) the three.
 
 (``DATA.h5``: any token file of the job's vocabulary, e.g. a byte-token one,
 ``python -m purine_mpi data text --from DIR --glob '*.py' --out DATA.h5``;
@@ -133,10 +141,11 @@ def _low(blob):
     return blob.dtype == "float32" and blob_dtype(blob) in ("bfloat16", "float16")
 
 
-def op_bytes(graph, op):
+def op_bytes(graph, op, fc_epilogue="kernel"):
     """(io, conversions): the bytes of ``op``'s inputs and outputs, each
     element once, and those of the conversions its low-precision product
-    kernel makes beyond them (module docstring)."""
+    kernel makes beyond them (module docstring), with ``fc_epilogue`` the
+    value of ``PURINE_FC_EPILOGUE``."""
     from purine_mpi.base.precision import is_bits
     from purine_mpi.graph.core import op_precision
     blobs = graph.blobs
@@ -152,11 +161,14 @@ def op_bytes(graph, op):
             if _low(blob) and not op.accumulate:
                 conv += (8 if fc else 4) * blob.size   # rounded in place / widened
             elif fc and is_bits(blob.dtype) and len(op.inputs) > 2:
-                conv += 8 * blob.size                  # float32 product + bias_bits
+                if fc_epilogue == "cublaslt":          # the bias's bits, one product
+                    conv += 4 * blobs[op.inputs[2]].size
+                else:
+                    conv += 8 * blob.size              # float32 product + bias_bits
     return io, conv
 
 
-def traffic(graph):
+def traffic(graph, fc_epilogue="kernel"):
     """The iteration's figures of ``graph``: per op (name -> [type, class,
     io bytes, conversion bytes, FLOPs])."""
     from purine_mpi.tools.flops import op_flops
@@ -165,16 +177,16 @@ def traffic(graph):
         return graph.blobs[b].shape
     rows = {}
     for op in graph.ops.values():
-        io, conv = op_bytes(graph, op)
+        io, conv = op_bytes(graph, op, fc_epilogue)
         rows[op.name] = [op.op_type, op_class(op), io, conv, op_flops(op, shape)]
     return rows
 
 
-def summary(graph, peak, bandwidths):
+def summary(graph, peak, bandwidths, fc_epilogue="kernel"):
     """The JSON figures of one configuration: bytes per class and op type,
     their time at each bandwidth, the FLOPs and the bounds."""
     from purine_mpi.tools.flops import gpt_closed_form, gpt_figures, graph_flops
-    rows = traffic(graph)
+    rows = traffic(graph, fc_epilogue)
     by_class = collections.defaultdict(lambda: [0, 0])      # bytes, ops
     by_type = collections.defaultdict(lambda: [0, 0, None])  # bytes, ops, class
     flops = 0
@@ -240,8 +252,9 @@ def peaks():
     return GPU_PEAKS["H200"]
 
 
-def estimate(job_path, sets, hbm=HBM_DATASHEET, measured=HBM_MEASURED):
-    """The JSON object of the three configurations of ``job_path``."""
+def estimate(job_path, sets, hbm=HBM_DATASHEET, measured=HBM_MEASURED, fc_epilogue="kernel"):
+    """The JSON object of the three configurations of ``job_path`` (four with
+    ``fc_epilogue`` "both")."""
     bandwidths = {"datasheet": hbm}
     if measured:
         bandwidths["measured"] = measured
@@ -259,6 +272,11 @@ def estimate(job_path, sets, hbm=HBM_DATASHEET, measured=HBM_MEASURED):
         out["configs"][name] = dict({"precision": precision,
                                      "PURINE_BF16_STORAGE": storage or "default (1)"},
                                     **summary(graph, peak, bandwidths))
+        if name == "bf16_bits_storage" and fc_epilogue == "both":   # the same graph
+            out["configs"]["bf16_bits_storage_fc_cublaslt"] = dict(
+                {"precision": precision, "PURINE_BF16_STORAGE": storage or "default (1)",
+                 "PURINE_FC_EPILOGUE": "cublaslt"},
+                **summary(graph, peak, bandwidths, "cublaslt"))
     return out
 
 
@@ -270,11 +288,17 @@ def main(argv=None):
                     help="the datasheet HBM bandwidth, TB/s (H200: 4.8)")
     ap.add_argument("--measured-tbps", type=float, default=HBM_MEASURED / 1e12,
                     help="a measured streaming bandwidth, TB/s (0: datasheet only)")
+    ap.add_argument("--fc-epilogue", choices=("kernel", "both"),
+                    default="both" if os.environ.get("PURINE_FC_EPILOGUE") == "cublaslt"
+                    else "kernel",
+                    help="both: also count the bf16-storage graph under "
+                    "PURINE_FC_EPILOGUE=cublaslt (default where that is set)")
     args = ap.parse_args(argv)
     from device_plan import emulated
     mp = emulated(tempfile.mkdtemp(prefix="bf16_traffic_kernels_"), "im2col")
     try:
-        out = estimate(args.job, args.sets, args.hbm_tbps * 1e12, args.measured_tbps * 1e12)
+        out = estimate(args.job, args.sets, args.hbm_tbps * 1e12, args.measured_tbps * 1e12,
+                       args.fc_epilogue)
     finally:
         mp.undo()
     print(json.dumps(out, indent=1))

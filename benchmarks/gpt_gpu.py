@@ -5,7 +5,7 @@ against PyTorch with the same model, side by side in one run (issue 45).
     python benchmarks/gpt_gpu.py [--config jobs/gpt2_124m.yaml] [--batch 16]
         [--micro-batches 1] [--recompute-layers 'h*_ln1,h*_ln2,h*_gelu'] [--seq T]
         [--iters 10] [--warmup 3] [--rounds 2]
-        [--sides purine torch_eager torch_compile] [--profile-iters 3]
+        [--sides purine purine_fc_cublaslt torch_eager torch_compile] [--profile-iters 3]
         [--budget-s S] [--deadline-s S] [--device 0]
     python benchmarks/gpt_gpu.py --dry-run --config jobs/gpt_tiny.yaml
         CPU smoke run at a tiny size: every side but torch.compile, no figures
@@ -29,6 +29,12 @@ take seconds):
   CUDA-graph replay as ``train`` runs it, on
   a token file written from this repository's own sources (nothing is read
   from the network);
+- ``purine_fc_cublaslt`` (only where ``--sides`` names it): ``purine`` with
+  ``PURINE_FC_EPILOGUE=cublaslt`` (docs/gpu.md, "Precision": each biased
+  fully connected output stored as bits is one cuBLASLt product whose
+  epilogue adds the bias rounded to bf16, in place of GemmEx into float32
+  scratch + ``bias_bits``); ``purine_fc_cublaslt_vs_purine``: the
+  tokens/s ratio of the two, interleaved in one process;
 - ``torch_eager``: nanoGPT's model.py (benchmarks/gpt_torch.py's
   ``torch_gpt``: the same sizes, ``F.scaled_dot_product_attention`` with
   ``is_causal``, a tied lm_head) under ``torch.autocast(bfloat16)``, the job's
@@ -96,7 +102,11 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-SIDES = ("purine", "torch_eager", "torch_compile")
+SIDES = ("purine", "purine_fc_cublaslt", "torch_eager", "torch_compile")
+#: the sides run unless --sides names others (purine_fc_cublaslt: asked for)
+DEFAULT_SIDES = ("purine", "torch_eager", "torch_compile")
+#: our sides, and the environment each runs in (set around its set-up and steps)
+OURS = {"purine": {}, "purine_fc_cublaslt": {"PURINE_FC_EPILOGUE": "cublaslt"}}
 #: kernel names of an attention in PyTorch (flash, memory-efficient, cuDNN SDPA)
 ATTENTION_KERNELS = r"flash|fmha|attention|sdpa|attn"
 
@@ -150,6 +160,22 @@ def flops_per_token(config):
 
 
 # ----------------------------------------------------------- purine_mpi ---
+
+@contextlib.contextmanager
+def environment(values):
+    """``os.environ`` with ``values`` set for the block (our opt-in side's
+    ``PURINE_FC_EPILOGUE``: read at each set-up and product), then as before."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 def run_purine(config, args):
     """``bench``'s loop: {tokens_per_s, iter_ms_median, peak_memory_bytes}."""
@@ -470,7 +496,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every side")
-    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
     ap.add_argument("--no-compile", action="store_true", help="drop torch_compile")
     ap.add_argument("--profile-iters", type=int, default=3,
                     help="steps profiled for the attention's time, our op table and the "
@@ -525,9 +551,10 @@ def main(argv=None):
                     break
                 for side in sides:
                     print(f"gpt_gpu: round {r + 1}, {side}", file=sys.stderr, flush=True)
-                    if side == "purine":
+                    if side in OURS:
                         t_round = time.perf_counter()
-                        rounds[side].append(run_purine(config, args))
+                        with environment(OURS[side]):
+                            rounds[side].append(run_purine(config, args))
                         round_s = max(round_s, time.perf_counter() - t_round)
                         continue
                     if side not in torch_sides:
@@ -556,10 +583,15 @@ def main(argv=None):
                          "side's set-up and steps, less what was held before it"),
                      "attention_ms_per_iter": None, "attention_note": None,
                      "kernels": None, "kernels_note": None}
-            if side == "purine":
+            if side in OURS:
                 entry["cuda_graph"] = runs[0]["cuda_graph"]
                 entry["bench_mfu"] = runs[0]["bench_mfu"]
-                entry["op_breakdown"], entry["op_breakdown_note"] = None, None
+                entry["environment"] = OURS[side]
+                if side == "purine":
+                    entry["op_breakdown"], entry["op_breakdown_note"] = None, None
+                else:
+                    entry["attention_note"] = entry["kernels_note"] = \
+                        "not profiled: this side of ours is timed only"
             else:
                 entry["last_loss"] = runs[-1]["last_loss"]
             out_sides[side] = entry
@@ -567,7 +599,7 @@ def main(argv=None):
         # what we know least first: our eager trace (the attention, the op table),
         # our CUDA-graph steps' kernels (a trainer of their own), PyTorch's kernels
         jobs = [("purine", "trace"), ("purine", "kernels")] if "purine" in out_sides else []
-        jobs += [(side, "kernels") for side in out_sides if side != "purine"]
+        jobs += [(side, "kernels") for side in out_sides if side not in OURS]
         skipped = False
         for side, job in jobs:
             entry = out_sides[side]
@@ -616,6 +648,11 @@ def main(argv=None):
               "cut_short": cut_short, "model_flops_per_token": per_token,
               "closed_form": closed_form, "peak_flops_per_s": peak, "peak_source": peak_source,
               "versions": _versions(torch), "sides": out_sides}
+    if "purine" in out_sides and "purine_fc_cublaslt" in out_sides and \
+            out_sides["purine"]["tokens_per_s"]:
+        report["purine_fc_cublaslt_vs_purine"] = round(
+            out_sides["purine_fc_cublaslt"]["tokens_per_s"] / out_sides["purine"]["tokens_per_s"],
+            3)
     for theirs in ("torch_eager", "torch_compile"):
         if "purine" in out_sides and theirs in out_sides and out_sides[theirs]["tokens_per_s"]:
             report[f"purine_vs_{theirs}"] = round(

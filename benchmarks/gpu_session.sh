@@ -35,8 +35,9 @@
 #                      (cifar10_quick and NIN at batch 128, channels-last, eager and
 #                      whole-step CUDA graph; 40 s at most) -> bench_bf16.json, then
 #                      benchmarks/gpt_gpu.py, jobs/gpt2_124m.yaml with precision bf16
-#                      (16 x 1024 tokens a step) against nanoGPT's model in PyTorch,
-#                      eager and torch.compile, interleaved  -> gpt_gpu.json
+#                      (16 x 1024 tokens a step; ours also with PURINE_FC_EPILOGUE=
+#                      cublaslt) against nanoGPT's model in PyTorch, eager and
+#                      torch.compile, interleaved  -> gpt_gpu.json
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -59,12 +60,12 @@ set -u
 
 # stage  budget_s  what (the --plan table; the budgets sum to at most 600 s)
 PLAN="probe|60|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
-tests|120|pytest -m gpu (cuDNN SDPA fwd/bwd against float64 included: tests/test_sdpa.py)
+tests|120|pytest -m gpu (cuDNN SDPA fwd/bwd against float64: tests/test_sdpa.py; the cuBLASLt epilogue, fp32/fp64 and bf16: tests/test_gpu_fc_epilogue.py, tests/test_gpu_fc_lt_bf16.py)
 bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|150|both configs, batches 128 and 512, torch.compile too
 dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
 plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)
-gpt|150|bf16: both CNNs against autocast, GPT-2 124M against PyTorch eager and compile"
+gpt|150|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile"
 
 usage() {
   echo "usage: $0 --plan | fetch | all | STAGE... (stages: probe tests bench-quick bench dp plans gpt)" >&2
@@ -265,7 +266,11 @@ case "$MODE" in
     step gpu_throughput_bf16 $?
     # the rounds after the first, and the profiles, stop 20 s before the stage's end
     # (its JSON comes back); a profile of ours begins only where it fits before the end
+    # ours with PURINE_FC_EPILOGUE=cublaslt beside the default, interleaved in the
+    # same run (purine_fc_cublaslt_vs_purine: the biased fc outputs as one cuBLASLt
+    # product each, the bias rounded to bf16 in its epilogue; docs/gpu.md, "Precision")
     limit "$PYTHON" benchmarks/gpt_gpu.py --iters 10 --warmup 3 --rounds 2 \
+        --sides purine purine_fc_cublaslt torch_eager torch_compile \
         --budget-s $(( $(left) - 20 )) --deadline-s "$(left)" \
         > "$OUT/gpt_gpu.json" 2> "$OUT/gpt_gpu.log"
     step gpt_gpu $? ;;

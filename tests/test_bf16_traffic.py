@@ -59,6 +59,12 @@ def test_bytes_of_ops_match_a_hand_count(graphs):
     # result in scratch (+ 4 + 4 bytes an element: bias_bits)
     assert bt.op_bytes(on, on.ops["h0_fc.fwd"]) == (
         n * C * bits + 4 * C * C * bits + 4 * C * f32 + n * 4 * C * bits, 8 * n * 4 * C)
+    # under PURINE_FC_EPILOGUE=cublaslt: one cuBLASLt product writes y's bits,
+    # its bias's bf16 bits written and read (+ 2 + 2 a bias element)
+    assert bt.op_bytes(on, on.ops["h0_fc.fwd"], "cublaslt") == (
+        n * C * bits + 4 * C * C * bits + 4 * C * f32 + n * 4 * C * bits, 4 * 4 * C)
+    assert bt.op_bytes(off, off.ops["h0_fc.fwd"], "cublaslt") == \
+        bt.op_bytes(off, off.ops["h0_fc.fwd"])   # float32 storage: no bits y
     # without: float32 operands narrowed to bits (+ 2 + 2), y rounded in place (+ 4 + 4)
     assert bt.op_bytes(off, off.ops["h0_fc.fwd"]) == (
         n * C * f32 + 4 * C * C * f32 + 4 * C * f32 + n * 4 * C * f32,

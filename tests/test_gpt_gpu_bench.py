@@ -21,6 +21,27 @@ def _run(*args):
                           env=env, timeout=600)
 
 
+def test_gpt_gpu_times_ours_with_the_cublaslt_epilogue_beside_the_default():
+    """``--sides purine purine_fc_cublaslt`` (the session's gpt stage): our
+    job twice in one run, the second with PURINE_FC_EPILOGUE=cublaslt set
+    around its set-up and steps, their tokens/s ratio reported; only the
+    default side profiled."""
+    pytest.importorskip("torch")
+    res = _run(GPT_GPU, "--dry-run", "--config", "jobs/gpt_tiny.yaml", "--sides", "purine",
+               "purine_fc_cublaslt")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    sides = out["sides"]
+    assert list(sides) == ["purine", "purine_fc_cublaslt"]
+    assert sides["purine"]["environment"] == {}
+    assert sides["purine_fc_cublaslt"]["environment"] == {"PURINE_FC_EPILOGUE": "cublaslt"}
+    assert sides["purine_fc_cublaslt"]["tokens_per_s"] > 0
+    assert out["purine_fc_cublaslt_vs_purine"] == pytest.approx(
+        sides["purine_fc_cublaslt"]["tokens_per_s"] / sides["purine"]["tokens_per_s"], rel=2e-3)
+    assert sides["purine"]["op_breakdown"] is not None
+    assert "timed only" in sides["purine_fc_cublaslt"]["kernels_note"]
+
+
 def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
     pytest.importorskip("torch")
     res = _run(GPT_GPU, "--dry-run", "--config", "jobs/gpt_tiny.yaml")
@@ -153,6 +174,8 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     stage = text.split("\n  gpt)", 1)[1].split(";;", 1)[0]
     assert "gpu_throughput.py" in stage and "--precision bf16" in stage
     assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage and "--deadline-s" in stage
+    # ours with the cuBLASLt epilogue beside the default, in the same run
+    assert "--sides purine purine_fc_cublaslt torch_eager torch_compile" in stage
 
 
 def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):

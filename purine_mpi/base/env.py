@@ -139,8 +139,11 @@ VARS = {v.name: v for v in [
         "bf16/fp16 fused attention through cuDNN's SDPA where it takes the shape (0: the "
         "cuBLAS + softmax-kernel path)", gpu_only=True),
     Var("PURINE_FC_EPILOGUE", "one of kernel, cublaslt", "kernel", _choice("kernel", "cublaslt"),
-        "a fully connected layer's bias and ReLU when run eagerly: our kernel, or the "
-        "cuBLASLt epilogue (nvmath allocates its result at each call)", gpu_only=True),
+        "a fully connected layer's bias and ReLU: our kernel, or the cuBLASLt epilogue "
+        "(nvmath.bindings.cublasLt, writing y: captured too); in bf16 with bits storage a "
+        "biased fc output becomes one cuBLASLt product whose bias is rounded to bf16 first "
+        "(autocast's linear; the default adds the float32 bias before its one rounding)",
+        gpu_only=True),
     Var("PURINE_BF16_GEMM", FLAG, True, _flag,
         "bf16 ops' fully connected products as bfloat16 cuBLAS GemmEx on their operands' "
         "bits (0: their float32 storage on TF32 tensor cores)", gpu_only=True),

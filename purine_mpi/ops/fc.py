@@ -16,10 +16,10 @@ Gradients::
 On a GPU the products are cuBLAS calls on the blobs themselves (gpu/blas.py:
 the transposes are cuBLAS flags, nothing is copied or allocated), the bias
 and a fused ReLU one epilogue kernel, the bias gradient one reduction kernel.
-With ``PURINE_FC_EPILOGUE=cublaslt`` and nvmath-python's advanced API, an
-eager forward product adds the bias and applies a fused ReLU in its cuBLASLt
-epilogue instead (gpu/blaslt.py, which says why that is not the default;
-inside a CUDA-graph capture it keeps the path above).
+With ``PURINE_FC_EPILOGUE=cublaslt`` and nvmath-python's cuBLASLt binding,
+the forward product adds the bias and applies a fused ReLU in its cuBLASLt
+epilogue instead, writing y itself (gpu/blaslt.py: nothing allocated, so
+captured too; the plan made at the first, eager, product).
 
 An op the precision pass marked bf16 (``compute_dtype``: its inputs are
 bfloat16 values in float32 storage) multiplies them as bfloat16 on a GPU:
@@ -59,6 +59,16 @@ Where GemmEx is refused, the product goes to that float32 scratch and one
 ``to_bf16_bits`` (or ``bias_bits``) rounds it into y (on the host: a
 float32 product, the bias added, and base/precision.to_bf16_bits), the same
 bits.
+
+With ``PURINE_FC_EPILOGUE=cublaslt`` (``_lt_bits``) a biased y stored as
+bits is one cuBLASLt product instead (gpu/blaslt.fc_forward_bits): the
+bias rounded to bfloat16 (one ``to_bf16_bits`` into the op's scratch: O
+elements, in place of the float32 product's M x O) and added by the BIAS
+epilogue to the float32 accumulator before the one rounding into y --
+PyTorch autocast's linear; the same numbers as above where the bias
+holds bfloat16 values (the precision pass's ``b@bf16`` copy, as in every
+bf16 graph), not for a float32 bias. A refusal (said once) returns this
+op to the path above for good.
 """
 import numpy as np
 
@@ -103,7 +113,7 @@ def _lt_forward(x2d, w, y2d, bias, attrs):
                       float(attrs.get("negative_slope", 0.0)))
 
 
-def _bits_specs(kernel, a, b, rows=False, c=None, bias=False):
+def _bits_specs(kernel, a, b, rows=False, c=None, bias=False, lt_bias=None):
     """The scratch of a low-precision product (``scratch_specs``) of
     operands ``a`` and ``b``, each ``(2-D shape, dtype)``: where gpu/blas.
     gemm_low multiplies them as bfloat16, the uint16 bits of each float32
@@ -111,8 +121,11 @@ def _bits_specs(kernel, a, b, rows=False, c=None, bias=False):
     refused), the float32 widening of each bits one, and for a result ``c``
     (``(2-D shape, dtype)``) stored as bits its float32 product -- also with
     GemmEx where a ``bias`` is added to that product before its one rounding
-    (``bias_bits``); [] none. The product's, where there is one, comes
-    last."""
+    (``bias_bits``), except under the cuBLASLt epilogue (``lt_bias``: the
+    bias's (shape, dtype), ``_lt_bits``), which writes the bits itself and
+    takes the bias's bfloat16 bits instead (a float32 bias's; none for a
+    bias stored as bits); [] none. The product's (or the bias bits), where
+    there is one, comes last."""
     from ..gpu.blas import low_products
     low = not rows and low_products(kernel.attrs.get("compute_dtype"))
     specs = []
@@ -121,9 +134,26 @@ def _bits_specs(kernel, a, b, rows=False, c=None, bias=False):
             specs.append((tuple(shape), np.uint16))
         elif not low and is_bits(dtype):
             specs.append((tuple(shape), np.float32))
+    if low and bias and lt_bias is not None and c is not None and is_bits(c[1]):
+        if not is_bits(lt_bias[1]):
+            specs.append((tuple(lt_bias[0]), np.uint16))
+        return specs
     if c is not None and (not low or bias) and is_bits(c[1]):
         specs.append((tuple(c[0]), np.float32))
     return specs
+
+
+def _lt_bits(kernel, ins, outs):
+    """Whether the forward's output stored as bits, with a bias, comes from
+    one cuBLASLt product whose epilogue adds the bias rounded to bfloat16
+    (gpu/blaslt.fc_forward_bits; ``PURINE_FC_EPILOGUE=cublaslt``), so that
+    its scratch holds the bias's bits, not the float32 product: opted in,
+    a bfloat16 product (GemmEx not refused) and cuBLASLt not refused for
+    this op yet (``_lt_refused``, set at its run)."""
+    from ..gpu.blaslt import opted_in
+    return (len(ins) == 3 and bool(outs) and is_bits(outs[0])
+            and kernel.attrs.get("compute_dtype") == "bfloat16"
+            and not getattr(kernel, "_lt_refused", False) and opted_in())
 
 
 def _product(kernel, ins, outs, a, b, c, **trans):
@@ -188,7 +218,9 @@ class InnerProduct(ProductKernel):
         M, K = _split(ins[0].shape, int(self.attrs.get("axis", 1)))
         return _bits_specs(self, ((M, K), ins[0].dtype), (ins[1].shape, ins[1].dtype),
                            c=((M, ins[1].shape[0]), outs[0].dtype) if outs else None,
-                           bias=len(ins) == 3)
+                           bias=len(ins) == 3,
+                           lt_bias=((ins[2].shape, ins[2].dtype) if _lt_bits(self, ins, outs)
+                                    else None))
 
     def _bits_y_specs(self, ins, outs):
         """y stored as bits: the float32 product (the bias added to it) and
@@ -217,6 +249,27 @@ class InnerProduct(ProductKernel):
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
+    def _lt_bits_forward(self, ins, outs, x, w, y, bias):
+        """y (bits) = round_bf16(x @ w^T + bf16(bias)) as one cuBLASLt product
+        (``_lt_bits``): each float32 operand's bits and the float32 bias's
+        (rounded to nearest even: one small kernel) into the op's scratch,
+        then gpu/blaslt.fc_forward_bits. False where it does not apply, or
+        cuBLASLt refuses (said once there): from then on this op keeps the
+        GemmEx + ``bias_bits`` path (``_lt_refused``; its float32 scratch
+        taken then, eagerly: the plan at the first product)."""
+        from ..gpu.blas import low_products
+        if not _lt_bits(self, ins, outs) or not low_products(self.attrs["compute_dtype"]):
+            return False
+        from ..gpu.blaslt import fc_forward_bits
+        from ..gpu.kernels import to_bf16_bits_device
+        scratch = list(self.temporaries(y, *self.scratch_specs(ins, outs)))
+        ops = [a if is_bits(a) else to_bf16_bits_device(a, scratch.pop(0)) for a in (x, w)]
+        b16 = bias if is_bits(bias) else to_bf16_bits_device(bias, scratch.pop(0))
+        if fc_forward_bits(ops[0], ops[1], y, b16):
+            return True
+        self._lt_refused = True
+        return False
+
     def run(self, ins, outs):
         x, w = ins[0], ins[1]
         xp = get_xp(x)
@@ -230,6 +283,8 @@ class InnerProduct(ProductKernel):
             if xp is not np and bias is None:
                 _product(self, ins, outs, x.reshape(M, K), w, y, trans_b=True)
                 return
+            if xp is not np and self._lt_bits_forward(ins, outs, x.reshape(M, K), w, y, bias):
+                return   # one cuBLASLt product, the bf16 bias in its epilogue
             if xp is not np:   # the float32 product in scratch, + bias, one rounding
                 *operands, wide = self.temporaries(y, *self.scratch_specs(ins, outs))
                 from ..gpu.blas import gemm_low

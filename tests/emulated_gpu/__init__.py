@@ -7,6 +7,8 @@ a GPU (docs/gpu.md, "The emulated device").
   the allocation log;
 - ``host_kernels``: the ``cuda/*.cu`` kernels compiled for the host, a host
   cuBLAS and the emulated ``nvmath.bindings.cublas``;
+- ``cublaslt``: the emulated ``nvmath.bindings.cublasLt`` (installed with
+  the emulated ``nvmath.bindings.cublas``: gpu/blaslt.py's epilogues);
 - ``cupy_module``: the stand-in ``cupy`` module (``use_emulated_cupy``);
 - ``device``: the simulated device: asynchronous streams, events, capture,
   graphs and their replays;

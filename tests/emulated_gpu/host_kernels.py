@@ -604,7 +604,8 @@ def emulated_nvmath_cublas():
                                         "PEDANTIC_MATH": 2, "TF32_TENSOR_OP_MATH": 3})
     module.ComputeType = enum.IntEnum("ComputeType", {"COMPUTE_16F": 64,
                                                       "COMPUTE_32F": COMPUTE_32F,
-                                                      "COMPUTE_32F_FAST_TF32": 77})
+                                                      "COMPUTE_32F_FAST_TF32": 77,
+                                                      "COMPUTE_64F": 70})
     module.GemmAlgo = enum.IntEnum("GemmAlgo", {"DEFAULT": GEMM_DEFAULT,
                                                 "DEFAULT_TENSOR_OP": 99})
 
@@ -721,22 +722,32 @@ def emulated_nvmath_cublas():
 
 
 def use_emulated_nvmath(monkeypatch, enabled=True):
-    """Make ``nvmath.bindings.cublas`` the emulated one (``enabled``), or make
-    nvmath-python fail to import (``enabled=False``: gpu/blas.py falls back
-    to CuPy's cuBLAS), for this test; gpu/blas.py forgets its handles and
-    its check. Returns the emulated cublas module (None when disabled)."""
-    from purine_mpi.gpu import SaidOnce, blas
+    """Make ``nvmath.bindings.cublas`` and ``nvmath.bindings.cublasLt`` the
+    emulated ones (``enabled``; the latter: tests/emulated_gpu/cublaslt.py,
+    reachable as the returned module's ``lt``), or make nvmath-python fail
+    to import (``enabled=False``: gpu/blas.py falls back to CuPy's cuBLAS),
+    for this test; gpu/blas.py and gpu/blaslt.py forget their handles, plans
+    and checks. Returns the emulated cublas module (None when disabled)."""
+    from purine_mpi.gpu import SaidOnce, blas, blaslt
+    from .cublaslt import emulated_nvmath_cublaslt
     monkeypatch.setattr(blas, "_state", {"checked": False, "cublas": None, "reason": None,
                                          "noted": False})
     monkeypatch.setattr(blas, "_handles", {})
     monkeypatch.setattr(blas, "_say_once", SaidOnce())
+    monkeypatch.setattr(blaslt, "_state", {"checked": False, "lt": None, "reason": None})
+    for name in ("_handles", "_plans", "_refused"):
+        monkeypatch.setattr(blaslt, name, {})
+    monkeypatch.setattr(blaslt, "_say_once", SaidOnce())
     if not enabled:
-        for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublas"):
+        for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublas",
+                     "nvmath.bindings.cublasLt"):
             monkeypatch.setitem(sys.modules, name, None)   # import raises ImportError
         return None
     cublas = emulated_nvmath_cublas()
     bindings = types.ModuleType("nvmath.bindings")
     bindings.cublas = cublas
+    bindings.cublasLt = emulated_nvmath_cublaslt()   # tests reach it as cublas.lt
+    cublas.lt = bindings.cublasLt
     nvmath = types.ModuleType("nvmath")
     nvmath.bindings = bindings
     nvmath.CudaDataType = enum.IntEnum("CudaDataType", {   # nvmath._utils.CudaDataType
@@ -747,6 +758,7 @@ def use_emulated_nvmath(monkeypatch, enabled=True):
     monkeypatch.setitem(sys.modules, "nvmath", nvmath)
     monkeypatch.setitem(sys.modules, "nvmath.bindings", bindings)
     monkeypatch.setitem(sys.modules, "nvmath.bindings.cublas", cublas)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings.cublasLt", bindings.cublasLt)
     return cublas
 
 
