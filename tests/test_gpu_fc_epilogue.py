@@ -310,6 +310,91 @@ def test_no_algorithm_falls_back_to_the_kernels_said_once(lt, capfd):
     assert lt.matmuls == [] and _heuristics(lt) == 1   # refused for good: asked once
 
 
+def test_rows_that_overlap_are_refused_not_misread(lt):
+    """An operand whose rows overlap (a row stride below its width: a
+    broadcast row, stride 0) has no column-major layout (cuBLASLt: ld >=
+    rows): fc_forward says so (ValueError, as for a column stride) instead
+    of handing cuBLASLt the width as ld, which reads the memory after the
+    first row as the other rows."""
+    base = _dev(_rand((5, 6), np.float64, 0))
+    w, b = _dev(_rand((4, 6), np.float64, 1)), _dev(_rand((4,), np.float64, 2))
+    for strides in ((0, 8), (8, 8)):
+        x = np.lib.stride_tricks.as_strided(base, shape=(5, 6), strides=strides, subok=True)
+        y = _dev(np.zeros((5, 4)))
+        with pytest.raises(ValueError, match="overlap"):
+            blaslt.fc_forward(x, w, y, b, False)
+    ys = _dev(np.zeros((5, 4)))
+    y = np.lib.stride_tricks.as_strided(ys, shape=(5, 4), strides=(0, 8), subok=True)
+    with pytest.raises(ValueError, match="overlap"):
+        blaslt.fc_forward(base, w, y, b, False)
+    assert lt.matmuls == [] and blaslt.plan_count() == 0
+
+
+def test_shapes_that_do_not_make_the_product_are_refused(lt):
+    """y = x @ w^T + bias with a w of another width (cuBLASLt would take its
+    first K columns), a y of other rows (written past, or left), a bias of
+    another length or not packed (the BIAS epilogue reads O consecutive
+    values): ValueError naming the shapes, nothing planned nor run."""
+    x, w = _dev(_rand((5, 6), np.float64, 0)), _dev(_rand((4, 6), np.float64, 1))
+    b2 = _dev(_rand((8,), np.float64, 2))
+    for xx, ww, yy, bb in ((x, _dev(_rand((4, 7), np.float64, 1)), (5, 4), b2[:4]),
+                           (x, w, (6, 4), b2[:4]), (x, w, (5, 3), b2[:4]),
+                           (x, w, (5, 4), b2[:3]), (x, w, (5, 4), b2[::2])):
+        with pytest.raises(ValueError, match="cuBLASLt fc"):
+            blaslt.fc_forward(xx, ww, _dev(np.zeros(yy)), bb, False)
+    assert lt.matmuls == [] and blaslt.plan_count() == 0
+
+
+def test_a_heuristic_result_that_is_not_success_is_not_run(lt, capfd):
+    """cublasLtMatmulAlgoGetHeuristic: a returned result's fields are valid
+    only where its ``state`` is CUBLAS_STATUS_SUCCESS (the emulated hook
+    returns one whose state is NOT_SUPPORTED): the product is refused at
+    its plan, said once, cublasLtMatmul never called with that algorithm,
+    and the layer keeps its kernels."""
+    lt.heuristic_state = lambda config: 15
+    attrs = {"relu": True, "negative_slope": 0.0}
+    ins = _case(np.float32, True)
+    y = _dev(np.zeros((5, 4), np.float32))
+    _fc(attrs).run([_dev(a) for a in ins], [y])
+    np.testing.assert_allclose(np.asarray(y), run_kernel("InnerProduct", attrs, ins)[0],
+                               **_tol(np.float32))
+    assert not [c for c in lt.calls if c[0] == "matmul"], lt.calls
+    err = capfd.readouterr().err
+    assert err.count("cuBLASLt refused the epilogue (RuntimeError: the heuristic's algorithm "
+                     "has state 15)") == 1, err
+    assert blaslt.plan_count() == 0 and len(blaslt.refused()) == 1
+
+
+def test_a_plan_refused_at_its_product_is_kept_until_reset(lt, monkeypatch):
+    """cublasLtMatmul refuses a product whose plan was made (the emulated
+    call raises): the layer keeps its kernels from then on, but the plan's
+    descriptors are not destroyed then -- another stream's thread may be
+    inside a cublasLtMatmul with them (the plans are shared) -- only at
+    ``reset``."""
+    real = lt.matmul
+
+    def refuse(*args):
+        raise lt.cuBLASLtError("EXECUTION_FAILED")
+
+    attrs = {"relu": True, "negative_slope": 0.0}
+    ins = _case(np.float32, True)
+    kernel, dev_ins = _fc(attrs), [_dev(a) for a in ins]
+    y = _dev(np.zeros((5, 4), np.float32))
+    kernel.run(dev_ins, [y])   # planned and run
+    monkeypatch.setattr(lt, "matmul", refuse)
+    kernel.run(dev_ins, [y])   # refused: the kernels
+    np.testing.assert_allclose(np.asarray(y), run_kernel("InnerProduct", attrs, ins)[0],
+                               **_tol(np.float32))
+    assert blaslt.plan_count() == 0 and len(blaslt.refused()) == 1
+    destroyed = [c for c in lt.calls if c[0] in ("matmul_desc_destroy", "matrix_layout_destroy")]
+    assert destroyed == []
+    monkeypatch.setattr(lt, "matmul", real)
+    blaslt.reset()
+    destroyed = [c[0] for c in lt.calls if c[0] in ("matmul_desc_destroy",
+                                                     "matrix_layout_destroy")]
+    assert sorted(destroyed) == ["matmul_desc_destroy"] + ["matrix_layout_destroy"] * 3
+
+
 def test_the_emulated_heuristic_follows_the_datatype_table(lt):
     """cuBLAS's cublasLtMatmul() table: a bfloat16 D takes a bfloat16 bias
     (BIAS_DATA_TYPE defaults to D's type), not a float32 one; a float32 D

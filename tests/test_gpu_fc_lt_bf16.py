@@ -162,6 +162,37 @@ def test_no_algorithm_keeps_gemm_ex_and_bias_bits_said_once(device, monkeypatch,
     assert len(lt.heuristics) == 1 and lt.matmuls == [] and blaslt.plan_count() == 0
 
 
+def test_without_the_binding_the_scratch_is_the_float32_products(device, monkeypatch,  # noqa: F811
+                                                                  capfd):
+    """Opted in where nvmath's cuBLASLt binding does not import: the op's
+    scratch -- what its setup reserves and the device plan counts -- is the
+    default path's float32 product from the start, as its run takes it (not
+    the bias bits, then a larger scratch taken at the first run); the bits
+    are the default path's, and the missing binding is said once."""
+    if device.name != "emulated":
+        pytest.skip("the binding removed is the emulated one")
+    monkeypatch.setenv("PURINE_FC_EPILOGUE", "cublaslt")
+    monkeypatch.delattr(sys.modules["nvmath.bindings"], "cublasLt")
+    monkeypatch.setitem(sys.modules, "nvmath.bindings.cublasLt", None)
+    rng = np.random.default_rng(4)
+    xb, wb = _bits(rng.standard_normal((8, 32))), _bits(rng.standard_normal((16, 32)))
+    b = rng.standard_normal(16).astype(np.float32)
+    k = _kernel()
+    ins = [device.to_device(a) for a in (xb, wb, b)]
+    out = device.to_device(np.zeros((8, 16), np.uint16))
+    planned = k.scratch_specs(ins, [out])
+    k.setup(ins, [out])
+    for _ in range(2):
+        k.run(ins, [out])
+    np.testing.assert_array_equal(np.asarray(device.to_host(out)),
+                                  _bits(_widen(xb) @ _widen(wb).T + b))
+    assert planned == k.scratch_specs(ins, [out]) == [((8, 16), np.float32)]
+    assert device.launched.count("bias_bits_f32") == 2
+    assert "to_bf16_bits" not in " ".join(device.launched)   # no bias rounded for nothing
+    err = capfd.readouterr().err
+    assert err.count("nvmath.bindings.cublasLt (the cuBLASLt epilogue) is missing") == 1, err
+
+
 def test_the_device_plan_counts_no_float32_product_under_the_opt_in(host_build_dir,
                                                                     monkeypatch):
     """The 2-block GPT's planned device total (runtime/memory_plan and the

@@ -51,7 +51,9 @@ It is opt-in: ``PURINE_FC_EPILOGUE=cublaslt``. What keeps the default path
 ``bias_act`` kernel, or GemmEx + ``bias_bits``):
 
 - ``PURINE_FC_EPILOGUE`` is ``kernel`` (the default);
-- ``nvmath.bindings.cublasLt`` does not import: said once (``lt_note()``);
+- ``nvmath.bindings.cublasLt`` does not import: said once (``lt_note()``),
+  and a bf16 op's scratch is then planned for the default path
+  (``available``);
 - no nvmath cuBLAS handle for the stream (CuPy's cuBLAS: gpu/blas.py), or
   no cuBLASLt handle yet on a capturing stream;
 - the heuristic returns no algorithm, or cuBLASLt refuses the descriptors
@@ -75,6 +77,8 @@ _state = {"checked": False, "lt": None, "reason": None}
 _handles = {}   # device -> cuBLASLt handle
 _plans = {}     # key -> _Plan
 _refused = {}   # key -> the reason (that product keeps the default path)
+_retired = []   # plans refused after they were made: another thread may be inside a
+                # cublasLtMatmul with their descriptors, so they are destroyed at reset()
 
 #: the types of each kind of product: (A/B, C/D and bias, compute, scale)
 _TYPES = {"float32": ("CUDA_R_32F", "CUDA_R_32F", "COMPUTE_32F", "CUDA_R_32F"),
@@ -105,6 +109,20 @@ def _binding():
 def opted_in():
     """Whether ``PURINE_FC_EPILOGUE`` asks for the cuBLASLt epilogue."""
     return env.get("PURINE_FC_EPILOGUE") == "cublaslt"
+
+
+def available():
+    """Whether nvmath's cuBLASLt binding imports (checked once): an op's
+    scratch plan under the opt-in asks it (ops/fc.py ``_lt_bits``), so that
+    it counts what the run takes where the binding is missing."""
+    return _binding() is not None
+
+
+def say_if_missing():
+    """Say once, where the binding does not import, that the layers keep
+    their kernels (``lt_note``)."""
+    if _binding() is None:
+        _say_once("missing", lt_note())
 
 
 def lt_note():
@@ -138,7 +156,7 @@ def reset():
     """Destroy the plans and handles and check the binding again (tests)."""
     with _lock:
         found = _state["lt"]
-        for plan in _plans.values():
+        for plan in [*_plans.values(), *_retired]:
             try:
                 plan.destroy()
             except Exception:
@@ -150,6 +168,7 @@ def reset():
                 except Exception:
                     pass
         _plans.clear()
+        _retired.clear()
         _handles.clear()
         _refused.clear()
         _state.update(checked=False, lt=None, reason=None)
@@ -175,12 +194,41 @@ def _alignment(ptr):
 
 
 def _ld(a):
-    """The row stride (elements) of a 2-D array whose rows are contiguous."""
+    """The row stride (elements) of a 2-D array whose rows are contiguous and
+    do not overlap: cuBLASLt's column-major ld (``ld >= rows`` of the
+    layout, the array's columns) -- a stride below the width (a broadcast
+    row: 0) has none, and the width in its place would read the memory
+    after the first row as the other rows."""
     rows, cols = int(a.shape[0]), int(a.shape[1])
     if cols > 1 and a.strides[1] != a.itemsize:
         raise ValueError(f"cuBLASLt: the rows of an operand must be contiguous, got strides "
                          f"{tuple(a.strides)}")
-    return max(int(a.strides[0]) // a.itemsize if rows > 1 else cols, cols, 1)
+    if rows <= 1:
+        return max(cols, 1)
+    stride = int(a.strides[0])
+    if stride % a.itemsize or stride // a.itemsize < cols:
+        raise ValueError(f"cuBLASLt: the rows of an operand of shape {tuple(a.shape)} overlap "
+                         f"or are not whole elements apart (strides {tuple(a.strides)})")
+    return max(stride // a.itemsize, 1)
+
+
+def _check_shapes(x, w, y, bias):
+    """(M, K, O) of ``y = x @ w^T + bias``: x (M, K), w (O, K), y (M, O), the
+    bias (O,) and packed (cuBLASLt's BIAS epilogue reads O consecutive
+    values); ValueError otherwise (cuBLASLt would take a wider w's first K
+    columns, or write past a smaller y, without a word)."""
+    if x.ndim != 2 or w.ndim != 2 or y.ndim != 2:
+        raise ValueError(f"cuBLASLt fc: 2-D x, w and y, got shapes {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(y.shape)}")
+    m, k, o = int(x.shape[0]), int(x.shape[1]), int(w.shape[0])
+    if int(w.shape[1]) != k or tuple(y.shape) != (m, o):
+        raise ValueError(f"cuBLASLt fc: x {tuple(x.shape)} @ w^T of w {tuple(w.shape)} does "
+                         f"not give y {tuple(y.shape)}")
+    if bias is not None and (tuple(bias.shape) != (o,) or
+                             (o > 1 and bias.strides[0] != bias.itemsize)):
+        raise ValueError(f"cuBLASLt fc: the bias must be {o} packed values, got shape "
+                         f"{tuple(bias.shape)}, strides {tuple(bias.strides)}")
+    return m, k, o
 
 
 def _set(setter, lt_dtype, obj, attr, value):
@@ -242,6 +290,9 @@ def _make_plan(found, handle, kind, m, k, o, lds, bias_ptr, epilogue, tf32, alig
                                      plan.results.ptr, count.ctypes.data)
         if int(count[0]) < 1:
             raise RuntimeError("the heuristic returned no algorithm")
+        state = int(np.asarray(plan.results.state).reshape(-1)[0])
+        if state != 0:   # CUBLAS_STATUS_SUCCESS: else its other fields are not valid
+            raise RuntimeError(f"the heuristic's algorithm has state {state}")
         need = int(np.asarray(plan.results.workspace_size).reshape(-1)[0])
         if need > int(workspace[1]):
             raise RuntimeError(f"the algorithm wants {need} bytes of workspace, the stream has "
@@ -286,7 +337,7 @@ def _product(kind, x, w, y, bias, epilogue):
     handle = _lt_handle(found[0], cupy, device, stream)
     if handle is None:
         return False
-    m, k, o = int(x.shape[0]), int(x.shape[1]), int(w.shape[0])
+    m, k, o = _check_shapes(x, w, y, bias)
     if m == 0 or o == 0:
         return True
     ws_ptr = data_ptr(entry.workspace) if entry.workspace is not None else 0
@@ -314,13 +365,10 @@ def _product(kind, x, w, y, bias, epilogue):
         lt.matmul(handle, plan.desc, alpha, pw, plan.a, px, plan.b, beta, py, plan.d, py,
                   plan.d, plan.results.ptr + plan.algo_at, ws_ptr, ws_bytes, int(stream.ptr))
     except Exception as exc:   # cuBLASLt refuses this product: the default path, for good
-        with _lock:
+        with _lock:   # kept, not destroyed: another stream's thread may be using it
             stale = _plans.pop(key, None)
-        if stale is not None:
-            try:
-                stale.destroy()
-            except Exception:
-                pass
+            if stale is not None:
+                _retired.append(stale)
         _refuse(shape_key, exc)
         return False
     return True

@@ -149,11 +149,13 @@ def _lt_bits(kernel, ins, outs):
     (gpu/blaslt.fc_forward_bits; ``PURINE_FC_EPILOGUE=cublaslt``), so that
     its scratch holds the bias's bits, not the float32 product: opted in,
     a bfloat16 product (GemmEx not refused) and cuBLASLt not refused for
-    this op yet (``_lt_refused``, set at its run)."""
-    from ..gpu.blaslt import opted_in
+    this op yet (``_lt_refused``, set at its run), nvmath's cuBLASLt binding
+    importing (else the run keeps the default path from its first product:
+    the plan counts that path's scratch, as the run takes it)."""
+    from ..gpu.blaslt import available, opted_in
     return (len(ins) == 3 and bool(outs) and is_bits(outs[0])
             and kernel.attrs.get("compute_dtype") == "bfloat16"
-            and not getattr(kernel, "_lt_refused", False) and opted_in())
+            and not getattr(kernel, "_lt_refused", False) and opted_in() and available())
 
 
 def _product(kernel, ins, outs, a, b, c, **trans):
@@ -258,9 +260,11 @@ class InnerProduct(ProductKernel):
         GemmEx + ``bias_bits`` path (``_lt_refused``; its float32 scratch
         taken then, eagerly: the plan at the first product)."""
         from ..gpu.blas import low_products
+        from ..gpu.blaslt import fc_forward_bits, opted_in, say_if_missing
         if not _lt_bits(self, ins, outs) or not low_products(self.attrs["compute_dtype"]):
+            if opted_in():
+                say_if_missing()
             return False
-        from ..gpu.blaslt import fc_forward_bits
         from ..gpu.kernels import to_bf16_bits_device
         scratch = list(self.temporaries(y, *self.scratch_specs(ins, outs)))
         ops = [a if is_bits(a) else to_bf16_bits_device(a, scratch.pop(0)) for a in (x, w)]

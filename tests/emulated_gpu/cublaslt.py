@@ -16,8 +16,12 @@ and a bfloat16 or float32 C/D, the bias of D's type --
 n)), writes its algorithm (for that configuration, the alignments the
 preference promised, a workspace of up to 1 MiB within
 ``MAX_WORKSPACE_BYTES``) into the caller's result array and the count into
-its int, 0 where ``no_algorithm(config)`` (a test's hook) says so;
-``matmul`` refuses an algorithm made for another configuration, a workspace
+its int, 0 where ``no_algorithm(config)`` (a test's hook) says so, a
+result whose ``state`` is ``heuristic_state(config)`` (a test's hook: a
+non-zero status, its other fields not valid) where that hook says one;
+the result array, as nvmath's, is garbage until the heuristic writes it;
+``matmul`` refuses an in-place product (C == D) whose Cdesc is not Ddesc,
+an algorithm made for another configuration (or none), a workspace
 smaller than the algorithm's, a pointer less aligned than the preference
 promised, reads alpha and beta (host pointer mode) and the descriptor at
 the call, and queues the product on ``stream`` (``capture.device_work``:
@@ -146,8 +150,9 @@ class MatmulHeuristicResult:
     """An array of ``size`` cublasLtMatmulHeuristicResult_t (nvmath's class:
     ``ptr`` its address, ``workspace_size`` and ``state`` read from it)."""
 
-    def __init__(self, size=1):
-        self._data = np.zeros(size, dtype=matmul_heuristic_result_dtype)
+    def __init__(self, size=1):   # "empty-initialize": garbage until written
+        self._data = np.empty(size, dtype=matmul_heuristic_result_dtype)
+        self._data.view(np.uint8)[...] = 0xA5
 
     @property
     def ptr(self):
@@ -191,6 +196,7 @@ def emulated_nvmath_cublaslt():
     module.matmul_heuristic_result_dtype = matmul_heuristic_result_dtype
     module.calls, module.matmuls, module.heuristics = [], [], []
     module.no_algorithm = None    # a test's hook: config -> True where no algorithm is found
+    module.heuristic_state = None  # a test's hook: config -> the state of the result returned
     objects = {}                  # handle/descriptor/layout/preference -> its state
     configs = {}                  # algorithm id -> the configuration it was found for
     counter = iter(range(0x1000, 1 << 40, 16))
@@ -334,11 +340,16 @@ def emulated_nvmath_cublaslt():
         P = MatmulPreferenceAttribute
         aligns = tuple(pref[P[f"MIN_ALIGNMENT_{n}_BYTES"]] for n in "ABCD")
         need = min(ALGO_WORKSPACE, pref[P.MAX_WORKSPACE_BYTES])
-        algo_id = len(configs) + 1
-        configs[algo_id] = (config, aligns, need)
         results = np.frombuffer(
             (ctypes.c_char * matmul_heuristic_result_dtype.itemsize).from_address(
                 int(heuristic_results_array)), dtype=matmul_heuristic_result_dtype)
+        state = module.heuristic_state(config) if module.heuristic_state is not None else 0
+        if state:   # a result whose other fields are not valid (cuBLAS: inspect .state)
+            results[0]["state"] = state
+            count[0] = 1
+            return
+        algo_id = len(configs) + 1
+        configs[algo_id] = (config, aligns, need)
         results[0]["algo"]["data_"][:2] = (_MAGIC, algo_id)
         results[0]["workspace_size"], results[0]["state"] = need, 0
         results[0]["waves_count"] = 1.0
@@ -349,6 +360,8 @@ def emulated_nvmath_cublaslt():
         get(light_handle, "handle", "matmul")
         desc = get(compute_desc, "desc", "matmul")
         la, lb, lc, ld = (get(x, "layout", "matmul") for x in (adesc, bdesc, cdesc, ddesc))
+        if int(c) == int(d) and int(cdesc) != int(ddesc):
+            raise cuBLASLtError("INVALID_VALUE", "in place (C == D) with Cdesc != Ddesc")
         config = config_of(desc, la, lb, lc, ld)
         words = np.frombuffer((ctypes.c_char * 64).from_address(int(algo)), dtype=np.uint64)
         found = configs.get(int(words[1])) if int(words[0]) == _MAGIC else None

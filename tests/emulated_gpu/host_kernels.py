@@ -737,6 +737,7 @@ def use_emulated_nvmath(monkeypatch, enabled=True):
     monkeypatch.setattr(blaslt, "_state", {"checked": False, "lt": None, "reason": None})
     for name in ("_handles", "_plans", "_refused"):
         monkeypatch.setattr(blaslt, name, {})
+    monkeypatch.setattr(blaslt, "_retired", [])
     monkeypatch.setattr(blaslt, "_say_once", SaidOnce())
     if not enabled:
         for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublas",
