@@ -13,6 +13,7 @@ Three layers, each needing less hardware than the last:
      wrappers' launch code on any machine with g++.
 3. GPU-only helpers (streams, events, pinned memory), skipped without a GPU.
 """
+import importlib
 import subprocess
 import sys
 
@@ -486,6 +487,16 @@ def test_gemm_on_strided_slices(backend):
         gemm(dev_w[0][:, ::2], dev_cols[0, 0][:2], out)
     with pytest.raises(ValueError, match="does not give"):
         gemm(dev_w[0], dev_w[0], out)
+    # overlapping rows (a broadcast row or column: stride 0) are refused; the
+    # width as ld read the memory after the first row as the other rows
+    # (before: no error, a wrong product)
+    xp = importlib.import_module("cupy") if backend.name == "cupy" else np
+    row = xp.broadcast_to(backend.to_device(rng.standard_normal((1, 4))), (3, 4))
+    col = xp.broadcast_to(backend.to_device(rng.standard_normal((3, 1))), (3, 4))[:, :1]
+    for bad, other in ((row, dev_cols[0, 0]), (xp.broadcast_to(col[:1], (3, 1)),
+                                              backend.to_device(np.ones((1, 6))))):
+        with pytest.raises(ValueError, match="overlap"):
+            gemm(bad, other, backend.to_device(np.zeros((3, 6))))
 
 
 # ------------------------------------- cuBLAS bindings and stream capture ---

@@ -309,8 +309,12 @@ def _matrix(x, what):
     if cols > 1 and strides[-1] != 1:
         raise ValueError(f"gemm: the rows of {what} must be contiguous, got strides "
                          f"{tuple(x.strides)}")
-    ld = strides[-2] if rows > 1 else cols
-    ld = max(ld, cols, 1)
+    if rows > 1 and strides[-2] < max(cols, 1):
+        # overlapping rows (a broadcast row: stride 0): the width as ld
+        # would read the memory after the first row as the other rows
+        raise ValueError(f"gemm: the rows of {what} (shape {tuple(x.shape)}) overlap: "
+                         f"strides {tuple(x.strides)}")
+    ld = max(strides[-2] if rows > 1 else cols, cols, 1)
     if x.ndim == 2:
         return rows, cols, ld, 1, 0
     batch = int(x.shape[0])
