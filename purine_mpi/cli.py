@@ -548,7 +548,7 @@ def _run(args, action=None):
         from .runtime.stop import print_err, stdout_to_devnull
         stdout_to_devnull()
         if launched_rank() == 0:  # stderr may be the closed pipe too (2>&1 | head)
-            print_err("error: stdout was closed (broken pipe) before the output was written")
+            print_err("error: stdout was closed (broken pipe) before all the output was written")
         return 141
 
 

@@ -309,9 +309,10 @@ def test_formats_inspect_json_keys(tiny_run, formats_text):
     (text,) = [b for b in re.split(r"\n- ", section) if b.startswith("`inspect FILE --json`")]
     documented = set(re.findall(r'"(\w+)"', text))
     out = tiny_run["inspect"]
-    written = set(out) | set(out["datasets"][0]) | set(out["diff"]) | \
-        set(out["diff"]["datasets"][0])
-    assert written == documented
+    written = set(out) | set(out["diff"])
+    for entry in out["datasets"] + out["diff"]["datasets"]:  # the /state text ones too
+        written |= set(entry)
+    assert written == documented, (written - documented, documented - written)
 
 
 def test_formats_memory_json_keys(tiny_run, formats_text):

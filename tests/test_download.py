@@ -102,3 +102,16 @@ def test_the_cifar_job_without_its_file_says_how_to_make_it(tmp_path):
     res = run_cli_here("train", "jobs/cifar10_quick_hdf5.yaml", "--set",
                        f"data.train.path={tmp_path}/cifar10.h5", "--out", tmp_path / "r")
     assert res.returncode == 2 and "data cifar10 --download" in res.stderr, res.stderr
+
+
+def test_a_missing_from_archive_is_named_as_what_from_takes(tmp_path):
+    """--from names a file that is not there: the message names the path as a
+    source (not a "directory": an archive is what the README gives) and what
+    --from takes, without asking to unpack the archive (data cifar10 does)."""
+    res = run_cli_args("data", "cifar10", "--from", tmp_path / "cifar-10-python.tar.gz",
+                       "--out", tmp_path / "c.h5")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "cifar-10-python.tar.gz' not found" in res.stderr, res.stderr
+    assert "directory" not in res.stderr and "unpack" not in res.stderr.replace(
+        "the unpacked", ""), res.stderr
+    assert "--download" in res.stderr and not (tmp_path / "c.h5").exists()

@@ -19,7 +19,7 @@ from purine_mpi.runtime.footprint import footprint, shared_params, workspace_pla
 from purine_mpi.runtime.workspace import window_blobs
 from purine_mpi.base.progress_bar import human_bytes
 from purine_mpi.tools.plan import parse_bytes
-from tests.conftest import run_cli_here
+from tests.conftest import run_cli_args, run_cli_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = os.path.join(ROOT, "jobs")
@@ -216,6 +216,22 @@ def test_plan_says_it_does_not_fit():
     assert "DOES NOT FIT" in out.stdout and "data.train.batch_size" in out.stdout
     bad = run_cli_here("plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--host-memory", "lots")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_no_smaller_batch_says_what_does_not_shrink(tmp_path):
+    """cifar10_quick's synthetic data pool (59.8 MiB) does not shrink with the
+    batch: over 10 MiB no batch fits, and the line says what the rank still
+    needs at the smaller batch tried, naming that pool, rather than blaming the
+    weights, gradients and optimizer state (1.1 MiB together: they fit)."""
+    out = run_cli_args("train", os.path.join(JOBS, "cifar10_quick.yaml"), "--iters", "1",
+                       "--out", tmp_path / "r", "--host-memory", "10MiB")
+    assert out.returncode == 2, out.stderr
+    assert "alone are too many" not in out.stderr, out.stderr
+    found = re.search(r"no smaller data\.train\.batch_size fits: at batch (\d+) it still "
+                      r"needs ([\d.]+ [KMG]iB) \(data pool ", out.stderr)
+    assert found, out.stderr
+    assert 0 < int(found.group(1)) < 100
+    assert parse_bytes(found.group(2).replace(" ", ""), "need") > 10 << 20
 
 
 def _held_by_kind(graph):

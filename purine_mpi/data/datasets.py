@@ -57,8 +57,10 @@ def write_cifar10(src_dir, out_path, log=None):
     if os.path.isdir(os.path.join(src_dir, "cifar-10-batches-py")):
         src_dir = os.path.join(src_dir, "cifar-10-batches-py")
     if not os.path.isdir(src_dir):
-        raise UserError(f"CIFAR-10 source directory '{src_dir}' not found; download and unpack "
-                        "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html")
+        raise UserError(f"CIFAR-10 source '{src_dir}' not found; --from takes "
+                        "cifar-10-python.tar.gz (https://www.cs.toronto.edu/~kriz/cifar.html), "
+                        "the folder holding it, or the unpacked cifar-10-batches-py; or give "
+                        "--download")
     log = log or (lambda msg: None)
     train = []
     names = CIFAR_TRAIN_BATCHES + (CIFAR_TEST_BATCH,)

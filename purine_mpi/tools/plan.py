@@ -546,7 +546,7 @@ def _with_batch(job, batch):
 
 
 def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=None,
-                  limits=None):
+                  limits=None, seen=None):
     """The largest ``data.train.batch_size`` (a multiple of the
     micro-batches) under which ``rank`` needs at most ``limit`` bytes on
     ``device`` (-1: the host), from the footprints at two batch sizes (the
@@ -554,14 +554,18 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=N
     building it; None when even the smallest does not fit. At most four
     builds. ``everyone``: the ranks' parts of a save (``save_metas``: the
     batch does not change them); ``restore``: the start-up load's and
-    ``limits`` the ranks' nodes (``offline_footprint``)."""
+    ``limits`` the ranks' nodes (``offline_footprint``); ``seen``: a dict
+    that receives the smaller batch built first and its footprint
+    (``batch``, ``fp``), for ``advice`` to say what does not shrink."""
     b0 = job.train_batch
     m = job.parallel.micro_batches
     if b0 is None or b0 <= m:
         return None
     b1 = max(m, b0 // 2 // m * m)
-    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank, everyone, restore,
-                                   limits), device)
+    fp1 = offline_footprint(_with_batch(job, b1), size, rank, everyone, restore, limits)
+    n1 = need_of(fp1, device)
+    if seen is not None:
+        seen.update(batch=b1, fp=fp1)
     per = (need - n1) / (b0 - b1)
     if n1 <= limit and per <= 0:
         return b1
@@ -588,12 +592,19 @@ def advice(job, size, rank, device, limit, need, everyone=None, restore=None, li
                     "more ranks) split the parameters further; the batch does not change "
                     "what it holds")
     parts = []
-    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore, limits)
+    seen = {}
+    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore, limits, seen)
     if b is not None:
         parts.append(f"data.train.batch_size {b} would fit (--set data.train.batch_size={b})")
+    elif seen:  # what the rank still needs at the smaller batch: what does not shrink
+        small = seen["fp"]
+        rows = small.rows_text(device).split(", ")
+        parts.append(f"no smaller data.train.batch_size fits: at batch {seen['batch']} it "
+                     f"still needs {human_bytes(need_of(small, device))} "
+                     f"({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})")
     elif job.train_batch is not None:
-        parts.append("no smaller data.train.batch_size fits: the weights, gradients and "
-                     "optimizer state alone are too many")
+        parts.append(f"no smaller data.train.batch_size fits: {job.train_batch} is the "
+                     "smallest (one sample per micro-batch)")
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
     lay = layout_of(job, _OfflineWorld(rank, size))
