@@ -451,6 +451,7 @@ def cmd_export(args):
         raise UserError(f"--batch {args.batch}: give a batch size >= 1, or no --batch (the "
                         "model's batch axis is then free)")
     job = _load(args)
+    args.weights = _weights_file(args.weights)  # a run folder too, as export hf
     check_out(args.out, args.config, args.weights, job)
     summary = export_onnx(job, args.weights, args.out, batch=args.batch,
                           raw_input=args.raw_input)

@@ -370,8 +370,8 @@ def build_parser():
                         "config.json that transformers' GPT2LMHeadModel loads")
     p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
     p.add_argument("--weights", required=True, metavar="CKPT.h5",
-                   help="checkpoint or weights file (/params layout) with every parameter "
-                        "(hf: also a run folder, its latest.h5, or runs/<name>: its newest "
+                   help="checkpoint or weights file (/params layout) with every parameter, "
+                        "or a run folder (its latest.h5), or runs/<name> (its newest "
                         "numbered run's)")
     p.add_argument("--out", required=True, metavar="MODEL.onnx|DIR",
                    help="the ONNX file to write (onnx), or the model folder (hf)")

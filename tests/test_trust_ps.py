@@ -283,6 +283,21 @@ def test_export_onnx_refuses_non_finite_weights_as_export_hf_does(tmp_path, one_
     assert good.returncode == 0 and out.exists(), good.stderr
 
 
+def test_export_onnx_takes_a_run_folder_as_export_hf_does(tmp_path, one_rank_run, digits_h5):
+    """``export onnx --weights RUN`` was refused (an HDF5 error on a folder)
+    where ``export hf``, ``test`` and ``generate`` take a run folder (its
+    latest.h5): the same model as from the file."""
+    pytest.importorskip("onnx")
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    from_file = run_cli_args("export", "onnx", job, "--weights", one_rank_run,
+                             "--out", tmp_path / "file.onnx")
+    from_run = run_cli_args("export", "onnx", job, "--weights", one_rank_run.parent,
+                            "--out", tmp_path / "run.onnx")
+    assert from_file.returncode == 0, from_file.stderr
+    assert from_run.returncode == 0, from_run.stderr
+    assert (tmp_path / "run.onnx").read_bytes() == (tmp_path / "file.onnx").read_bytes()
+
+
 @pytest.mark.mpi
 def test_a_ps_resume_of_a_nan_momentum_is_refused_naming_it(tmp_path, digits_h5,
                                                             one_rank_run):

@@ -151,7 +151,7 @@ def decide(environ=os.environ, cores=None, busy=None):
         free = cores - taken
         why += f" - {taken} busy with other processes ({busy:.1f} measured) = {free} free"
     if var is not None:
-        why += f" / {ranks} ranks on this host ({var})"
+        why += f" / {ranks} rank{'s' if ranks != 1 else ''} on this host ({var})"
     threads = free // ranks
     if threads < 1:
         threads = 1
