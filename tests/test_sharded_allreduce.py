@@ -19,7 +19,7 @@ from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import compose_for, shard_lines
-from tests.conftest import make_job, run_cli_here, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_mpi_cli, write_config_file
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _same, _train
 
