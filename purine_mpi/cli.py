@@ -264,11 +264,32 @@ def cmd_predict(args):
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
     check_out(args.out, args.config, args.weights, job)
+    _check_written_by_rank0(args.out)
     res = predict_split(job, args.out, args.weights, args.blobs, args.split,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if res is not None:
         print(json.dumps(res))
     return 0
+
+
+def _check_written_by_rank0(out):
+    """predict's --out, which rank 0 alone writes: checked up front, before
+    any evaluation, on rank 0, whose verdict every rank takes (one line by
+    rank 0 and exit 2 on every rank, not rank 0's own ``error: rank 0: ...``
+    and an abort after the whole pass)."""
+    from .base.runfiles import check_writable
+    from .train.collectives import get_world
+    world = get_world()
+    why = None
+    if world.rank == 0:
+        try:
+            check_writable(out)
+        except UserError as exc:
+            why = str(exc)
+    if world.size > 1:
+        why = world.allgather_object(why, "predict's check of --out")[0]
+    if why is not None:
+        raise UserError(why)
 
 
 def cmd_generate(args):

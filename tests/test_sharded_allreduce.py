@@ -4,7 +4,8 @@ each gradient bucket whole by the allreduce data parallelism posts for it
 (MPI_Iallreduce in place on the bucket, same dtype and buckets) and each
 rank keeps its shard's range, so the weights are data parallelism's bit for
 bit at any rank count; the bytes and costs reported are an allreduce's; the
-memory is the stage's; the window transport is refused; other schemes note
+memory is the stage's; the window transport is taken (its windows carry the
+weights, not the sums: the two-sided run's bits); other schemes note
 that the key has no effect. NCCL: tests/test_sharded_nccl.py; the
 predictor: tests/test_scaling.py."""
 import json
@@ -18,7 +19,7 @@ from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import compose_for, shard_lines
-from tests.conftest import make_job, run_cli_here, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_mpi_cli, write_config_file
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _same, _train
 
@@ -80,17 +81,25 @@ def test_the_collective_posted_is_data_parallels_allreduce(stage):
     assert "reduce-scattered by" not in text
 
 
-def test_the_one_sided_transport_is_refused(tmp_path):
-    """Over windows data parallelism sums through the shared window, not
-    the two-sided allreduce: exit 2 naming both keys, no traceback."""
-    cfg = _job("sharded", shard=3, transport="one_sided", reduce_scatter=False)
-    res = run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", "2")
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "key 'parallel.reduce_scatter'" in res.stderr and \
-        "parallel.transport one_sided" in res.stderr, res.stderr
-    assert "Traceback" not in res.stderr
-    cfg["parallel"]["transport"] = "two_sided"
-    assert run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", "2").returncode == 0
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_one_sided_transport_is_the_two_sided_runs_bit_for_bit(tmp_path, n):
+    """Stage 3 with ``transport: one_sided`` (one node: each bucket's
+    weights in one shared window) and ``reduce_scatter: false``: the windows
+    carry the weights, the gradient sums stay MPI's allreduce, so the run
+    writes the two-sided run's weights and moments bit for bit. Before, the
+    config was refused (exit 2, ``key 'parallel.reduce_scatter' ... with
+    parallel.transport one_sided is refused``), as if the sums went through
+    data parallelism's window."""
+    runs = {}
+    for transport in ("two_sided", "one_sided"):
+        cfg = _job("sharded", "adamw", iters=3, shard=3, transport=transport,
+                   reduce_scatter=False)
+        folder, text = _train(tmp_path, transport, n, cfg)
+        runs[transport] = _params(folder / "latest.h5")
+    assert "one shared copy per node" in text and "parallel.transport: one_sided" in text, text
+    assert "gradients summed by data parallelism's allreduce" in text, text
+    _same(runs["two_sided"], runs["one_sided"])
 
 
 def test_other_schemes_note_that_it_has_no_effect():

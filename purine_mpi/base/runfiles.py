@@ -154,6 +154,22 @@ def make_folder(path):
             from None
 
 
+def check_writable(path):
+    """Before a command's work: ``path`` (a file the user named with --out)
+    can be written, found as its write would find it (its folder made, a
+    file of its own made there and removed): the same one line as that
+    write (``make_folder``, ``cannot_write``, ``disk_error``), not after an
+    evaluation of the whole data."""
+    make_folder(os.path.dirname(os.path.abspath(path)))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "xb"):
+            pass
+    except OSError as exc:
+        raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
+    os.remove(tmp)
+
+
 def write_replacing(path, write):
     """``write(tmp)`` into a temporary name beside ``path``, then rename it
     over ``path``: never a half-written file under the final name (a full

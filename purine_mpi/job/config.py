@@ -643,13 +643,6 @@ def _check_sharded(out, path):
             hint = " (parameter servers run under scheme data)" if key == "parallel.mode" \
                 else ""
             raise ConfigError(path, key, f"{what} is refused: {why}; change this key{hint}")
-    if not par["reduce_scatter"] and par["transport"] == "one_sided":
-        # data parallelism's sum over windows is not the allreduce posted here
-        raise ConfigError(path, "parallel.reduce_scatter", "false (each bucket summed by "
-                          "data parallelism's two-sided allreduce) with parallel.transport "
-                          "one_sided is refused: over windows data parallelism sums through "
-                          "the shared window, not that allreduce; use parallel.transport "
-                          "two_sided or auto, or parallel.reduce_scatter: true")
 
 
 def _check_pipeline(out, path):

@@ -197,7 +197,8 @@ PARALLEL = (
         "scheme data posts for it (in place, same dtype and buckets) and each rank keeps its "
         "shard's range: the sums, and so the weights, are data parallelism's bit for bit at "
         "any rank count, for an allreduce's bytes (about twice a reduce-scatter's); the "
-        "memory is the stage's; not with transport one_sided (see "
+        "memory is the stage's; with transport one_sided too, whose windows carry the "
+        "weights and stage transfers, not the gradient sums (see "
         "[parallel.md](parallel.md))"),
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "

@@ -258,7 +258,15 @@ class Checkpoints(Service):
                      f"({', '.join(unread[:4])}{' ...' if len(unread) > 4 else ''}) is not "
                      "used: frozen (lr_mult 0) in this run, they have none (nor will its "
                      "checkpoints)")
-        if {s for _, s in fresh} & other_type:
+        before_update = int(ck.attrs["iteration"]) == 0 and not any(
+            ck.solver.get(p) for p in loop.graphs.params)
+        if {s for _, s in fresh} & other_type and before_update:
+            # no update made yet (a parameter-server run's --iters 0: the
+            # servers' momenta never reached rank 0), not another solver's
+            loop.say(f"note: {path} was written at iteration 0, before any update, and holds "
+                     f"no '{', '.join(sorted(other_type))}' solver state; that state starts "
+                     "from zero, as it would have in the run that wrote it")
+        elif {s for _, s in fresh} & other_type:
             loop.say(f"note: {path} holds no '{', '.join(sorted(other_type))}' solver state "
                      f"for solver type {loop.job.solver.type!r}; that state starts from zero")
         frozen_there = sorted({p for p, s in fresh if s not in other_type})

@@ -155,16 +155,24 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         if str(init).endswith(".caffemodel"):  # Caffe's weights by layer name, as a worker's
             from ..interop.caffemodel import caffe_params
             skip = set(init_skip)
-            loaded = caffe_params(init, {p: graph.blobs[p].shape for p in owned
-                                         if p.split("/")[0] not in skip})[0]
-            found = dict.fromkeys(set(loaded) | {p for p in owned
-                                                 if kept_constant(graph.blobs[p])})
+            # every parameter of the net, as a worker reads them, not this
+            # server's alone: a NaN (or a wrong shape) in another server's
+            # is found here too, so every rank ends with one message
+            loaded = caffe_params(init, {b.name: b.shape for b in graph.params()
+                                         if b.name.split("/")[0] not in skip})[0]
+            found = dict.fromkeys(set(loaded) | {b.name for b in graph.params()
+                                                 if kept_constant(b)})
         elif str(init).endswith(".safetensors"):  # GPT-2 in Hugging Face's layout
             from ..interop.hf_gpt2 import hf_params
             loaded, _ = hf_params(init, job, init_skip)
         else:
             loaded = load_params(init)
-        wanted = init_params(loaded if found is None else found, owned, job, init, init_skip)
+        # checked for every parameter of the net as the workers check it (one
+        # the file lacks is found on every rank alike), then this server's
+        mine = set(owned)
+        wanted = [p for p in init_params(loaded if found is None else found,
+                                         [b.name for b in graph.params()], job, init, init_skip)
+                  if p in mine]
         # NaN or inf in the file: found here as the workers find it (every
         # parameter they take, in their order), so every rank ends with one
         # message (exit 3), not each worker with its own while this one waits

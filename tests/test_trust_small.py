@@ -1,0 +1,117 @@
+"""Trust leftovers of the parameter-server paths and of ``predict`` (session 65).
+
+(1) ``predict --out PATH`` where PATH cannot be written ran the whole
+evaluation before failing, and on several ranks failed as rank 0's own
+``error: rank 0: ...`` and an abort of the job. Now rank 0 checks the path
+up front, before the weights are loaded, and every rank takes its verdict:
+one line, exit 2.
+
+(2) A parameter-server run stopped at ``--iters 0`` writes a checkpoint
+without momenta (the servers never sent theirs). Resuming it said it "holds
+no 'momentum' solver state for solver type 'sgd'", which reads as if
+another solver wrote it; the note now says it was written before any update.
+
+(3) A ``.caffemodel`` ``--init`` holding a NaN, in a parameter-server run
+with two servers: each server checked only the parameters it owns, so the
+ranks did not agree on the error (``error: rank R: ...`` lines and an
+abort). Now every rank checks every parameter: one message, exit 3 on every
+rank.
+"""
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import run_mpi_cli, small_net_config, write_config_file
+from tests.test_caffemodel import blob, layer, string
+from tests.test_trust_ps import PS, _each_rank_status
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(digits_h5, tmp_path_factory):
+    """The tiny net's checkpoint of 2 iterations on one rank (read only)."""
+    from tests.conftest import run_cli_args
+    base = tmp_path_factory.mktemp("one")
+    one = write_config_file(base, small_net_config(digits_h5), "one.yaml")
+    first = run_cli_args("train", one, "--out", base / "a", "--iters", "2")
+    assert first.returncode == 0, first.stderr
+    return base / "a" / "latest.h5"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["/proc/purine_out.h5", "/proc/purine_dir/out.h5"])
+def test_predict_on_two_ranks_checks_its_out_before_evaluating(tmp_path, digits_h5,
+                                                                one_rank_run, where):
+    """(1) Before: the weights loaded, the whole test split evaluated, then
+    ``error: rank 0: /proc/purine_out.h5: cannot be written there ...`` and
+    an abort. Now one line by rank 0, before anything is loaded, exit 2 on
+    every rank."""
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    res, status = _each_rank_status(tmp_path, 2, "predict", job, "--weights", one_rank_run,
+                                    "--out", where)
+    assert "loaded" not in res.stderr + res.stdout, res.stderr  # nothing evaluated
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error")]
+    folder = "/proc/purine_dir"
+    assert errors == [f"error: {where}: cannot be written there (No such file or directory); "
+                      "give another --out" if where == "/proc/purine_out.h5" else
+                      f"error: {folder}: cannot make this folder (No such file or directory); "
+                      "give another --out"], res.stderr
+    assert status == {0: 2, 1: 2}, (status, res.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_resuming_a_ps_checkpoint_of_no_update_says_so(tmp_path, digits_h5, mode):
+    """(2) A 3-rank parameter-server run (2 workers, 1 server) at --iters
+    0 writes no momenta; resumed on 2 data-parallel ranks, the note said the
+    file 'holds no 'momentum' solver state for solver type 'sgd'' (as if
+    another solver wrote it). Now it says no update was made."""
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS, mode=mode, max_staleness=int(mode == "async"))
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    first = run_mpi_cli(3, "train", ps, "--out", tmp_path / "a", "--iters", "0", timeout=120)
+    assert first.returncode == 0, first.stderr
+    ckpt = tmp_path / "a" / "latest.h5"
+    with h5py.File(ckpt, "r") as f:
+        assert int(f.attrs["iteration"]) == 0 and len(f["solver"]) == 0
+    dp = write_config_file(tmp_path, small_net_config(digits_h5), "dp.yaml")
+    res = run_mpi_cli(2, "train", dp, "--out", tmp_path / "b", "--resume", ckpt,
+                      "--iters", "1")
+    assert res.returncode == 0, res.stderr
+    notes = [line for line in (res.stdout + res.stderr).splitlines() if "solver state" in line]
+    assert notes == [f"note: {ckpt} was written at iteration 0, before any update, and holds "
+                     "no 'momentum' solver state; that state starts from zero, as it would "
+                     "have in the run that wrote it"], res.stdout + res.stderr
+
+
+@pytest.mark.mpi
+def test_a_caffemodel_init_with_nan_on_two_servers_is_one_message(tmp_path):
+    """(3) --init MODEL.caffemodel whose 'out' weight holds a NaN, 3 ranks
+    with ps_ranks 2 (1 worker, 2 servers): before, the server that does not
+    own 'out/weight' took the file, the others refused it, and the job
+    ended with 'error: rank R: ...' lines and an abort. Now every rank
+    finds it: one message by rank 0, exit 3."""
+    from purine_mpi.job.config import dump_config
+    from tests.mpi_scripts.common import mlp_config
+    cfg = mlp_config(solver={"base_lr": 0.0, "max_iter": 1},
+                     parallel={"mode": "sync_ps", "ps_ranks": 2, "stall_timeout": 30})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    rng = np.random.default_rng(7)
+    shapes = {"fc1": (6, 8), "fc2": (5, 6), "out": (3, 5)}
+    w = {f"{n}/{k}": rng.standard_normal(s if k == "weight" else s[:1]).astype(np.float32)
+         for n, s in shapes.items() for k in ("weight", "bias")}
+    w["out/weight"][1, 2] = np.nan
+    model = string(1, "mlp") + b"".join(
+        layer(n, "InnerProduct", [], [], [blob(w[f"{n}/weight"]), blob(w[f"{n}/bias"])])
+        for n in shapes)
+    init = tmp_path / "w.caffemodel"
+    init.write_bytes(model)
+    # the launcher's status (not each rank's through a shell around it:
+    # Hydra then killed a rank ending by MPI_Finalize in about 1 run of 3)
+    res = run_mpi_cli(3, "train", path, "--out", tmp_path / "run", "--init", init)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error")]
+    assert errors == [f"error: weights file '{init}' holds non-finite values (NaN or inf) in "
+                      "blob 'out/weight' (1 of 15); no result computed from it would mean "
+                      "anything. Use an earlier checkpoint (a run that hit NaN keeps its last "
+                      "finite one as latest.h5)"], res.stderr
+    assert res.returncode == 3, (res.returncode, res.stderr)
