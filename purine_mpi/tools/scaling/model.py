@@ -355,7 +355,25 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             "replicas": scenario.replicas, "simulated_ranks": len(templates),
             "comm_ops": len(comm0),
             "comm_bytes": sum(graph0.ops[name].nbytes for name in comm0),
-            "untraced": sorted({u for b in built for u in b[2]})}
+            "untraced": sorted({u for b in built for u in b[2]}),
+            "compute_ops": len(graph0.ops) - len(comm0)}
+
+
+def check_traces_match(job, one):
+    """A UserError when most compute ops of the job's graph on one rank
+    (``one``: ``predict_one``'s row at N = 1) are not in the traces: the
+    traces are another job's (a folder's trace.rank<R>.json beside another
+    run's config.yaml), whose prediction would be the untraced ops' guesses
+    (0 s for most) plus the traced iteration time spread as overhead. A
+    trace of this job misses at most the ops the rank count adds or renames
+    (a multi-rank run's clipping of the summed gradients), well under half."""
+    total, missing = one.get("compute_ops", 0), one["untraced"]
+    if total and 2 * len(missing) > total:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise UserError(f"predict: the traces are not of job {job.name!r}: {len(missing)} of "
+                        f"the {total} compute ops of its graph on one rank are not in them "
+                        f"({shown}); give the run folder the traces and its config.yaml "
+                        "were written to together (train --profile-iters A:B --out FOLDER)")
 
 
 def predict_table(job, durations, nps, link, algorithm="auto"):
@@ -369,6 +387,7 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
                                                 cache)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
                       per_iteration)
+    check_traces_match(job, one)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
