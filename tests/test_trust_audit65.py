@@ -176,3 +176,35 @@ def test_the_simulation_refuses_a_time_that_is_not_finite():
     # before: simulate never returned
     with pytest.raises(SimulationStalled, match="not finite"):
         simulate([g], 3)
+
+
+# --- sizes (plan --host-memory/--device-memory/--node-memory, gpu.workspace_limit) ---
+
+@pytest.mark.parametrize("text", ["0.5B", "0.0001K", "0.9"])
+def test_a_size_under_one_byte_is_no_size(text):
+    from purine_mpi.base.progress_bar import parse_size
+    assert parse_size(text) is None  # before: 0, "a positive byte count" of 0 bytes
+
+
+@pytest.mark.parametrize("text,nbytes", [("1", 1), ("80gib", 80 << 30), ("1.5TB", 1_500_000_000_000),
+                                         ("512MiB", 512 << 20), (" 5GiB", 5 << 30)])
+def test_sizes_still_read(text, nbytes):
+    from purine_mpi.base.progress_bar import parse_size
+    assert parse_size(text) == nbytes
+
+
+def test_plan_refuses_a_memory_of_half_a_byte(digits_h5, tmp_path):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5))
+    res = run_cli_args("plan", cfg, "--host-memory", "0.5B", timeout=60)
+    # before: the plan checked every rank against 0 B ("DOES NOT FIT: ... of 0 B")
+    assert res.returncode == 2
+    assert "--host-memory 0.5B: expected a size of at least one byte" in res.stderr
+    assert "DOES NOT FIT" not in res.stdout
+
+
+def test_config_refuses_a_workspace_limit_of_half_a_byte(digits_h5, tmp_path):
+    from purine_mpi.base.errors import ConfigError
+    from tests.conftest import make_job
+    cfg = small_net_config(digits_h5, gpu={"workspace_limit": "0.5B"})
+    with pytest.raises(ConfigError, match="workspace_limit"):  # before: DID NOT RAISE (0 bytes)
+        make_job(cfg)
