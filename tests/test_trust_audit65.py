@@ -208,3 +208,25 @@ def test_config_refuses_a_workspace_limit_of_half_a_byte(digits_h5, tmp_path):
     cfg = small_net_config(digits_h5, gpu={"workspace_limit": "0.5B"})
     with pytest.raises(ConfigError, match="workspace_limit"):  # before: DID NOT RAISE (0 bytes)
         make_job(cfg)
+
+
+# --- a 1-rank trace priced at 2 ranks: the clipping ops' names differ ---
+
+def test_clipping_ops_are_priced_at_another_rank_count(digits_h5, tmp_path):
+    """On 2 ranks gradient clipping reads the summed gradients (``w.grad.sum.
+    clip``), on the traced rank ``w.grad.clip``. Before: those ops were
+    untraced at N = 2, priced 0 s, and the prediction ran faster on 2 ranks
+    than on 1 (``untraced_ops`` 4 and an efficiency above 1: GPT-tiny's
+    trace read 100.8 %)."""
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver={
+        "base_lr": 0.05, "max_iter": 6, "display": 0, "test_interval": 0,
+        "clip_gradients": 1.0}))
+    run = tmp_path / "run"
+    res = run_cli_args("train", cfg, "--out", run, "--profile-iters", "2:6")
+    assert res.returncode == 0, res.stderr
+    res = run_cli_args("predict", run, "--np", "2", "--json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout)["rows"][0]
+    assert row["untraced_ops"] == 0
+    # the same ops and the same data-parallel communication on top: no faster
+    assert row["efficiency"] <= 1.0

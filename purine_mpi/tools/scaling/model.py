@@ -44,8 +44,11 @@ trainer's loop; one op, ``ITERATION_OP``, first on the busiest lane):
 M micro-batches pay the first for each of their M times as many ops, the
 second once.
 
-A compute op absent from the trace (a row chunk of a split weight, a
-shard's update, a copy into a bucket) is estimated: a chunk takes its
+An op on a gradient that the rank count renames (``w.grad.sum.clip`` on N
+ranks, ``w.grad.clip`` on one: trace_reader.sum_alias) takes the traced
+time of its other name. A compute op absent from the trace otherwise (a
+row chunk of a split weight, a shard's update, a copy into a bucket) is
+estimated: a chunk takes its
 rows' share of the whole op, a shard's update its elements' share; a Copy
 or a Sum (a micro-batch's gradient sum) its bytes written at the host's
 measured add rate (``link.reduce_cost_per_byte``); other ops count as 0.
@@ -56,7 +59,7 @@ import time
 from ...base.errors import UserError
 from ...comm.ops import moved_bytes, posted_type
 from .simulate import RankGraph, SimOp, simulate
-from .trace_reader import split_chunk
+from .trace_reader import split_chunk, sum_alias
 
 #: the point-to-point comm ops: two-sided, and one-sided (comm/rma_ops.py,
 #: comm/rma_pull.py: a Put matched with its WaitWrite by window region)
@@ -176,6 +179,9 @@ class Template:
             else:
                 base, _, _ = split_chunk(name)
                 seconds = durations.lookup(name, self.rank, self.rows.get(base))
+                alias = sum_alias(name) if seconds is None else None
+                if alias:  # the op on the gradient, traced at another rank count
+                    seconds = durations.lookup(alias, self.rank)
                 if seconds is None:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost

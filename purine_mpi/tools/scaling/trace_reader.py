@@ -85,6 +85,21 @@ class Durations:
         return sorted(self._chunks.get(name, ()))
 
 
+def sum_alias(name):
+    """The name the same op on a gradient has at another rank count: on
+    several ranks an op on a parameter's gradient (gradient clipping's
+    ``w.grad.clip``) reads the summed gradient and is named
+    ``w.grad.sum.clip``; on one rank it reads ``w.grad``. Either name for
+    the other (None when ``name`` is on no gradient): a trace of one rank
+    count prices these ops at another, rather than count them as 0 s
+    (a 2-rank prediction from a 1-rank trace above 100 % efficiency)."""
+    if ".grad.sum." in name:
+        return name.replace(".grad.sum.", ".grad.", 1)
+    if ".grad." in name:
+        return name.replace(".grad.", ".grad.sum.", 1)
+    return None
+
+
 def split_chunk(name):
     """``"ip1/weight.update[0:512]"`` -> ("ip1/weight.update", 0, 512);
     (None, None, None) for a name without a row range."""
