@@ -152,6 +152,8 @@ def parse_size(text):
     import re
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m and m.group(2).lower()
-    if not m or unit not in SIZE_UNITS or float(m.group(1)) <= 0:
+    if not m or unit not in SIZE_UNITS:
         return None
-    return int(float(m.group(1)) * SIZE_UNITS[unit])
+    nbytes = int(float(m.group(1)) * SIZE_UNITS[unit])
+    # a fraction of a byte (0.5B, 0.0001K) floors to 0: no positive count
+    return nbytes if nbytes >= 1 else None

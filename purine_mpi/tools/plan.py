@@ -36,7 +36,8 @@ def parse_bytes(text, option):
     (bytes): a byte count; a UserError naming ``option`` otherwise."""
     nbytes = parse_size(text)
     if nbytes is None:
-        raise UserError(f"{option} {text}: expected a size such as 80GiB, 512MiB or 24G "
+        raise UserError(f"{option} {text}: expected a size of at least one byte such as 80GiB, "
+                        "512MiB or 24G "
                         "(KiB/MiB/GiB/TiB or K/M/G/T: powers of 1024; KB/MB/GB/TB: of 1000)")
     return nbytes
 

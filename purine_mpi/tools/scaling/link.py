@@ -34,6 +34,7 @@ receiver) α_put + B/β_put, the figures ``predict --calibrate`` measures
 with ``MPI_Put`` beside ``MPI_Send`` (α and β where they are not given).
 """
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -167,19 +168,23 @@ def parse_rate(text):
     bytes per second. A UserError otherwise."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _RATE_UNITS or float(m.group(1)) <= 0:
+    rate = float(m.group(1)) * _RATE_UNITS[unit] if m and unit in _RATE_UNITS else None
+    # a figure past float's range (1e999gbit) reads as infinite: no rate
+    if rate is None or not 0 < rate < math.inf:
         raise UserError(f"--bandwidth: expected a rate such as 1gbit, 250mbit or 100gbit "
                         f"(bits per second; kbps/mbps/gbps: bytes per second), got {text!r}")
-    return float(m.group(1)) * _RATE_UNITS[unit]
+    return rate
 
 
 def parse_time(text):
     """``20us`` / ``1.5ms`` / ``0`` -> seconds. A UserError otherwise."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zµ]*)\s*", str(text))
     unit = (m.group(2) or "s") if m else None
-    if not m or unit not in _TIME_UNITS:
+    seconds = float(m.group(1)) * _TIME_UNITS[unit] if m and unit in _TIME_UNITS else None
+    # a figure past float's range (1e999s) reads as infinite: no time
+    if seconds is None or not math.isfinite(seconds):
         raise UserError(f"--latency: expected a time such as 20us, 1.5ms or 0, got {text!r}")
-    return float(m.group(1)) * _TIME_UNITS[unit]
+    return seconds
 
 
 def reduce_cost_per_byte(nbytes=1 << 22, repeats=5):
@@ -261,9 +266,15 @@ def load_link(path):
         raise UserError(f"--link {path}: key {exc}: expected numbers alpha_s, "
                         "beta_bytes_per_s, gamma_s_per_byte, cpu_s_per_byte and "
                         "beta_busy_bytes_per_s") from None
-    if not (alpha >= 0 and beta > 0 and gamma >= 0 and cpu >= 0 and (busy is None or busy > 0)
+    # JSON's Infinity and NaN read as floats: a figure must be finite too
+    # (an infinite latency never lets the simulated iteration end)
+    finite = all(math.isfinite(v) for v in (alpha, beta, gamma, cpu, busy, *put)
+                 if v is not None)
+    if not (finite and alpha >= 0 and beta > 0 and gamma >= 0 and cpu >= 0
+            and (busy is None or busy > 0)
             and (put[0] is None or put[0] >= 0) and (put[1] is None or put[1] > 0)):
-        raise UserError(f"--link {path}: expected alpha_s >= 0, beta_bytes_per_s > 0, "
+        raise UserError(f"--link {path}: expected finite numbers alpha_s >= 0, "
+                        "beta_bytes_per_s > 0, "
                         "gamma_s_per_byte >= 0, cpu_s_per_byte >= 0, "
                         "beta_busy_bytes_per_s > 0, alpha_put_s >= 0 and "
                         "beta_put_bytes_per_s > 0")

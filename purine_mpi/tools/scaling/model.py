@@ -44,8 +44,11 @@ trainer's loop; one op, ``ITERATION_OP``, first on the busiest lane):
 M micro-batches pay the first for each of their M times as many ops, the
 second once.
 
-A compute op absent from the trace (a row chunk of a split weight, a
-shard's update, a copy into a bucket) is estimated: a chunk takes its
+An op on a gradient that the rank count renames (``w.grad.sum.clip`` on N
+ranks, ``w.grad.clip`` on one: trace_reader.sum_alias) takes the traced
+time of its other name. A compute op absent from the trace otherwise (a
+row chunk of a split weight, a shard's update, a copy into a bucket) is
+estimated: a chunk takes its
 rows' share of the whole op, a shard's update its elements' share; a Copy
 or a Sum (a micro-batch's gradient sum) its bytes written at the host's
 measured add rate (``link.reduce_cost_per_byte``); other ops count as 0.
@@ -56,7 +59,7 @@ import time
 from ...base.errors import UserError
 from ...comm.ops import moved_bytes, posted_type
 from .simulate import RankGraph, SimOp, simulate
-from .trace_reader import split_chunk
+from .trace_reader import split_chunk, sum_alias
 
 #: the point-to-point comm ops: two-sided, and one-sided (comm/rma_ops.py,
 #: comm/rma_pull.py: a Put matched with its WaitWrite by window region)
@@ -176,6 +179,9 @@ class Template:
             else:
                 base, _, _ = split_chunk(name)
                 seconds = durations.lookup(name, self.rank, self.rows.get(base))
+                alias = sum_alias(name) if seconds is None else None
+                if alias:  # the op on the gradient, traced at another rank count
+                    seconds = durations.lookup(alias, self.rank)
                 if seconds is None:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost
@@ -355,7 +361,25 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             "replicas": scenario.replicas, "simulated_ranks": len(templates),
             "comm_ops": len(comm0),
             "comm_bytes": sum(graph0.ops[name].nbytes for name in comm0),
-            "untraced": sorted({u for b in built for u in b[2]})}
+            "untraced": sorted({u for b in built for u in b[2]}),
+            "compute_ops": len(graph0.ops) - len(comm0)}
+
+
+def check_traces_match(job, one):
+    """A UserError when most compute ops of the job's graph on one rank
+    (``one``: ``predict_one``'s row at N = 1) are not in the traces: the
+    traces are another job's (a folder's trace.rank<R>.json beside another
+    run's config.yaml), whose prediction would be the untraced ops' guesses
+    (0 s for most) plus the traced iteration time spread as overhead. A
+    trace of this job misses at most the ops the rank count adds or renames
+    (a multi-rank run's clipping of the summed gradients), well under half."""
+    total, missing = one.get("compute_ops", 0), one["untraced"]
+    if total and 2 * len(missing) > total:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise UserError(f"predict: the traces are not of job {job.name!r}: {len(missing)} of "
+                        f"the {total} compute ops of its graph on one rank are not in them "
+                        f"({shown}); give the run folder the traces and its config.yaml "
+                        "were written to together (train --profile-iters A:B --out FOLDER)")
 
 
 def predict_table(job, durations, nps, link, algorithm="auto"):
@@ -369,6 +393,7 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
                                                 cache)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
                       per_iteration)
+    check_traces_match(job, one)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:

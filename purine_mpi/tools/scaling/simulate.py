@@ -32,6 +32,7 @@ rank of a collective is assumed to post it when this one does: the
 replicas are symmetric), and the topology of the network.
 """
 import heapq
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -253,6 +254,10 @@ def simulate(graphs, iterations=6):
     advance(0.0)
     while events:
         t = events[0][0]
+        if not math.isfinite(t):  # a NaN time never equals itself: the loop below would spin
+            _, _, _, (r, it, name) = events[0]
+            raise SimulationStalled(f"simulation of rank {r} reached time {t} at op {name!r} "
+                                    f"in iteration {it} (an op or link figure not finite)")
         while events and events[0][0] == t:
             _, _, kind, (r, it, name) = heapq.heappop(events)
             spans[r].append(ranks[r].complete(it, name, t, sim))

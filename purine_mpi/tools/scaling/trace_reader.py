@@ -8,6 +8,7 @@ iteration counts its sum), the traced iteration time, and the job.
 """
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -84,6 +85,21 @@ class Durations:
         return sorted(self._chunks.get(name, ()))
 
 
+def sum_alias(name):
+    """The name the same op on a gradient has at another rank count: on
+    several ranks an op on a parameter's gradient (gradient clipping's
+    ``w.grad.clip``) reads the summed gradient and is named
+    ``w.grad.sum.clip``; on one rank it reads ``w.grad``. Either name for
+    the other (None when ``name`` is on no gradient): a trace of one rank
+    count prices these ops at another, rather than count them as 0 s
+    (a 2-rank prediction from a 1-rank trace above 100 % efficiency)."""
+    if ".grad.sum." in name:
+        return name.replace(".grad.sum.", ".grad.", 1)
+    if ".grad." in name:
+        return name.replace(".grad.", ".grad.sum.", 1)
+    return None
+
+
 def split_chunk(name):
     """``"ip1/weight.update[0:512]"`` -> ("ip1/weight.update", 0, 512);
     (None, None, None) for a name without a row range."""
@@ -113,8 +129,14 @@ def trace_files(folder):
 def load_events(path):
     """The op events (``"ph": "X"``) of one trace file; a file of a killed
     run lacks the closing ``]}`` and is read without it."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"predict: {path} is not a Chrome trace (not UTF-8 text: byte "
+                        f"{exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"predict: cannot read {path} ({exc.strerror})") from None
     try:
         data = json.loads(text)
     except ValueError:
@@ -125,7 +147,36 @@ def load_events(path):
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise UserError(f"predict: {path} has no traceEvents list")
-    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    ops = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    for i, e in enumerate(ops):
+        _check_event(path, i, e)
+    return ops
+
+
+def _is_time(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_event(path, i, e):
+    """A UserError naming the file and the op event unless ``e`` has what
+    the predictor reads: a string ``name``, finite numbers ``ts`` and
+    ``dur`` >= 0 (microseconds) and, where given, an integer ``args.iter``
+    (a NaN duration would never let the simulated iteration end)."""
+    args = e.get("args")
+    it = args.get("iter") if isinstance(args, dict) else None
+    bad = ("a string 'name'" if not isinstance(e.get("name"), str) else
+           "a finite number 'ts'" if not _is_time(e.get("ts")) else
+           "a finite number 'dur' >= 0" if not (_is_time(e.get("dur")) and e["dur"] >= 0) else
+           "an 'args' object" if args is not None and not isinstance(args, dict) else
+           "an integer 'args.iter'" if it is not None and (isinstance(it, bool)
+                                                          or not isinstance(it, int)) else
+           None)
+    if bad:
+        shown = json.dumps(e)
+        shown = shown if len(shown) <= 160 else shown[:160] + "..."
+        raise UserError(f"predict: {path}: op event {i} (\"ph\": \"X\") lacks {bad}: "
+                        f"{shown}")
 
 
 def _per_iteration(events, skip_first):
