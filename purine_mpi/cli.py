@@ -115,6 +115,7 @@ def cmd_train(args):
     out_dir, notes = _run_dir(args, job), ()
     if job.parallel.scheme == AUTO_SCHEME:
         job, notes = _resolve_auto(args, out_dir, limits)
+    notes = tuple(notes) + _cpu_device_memory_note(args, job)
     return run_training(job, out_dir, resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
@@ -175,6 +176,15 @@ def _memory_limits(args):
         ranks_per_node=_ranks_per_node(args),
         node=None if args.node_memory is None else parse_bytes(args.node_memory,
                                                                "--node-memory"))
+
+
+def _cpu_device_memory_note(args, job):
+    """(the note that --device-memory checks nothing for a job on the CPU,)
+    or () (a GPU job, or no --device-memory)."""
+    if getattr(args, "device_memory", None) is None or int(job.device) >= 0:
+        return ()
+    return (f"note: --device-memory {args.device_memory} checks nothing: the job runs on the CPU "
+            "(device: -1; --host-memory is the limit that applies)",)
 
 
 def _ranks_per_node(args):
@@ -339,6 +349,8 @@ def cmd_plan(args):
                             "start-up load)")
         return _plan_choose(args)
     job = _load(args, check_files=False)
+    for note in _cpu_device_memory_note(args, job):
+        print(note, file=sys.stderr)
     text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
                             restore={"init": args.init, "resume": True if args.resume else None})
     print(text)
@@ -349,6 +361,8 @@ def _plan_choose(args):
     from .tools.choose import best_yaml, choose, choice_json, default_calibration, format_choice
     from .tools.scaling.link import make_link
     job = _load(args, check_files=False)
+    for note in _cpu_device_memory_note(args, job):
+        print(note, file=sys.stderr)
     link = make_link(args.bandwidth, args.latency, args.network)
     calibration = args.calibration or default_calibration(job)
     choice = choose(args.config, _seeded(args), args.np, _memory_limits(args), link,

@@ -115,3 +115,23 @@ def test_a_caffemodel_init_with_nan_on_two_servers_is_one_message(tmp_path):
                       "anything. Use an earlier checkpoint (a run that hit NaN keeps its last "
                       "finite one as latest.h5)"], res.stderr
     assert res.returncode == 3, (res.returncode, res.stderr)
+
+
+def test_device_memory_for_a_cpu_job_says_it_checks_nothing(tmp_path, digits_h5):
+    """``--device-memory`` on a job that runs on the CPU (device -1) was
+    taken and ignored in silence: a user who meant to check a GPU budget
+    read "fits" from the host's check alone. plan, plan --choose's inputs
+    and train now say so in one note; a GPU job takes no note."""
+    from tests.conftest import run_cli_args, run_cli_here
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    note = ("note: --device-memory 1GiB checks nothing: the job runs on the CPU (device: -1; "
+            "--host-memory is the limit that applies)")
+    res = run_cli_here("plan", job, "--device-memory", "1GiB")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines().count(note) == 1, res.stderr
+    gpu = run_cli_here("plan", job, "--device-memory", "80GiB", "--set", "device=0")
+    assert "checks nothing" not in gpu.stderr, gpu.stderr
+    run = run_cli_args("train", job, "--device-memory", "1GiB", "--iters", "1",
+                       "--out", tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert (run.stdout + run.stderr).splitlines().count(note) == 1, (run.stdout, run.stderr)
