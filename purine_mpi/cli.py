@@ -392,6 +392,13 @@ def cmd_inspect(args):
 def cmd_data(args):
     from .data import datasets
     check_out(args.out, more=[("--from", args.source), ("--tokenizer", args.tokenizer)])
+    src = os.path.realpath(args.source) + os.sep if args.source else None
+    if args.out and os.path.isfile(args.out) and not (
+            src and os.path.realpath(args.out).startswith(src)):  # an input: refused below
+        import h5py
+        if not h5py.is_hdf5(args.out):  # an HDF5 data file is remade in place (atomically)
+            raise UserError(f"--out {args.out} exists and is not an HDF5 file: writing "
+                            "the data there would replace it; remove it or give another --out")
     if args.dataset != "text" and (args.glob is not None or args.val_fraction != 0.1 or
                                    args.tokenizer is not None or args.bpe_vocab is not None):
         raise UserError(f"data {args.dataset}: --glob, --val-fraction, --tokenizer and "

@@ -135,3 +135,22 @@ def test_device_memory_for_a_cpu_job_says_it_checks_nothing(tmp_path, digits_h5)
                        "--out", tmp_path / "run")
     assert run.returncode == 0, run.stderr
     assert (run.stdout + run.stderr).splitlines().count(note) == 1, (run.stdout, run.stderr)
+
+
+def test_data_does_not_replace_a_file_that_is_not_hdf5(tmp_path):
+    """``data digits --out notes.txt`` replaced the user's text file with a
+    data file in silence. A file that is not HDF5 is refused now (exit 2,
+    the file unchanged); an HDF5 data file is remade as before."""
+    from tests.conftest import run_cli_here
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    res = run_cli_here("data", "digits", "--out", notes)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert res.stderr.strip() == (f"error: --out {notes} exists and is not an HDF5 file: "
+                                  "writing the data there would replace it; remove it or give "
+                                  "another --out"), res.stderr
+    assert notes.read_text() == "my notes\n"
+    data = tmp_path / "digits.h5"
+    for _ in range(2):
+        again = run_cli_here("data", "digits", "--out", data)
+        assert again.returncode == 0, again.stderr
