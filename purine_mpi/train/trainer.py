@@ -123,12 +123,13 @@ class Trainer(Loop):
     def model_state(self):
         """{weights, gradients, optimizer_state, held, working, peak: bytes}
         of this rank's model state (runtime/footprint.model_state_bytes, the
-        working set's peak from the host's memory plan the workspace is laid
-        out by; the schemes' start-up lines read it here, below the runtime
-        layer)."""
+        working set's peak from the memory plans the workspace is laid out
+        by, the host's and each GPU's, as ``plan`` counts it; the schemes'
+        start-up lines read it here, below the runtime layer)."""
         from ..runtime.footprint import model_state_bytes
-        return model_state_bytes(self.graphs.graph, getattr(self, "memory_plans", None) and
-                                 self.memory_plans.host)
+        plans = getattr(self, "memory_plans", None)
+        return model_state_bytes(self.graphs.graph, plans and
+                                 [plans.host, *plans.devices.values()])
 
     def save(self, iteration, path=None):
         self.checkpoints.save(self, iteration, path)
