@@ -310,7 +310,8 @@ def cmd_plan(args):
                                  ("--bandwidth", args.bandwidth), ("--latency", args.latency),
                                  ("--out", args.out)) if v]
     if choosing and not (args.choose or args.choose_all):
-        raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose (or --choose-all)")
+        raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose "
+                        "(or --choose-all)")
     if args.choose or args.choose_all:
         if args.resume or args.init:
             raise UserError("plan --choose ranks settings for a fresh start: without "

@@ -29,8 +29,8 @@ from tests.conftest import run_cli_here
 from tests.test_choose import MICRO_NET, NET, _write_calibration
 
 #: a 16-channel convolution at batch 32 (its activations) and a 512-wide
-#: fully connected layer on its pooled 16x16 output (a 4,096 x 512 weight,
-#: 8 MiB with its gradient): 2 micro-batches hold more than 1 (the running
+#: fully connected layer on its pooled 16x16 output (a 4,096 x 512 weight:
+#: 8 MiB, 16 with its gradient): 2 micro-batches hold more than 1 (the running
 #: sum of the gradients), 4 and more less than 1 (the activations' quarter)
 MIXED_NET = """name: mixed_net
 seed: 3
