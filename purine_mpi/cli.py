@@ -340,9 +340,10 @@ def cmd_plan(args):
     choosing = [f for f, v in (("--calibration", args.calibration), ("--network", args.network),
                                  ("--bandwidth", args.bandwidth), ("--latency", args.latency),
                                  ("--out", args.out)) if v]
-    if choosing and not args.choose:
-        raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose")
-    if args.choose:
+    if choosing and not (args.choose or args.choose_all):
+        raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose "
+                        "(or --choose-all)")
+    if args.choose or args.choose_all:
         if args.resume or args.init:
             raise UserError("plan --choose ranks settings for a fresh start: without "
                             "--resume and --init (plan JOB --np N --resume shows a setting's "
@@ -366,7 +367,8 @@ def _plan_choose(args):
     link = make_link(args.bandwidth, args.latency, args.network)
     calibration = args.calibration or default_calibration(job)
     choice = choose(args.config, _seeded(args), args.np, _memory_limits(args), link,
-                    calibration, log=lambda line: print(line, file=sys.stderr, flush=True))
+                    calibration, log=lambda line: print(line, file=sys.stderr, flush=True),
+                    every_count=args.choose_all)
     print(json.dumps(choice_json(choice)) if args.json else format_choice(choice))
     if choice.best is None:
         return 2

@@ -887,12 +887,12 @@ def test_the_prediction_reads_the_graphs_built_for_the_memory_plan(tmp_path):
 
 
 def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tmp_path):
-    """``variants_to_try`` over constructed needs (no graph built): above
-    the job's count, ascending, while the last tried does not fit and past
-    the first while each holds less than the one before; below it,
-    descending, while the last tried fits. ``shown`` keeps one of each
-    setting's counts: the first that fits in the ranking, else the one
-    nearest to fitting."""
+    """``variants_to_try`` over constructed needs (no graph built): the
+    counts in ascending order, those below the job's first, up to the first
+    that fits (whatever each holds against the one before: past a count
+    that holds more, a larger one may hold less again, tests/
+    test_choose_all.py). ``shown`` keeps one of each setting's counts: the
+    first that fits in the ranking, else the one nearest to fitting."""
     from purine_mpi.job.config import load_job
     from purine_mpi.tools.choose import Candidate, micro_batch_counts, micro_batched, shown, \
         variants_to_try
@@ -914,17 +914,20 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
         done = variants_to_try(plain, variants, own, evaluate)
         assert [c.micro for c in done] == tried
         return tried, plain, done
-    # the job's count does not fit: 8 holds less and does not fit, 16 fits
-    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 90})[0] == [8, 16]
+    # neither the job's count nor those below fit: 8 does not, 16 fits
+    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 90})[0] == [1, 2, 8, 16]
     # 8 fits: 16 (no faster) is not tried
-    assert run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})[0] == [8]
-    # 16 holds more than 8 (the weights' gradients, the readers' pools): stop
-    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 160})[0] == [8, 16]
-    assert run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})[0] == [8]
-    # the job's count fits: the smaller (faster) ones while they fit
-    assert run({1: 120, 2: 80, 4: 60, 8: 50, 16: 40})[0] == [2, 1]
+    assert run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})[0] == [1, 2, 8]
+    # 16 holds more than 8 (the weights' gradients), and does not fit either
+    assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 160})[0] == [1, 2, 8, 16]
+    # 8 holds more than 4, 16 less again and fits: tried (before: not tried)
+    assert run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})[0] == [1, 2, 8, 16]
+    # a smaller count fits: the smallest that fits (the fastest), no other
+    assert run({1: 120, 2: 80, 4: 60, 8: 50, 16: 40})[0] == [1, 2]
+    # 2 holds more than 4 and does not fit, 1 fits: tried (before: not tried)
+    assert run({1: 90, 2: 110, 4: 60, 8: 50, 16: 40})[0] == [1]
     tried, plain, done = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
-    assert tried == [2, 1]
+    assert tried == [1]
     # the table: of the variants, the first that fits in the ranking
     from purine_mpi.tools.choose import rank
     ranked = rank([plain] + done)
@@ -932,16 +935,16 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
                                                  "data, recompute none"]
     # none fits: the nearest to fitting
     tried, plain, done = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120})
-    assert tried == [8, 16]
+    assert tried == [1, 2, 8, 16]
     assert [c.label for c in shown(rank([plain] + done))] == [
         "data, recompute none", "data, recompute none, 16 micro-batches"]
 
 
 def test_choose_json_says_which_counts_were_not_tried(tmp_path):
     """Each micro-batch count ``variants_to_try`` leaves out gets the reason
-    of the stop (``NOT_TRIED``), for each rule: above the job's count after
-    one that fits, after one not possible and after one holding no less
-    than the count before it; below it after one that does not fit.
+    of the stop (``NOT_TRIED``), for each rule: after a count that fits
+    (below the job's count or above it), and above it after one not
+    possible.
     ``--json``'s ``not_tried`` lists them (label, --set options, count, the
     setting they are counts of, reason and words) and the table's footer
     counts them by reason in one line. Before: no reason was kept
@@ -966,28 +969,32 @@ def test_choose_json_says_which_counts_were_not_tried(tmp_path):
         left = {c.micro: c.not_tried for c in variants if c not in done}
         assert all(c.not_tried is None for c in done)
         return plain, done, left, variants
-    # 8 fits: 16 is not tried (no faster); 4 does not fit: 2 and 1 not tried
+    # 8 fits: 16 is not tried (no faster); 1, 2 and 4 do not fit
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})
-    assert left == {16: "smaller_fits", 2: "larger_does_not_fit", 1: "larger_does_not_fit"}
-    # 8 holds more than 4: 16 is not tried
+    assert left == {16: "smaller_fits"}
+    # 8 holds more than 4: 16 is tried all the same
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})
-    assert left == {16: "holds_more", 2: "larger_does_not_fit", 1: "larger_does_not_fit"}
+    assert left == {}
     # 8 is not possible: 16 is not tried
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120}, refused=(8,))
-    assert left == {16: "not_possible", 2: "larger_does_not_fit", 1: "larger_does_not_fit"}
-    # 4 fits, 2 is not possible: 1 is not tried (nor 8 and 16: no faster)
-    _, _, left, _ = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20}, refused=(2,))
-    assert left == {1: "not_possible", 8: "smaller_fits", 16: "smaller_fits"}
+    assert left == {16: "not_possible"}
+    # 1 fits: 2 is not tried (nor 8 and 16), it is no faster
+    _, _, left, _ = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
+    assert left == {2: "smaller_fits", 8: "smaller_fits", 16: "smaller_fits"}
+    # 1 is not possible, 2 fits: 8 and 16 are not tried
+    _, _, left, _ = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20}, refused=(1,))
+    assert left == {8: "smaller_fits", 16: "smaller_fits"}
     # from 1 micro-batch, nothing fits and each count holds less: every count tried
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120}, own=1)
     assert left == {}
-    plain, done, left, variants = run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})
-    skipped = [c for c in variants if c not in done]
-    choice = Choice(2, [plain] + done, ("images", 1), "", 0.0, untried=len(skipped),
-                    not_tried=skipped)
+    plain, done, left, variants = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
+    other, also, _, more = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120}, refused=(8,))
+    skipped = [c for c in variants + more if c not in done + also]
+    choice = Choice(2, [plain, other] + done + also, ("images", 1), "", 0.0,
+                    untried=len(skipped), not_tried=skipped)
     out = choice_json(choice)
     assert [(r["micro_batches"], r["reason"]) for r in out["not_tried"]] == [
-        (1, "larger_does_not_fit"), (2, "larger_does_not_fit"), (16, "smaller_fits")]
+        (2, "smaller_fits"), (8, "smaller_fits"), (16, "smaller_fits"), (16, "not_possible")]
     for r in out["not_tried"]:
         assert set(r) == NOT_TRIED_KEYS
         assert r["variant_of"] == "data, recompute none" and r["why"] == NOT_TRIED[r["reason"]]
@@ -995,9 +1002,9 @@ def test_choose_json_says_which_counts_were_not_tried(tmp_path):
         assert r["label"].startswith("data, recompute none, ")
     footer = [line for line in format_choice(choice).splitlines() if "not tried" in line]
     assert footer == [
-        "(3 setting(s) at other micro-batch counts not tried: 1 as a smaller count fits "
-        f"({NOT_TRIED['smaller_fits'].split(' (')[1]}; 2 as a larger count does not fit "
-        "(a smaller one holds more); --json: not_tried)"], footer
+        "(4 setting(s) at other micro-batch counts not tried: 3 as a smaller count fits "
+        f"({NOT_TRIED['smaller_fits'].split(' (')[1]}; 1 as the count tried before it is "
+        "not possible; --json: not_tried)"], footer
 
 
 def test_choose_refuses_a_graph_config(tmp_path):

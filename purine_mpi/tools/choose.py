@@ -494,9 +494,6 @@ def micro_batched(plain, counts):
 #: why ``variants_to_try`` left a micro-batch count out: (key, words)
 NOT_TRIED = {
     "smaller_fits": "a smaller count fits (by the model's op costs a larger one is no faster)",
-    "holds_more": "the count before held no less than the one before it (where the weights' "
-                  "gradients dominate, a larger count holds more)",
-    "larger_does_not_fit": "a larger count does not fit (a smaller one holds more)",
     "not_possible": "the count tried before it is not possible",
 }
 
@@ -508,38 +505,35 @@ def variants_to_try(plain, variants, own, evaluate):
     op costs a larger count is no faster (each op's fixed cost,
     ``affine_costs``, and the dispatcher's cost per op are paid per
     micro-batch, the proportional part is the same, and the gradient sums
-    come on top; the search takes the
-    simulated iteration to follow its ops, as in every case measured: gpt_
-    small, cifar10_quick_wide, tests/test_choose.py's nets) and, over the
-    counts where the activations dominate, holds less. So the counts above ``own``, ascending, are
-    tried only while the last one tried (``plain`` first) is possible and
-    does not fit, and, past the first, while each held less than the one
-    before (where the weights' gradients dominate, a
-    larger count holds more: it stops there); the counts below ``own``,
-    descending, only while the last one tried fits (a smaller count is
-    faster). Each variant left out gets ``not_tried``: the ``NOT_TRIED``
-    key of the stop (``plan --choose --json``'s ``not_tried``)."""
+    come on top; the search takes the simulated iteration to follow its
+    ops, as in every case measured: gpt_small, cifar10_quick_wide,
+    tests/test_choose.py's and tests/test_choose_all.py's nets, where
+    ``plan --choose-all`` evaluates every count). So the counts are tried
+    in ascending order, and none past the first that fits: the counts below
+    ``own`` first (a smaller count that fits is faster than ``plain``),
+    then, where none of them nor ``plain`` fits, those above it while the
+    last one tried is possible. The bytes are no guide: where the weights'
+    gradients dominate, 2 micro-batches hold more than 1 (the gradients'
+    running sum) while 4 may hold less than 1 (tests/test_choose_all.py:
+    the rule that stopped at a count holding more than the one before
+    left out the only count that fit). Each variant left out gets
+    ``not_tried``: the ``NOT_TRIED`` key of the stop (``plan --choose
+    --json``'s ``not_tried``)."""
     done = []
+    down = sorted((v for v in variants if v.micro < own), key=lambda v: v.micro)
     up = sorted((v for v in variants if v.micro > own), key=lambda v: v.micro)
-    prev, before = plain, None
-    for i, v in enumerate(up):
-        why = "not_possible" if prev.error is not None else "smaller_fits" if prev.fits else \
-            "holds_more" if before is not None and _overshoot(prev) >= _overshoot(before) \
-            else None
-        if why is not None:
-            for rest in up[i:]:
-                rest.not_tried = why
-            break
+    for i, v in enumerate(down):
         evaluate(v)
         done.append(v)
-        prev, before = v, prev
+        if v.fits:
+            for rest in down[i + 1:] + up:
+                rest.not_tried = "smaller_fits"
+            return done
     prev = plain
-    down = sorted((v for v in variants if v.micro < own), key=lambda v: -v.micro)
-    for i, v in enumerate(down):
-        why = "not_possible" if prev.error is not None else \
-            "larger_does_not_fit" if not prev.fits else None
+    for i, v in enumerate(up):
+        why = "not_possible" if prev.error is not None else "smaller_fits" if prev.fits else None
         if why is not None:
-            for rest in down[i:]:
+            for rest in up[i:]:
                 rest.not_tried = why
             break
         evaluate(v)
@@ -805,6 +799,7 @@ class Choice:
     calibration: str
     seconds: float
     untried: int = 0  # micro-batch variants not evaluated (``variants_to_try``)
+    every_count: bool = False  # ``plan --choose-all``: no variant left out
     not_tried: list = dataclasses.field(default_factory=list)  # those variants, in order
 
     @property
@@ -826,8 +821,11 @@ class Choice:
 
 
 def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
-           algorithm="auto"):
-    """The Choice for ``path`` (+ ``overrides``) on ``n`` ranks."""
+           algorithm="auto", every_count=False):
+    """The Choice for ``path`` (+ ``overrides``) on ``n`` ranks.
+    ``every_count`` (``plan --choose-all``): every micro-batch count of a
+    possible setting evaluated, none left out by ``variants_to_try`` (its
+    ``not_tried`` empty): the check of the pruning's choice."""
     from ..graph.core import shared_dependencies
     from ..runtime.memory_plan import shared_colourings
     from ..job.config import load_job
@@ -860,7 +858,11 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
                 continue
             evaluate(c, path, overrides, n, limits, predictor)
             tried.add(id(c))
-            if c.error is None:
+            if c.error is None and every_count:
+                for v in variants.get(id(c), ()):
+                    evaluate(v, path, overrides, n, limits, predictor)
+                    tried.add(id(v))
+            elif c.error is None:
                 tried.update(id(v) for v in variants_to_try(
                     c, variants.get(id(c), ()), job.parallel.micro_batches,
                     lambda v: evaluate(v, path, overrides, n, limits, predictor)))
@@ -868,7 +870,8 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     kept = [c for c in listed if id(c) in tried]
     left = [c for c in listed if id(c) not in tried]
     return Choice(n, rank(kept), samples_unit(job), calibration or "",
-                  time.perf_counter() - t0, untried=len(left), not_tried=left)
+                  time.perf_counter() - t0, untried=len(left), not_tried=left,
+                  every_count=every_count)
 
 
 def shown(ranked):
@@ -920,8 +923,11 @@ def format_choice(choice):
                      f"{rate:,.0f}"))
     widths = [max(len(r[k]) for r in rows if len(r[k]) < 60) for k in range(5)]
     tried = len(choice.ranked)
-    lines = [f"plan --choose: {choice.n} rank{'s' if choice.n != 1 else ''}, {tried} "
-             f"setting{'s' if tried != 1 else ''} tried, {len(table)} shown, ranked by "
+    lines = [f"plan --choose{'-all' if choice.every_count else ''}: {choice.n} "
+             f"rank{'s' if choice.n != 1 else ''}, {tried} "
+             f"setting{'s' if tried != 1 else ''} tried"
+             f"{' (every micro-batch count)' if choice.every_count else ''}, "
+             f"{len(table)} shown, ranked by "
              f"predicted {unit}/s (calibration: {choice.calibration or 'not cached'}; "
              f"{choice.seconds:.1f} s)"]
     for r in rows:
