@@ -584,3 +584,30 @@ def test_train_refuses_a_node_whose_ranks_outgrow_it(tmp_path):
         if status:
             assert f"its ranks 0-1 need {human_bytes(total)} of host memory together" in \
                 res.stderr and "node 0 (" in res.stderr, res.stderr[-600:]
+
+
+def test_the_batch_advice_counts_the_mpi_transport_row():
+    """--np 2: the footprints the advice builds at other batches lacked the
+    rank's MPI transport buffers row (another rank's shared-memory cells),
+    which the footprint checked has: the batch said to fit needed up to
+    that row more than the limit (a limit 256 KiB under the need at batch
+    94: "batch_size 93 would fit", whose ``plan --json`` said fits: false),
+    and "at batch 50 it still needs" was that row short of ``plan --json``
+    at batch 50."""
+    cfg = os.path.join(JOBS, "cifar10_quick.yaml")
+
+    def total(batch, *more):
+        out = run_cli_here("plan", cfg, "--np", "2", "--json",
+                           "--set", f"data.train.batch_size={batch}", *more)
+        (rank,) = json.loads(out.stdout)["ranks"]
+        assert rank["host"]["mpi_transport"] > 0, rank  # the row this is about
+        return rank["host"]["total"], json.loads(out.stdout)["fits"]
+    limit = total(94)[0] - (256 << 10)
+    out = run_cli_here("plan", cfg, "--np", "2", "--host-memory", f"{limit}B")
+    assert out.returncode == 2, out.stdout + out.stderr
+    batch = int(re.search(r"data\.train\.batch_size (\d+) would fit", out.stdout).group(1))
+    assert total(batch, "--host-memory", f"{limit}B") == (total(batch)[0], True), batch
+    small = run_cli_here("plan", cfg, "--np", "2", "--host-memory", "10MiB")
+    said = re.search(r"at batch (\d+) it still needs ([\d.]+ [KMG]iB)", small.stdout)
+    assert said, small.stdout
+    assert said.group(2) == human_bytes(total(int(said.group(1)))[0]), small.stdout
