@@ -611,3 +611,32 @@ def test_the_batch_advice_counts_the_mpi_transport_row():
     said = re.search(r"at batch (\d+) it still needs ([\d.]+ [KMG]iB)", small.stdout)
     assert said, small.stdout
     assert said.group(2) == human_bytes(total(int(said.group(1)))[0]), small.stdout
+
+
+def test_the_batch_advice_never_passes_over_the_smaller_batch_that_fits(monkeypatch):
+    """fitting_batch builds batch 50 first (half of 100); where it fits but
+    the bytes jump above it (a step the straight line through 50 and 100
+    does not see: 1 byte a sample plus 100, 1000 past 50), the tries from
+    the line's guess (53: too many) went on down to 39, "the largest" that
+    fits, where 50 does; and where the three tries stay above 50 (a limit
+    the line puts at 96: 96, 72, 54), None: "no smaller
+    data.train.batch_size fits: at batch 50 it still needs" fewer bytes than
+    the limit. Now 50 both times."""
+    import types
+    from purine_mpi.job.config import load_config
+    from purine_mpi.tools import plan
+    from tests.conftest import make_job
+    job = make_job(load_config(os.path.join(JOBS, "cifar10_quick.yaml"), check_files=False))
+    assert job.train_batch == 100 and job.parallel.micro_batches == 1
+    built = []
+
+    def fake(job, *args):
+        b = job.train_batch
+        built.append(b)
+        return types.SimpleNamespace(host={}, host_total=b + 100 if b <= 50 else 1000)
+    monkeypatch.setattr(plan, "offline_footprint", fake)
+    assert plan.fitting_batch(job, 1, 0, -1, 160, 300) == 50 and built == [50, 53]
+    built.clear()
+    assert plan.fitting_batch(job, 1, 0, -1, 290, 300) == 50 and built == [50, 96, 72, 54]
+    built.clear()  # 50 too many: the line's guess below it, built and taken
+    assert plan.fitting_batch(job, 1, 0, -1, 149, 300) == 49 and built == [50, 49]

@@ -588,13 +588,17 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=N
     if per <= 0:
         return None
     b = min(int((limit - (n1 - per * b1)) // per) // m * m, b0 - m)
+    # b1, built and known to fit, is the answer once the tries reach it
+    # (the bytes are not linear in the batch everywhere: a smaller try that
+    # fits is not the largest, and none fitting does not mean b1 does not)
+    fallback = b1 if n1 <= limit else None
     for _ in range(3):
-        if b < m:
-            return None
+        if b < m or (fallback is not None and b <= b1):
+            return fallback
         if need_at(b)[1] <= limit:
             return b
         b = b * 3 // 4 // m * m
-    return None
+    return fallback
 
 
 def advice(job, size, rank, device, limit, need, everyone=None, restore=None, limits=None,
