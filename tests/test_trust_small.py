@@ -83,6 +83,39 @@ def test_resuming_a_ps_checkpoint_of_no_update_says_so(tmp_path, digits_h5, mode
                      "have in the run that wrote it"], res.stdout + res.stderr
 
 
+def _solver_arrays(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        f["solver"].visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                               if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_a_ps_checkpoint_before_any_update_keeps_the_resumed_momenta(tmp_path, digits_h5,
+                                                                     mode):
+    """(2) past iteration 0: a parameter-server run resumed at iteration 2
+    from a checkpoint with momenta and saved at 2 before any update
+    (--iters 2, another --out): the servers send their state only after an
+    update, so the file held no momenta (``len(f["solver"]) == 0``) and its
+    resume started them from zero, with the note "holds no 'momentum'
+    solver state for solver type 'sgd'". Now rank 0 takes them from the
+    checkpoint resumed: the same momenta, bit for bit."""
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS, mode=mode, max_staleness=int(mode == "async"))
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    first = run_mpi_cli(3, "train", ps, "--out", tmp_path / "a", "--iters", "2", timeout=120)
+    assert first.returncode == 0, first.stderr
+    again = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume",
+                        tmp_path / "a" / "latest.h5", "--iters", "2", timeout=120)
+    assert again.returncode == 0, again.stderr
+    before, after = (_solver_arrays(tmp_path / r / "latest.h5") for r in ("a", "b"))
+    assert before and sorted(after) == sorted(before), (sorted(before), sorted(after))
+    for name, value in before.items():
+        assert np.array_equal(after[name], value), name
+
+
 @pytest.mark.mpi
 def test_a_caffemodel_init_with_nan_on_two_servers_is_one_message(tmp_path):
     """(3) --init MODEL.caffemodel whose 'out' weight holds a NaN, 3 ranks
