@@ -584,3 +584,59 @@ def test_train_refuses_a_node_whose_ranks_outgrow_it(tmp_path):
         if status:
             assert f"its ranks 0-1 need {human_bytes(total)} of host memory together" in \
                 res.stderr and "node 0 (" in res.stderr, res.stderr[-600:]
+
+
+def test_the_batch_advice_counts_the_mpi_transport_row():
+    """--np 2: the footprints the advice builds at other batches lacked the
+    rank's MPI transport buffers row (another rank's shared-memory cells),
+    which the footprint checked has: the batch said to fit needed up to
+    that row more than the limit (a limit 256 KiB under the need at batch
+    94: "batch_size 93 would fit", whose ``plan --json`` said fits: false),
+    and "at batch 50 it still needs" was that row short of ``plan --json``
+    at batch 50."""
+    cfg = os.path.join(JOBS, "cifar10_quick.yaml")
+
+    def total(batch, *more):
+        out = run_cli_here("plan", cfg, "--np", "2", "--json",
+                           "--set", f"data.train.batch_size={batch}", *more)
+        (rank,) = json.loads(out.stdout)["ranks"]
+        assert rank["host"]["mpi_transport"] > 0, rank  # the row this is about
+        return rank["host"]["total"], json.loads(out.stdout)["fits"]
+    limit = total(94)[0] - (256 << 10)
+    out = run_cli_here("plan", cfg, "--np", "2", "--host-memory", f"{limit}B")
+    assert out.returncode == 2, out.stdout + out.stderr
+    batch = int(re.search(r"data\.train\.batch_size (\d+) would fit", out.stdout).group(1))
+    assert total(batch, "--host-memory", f"{limit}B") == (total(batch)[0], True), batch
+    small = run_cli_here("plan", cfg, "--np", "2", "--host-memory", "10MiB")
+    said = re.search(r"at batch (\d+) it still needs ([\d.]+ [KMG]iB)", small.stdout)
+    assert said, small.stdout
+    assert said.group(2) == human_bytes(total(int(said.group(1)))[0]), small.stdout
+
+
+def test_the_batch_advice_never_passes_over_the_smaller_batch_that_fits(monkeypatch):
+    """fitting_batch builds batch 50 first (half of 100); where it fits but
+    the bytes jump above it (a step the straight line through 50 and 100
+    does not see: 1 byte a sample plus 100, 1000 past 50), the tries from
+    the line's guess (53: too many) went on down to 39, "the largest" that
+    fits, where 50 does; and where the three tries stay above 50 (a limit
+    the line puts at 96: 96, 72, 54), None: "no smaller
+    data.train.batch_size fits: at batch 50 it still needs" fewer bytes than
+    the limit. Now 50 both times."""
+    import types
+    from purine_mpi.job.config import load_config
+    from purine_mpi.tools import plan
+    from tests.conftest import make_job
+    job = make_job(load_config(os.path.join(JOBS, "cifar10_quick.yaml"), check_files=False))
+    assert job.train_batch == 100 and job.parallel.micro_batches == 1
+    built = []
+
+    def fake(job, *args):
+        b = job.train_batch
+        built.append(b)
+        return types.SimpleNamespace(host={}, host_total=b + 100 if b <= 50 else 1000)
+    monkeypatch.setattr(plan, "offline_footprint", fake)
+    assert plan.fitting_batch(job, 1, 0, -1, 160, 300) == 50 and built == [50, 53]
+    built.clear()
+    assert plan.fitting_batch(job, 1, 0, -1, 290, 300) == 50 and built == [50, 96, 72, 54]
+    built.clear()  # 50 too many: the line's guess below it, built and taken
+    assert plan.fitting_batch(job, 1, 0, -1, 149, 300) == 49 and built == [50, 49]

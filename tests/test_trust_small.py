@@ -83,6 +83,39 @@ def test_resuming_a_ps_checkpoint_of_no_update_says_so(tmp_path, digits_h5, mode
                      "have in the run that wrote it"], res.stdout + res.stderr
 
 
+def _solver_arrays(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        f["solver"].visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                               if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_a_ps_checkpoint_before_any_update_keeps_the_resumed_momenta(tmp_path, digits_h5,
+                                                                     mode):
+    """(2) past iteration 0: a parameter-server run resumed at iteration 2
+    from a checkpoint with momenta and saved at 2 before any update
+    (--iters 2, another --out): the servers send their state only after an
+    update, so the file held no momenta (``len(f["solver"]) == 0``) and its
+    resume started them from zero, with the note "holds no 'momentum'
+    solver state for solver type 'sgd'". Now rank 0 takes them from the
+    checkpoint resumed: the same momenta, bit for bit."""
+    cfg = small_net_config(digits_h5)
+    cfg["parallel"] = dict(PS, mode=mode, max_staleness=int(mode == "async"))
+    ps = write_config_file(tmp_path, cfg, "ps.yaml")
+    first = run_mpi_cli(3, "train", ps, "--out", tmp_path / "a", "--iters", "2", timeout=120)
+    assert first.returncode == 0, first.stderr
+    again = run_mpi_cli(3, "train", ps, "--out", tmp_path / "b", "--resume",
+                        tmp_path / "a" / "latest.h5", "--iters", "2", timeout=120)
+    assert again.returncode == 0, again.stderr
+    before, after = (_solver_arrays(tmp_path / r / "latest.h5") for r in ("a", "b"))
+    assert before and sorted(after) == sorted(before), (sorted(before), sorted(after))
+    for name, value in before.items():
+        assert np.array_equal(after[name], value), name
+
+
 @pytest.mark.mpi
 def test_a_caffemodel_init_with_nan_on_two_servers_is_one_message(tmp_path):
     """(3) --init MODEL.caffemodel whose 'out' weight holds a NaN, 3 ranks
@@ -154,3 +187,55 @@ def test_data_does_not_replace_a_file_that_is_not_hdf5(tmp_path):
     for _ in range(2):
         again = run_cli_here("data", "digits", "--out", data)
         assert again.returncode == 0, again.stderr
+
+
+def test_predict_that_fails_later_leaves_no_folder_of_its_check(tmp_path, digits_h5,
+                                                                 one_rank_run):
+    """(1) The up-front check of --out makes its folders to try a file
+    there; a predict that then fails (a blob the test phase does not
+    compute) left them behind, empty: ``new/sub/`` after exit 2. Now the
+    check removes the folders it made (the write makes them again)."""
+    from tests.conftest import run_cli_args
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    res = run_cli_args("predict", job, "--weights", one_rank_run, "--out",
+                       tmp_path / "new" / "sub" / "p.h5", "--blob", "nosuch")
+    assert res.returncode == 2 and "nosuch" in res.stderr, res.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_check_writable_leaves_nothing_on_ctrl_c(tmp_path, monkeypatch):
+    """(1) Ctrl-C between the check's temporary file and its removal left
+    the file (``p.h5.tmp<pid>``) and the folder made for it; now both go."""
+    import builtins
+    import os
+    from purine_mpi.base import runfiles
+
+    def interrupted(*args, **kwargs):
+        builtins.open(*args, **kwargs).close()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runfiles, "open", interrupted, raising=False)
+    out = tmp_path / "made" / "p.h5"
+    with pytest.raises(KeyboardInterrupt):
+        runfiles.check_writable(str(out))
+    assert os.listdir(tmp_path) == []
+
+
+def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatch):
+    """(1) A killed predict leaves ``P.tmp<pid>``; a later one with the
+    same process id (a container's) raised FileExistsError from the check
+    (a traceback, an abort under MPI) where the write itself removes it and
+    goes on. Now the check does as the write: the path is taken, nothing
+    left; an existing output (replaced by the write), a relative path and a
+    link to a file are taken too, untouched."""
+    import os
+    from purine_mpi.base.runfiles import check_writable
+    out = tmp_path / "p.h5"
+    (tmp_path / f"p.h5.tmp{os.getpid()}").write_bytes(b"left by a killed write")
+    check_writable(str(out))
+    assert os.listdir(tmp_path) == []
+    out.write_bytes(b"old")
+    os.symlink(out, tmp_path / "link.h5")
+    check_writable(str(tmp_path / "link.h5"))
+    monkeypatch.chdir(tmp_path)
+    check_writable("rel/p.h5")
+    assert sorted(os.listdir(tmp_path)) == ["link.h5", "p.h5"] and out.read_bytes() == b"old"

@@ -159,15 +159,38 @@ def check_writable(path):
     can be written, found as its write would find it (its folder made, a
     file of its own made there and removed): the same one line as that
     write (``make_folder``, ``cannot_write``, ``disk_error``), not after an
-    evaluation of the whole data."""
-    make_folder(os.path.dirname(os.path.abspath(path)))
+    evaluation of the whole data. Nothing is left behind, whatever ends the
+    check (a refusal, Ctrl-C): the temporary file goes, and so do the
+    folders it made (the write makes them again; a command that fails
+    before it leaves no empty folder). A temporary file of that name left
+    by a killed write (the same process id) is removed, as the write
+    removes it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    made, head = [], folder  # the folders missing now, deepest first
+    while not os.path.lexists(head) and head != os.path.dirname(head):
+        made.append(head)
+        head = os.path.dirname(head)
     tmp = f"{path}.tmp{os.getpid()}"
+    ours = False  # from the open on: a file under that name is this check's
     try:
-        with open(tmp, "xb"):
-            pass
-    except OSError as exc:
-        raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
-    os.remove(tmp)
+        make_folder(folder)
+        if os.path.lexists(tmp):
+            os.remove(tmp)  # never written through a link left under that name
+        ours = True
+        try:
+            with open(tmp, "xb"):
+                pass
+        except OSError as exc:
+            ours = False
+            raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
+    finally:
+        if ours and os.path.lexists(tmp):
+            os.remove(tmp)
+        for f in made:  # deepest first; one another process filled stays
+            try:
+                os.rmdir(f)
+            except OSError:
+                break
 
 
 def write_replacing(path, write):

@@ -377,6 +377,15 @@ def load_checkpoint(path):
     return Checkpoint(str(path), attrs=attrs, **sections)
 
 
+def load_solver(path):
+    """The ``/solver`` section of the checkpoint ``path`` alone ({param:
+    {key: array}}; {} where it has none): a parameter-server run's rank 0
+    saving the state it resumed from before any update (train/ps_worker.py),
+    without reading the weights again."""
+    with open_h5(path) as f:
+        return _read_section(f, "solver", path, True) if "solver" in f else {}
+
+
 @names_the_file("weights file")
 def load_params(path):
     """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):

@@ -217,6 +217,11 @@ def set_transport(fp, local_ranks):
         fp.notes.append(note)
 
 
+def _transport_of(fp):
+    """The bytes of ``fp``'s MPI transport buffers row (0 without one)."""
+    return int(fp.host.get("mpi_transport", 0))
+
+
 def set_transports(fps, size, limits):
     """``set_transport`` on ``plan``'s footprints ({rank: footprint}): the
     ranks placed in blocks of ``node_ranks`` (a footprint that stands for
@@ -547,7 +552,7 @@ def _with_batch(job, batch):
 
 
 def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=None,
-                  limits=None, seen=None):
+                  limits=None, seen=None, transport=0):
     """The largest ``data.train.batch_size`` (a multiple of the
     micro-batches) under which ``rank`` needs at most ``limit`` bytes on
     ``device`` (-1: the host), from the footprints at two batch sizes (the
@@ -557,14 +562,25 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=N
     batch does not change them); ``restore``: the start-up load's and
     ``limits`` the ranks' nodes (``offline_footprint``); ``seen``: a dict
     that receives the smaller batch built first and its footprint
-    (``batch``, ``fp``), for ``advice`` to say what does not shrink."""
+    (``batch``, ``fp``), for ``advice`` to say what does not shrink;
+    ``transport``: the bytes of the MPI transport buffers row of the
+    footprint ``need`` is of (``set_transport``: the node's ranks, not the
+    batch, decide it), counted in each footprint built here as in that one
+    (before, left out: ``need`` less the built one's need was that row
+    too, and the bytes said at the smaller batch were that row short of
+    what ``plan --json`` says at that batch)."""
     b0 = job.train_batch
     m = job.parallel.micro_batches
     if b0 is None or b0 <= m:
         return None
+
+    def need_at(batch):
+        fp = offline_footprint(_with_batch(job, batch), size, rank, everyone, restore, limits)
+        if transport:
+            fp.host["mpi_transport"] = transport
+        return fp, need_of(fp, device)
     b1 = max(m, b0 // 2 // m * m)
-    fp1 = offline_footprint(_with_batch(job, b1), size, rank, everyone, restore, limits)
-    n1 = need_of(fp1, device)
+    fp1, n1 = need_at(b1)
     if seen is not None:
         seen.update(batch=b1, fp=fp1)
     per = (need - n1) / (b0 - b1)
@@ -573,18 +589,23 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=N
     if per <= 0:
         return None
     b = min(int((limit - (n1 - per * b1)) // per) // m * m, b0 - m)
+    # b1, built and known to fit, is the answer once the tries reach it
+    # (the bytes are not linear in the batch everywhere: a smaller try that
+    # fits is not the largest, and none fitting does not mean b1 does not)
+    fallback = b1 if n1 <= limit else None
     for _ in range(3):
-        if b < m:
-            return None
-        if need_of(offline_footprint(_with_batch(job, b), size, rank, everyone, restore,
-                                     limits), device) <= limit:
+        if b < m or (fallback is not None and b <= b1):
+            return fallback
+        if need_at(b)[1] <= limit:
             return b
         b = b * 3 // 4 // m * m
-    return None
+    return fallback
 
 
-def advice(job, size, rank, device, limit, need, everyone=None, restore=None, limits=None):
-    """What would make ``rank`` fit, in words (``limits``: ``fitting_batch``'s)."""
+def advice(job, size, rank, device, limit, need, everyone=None, restore=None, limits=None,
+           transport=0):
+    """What would make ``rank`` fit, in words (``limits``, ``transport``:
+    ``fitting_batch``'s)."""
     if size > 1 and job.parallel.servers:
         from ..parallel.param_server import ps_layout
         servers = ps_layout(size, job.parallel.ps_ranks, job.path)["servers"]
@@ -594,7 +615,8 @@ def advice(job, size, rank, device, limit, need, everyone=None, restore=None, li
                     "what it holds")
     parts = []
     seen = {}
-    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore, limits, seen)
+    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore, limits, seen,
+                      transport)
     if b is not None:
         parts.append(f"data.train.batch_size {b} would fit (--set data.train.batch_size={b})")
     elif seen:  # what the rank still needs at the smaller batch: what does not shrink
@@ -651,8 +673,9 @@ def refusal(job, fp, size, problem, offline_rank=None, everyone=None, restore=No
         text += (f"; before its first iteration it holds {human_bytes(fp.load_total)}: the "
                  f"weights and data, and its start-up load of {human_bytes(fp.load)} (the "
                  "weights' first fill, --init's weights, the --resume checkpoint read whole)")
-    return (f"{text}; {advice(job, size, rank, device, limit, need, everyone, restore)}; or "
-            "skip the check with --no-memory-check")
+    tip = advice(job, size, rank, device, limit, need, everyone, restore,
+                 transport=_transport_of(fp))
+    return f"{text}; {tip}; or skip the check with --no-memory-check"
 
 
 def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, resume=None):
@@ -864,7 +887,8 @@ def run_plan(job, size, limits, as_json=False, restore=None):
             if not f["fits"]:
                 d = -1 if where == "host" else int(where.split()[1])
                 lines.append("    " + advice(job, size, ranks[0], d, f["limit_bytes"],
-                                             f["need_bytes"], everyone, restore, limits))
+                                             f["need_bytes"], everyone, restore, limits,
+                                             _transport_of(fp)))
         if fp.devices and not any(w != "host" for w in fits):
             lines.append("  no GPU here: give --device-memory to check the GPU's part")
         for note in fp.notes:
@@ -875,8 +899,10 @@ def run_plan(job, size, limits, as_json=False, restore=None):
                      f"{human_bytes(c['need_bytes'])} of {human_bytes(c['limit_bytes'])} "
                      f"({c['limit_from']}; the ranks' host needs summed)")
         if not c["fits"]:  # a rank alone on its node: the batch that would fit it
+            alone = fps[like.get(c["ranks"][0], c["ranks"][0])]
             lines.append("  " + (advice(job, size, c["ranks"][0], -1, c["limit_bytes"],
-                                        c["need_bytes"], everyone, restore, limits)
+                                        c["need_bytes"], everyone, restore, limits,
+                                        _transport_of(alone))
                                  if len(c["ranks"]) == 1 else NODE_ADVICE))
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +

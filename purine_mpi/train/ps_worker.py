@@ -110,10 +110,31 @@ class WorkerStopAgreement(StopAgreement):
         else:
             due = self.sent(loop, iteration)
             momenta = self.receive(iteration) if due and self.world.rank == 0 else {}
+        if not due and self.world.rank == 0 and iteration == loop.state.start_iter > 0:
+            # resumed, and saved before any update: the servers send nothing
+            # (nothing changed), and hold the momenta of the checkpoint
+            # resumed from; taken from that file, not left out (a file with
+            # no momenta, whose resume started them from zero)
+            momenta = self.resumed_momenta(loop, iteration)
+            due = bool(momenta)
         if due and self.world.rank == 0:
             # the servers hold the momenta: put them where save() looks
             for p, m in momenta.items():
                 loop.ws.arrays[momentum_name(p)] = m
+
+    def resumed_momenta(self, loop, iteration):
+        """Rank 0: the momenta of the servers' parameters in the checkpoint
+        of ``iteration`` the run resumed from (``RunState.last_finite``: the
+        file resumed, or this run's latest.h5 of that iteration since), as
+        the servers loaded them (ps_server.run_server); {} where it holds
+        none."""
+        last = loop.state.last_finite
+        if not last or int(last[1]) != iteration:
+            return {}
+        from ..job.checkpoint_file import load_solver
+        solver = load_solver(last[0])
+        return {p: solver[p]["momentum"] for p in loop.graphs.composition.server_plan["order"]
+                if "momentum" in solver.get(p, {})}
 
     def sent(self, loop, iteration):
         """sync_ps: whether the servers sent rank 0 their state after
