@@ -3,11 +3,15 @@ from the ranks' shards straight into its own parameter arrays
 (``Sharded.give_test_weights``: one Allgatherv per parameter), so a pass
 holds nothing beyond them but, at most, one parameter; its figures are
 data parallelism's bit for bit (the test graph there reads the training
-weights themselves)."""
+weights themselves); on simulated ranks, the arrays are the shards
+concatenated and cut."""
 import json
 import os
 import subprocess
+import threading
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_mpi_cli
@@ -82,3 +86,120 @@ def test_stage3_test_pass_gathers_into_the_test_weights(tmp_path, email_h5):
     got, want = _tests(sharded), _tests(data)
     assert len(want) == 3 and "loss" in want[0]
     assert got == want
+
+
+class _Ranks:
+    """``n`` simulated ranks in threads: each one's World stand-in posts its
+    part of a collective and, once every rank has posted, reads theirs
+    (the bytes moved as MPI's Allgatherv and Bcast move them)."""
+
+    def __init__(self, n):
+        self.n, self.posts, self.calls = n, {}, []
+        self.barrier = threading.Barrier(n)
+
+    def world(self, rank):
+        ranks = self
+
+        class World:
+            def __init__(self):
+                self.rank, self.seq = rank, 0
+
+            def group_comm(self, group):
+                assert sorted(group) == list(range(ranks.n))
+                return "group"
+
+            def _exchange(self, mine, what):
+                key = (self.seq, what)
+                self.seq += 1
+                ranks.posts[key + (self.rank,)] = mine
+                ranks.barrier.wait()
+                every = [ranks.posts[key + (r,)] for r in range(ranks.n)]
+                ranks.barrier.wait()
+                if self.rank == 0:
+                    ranks.calls.append(what)
+                return every
+
+            def allgatherv(self, send, recv, counts, displs, what, comm=None):
+                assert comm == "group" and recv.flags.c_contiguous
+                data = np.ascontiguousarray(send).reshape(-1).view(np.uint8).copy()
+                assert data.size == counts[self.rank]
+                out = recv.reshape(-1).view(np.uint8)
+                for r, part in enumerate(self._exchange(data, what)):
+                    out[displs[r]:displs[r] + counts[r]] = part
+
+            def bcast(self, buf, root, what, comm=None):
+                sent = self._exchange(buf.reshape(-1).view(np.uint8).copy(), what)[root]
+                buf.reshape(-1).view(np.uint8)[...] = sent
+        return World()
+
+
+class _TestSpace:
+    def __init__(self, arrays):
+        self.arrays = arrays
+        self.graph = SimpleNamespace(blobs=set(arrays))
+
+    def set(self, name, value):
+        self.arrays[name][...] = value
+
+
+def test_give_test_weights_cuts_every_rank_shard_into_each_parameter():
+    """3 simulated ranks, two buckets of 4 parameters whose shard
+    boundaries fall inside parameters, a parameter no bucket holds (each
+    rank's value its own): every rank's test arrays are the whole bucket
+    (the ranks' shards concatenated, numpy) cut at the offsets, rank 0's
+    value of the one held whole; a test array of another dtype (as a
+    GPU's would, a host buffer of its own first) gets the same values cast;
+    the collectives are one per parameter, in the same order on every rank,
+    each naming its parameter."""
+    from purine_mpi.comm.ops import shard_range
+    from purine_mpi.parallel.schemes.sharded import Sharded
+    n, rng = 3, np.random.default_rng(0)
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 2), "d": (11,), "e": (4, 3), "f": (1,)}
+    buckets = [["a", "b", "c"], ["d", "e", "f"]]
+    blobs, plan, wholes = {}, [], {}
+    for i, names in enumerate(buckets):
+        offsets = list(np.cumsum([0] + [int(np.prod(shapes[p])) for p in names[:-1]]))
+        total = int(sum(np.prod(shapes[p]) for p in names))
+        wholes[i] = rng.standard_normal(total).astype(np.float32)
+        blobs[f"w{i}"] = SimpleNamespace(size=total, dtype="float32", shape=(total,))
+        blobs[f"w{i}.shard"] = SimpleNamespace(dtype="float32")
+        plan.append({"weights": f"w{i}", "weight_shard": f"w{i}.shard", "params": names,
+                     "offsets": offsets})
+    for p, shape in list(shapes.items()) + [("bn_mean", (6,))]:
+        blobs[p] = SimpleNamespace(shape=shape, dtype="float32",
+                                   size=int(np.prod(shape)), nbytes=4 * int(np.prod(shape)))
+    params = list(shapes) + ["bn_mean"]
+    ranks, results, errors = _Ranks(n), {}, []
+
+    def run(r):
+        try:
+            mine = [dict(e, shard=shard_range(blobs[e["weights"]].size, n, r)) for e in plan]
+            graphs = SimpleNamespace(
+                composition=SimpleNamespace(shard=3, shard_plan=mine), params=params,
+                graph=SimpleNamespace(blobs=blobs),
+                layout=SimpleNamespace(stage_ranks=lambda: list(range(n))))
+            ws = {f"w{i}.shard": wholes[i][slice(*e["shard"])].copy()
+                  for i, e in enumerate(mine)}
+            ws["bn_mean"] = np.full(6, r + 1.0, np.float32)
+            test = {p: np.zeros(s, np.float64 if p == "d" else np.float32)
+                    for p, s in shapes.items()}
+            test["bn_mean"] = np.zeros(6, np.float32)
+            Sharded().give_test_weights(graphs, ws, ranks.world(r), _TestSpace(test))
+            results[r] = test
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+            ranks.barrier.abort()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in range(n):
+        for i, e in enumerate(plan):
+            for p, off in zip(e["params"], e["offsets"]):
+                size = int(np.prod(shapes[p]))
+                want = wholes[i][off:off + size].reshape(shapes[p])
+                assert np.array_equal(results[r][p], want.astype(results[r][p].dtype)), (r, p)
+        assert np.array_equal(results[r]["bn_mean"], np.ones(6, np.float32)), r
+    assert len(ranks.calls) == 7 and all(f"'{p}'" in c for p, c in zip(params, ranks.calls))

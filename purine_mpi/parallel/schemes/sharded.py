@@ -728,7 +728,6 @@ class Sharded(Hybrid):
             return
         from ...base.backend import to_numpy
         from ...comm.ops import shard_range
-        from ...comm.world import _call
         group = list(graphs.layout.stage_ranks())
         me = group.index(world.rank)
         comm = world.group_comm(group) if graphs.params else None  # a stage without any: none
@@ -760,11 +759,9 @@ class Sharded(Hybrid):
                 item = dtype.itemsize
                 counts = [max(0, y - x) * item for x, y in parts]
                 displs = [max(0, x - off) * item if y > x else 0 for x, y in parts]
-                world.wait(_call(comm.Iallgatherv, mine.view(np.uint8),
-                                 [recv.reshape(-1).view(np.uint8), (counts, displs),
-                                  world.MPI.BYTE]),
-                           f"the test graph's gather of the weight '{p}' from its shards "
-                           f"(Allgatherv over ranks {group})")
+                world.allgatherv(mine, recv, counts, displs,
+                                 f"the test graph's gather of the weight '{p}' from its "
+                                 f"shards (Allgatherv over ranks {group})", comm)
                 if into is not None and not direct:
                     test_ws.set(p, recv)
         where = _zero3(graphs)
@@ -778,9 +775,8 @@ class Sharded(Hybrid):
             if direct and me == 0 and into is not ws[p]:  # the root sends its own in place
                 test_ws.set(p, ws[p])
             buf = into if direct else np.array(to_numpy(ws[p]), dtype=dtype, order="C")
-            world.wait(_call(comm.Ibcast, buf.reshape(-1).view(np.uint8), root=0),
-                       f"the test graph's weight '{p}' from rank {group[0]} (Ibcast over "
-                       f"ranks {group})")
+            world.bcast(buf, 0, f"the test graph's weight '{p}' from rank {group[0]} "
+                                f"(Ibcast over ranks {group})", comm)
             if into is not None and not direct:
                 test_ws.set(p, buf)
 
