@@ -4,9 +4,10 @@ from the ranks' shards straight into its own parameter arrays
 holds nothing beyond them but, at most, one parameter; its figures are
 data parallelism's bit for bit (the test graph there reads the training
 weights themselves); on simulated ranks, the arrays are the shards
-concatenated and cut."""
+concatenated and cut; a stalled gather is named by the watchdog."""
 import json
 import os
+import re
 import subprocess
 import threading
 from types import SimpleNamespace
@@ -86,6 +87,42 @@ def test_stage3_test_pass_gathers_into_the_test_weights(tmp_path, email_h5):
     got, want = _tests(sharded), _tests(data)
     assert len(want) == 3 and "loss" in want[0]
     assert got == want
+
+
+#: ``train`` (argv[1:]) with rank 1 held back before each test pass's
+#: weight fill (a rank stuck elsewhere), so rank 0 waits in the fill's first
+#: collective
+_LATE = """
+import os, runpy, sys, time
+from purine_mpi.parallel.schemes.sharded import Sharded
+plain = Sharded.give_test_weights
+def late(self, graphs, ws, world, test_ws):
+    if world.rank == 1:
+        time.sleep(60)
+    return plain(self, graphs, ws, world, test_ws)
+Sharded.give_test_weights = late
+sys.argv = ["purine_mpi"] + sys.argv[1:]
+runpy.run_module("purine_mpi", run_name="__main__")
+"""
+
+
+@pytest.mark.mpi
+def test_a_stalled_test_weight_gather_is_named(tmp_path, email_h5):
+    """mpiexec -n 2, stage 3, rank 1 held back before the first test pass's
+    weight fill: rank 0's watchdog ends the job within the stall timeout
+    naming the gather (the weight, Allgatherv, the ranks), not a hang."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    sets = _sets(email_h5, "sharded") + ["parallel.stall_timeout=2"]
+    t = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-c", _LATE, "train", GPT, "--out",
+                        str(tmp_path / "run"), "--iters", "2"] +
+                       [a for s in sets for a in ("--set", s)],
+                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert t.returncode != 0
+    text = t.stdout + t.stderr
+    assert re.search(r"rank 0: the test graph's gather of the weight '[^']+' from its shards "
+                     r"\(Allgatherv over ranks \[0, 1\]\) stalled for more than 2 s", text), \
+        text[-3000:]
 
 
 class _Ranks:
