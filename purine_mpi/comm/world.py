@@ -299,6 +299,28 @@ class World:
                     ([int(c) for c in counts], [int(o) for o in offsets]), self.MPI.BYTE]
         self.wait(_call(self.comm.Igatherv, data, recv, root=root), what)
 
+    def allgatherv(self, send, recv, counts, displs, what="an allgather", comm=None):
+        """Every rank's contiguous array ``send`` into ``recv`` (C-contiguous,
+        on every rank) as bytes, no pickling: rank r's ``counts[r]`` bytes
+        at byte ``displs[r]`` (a count may be 0); over ``comm`` (a
+        sub-communicator, ``group_comm``; default the world's). One
+        Iallgatherv under the stall watchdog naming ``what``."""
+        data = np.ascontiguousarray(send).reshape(-1).view(np.uint8)
+        if not recv.flags.c_contiguous:  # the bytes must land in the caller's buffer
+            raise ValueError("allgatherv: the receive buffer must be C-contiguous")
+        recv = [recv.reshape(-1).view(np.uint8), ([int(c) for c in counts],
+                                                  [int(d) for d in displs]), self.MPI.BYTE]
+        self.wait(_call((comm or self.comm).Iallgatherv, data, recv), what)
+
+    def bcast(self, buf, root=0, what="a broadcast", comm=None):
+        """``root``'s C-contiguous array ``buf`` into every rank's ``buf``,
+        in place, as bytes; over ``comm`` (default the world's). One Ibcast
+        under the stall watchdog naming ``what``."""
+        if not buf.flags.c_contiguous:
+            raise ValueError("bcast: the buffer must be C-contiguous")
+        self.wait(_call((comm or self.comm).Ibcast, buf.reshape(-1).view(np.uint8),
+                        root=root), what)
+
     def abort(self, code=1):
         """End the whole job: every rank exits with a non-zero status."""
         _flush()

@@ -149,7 +149,7 @@ def shared_params(graphs):
     (the trainer hands it those arrays rather than copies): not the views
     of a bucket a ZeRO stage gathers for the training graph alone
     (graph/core.WORKING_SET_ATTR: the test graph holds its own,
-    Scheme.test_weights fills them)."""
+    Scheme.give_test_weights fills them)."""
     tg, g = graphs.test_graph, graphs.graph
     return [p for p in tg.blobs if p in g.blobs and g.blobs[p].kind == "param" and
             WORKING_SET_ATTR not in g.blobs[g.storage_root(p)].attrs]

@@ -20,16 +20,11 @@ from .loop import Service
 
 def give_test_weights(loop):
     """The weights the test graph reads, where it does not share the
-    training workspace's (the scheme's ``test_weights``; ZeRO-3: every
-    rank's shards gathered, once). Collective on every rank; for a test pass
-    and ``predict`` (tools/predict.py)."""
-    whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
-    if not whole:  # the test graph shares the training workspace's weights
-        return
-    held = loop.test.workspace.graph.blobs
-    for p, value in whole.items():
-        if p in held:  # a row-split layer's bias: one tensor shard's test graph adds it
-            loop.test.workspace.set(p, value)
+    training workspace's (the scheme's ``give_test_weights``; ZeRO-3: every
+    rank's shards gathered into the test graph's arrays). Collective on
+    every rank; for a test pass and ``predict`` (tools/predict.py)."""
+    scheme_of(loop.job).give_test_weights(loop.graphs, loop.train.workspace, loop.world,
+                                          loop.test.workspace)
 
 
 class Evaluation(Service):

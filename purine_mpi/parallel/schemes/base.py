@@ -22,7 +22,7 @@ registered under its name::
         def load_held_solver_state(self, graphs, ws, solver): ...  # ... set on load
         def held_weights(self, graphs): ...    # the blobs holding this rank's weights
         def set_weight(self, graphs, ws, name, value): ...  # a whole weight, on init/load
-        def test_weights(self, graphs, ws, world): ...  # whole weights the test graph reads
+        def give_test_weights(self, graphs, ws, world, test_ws): ...  # the test graph's weights
         def save_meta(self, graphs): ...       # this rank's part of a save, from its blobs
         def save_bytes(self, graphs, everyone): ...  # the host bytes a save adds (plan)
         def held_bytes(self, graphs): ...   # what the loop's services keep (plan)
@@ -667,10 +667,12 @@ class Scheme:
         ``split_checkpoint``): fillers, ``--init``, ``--resume``."""
         ws.set(name, value)
 
-    def test_weights(self, graphs, ws, world):
-        """{param: whole value} the test graph must be given before an
-        evaluation (collective on every rank), or None when it reads the
-        training workspace's parameters (runtime/footprint.shared_params)."""
+    def give_test_weights(self, graphs, ws, world, test_ws):
+        """Fill the test workspace ``test_ws``'s parameters that do not
+        share the training workspace ``ws``'s arrays
+        (runtime/footprint.shared_params) before an evaluation (collective
+        on every rank). Nothing by default: the test graph reads the
+        training arrays; ZeRO-3 gathers its weight shards into them."""
         return None
 
 

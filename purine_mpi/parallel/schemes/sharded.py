@@ -17,7 +17,7 @@ buffers before the bucket's forward and backward readers
 (parallel/sharding.compose_zero3);
 the weights are written (fillers, ``--init``, ``--resume``) into the
 shards, saved joined whole, and gathered whole for the test graph
-(``held_weights``, ``set_weight``, ``test_weights``); with micro-batches
+(``held_weights``, ``set_weight``, ``give_test_weights``); with micro-batches
 each buffer is gathered once per iteration and held across them. Stage 3
 with ``parallel.transport: one_sided`` on one node holds each bucket's
 weights once per node, in a shared window every rank reads in place
@@ -710,22 +710,75 @@ class Sharded(Hybrid):
         if a < b:
             ws[entry["weight_shard"]][a - lo:b - lo] = value.ravel()[a - off:b - off]
 
-    def test_weights(self, graphs, ws, world):
-        """Stage 3: every rank's weight shards gathered (one allgather) and
-        joined into whole weights, as a checkpoint joins them (every rank
-        takes part, a pipeline stage without parameters with nothing)."""
+    def give_test_weights(self, graphs, ws, world, test_ws):
+        """Stage 3: the test graph's whole weights gathered from the shards
+        of its group (the ranks ``Layout.stage_ranks``: every replica of
+        this stage and tensor shard) straight into its own parameter
+        arrays: per bucket (plan order) and per parameter (bucket order),
+        one Allgatherv of each rank's part of that parameter (its shard's
+        range of it; none when the range misses it) into the test array,
+        in the group's rank order -- the same order on every rank, each
+        under the stall watchdog naming the parameter. A weight held whole
+        (no bucket holds it) comes from the group's first rank (Ibcast), as
+        the checkpoint join takes it. Nothing is pickled or joined: beside
+        the test graph's own whole weights the pass holds at most one
+        parameter (a test array on a GPU, or of another dtype than the
+        shard: received on the host, then set)."""
         if _sharding(graphs) < 3:
-            return None
+            return
         from ...base.backend import to_numpy
-        mine = {n: to_numpy(ws[n]) for n in self.held_weights(graphs)}
-        parts = world.allgather_object(mine, "the weight shards for the test graph "
-                                             "(allgather)")
-        lay = graphs.layout
-        if lay.staged:  # this stage's ranks, in replica order: its shards'
-            parts = [parts[r] for r in lay.stage_ranks()]
-        elif lay.tensor > 1:  # this tensor shard's replicas: its ZeRO shards, in order
-            parts = [parts[r] for r in lay.shard_ranks()]
-        return _join_weights(graphs, parts)
+        from ...comm.ops import shard_range
+        group = list(graphs.layout.stage_ranks())
+        me = group.index(world.rank)
+        comm = world.group_comm(group) if graphs.params else None  # a stage without any: none
+        held = test_ws.graph.blobs
+        for entry in _plan(graphs):
+            if "weight_shard" not in entry:
+                continue
+            total = int(graphs.graph.blobs[entry["weights"]].size)
+            ranges = [shard_range(total, len(group), i) for i in range(len(group))]
+            if tuple(ranges[me]) != tuple(entry["shard"]):
+                raise GraphError(f"rank {world.rank}: bucket {entry['weights']}'s shard "
+                                 f"{list(entry['shard'])} is not its range {list(ranges[me])} "
+                                 f"among the ranks {group}: the graph was composed for "
+                                 "another world")
+            shard, lo = ws[entry["weight_shard"]].reshape(-1), entry["shard"][0]
+            dtype = np.dtype(graphs.graph.blobs[entry["weight_shard"]].dtype)
+            for p, off in zip(entry["params"], entry["offsets"]):
+                shape = tuple(graphs.graph.blobs[p].shape)
+                size = int(np.prod(shape, dtype=np.int64))
+                parts = [(max(a, off), min(b, off + size)) for a, b in ranges]
+                a, b = parts[me]
+                # this rank's part of ``p``: a view on the host, a copy of
+                # the part alone from a GPU
+                mine = np.ascontiguousarray(to_numpy(shard[a - lo:b - lo] if a < b
+                                                     else shard[:0]), dtype=dtype)
+                into = test_ws.arrays.get(p) if p in held else None
+                direct = _receives(into, shape, dtype)
+                recv = into if direct else np.empty(shape, dtype)
+                item = dtype.itemsize
+                counts = [max(0, y - x) * item for x, y in parts]
+                displs = [max(0, x - off) * item if y > x else 0 for x, y in parts]
+                world.allgatherv(mine, recv, counts, displs,
+                                 f"the test graph's gather of the weight '{p}' from its "
+                                 f"shards (Allgatherv over ranks {group})", comm)
+                if into is not None and not direct:
+                    test_ws.set(p, recv)
+        where = _zero3(graphs)
+        for p in graphs.params:  # held whole: the group's first rank's, in graph order
+            if p in where:
+                continue
+            blob = graphs.graph.blobs[p]
+            shape, dtype = tuple(blob.shape), np.dtype(blob.dtype)
+            into = test_ws.arrays.get(p) if p in held else None
+            direct = _receives(into, shape, dtype)
+            if direct and me == 0 and into is not ws[p]:  # the root sends its own in place
+                test_ws.set(p, ws[p])
+            buf = into if direct else np.array(to_numpy(ws[p]), dtype=dtype, order="C")
+            world.bcast(buf, 0, f"the test graph's weight '{p}' from rank {group[0]} "
+                                f"(Ibcast over ranks {group})", comm)
+            if into is not None and not direct:
+                test_ws.set(p, buf)
 
     def whole_solver_shapes(self, graphs):
         from ..tensor_parallel import whole_shape
@@ -796,6 +849,14 @@ def _plain(lay):
     if lay.replicas != 1:
         return None
     return Pipeline if lay.staged else TensorParallel if lay.tensor > 1 else None
+
+
+def _receives(array, shape, dtype):
+    """Whether a collective can land straight in ``array`` (a test
+    workspace's parameter): a C-contiguous host array of ``shape`` and
+    ``dtype``; else it lands in a host array of its own, then set."""
+    return (isinstance(array, np.ndarray) and array.dtype == dtype and
+            array.flags.c_contiguous and tuple(array.shape) == tuple(shape))
 
 
 def _plan(graphs):
@@ -970,24 +1031,6 @@ def _holders(what, ranks, shapes, shape):
         raise GraphError(f"{what} joins to {sum(sizes)} elements from the ranks' shards, "
                          f"the weight has {size}")
     return list(ranks)
-
-
-def _join_weights(graphs, parts):
-    """Whole weights from every rank's ``held_weights`` arrays (world
-    order): stage 3's bucket shards joined in rank order and cut into each
-    parameter's shape; rank 0's array for a weight held whole."""
-    out = {k: v for k, v in parts[0].items() if k not in
-           {entry["weight_shard"] for entry in _plan(graphs) if "weight_shard" in entry}}
-    for entry in _plan(graphs):
-        if "weight_shard" not in entry:
-            continue
-        whole = np.concatenate([np.asarray(part[entry["weight_shard"]]).ravel()
-                                for part in parts])
-        for p, off in zip(entry["params"], entry["offsets"]):
-            shape = graphs.graph.blobs[p].shape
-            size = int(np.prod(shape, dtype=np.int64))
-            out[p] = whole[off:off + size].reshape(shape).copy()
-    return out
 
 
 def _states(entry):
