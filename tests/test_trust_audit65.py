@@ -230,3 +230,35 @@ def test_clipping_ops_are_priced_at_another_rank_count(digits_h5, tmp_path):
     assert row["untraced_ops"] == 0
     # the same ops and the same data-parallel communication on top: no faster
     assert row["efficiency"] <= 1.0
+
+
+def test_a_cuda_graph_trace_is_refused_as_such(traced, tmp_path):
+    """A GPU run's trace with CUDA graphs (``cuda_graph: true``, the
+    default) holds one ``CudaGraph`` event per replay, its ops in
+    ``args.ops`` (runtime/cuda_graph.py; as the emulated device writes it
+    for this job, tests/emulated_gpu): the job's own trace, with no op
+    times. Before: exit 2 saying the traces were not of job 'tiny'. Now the
+    refusal names the replays and ``cuda_graph=false``; eager GPU traces
+    (per-op events) predict as the CPU's do."""
+    run = _copy_run(traced, tmp_path / "graphed")
+    path = run / "trace.rank0.json"
+    with open(path) as f:
+        data = json.load(f)
+    ops = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    by_iter = {}
+    for e in ops:
+        by_iter.setdefault(e["args"]["iter"], []).append(e)
+    replays = [{"name": "graph0", "cat": "cuda_graph", "ph": "X",
+                "ts": min(e["ts"] for e in es),
+                "dur": max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es),
+                "pid": 0, "tid": "gpu0:graph",
+                "args": {"iter": it, "op_type": "CudaGraph",
+                         "ops": [e["name"] for e in es]}}
+               for it, es in sorted(by_iter.items())]
+    data["traceEvents"] = [e for e in data["traceEvents"] if e.get("ph") != "X"] + replays
+    with open(path, "w") as f:
+        json.dump(data, f)
+    res = run_cli_args("predict", run, "--np", "2", timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "CUDA graph replays" in res.stderr and "cuda_graph=false" in res.stderr, res.stderr
+    assert "not of job" not in res.stderr and "Traceback" not in res.stderr

@@ -365,15 +365,29 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             "compute_ops": len(graph0.ops) - len(comm0)}
 
 
-def check_traces_match(job, one):
+def check_traces_match(job, one, durations=None):
     """A UserError when most compute ops of the job's graph on one rank
     (``one``: ``predict_one``'s row at N = 1) are not in the traces: the
     traces are another job's (a folder's trace.rank<R>.json beside another
     run's config.yaml), whose prediction would be the untraced ops' guesses
     (0 s for most) plus the traced iteration time spread as overhead. A
     trace of this job misses at most the ops the rank count adds or renames
-    (a multi-rank run's clipping of the summed gradients), well under half."""
+    (a multi-rank run's clipping of the summed gradients), well under half.
+    A trace of this job on a GPU with CUDA graphs (``cuda_graph: true``, the
+    default) times each graph replay, not the ops in it (``durations.
+    replayed``): refused naming that, with the setting to trace it eagerly
+    (before, those ops read as missing: "not of job" for the job's own trace)."""
     total, missing = one.get("compute_ops", 0), one["untraced"]
+    # a GPU run's trace with CUDA graphs times each replay, not the ops in
+    # it (trace_reader.replayed_ops): the job's own trace, with no op times
+    inside = sorted(set(missing) & getattr(durations, "replayed", set()))
+    if inside:
+        shown = ", ".join(inside[:5]) + (", ..." if len(inside) > 5 else "")
+        raise UserError(f"predict: the traces time the CUDA graph replays of job {job.name!r}, "
+                        f"not their ops: {len(inside)} of the {total} compute ops of its graph on "
+                        f"one rank ran only inside a replayed graph ({shown}); trace the run "
+                        "with eager dispatch (train --profile-iters A:B --set "
+                        "cuda_graph=false --out FOLDER)")
     if total and 2 * len(missing) > total:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise UserError(f"predict: the traces are not of job {job.name!r}: {len(missing)} of "
@@ -393,7 +407,7 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
                                                 cache)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
                       per_iteration)
-    check_traces_match(job, one)
+    check_traces_match(job, one, durations)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:

@@ -35,6 +35,9 @@ class Durations:
         #: the machine, which the fit of its cost per call reads
         #: (tools/choose.affine_costs); empty where not measured
         self.fastest = fastest or {}
+        #: the ops that ran only inside CUDA graph replays, timed as a whole
+        #: (``replayed_ops``; ``read_traces`` sets it)
+        self.replayed = set()
         self._rows = {}  # base name -> total rows of its [a:b] chunks
         # base name -> the names of its chunks on any rank: ``lookup`` asks
         # for every op of every candidate's graph (a name matched against
@@ -258,7 +261,7 @@ def read_traces(folder):
     config.yaml."""
     from ...job.config import load_job
     files = trace_files(folder)
-    per_rank, iter_s, counts, gaps, fastest = {}, {}, [], {}, {}
+    per_rank, iter_s, counts, gaps, fastest, replayed = {}, {}, [], {}, {}, set()
     for rank, path in files.items():
         events = load_events(path)
         medians, period, n = median_durations(events)
@@ -271,9 +274,26 @@ def read_traces(folder):
                             "--profile-iters A:B inside the run?)")
         per_rank[rank], iter_s[rank] = medians, period
         counts.append(n)
+        replayed |= replayed_ops(events)
     cfg_path = os.path.join(folder, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise UserError(f"predict {folder}: no config.yaml there (the run folder of train "
                         "--profile-iters holds one; the predictor rebuilds the graph from it)")
     job = load_job(cfg_path, check_files=False)
-    return Durations(per_rank, iter_s, min(counts), gaps, fastest), job
+    durations = Durations(per_rank, iter_s, min(counts), gaps, fastest)
+    durations.replayed = replayed
+    return durations, job
+
+
+def replayed_ops(events):
+    """The names of the ops that ran inside the CUDA graph replays of
+    ``events`` (a ``CudaGraph`` event's ``args.ops``, runtime/cuda_graph.py:
+    on a GPU with ``cuda_graph: true``, the default, the trace times each
+    replay, not its ops)."""
+    out = set()
+    for e in events:
+        args = e.get("args")
+        if isinstance(args, dict) and args.get("op_type") == "CudaGraph" and \
+                isinstance(args.get("ops"), list):
+            out.update(n for n in args["ops"] if isinstance(n, str))
+    return out
