@@ -1068,3 +1068,16 @@ def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
     damage(data)
     cal.write_text(json.dumps(data))
     assert choose.read_calibration(str(cal), key, small_b) is None
+
+
+def test_a_gpu_jobs_calibration_runs_without_cuda_graphs(tmp_path, digits_h5):
+    """On a GPU a captured iteration's trace times each CUDA-graph replay,
+    not its ops (predict says so and refuses such a trace): the calibration
+    runs of a GPU job must trace its ops eagerly, or every setting would be
+    priced from replay events that name no op."""
+    from purine_mpi.tools.choose import CALIBRATION_SETS, _calibration_job
+    from tests.conftest import small_net_config, write_config_file
+    path = write_config_file(tmp_path, small_net_config(digits_h5))
+    assert "cuda_graph=false" in CALIBRATION_SETS
+    job = _calibration_job(path, ("device=0",))
+    assert job.device == 0 and job.cuda_graph is False

@@ -96,7 +96,11 @@ ADD_RATE_KEY = "add_s_per_byte"
 CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micro_batches=1",
                     "parallel.stages={}", "parallel.tensor_parallel=1", "parallel.shard=1",
                     "recompute=none", "recompute_layers=null",
-                    "solver.test_initialization=false")
+                    "solver.test_initialization=false",
+                    # on a GPU a captured iteration's trace times each CUDA-graph
+                    # replay, not its ops (trace_reader.replayed_ops): eager op
+                    # times price every setting, an upper bound of the replay's
+                    "cuda_graph=false")
 #: how a candidate that would run as another one is listed (``recompute:
 #: selective`` where the attention keeps no tensor for it to recompute)
 NO_EFFECT = "no effect"
