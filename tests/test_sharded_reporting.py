@@ -184,8 +184,13 @@ def test_the_benchmark_reports_which_reduction_it_ran():
                                       "parallel.reduce_scatter=true"]) is True
     cifar = os.path.join(REPO, "jobs", "cifar10_quick.yaml")
     assert sharded._loads(cifar, ["parallel.reduce_scatter=false", "parallel.scheme=sharded"])
+    # stage 3 over one-sided windows takes reduce_scatter false (the windows
+    # carry its weights, never the gradient sums); stage 1 without pipeline
+    # stages takes no one-sided transport at all
+    assert sharded._loads(cifar, ["parallel.reduce_scatter=false", "parallel.scheme=sharded",
+                                  "parallel.shard=3", "parallel.transport=one_sided"])
     assert not sharded._loads(cifar, ["parallel.reduce_scatter=false", "parallel.scheme=sharded",
-                                      "parallel.shard=3", "parallel.transport=one_sided"])
+                                      "parallel.shard=1", "parallel.transport=one_sided"])
 
 
 @pytest.mark.mpi

@@ -60,12 +60,16 @@ def test_stage3_rss_falls_by_the_model_state_it_saves(tmp_path, capsys):
     assert figs["solver"] == "adamw"
     data, s3 = figs["settings"]["data"], figs["settings"]["sharded_shard3"]
     # the plan's figures: 16 bytes a weight under data, 1/2 of them under stage 3,
-    # plus a working set (gathered weights, gradient buckets) well below the saving
+    # plus a working set (gathered weights, gradient buckets) well below the
+    # saving: the most buckets live at once in any order the graph allows
+    # (runtime/footprint.coexisting_bytes: here 3 layers' 2.36 MB gathered
+    # weights, a forward prefetch beside the backward's, 7,087,104 of 37,859,408
+    # held on 2026-11-30), a few layers, not all 8 (the sum, 2 x 8 x 2.36 MB)
     for held, whole in zip(s3["model_state_held_bytes_per_rank"],
                            data["model_state_held_bytes_per_rank"]):
         assert abs(held - whole / 2) <= 0.01 * whole
-    assert all(0 < w < 0.1 * h for w, h in zip(s3["model_state_working_bytes_per_rank"],
-                                                 s3["model_state_held_bytes_per_rank"]))
+    layer = 768 * 768 * 4
+    assert all(layer <= w <= 4 * layer for w in s3["model_state_working_bytes_per_rank"]), s3
     assert all(r is not None for r in data["loop_peak_rss_bytes_per_rank"])
     assert s3["rss_per_peak_saving_min"] >= 0.8, s3
 
