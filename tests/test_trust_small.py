@@ -23,18 +23,7 @@ import pytest
 
 from tests.conftest import run_mpi_cli, small_net_config, write_config_file
 from tests.test_caffemodel import blob, layer, string
-from tests.test_trust_ps import PS, _each_rank_status
-
-
-@pytest.fixture(scope="module")
-def one_rank_run(digits_h5, tmp_path_factory):
-    """The tiny net's checkpoint of 2 iterations on one rank (read only)."""
-    from tests.conftest import run_cli_args
-    base = tmp_path_factory.mktemp("one")
-    one = write_config_file(base, small_net_config(digits_h5), "one.yaml")
-    first = run_cli_args("train", one, "--out", base / "a", "--iters", "2")
-    assert first.returncode == 0, first.stderr
-    return base / "a" / "latest.h5"
+from tests.test_trust_ps import PS, _each_rank_status, one_rank_run  # noqa: F401 (a fixture)
 
 
 @pytest.mark.mpi
