@@ -132,9 +132,9 @@ class WorkerStopAgreement(StopAgreement):
         if not last or int(last[1]) != iteration:
             return {}
         from ..job.checkpoint_file import load_solver
-        solver = load_solver(last[0])
-        return {p: solver[p]["momentum"] for p in loop.graphs.composition.server_plan["order"]
-                if "momentum" in solver.get(p, {})}
+        states = load_solver(last[0])   # {param: {state: array}} of the file
+        return {p: states[p]["momentum"] for p in loop.graphs.composition.server_plan["order"]
+                if "momentum" in states.get(p, {})}
 
     def sent(self, loop, iteration):
         """sync_ps: whether the servers sent rank 0 their state after
