@@ -340,30 +340,28 @@ def cmd_plan(args):
     choosing = [f for f, v in (("--calibration", args.calibration), ("--network", args.network),
                                  ("--bandwidth", args.bandwidth), ("--latency", args.latency),
                                  ("--out", args.out)) if v]
-    if choosing and not (args.choose or args.choose_all):
+    choose = args.choose or args.choose_all
+    if choosing and not choose:
         raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose "
                         "(or --choose-all)")
-    if args.choose or args.choose_all:
-        if args.resume or args.init:
-            raise UserError("plan --choose ranks settings for a fresh start: without "
-                            "--resume and --init (plan JOB --np N --resume shows a setting's "
-                            "start-up load)")
-        return _plan_choose(args)
+    if choose and (args.resume or args.init):
+        raise UserError("plan --choose ranks settings for a fresh start: without "
+                        "--resume and --init (plan JOB --np N --resume shows a setting's "
+                        "start-up load)")
     job = _load(args, check_files=False)
     for note in _cpu_device_memory_note(args, job):
         print(note, file=sys.stderr)
+    if choose:
+        return _plan_choose(args, job)
     text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
                             restore={"init": args.init, "resume": True if args.resume else None})
     print(text)
     return status
 
 
-def _plan_choose(args):
+def _plan_choose(args, job):
     from .tools.choose import best_yaml, choose, choice_json, default_calibration, format_choice
     from .tools.scaling.link import make_link
-    job = _load(args, check_files=False)
-    for note in _cpu_device_memory_note(args, job):
-        print(note, file=sys.stderr)
     link = make_link(args.bandwidth, args.latency, args.network)
     calibration = args.calibration or default_calibration(job)
     choice = choose(args.config, _seeded(args), args.np, _memory_limits(args), link,
@@ -486,21 +484,17 @@ def cmd_export(args):
         refuse_replacing(args.out, "--out", [("the config", args.config),
                                              ("the --weights file", args.weights)])
         summary = export_hf(job, args.weights, args.out)
-        note = precision_note(job)
-        if note is not None:  # float32 weights, as the ONNX export's: not the bf16 forward
-            print(note, file=sys.stderr)
-        print(f"wrote {args.out}: {summary}")
-        return 0
-    if args.batch is not None and args.batch < 1:  # -1 was written as the input's dimension
-        raise UserError(f"--batch {args.batch}: give a batch size >= 1, or no --batch (the "
-                        "model's batch axis is then free)")
-    job = _load(args)
-    args.weights = _weights_file(args.weights)  # a run folder too, as export hf
-    check_out(args.out, args.config, args.weights, job)
-    summary = export_onnx(job, args.weights, args.out, batch=args.batch,
-                          raw_input=args.raw_input)
+    else:
+        if args.batch is not None and args.batch < 1:  # -1 was written as the input's dimension
+            raise UserError(f"--batch {args.batch}: give a batch size >= 1, or no --batch (the "
+                            "model's batch axis is then free)")
+        job = _load(args)
+        args.weights = _weights_file(args.weights)  # a run folder too, as export hf
+        check_out(args.out, args.config, args.weights, job)
+        summary = export_onnx(job, args.weights, args.out, batch=args.batch,
+                              raw_input=args.raw_input)
     note = precision_note(job)
-    if note is not None:  # a bf16/fp16/tf32 run's forward is not the float32 model's
+    if note is not None:  # float32 master weights: a bf16/fp16/tf32 run's forward is not theirs
         print(note, file=sys.stderr)
     print(f"wrote {args.out}: {summary}")
     return 0
