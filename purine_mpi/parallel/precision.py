@@ -81,6 +81,7 @@ lists them (the ``graph`` command shows them).
 from ..base.precision import BITS, SHORT, low_dtype
 from ..graph.core import PERSISTENT_KINDS
 from ..graph.core import op_precision as op_dtype
+from .fuse import _wait_for
 
 #: op types that compute in the low precision (autocast's lower-precision list)
 LOW_OP_TYPES = ("InnerProduct", "InnerProductGradData", "InnerProductGradWeight",
@@ -279,10 +280,7 @@ def fold_casts(graph):
         w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
         graph.remove_op(cast.name)
         del graph.blobs[src]
-        for other in graph.ops.values():
-            if cast.name in other.control_inputs:
-                other.control_inputs = list(dict.fromkeys(
-                    w.name if c == cast.name else c for c in other.control_inputs))
+        _wait_for(graph, {cast.name}, w.name)
         folded.append(cast.name)
     return folded
 
@@ -307,8 +305,7 @@ def fold_copies(graph):
     the Cast, which they waited for, the schedule ran it first). Run after
     ``fold_casts``. Returns the names of the Casts folded. Call
     ``graph.infer_shapes()`` after."""
-    from ..ops.catalog import get_kernel_class
-    prod, cons = graph.producers(), graph.consumers()
+    prod = graph.producers()
     viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
     folded, pairs = [], []
     for cast in list(graph.ops.values()):
@@ -316,27 +313,22 @@ def fold_copies(graph):
                 or cast.control_inputs:
             continue
         src = cast.inputs[0]
-        blob = graph.blobs[src]
-        writers = prod.get(src, ())
-        if blob.kind in PERSISTENT_KINDS or blob.alias_of or src in viewed or \
-                blob.dtype != "float32" or "loss_weight" in blob.attrs or \
-                blob.attrs.get("metric") or len(writers) != 1:
+        if not _transient_float32(graph, src, viewed):
             continue
-        w = writers[0]
+        w = _bits_writer(graph, src, prod, cast.location,
+                         can=lambda cls, op: cls.bits_copies(op.attrs))
+        if w is None:
+            continue
         out = w.outputs.index(src)
         copies = list(w.attrs.get("bits_copy", ()))
-        if w.accumulate or src in w.inputs or w.location != cast.location or out in copies \
-                or out not in get_kernel_class(w.op_type, w.name).bits_copies(w.attrs):
+        if out in copies:
             continue
         w.attrs["bits_copy"] = copies + [out]
         w.outputs.append(cast.outputs[0])
         w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) |
                                      {len(w.outputs) - 1})
         graph.remove_op(cast.name)
-        for other in graph.ops.values():
-            if cast.name in other.control_inputs:
-                other.control_inputs = list(dict.fromkeys(
-                    w.name if c == cast.name else c for c in other.control_inputs))
+        _wait_for(graph, {cast.name}, w.name)
         folded.append(cast.name)
         pairs.append((src, cast.outputs[0]))
     _float32_readers_first(graph, pairs)
@@ -354,10 +346,10 @@ def _float32_readers_first(graph, pairs):
     copy's readers, and the float32 blob's lifetime ends there, not after
     them. A comm op (a pipeline's send of the gradient) stays where it is."""
     from ..ops.catalog import get_kernel_class
+    prod, cons = graph.producers(), graph.consumers()   # the same in any order
     for src, copy in pairs:
         names = list(graph.ops)
         pos = {n: i for i, n in enumerate(names)}
-        prod, cons = graph.producers(), graph.consumers()
         firsts = [pos[op.name] for op in cons.get(copy, ())]
         if not firsts:
             continue
@@ -380,24 +372,34 @@ def _dies_at(graph, cast, prod, cons, viewed):
     across iterations, no views, not a loss or a metric) that ``cast``
     alone reads."""
     src = cast.inputs[0]
-    blob = graph.blobs[src]
     return [r.name for r in cons.get(src, ())] == [cast.name] and \
-        blob.kind not in PERSISTENT_KINDS \
-        and not blob.alias_of and src not in viewed and blob.dtype == "float32" \
+        _transient_float32(graph, src, viewed)
+
+
+def _transient_float32(graph, name, viewed):
+    """Whether blob ``name`` is a transient float32 blob: no kind kept
+    across iterations, no views (``viewed``: the blobs with views), not a
+    loss or a metric."""
+    blob = graph.blobs[name]
+    return blob.kind not in PERSISTENT_KINDS \
+        and not blob.alias_of and name not in viewed and blob.dtype == "float32" \
         and "loss_weight" not in blob.attrs and not blob.attrs.get("metric")
 
 
-def _bits_writer(graph, name, prod, location=None):
+def _bits_writer(graph, name, prod, location=None, can=None):
     """The one op writing blob ``name`` (on ``location``, where given) that
-    can write it as bits (``bits_outputs``; not accumulating, not in place),
-    or None."""
+    can write it as bits (``bits_outputs``; ``can(cls, op)``: the indices of
+    the outputs it can, where given: ``fold_copies``' ``bits_copies``; not
+    accumulating, not in place), or None."""
     from ..ops.catalog import get_kernel_class
     writers = prod.get(name, ())
     if len(writers) != 1:
         return None
     w = writers[0]
+    cls = get_kernel_class(w.op_type, w.name)
+    able = cls.bits_outputs_of(w) if can is None else can(cls, w)
     if w.accumulate or name in w.inputs or location not in (None, w.location) or \
-            w.outputs.index(name) not in get_kernel_class(w.op_type, w.name).bits_outputs_of(w):
+            w.outputs.index(name) not in able:
         return None
     return w
 
