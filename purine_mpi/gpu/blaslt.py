@@ -142,14 +142,16 @@ class _Plan:
     """One product's descriptors, layouts, heuristic result (its algorithm
     at offset ``algo_at``) and host scalars, kept alive together."""
 
-    __slots__ = ("desc", "a", "b", "d", "results", "algo_at", "scalars", "workspace",
-                 "lt", "bias")
+    __slots__ = ("desc", "a", "b", "d", "results", "algo_at", "scalars", "workspace", "lt")
 
     def destroy(self):
+        """Destroy what was made (a plan whose making failed half-way too)."""
         lt = self.lt
         for layout in (self.a, self.b, self.d):
-            lt.matrix_layout_destroy(layout)
-        lt.matmul_desc_destroy(self.desc)
+            if layout is not None:
+                lt.matrix_layout_destroy(layout)
+        if self.desc is not None:
+            lt.matmul_desc_destroy(self.desc)
 
 
 def reset():
@@ -263,7 +265,7 @@ def _make_plan(found, handle, kind, m, k, o, lds, bias_ptr, epilogue, tf32, alig
     ldx, ldw, ldy = lds
     Attr, Pref = lt.MatmulDescAttribute, lt.MatmulPreferenceAttribute
     plan = _Plan()
-    plan.lt, plan.bias, plan.workspace = lt, bias_ptr, workspace
+    plan.lt, plan.workspace = lt, workspace
     plan.a = plan.b = plan.d = plan.desc = None
     pref = None
     try:
@@ -301,11 +303,7 @@ def _make_plan(found, handle, kind, m, k, o, lds, bias_ptr, epilogue, tf32, alig
         plan.scalars = np.array([1.0, 0.0], dtype=_SCALARS[kind])   # alpha 1, beta 0
         return plan
     except BaseException:
-        for layout in (plan.a, plan.b, plan.d):
-            if layout is not None:
-                lt.matrix_layout_destroy(layout)
-        if plan.desc is not None:
-            lt.matmul_desc_destroy(plan.desc)
+        plan.destroy()
         raise
     finally:
         if pref is not None:
@@ -345,9 +343,10 @@ def _product(kind, x, w, y, bias, epilogue):
     tf32 = kind == "float32" and blas._tf32()
     px, pw, py = data_ptr(x), data_ptr(w), data_ptr(y)
     pb = None if bias is None else data_ptr(bias)
-    key = (device, kind, m, k, o, _ld(x), _ld(w), _ld(y), epilogue, tf32, pb,
-           tuple(_alignment(p) for p in (pw, px, py, py)), ws_bytes)
-    shape_key = key[:10] + key[11:]   # a refusal holds whatever the bias's address
+    lds = (_ld(x), _ld(w), _ld(y))
+    aligns = tuple(_alignment(p) for p in (pw, px, py, py))
+    shape_key = (device, kind, m, k, o, *lds, epilogue, tf32, aligns, ws_bytes)
+    key = shape_key + (pb,)   # a refusal holds whatever the bias's address
     if shape_key in _refused:
         return False
     plan = _plans.get(key)
@@ -357,8 +356,8 @@ def _product(kind, x, w, y, bias, epilogue):
             with _lock:
                 plan = _plans.get(key)
                 if plan is None:
-                    plan = _make_plan(found, handle, kind, m, k, o, key[5:8], pb, epilogue,
-                                      tf32, key[11], (ws_ptr, ws_bytes))
+                    plan = _make_plan(found, handle, kind, m, k, o, lds, pb, epilogue,
+                                      tf32, aligns, (ws_ptr, ws_bytes))
                     _plans[key] = plan
         alpha = plan.scalars.ctypes.data
         beta = alpha + plan.scalars.itemsize
