@@ -61,6 +61,21 @@ def widen(x, out):
     return out
 
 
+def narrow(x, out, host_scratch):
+    """Round ``x``'s float32 values to nearest even into the bfloat16 bits
+    ``out`` of its size, ``widen``'s inverse: on the host by
+    base/precision.to_bf16_bits through the scratch ``host_scratch()``
+    returns (called there alone), on a GPU by the ``to_bf16_bits_device``
+    kernel (no scratch)."""
+    from ..base.backend import get_xp
+    from ..base.precision import to_bf16_bits
+    if get_xp(out) is np:
+        to_bf16_bits(x, out, host_scratch())
+        return
+    from .kernels import to_bf16_bits_device
+    to_bf16_bits_device(x.reshape(-1), out.reshape(-1))
+
+
 def sum_scratch(shape, dtype):
     """The scratch specs (``OpKernel.scratch_specs``) of the deterministic
     bias-gradient and column-sum kernels (``kernels.bias_grad``,

@@ -102,7 +102,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..base.precision import is_bits, to_bf16_bits, value_dtype, wire_scratch
-from ..gpu.raw import raw_kernels, widen
+from ..gpu.raw import narrow, raw_kernels, widen
 from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
@@ -729,11 +729,8 @@ class Attention(_FusedAttention):
             if packed(self.attrs):   # kept for the gradient (no second draw)
                 outs[-1][...] = pack_mask(mask[0])
         bmm(xp, p, v, ctx)
-        if bits and host:
-            to_bf16_bits(wide, outs[0], rest[0])
-        elif bits:
-            from ..gpu.kernels import to_bf16_bits_device
-            to_bf16_bits_device(wide.reshape(-1), outs[0].reshape(-1))
+        if bits:
+            narrow(wide, outs[0], lambda: rest[0])
 
 
 @register
@@ -814,18 +811,13 @@ class AttentionGrad(_FusedAttention):
         bits = is_bits(outs[0])
         if not host and self._over_qkv(ins, outs):   # in qkv's widening, then rounded
             self._gradient_over_qkv(xp, heads, qkv, dctx, p, dp)
-            from ..gpu.kernels import to_bf16_bits_device
-            to_bf16_bits_device(qkv.reshape(-1), outs[0].reshape(-1))
+            narrow(qkv, outs[0], None)   # a device's: no host scratch
             return
         if bits:   # dqkv's float32 into the scratch, then rounded into the bits
             wide, *rest = mask[-(2 if host else 1):]
             mask = mask[:len(mask) - (2 if host else 1)]
             self._gradient(xp, host, heads, qkv, dctx, wide, p, dp, mask, ins)
-            if host:
-                to_bf16_bits(wide, outs[0], rest[0])
-            else:
-                from ..gpu.kernels import to_bf16_bits_device
-                to_bf16_bits_device(wide.reshape(-1), outs[0].reshape(-1))
+            narrow(wide, outs[0], lambda: rest[0])
             return
         self._gradient(xp, host, heads, qkv, dctx, outs[0], p, dp, mask, ins)
 

@@ -2,8 +2,8 @@
 import numpy as np
 
 from ..base.backend import get_xp, to_numpy
-from ..base.precision import BITS, is_bits, to_bf16_bits, wire_scratch
-from ..gpu.raw import carry
+from ..base.precision import BITS, is_bits, wire_scratch
+from ..gpu.raw import carry, narrow
 from .registry import OpKernel, gradient, register, round_low
 
 
@@ -79,14 +79,9 @@ class Sum(OpKernel):
         xp.add(ins[0], ins[1], out=outs[0]) if len(ins) > 1 else outs[0].__setitem__(..., ins[0])
         for x in ins[2:]:
             outs[0] += x
-        if copy is None:
-            return
-        if xp is np:
-            to_bf16_bits(outs[0], copy, self.temporaries(outs[0],
-                                                         *self.host_temporaries(ins, outs))[0])
-        else:
-            from ..gpu.kernels import to_bf16_bits_device
-            to_bf16_bits_device(outs[0].reshape(-1), copy.reshape(-1))
+        if copy is not None:
+            narrow(outs[0], copy, lambda: self.temporaries(
+                outs[0], *self.host_temporaries(ins, outs))[0])
 
 
 @gradient("Sum")
@@ -225,12 +220,8 @@ class Cast(OpKernel):
     def run(self, ins, outs):
         dst = outs[0]
         if is_bits(dst):
-            if get_xp(dst) is not np:
-                from ..gpu.kernels import to_bf16_bits_device
-                to_bf16_bits_device(ins[0].reshape(-1), dst.reshape(-1))
-            else:
-                (scratch,) = self.temporaries(dst, (wire_scratch(dst.size).shape, np.uint32))
-                to_bf16_bits(ins[0], dst, scratch)
+            narrow(ins[0], dst, lambda: self.temporaries(
+                dst, (wire_scratch(dst.size).shape, np.uint32))[0])
             return
         if get_xp(dst) is not np:   # one kernel, copy and rounding in one pass, no scratch
             from ..gpu.kernels import round_copy
