@@ -294,25 +294,8 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     ``dy``, ``copy`` a ``dy`` or ``x`` of bits (in place: each element is
     read before it is written)."""
     cupy = import_cupy()
-    if copy is not None:
-        return _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy)
-    if _is_bits(dy):
-        if out is None:
-            raise ValueError("gelu_backward: a bits dy takes a float32 out")
-        _bits_array(out, np.float32, "gelu_backward: out")
-        _bits_x(dy, "gelu_backward: dy", like=out)
-        if _is_bits(x):
-            _bits_x(x, "gelu_backward: x", like=out)
-            func = "gelu_backward_bdy_bx_f32"
-        else:
-            x = _input(cupy, x, "gelu_backward: x")
-            if np.dtype(x.dtype) != np.dtype(np.float32) or tuple(x.shape) != tuple(out.shape):
-                raise TypeError(f"gelu_backward: a bits dy takes a float32 x of its shape, got "
-                                f"{x.dtype} {tuple(x.shape)}")
-            func = "gelu_backward_bdy_f32"
-        args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
-        _base._launch("activation", func, None, dy.size, (dy, x, *args, out))
-        return out
+    if copy is not None or _is_bits(dy):
+        return _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy)
     if _is_bits(x):
         dy = _input(cupy, dy, "gelu_backward: dy")
         if np.dtype(dy.dtype) != np.dtype(np.float32):
@@ -331,12 +314,16 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     return _finish(dx, target)
 
 
-def _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy):
-    """``gelu_backward`` with a bits ``copy`` of the float32 dx (``out``)."""
+def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy):
+    """``gelu_backward`` into a float32 ``out`` given, of a bits ``dy`` or
+    with a bits ``copy`` of dx (or both): dy and x each float32 or bits of
+    out's shape, one ``gelu_backward[_bdy][_bx][_copy]_f32`` launch."""
+    taker = "a copy" if copy is not None else "a bits dy"
     if out is None:
-        raise ValueError("gelu_backward: a copy takes a float32 out")
+        raise ValueError(f"gelu_backward: {taker} takes a float32 out")
     _bits_array(out, np.float32, "gelu_backward: out")
-    _bits_x(copy, "gelu_backward: copy", like=out)
+    if copy is not None:
+        _bits_x(copy, "gelu_backward: copy", like=out)
     operands = []
     for what, a in (("dy", dy), ("x", x)):
         if _is_bits(a):
@@ -344,12 +331,14 @@ def _gelu_backward_copy(cupy, dy, x, approximate, out, round_to, copy):
             continue
         a = _input(cupy, a, f"gelu_backward: {what}")
         if np.dtype(a.dtype) != np.dtype(np.float32) or tuple(a.shape) != tuple(out.shape):
-            raise TypeError(f"gelu_backward: a copy takes a float32 or bits {what} of out's "
+            raise TypeError(f"gelu_backward: {taker} takes a float32 or bits {what} of out's "
                             f"shape, got {a.dtype} {tuple(a.shape)}")
         operands.append(a)
-    func = "gelu_backward" + "_bdy" * _is_bits(dy) + "_bx" * _is_bits(x) + "_copy_f32"
+    func = "gelu_backward" + "_bdy" * _is_bits(dy) + "_bx" * _is_bits(x) + \
+        ("_copy_f32" if copy is not None else "_f32")
     args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
-    _base._launch("activation", func, None, out.size, (*operands, *args, out, copy))
+    extra = (copy,) if copy is not None else ()
+    _base._launch("activation", func, None, out.size, (*operands, *args, out, *extra))
     return out
 
 
