@@ -196,14 +196,6 @@ __device__ __forceinline__ void purine_gelu_tanh(T x, T* s, T* s1s) {
   *s1s = e * r * r;
 }
 
-// An element of x as the value computed with: a float32 / float64 one as it
-// is, bfloat16 bits (a blob stored as bits) widened exactly to float32 --
-// the value the float32 storage of the same blob holds, so the same result.
-template <typename T>
-__device__ __forceinline__ T purine_load(const T* x, long long i) { return x[i]; }
-__device__ __forceinline__ float purine_load(const unsigned short* x, long long i) {
-  return purine_bf16_float(x[i]);
-}
 
 // y[i] = v: rounded to the pass's low type (`round`) for a float32 / float64
 // y, or as the bits of the bfloat16 nearest v (a y stored as bits: the upper

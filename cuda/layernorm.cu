@@ -73,15 +73,6 @@ __device__ void layernorm_forward_impl(long long rows, long long cols, const T* 
   }
 }
 
-// dy's element: T itself, or (bfloat16 bits, float T) widened exactly -- the
-// value the float32 storage of the same blob holds, so the same results
-template <typename T>
-__device__ __forceinline__ T purine_ln_load(const T* dy, long long i) { return dy[i]; }
-
-__device__ __forceinline__ float purine_ln_load(const unsigned short* dy, long long i) {
-  return purine_bf16_float(dy[i]);
-}
-
 // D: dy's storage (T, or bfloat16 bits for T float: layernorm_backward_bdy_f32)
 template <typename T, typename D>
 __device__ void layernorm_backward_impl(long long rows, long long cols, const D* dy,
@@ -95,7 +86,7 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const D*
     double sa = 0.0, sk = 0.0;
     for (long long c = tid; c < cols; c += blockDim.x) {
       const T xhat = (T)(x[at + c] - mu) * rs;
-      const T d = purine_ln_load(dy, at + c);
+      const T d = purine_load(dy, at + c);
       const T dxhat = d * g[c];
       sa += (double)dxhat;
       sk += (double)dxhat * (double)xhat;
@@ -106,7 +97,7 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const D*
     const T k = (T)(purine_block_sum(sk, shared) / (double)cols);
     for (long long c = tid; c < cols; c += blockDim.x) {
       const T xhat = (T)(x[at + c] - mu) * rs;
-      const T dxhat = purine_ln_load(dy, at + c) * g[c];
+      const T dxhat = purine_load(dy, at + c) * g[c];
       dx[at + c] = (T)((T)(dxhat - (T)(xhat * k)) - a) * rs;
     }
   }

@@ -31,6 +31,15 @@ __device__ __forceinline__ float purine_bf16_float(unsigned short bits) {
   return purine_bits_float((unsigned int)bits << 16);
 }
 
+// An element of x as the value computed with: a float32 / float64 one as it
+// is, bfloat16 bits (a blob stored as bits) widened exactly to float32 --
+// the value the float32 storage of the same blob holds, so the same result.
+template <typename T>
+__device__ __forceinline__ T purine_load(const T* x, long long i) { return x[i]; }
+__device__ __forceinline__ float purine_load(const unsigned short* x, long long i) {
+  return purine_bf16_float(x[i]);
+}
+
 __device__ __forceinline__ unsigned int purine_round_bf16(unsigned int b) {
   // the bit that decides a tie, plus 0x7fff; none for infinities and NaNs
   const unsigned int inc = (b & PURINE_EXPONENT) == PURINE_EXPONENT ? 0u

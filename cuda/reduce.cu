@@ -17,15 +17,11 @@
 
 #define PURINE_REDUCE_THREADS 256
 
-// An element as the double the sums add: a float32 / float64 one as it is,
-// bfloat16 bits (a blob stored as bits, bf16 storage) widened exactly -- the
-// value the float32 storage of the same blob holds, so the same sums.
+// An element as the double the sums add (purine_load: bfloat16 bits widened
+// exactly, the value the float32 storage of the same blob holds, so the same sums)
 template <typename T>
 __device__ __forceinline__ double purine_sum_load(const T* x, long long i) {
-  return (double)x[i];
-}
-__device__ __forceinline__ double purine_sum_load(const unsigned short* x, long long i) {
-  return (double)purine_bf16_float(x[i]);
+  return (double)purine_load(x, i);
 }
 
 template <typename T>
