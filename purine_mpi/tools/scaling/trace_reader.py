@@ -22,7 +22,8 @@ _RANK = re.compile(r"trace\.rank(\d+)\.json$")
 class Durations:
     """{rank: {op name: median seconds}} and the lookup the model uses."""
 
-    def __init__(self, per_rank, iter_seconds=None, iterations=0, gaps=None, fastest=None):
+    def __init__(self, per_rank, iter_seconds=None, iterations=0, gaps=None, fastest=None,
+                 replayed=()):
         self.per_rank = per_rank
         self.iter_seconds = iter_seconds or {}
         self.iterations = iterations
@@ -36,8 +37,8 @@ class Durations:
         #: (tools/choose.affine_costs); empty where not measured
         self.fastest = fastest or {}
         #: the ops that ran only inside CUDA graph replays, timed as a whole
-        #: (``replayed_ops``; ``read_traces`` sets it)
-        self.replayed = set()
+        #: (``replayed_ops``, which ``read_traces`` gives)
+        self.replayed = set(replayed)
         self._rows = {}  # base name -> total rows of its [a:b] chunks
         # base name -> the names of its chunks on any rank: ``lookup`` asks
         # for every op of every candidate's graph (a name matched against
@@ -200,22 +201,23 @@ def _per_iteration(events, skip_first):
     return per, starts, iters
 
 
-def median_durations(events, skip_first=True):
+def median_durations(events, skip_first=True, grouped=None):
     """({op name: median seconds per iteration}, traced iteration seconds or
     None, number of iterations used). The first traced iteration is left
-    out when there are three or more (it may start mid-way)."""
-    per, starts, iters = _per_iteration(events, skip_first)
+    out when there are three or more (it may start mid-way). ``grouped``:
+    ``_per_iteration(events, skip_first)`` where the caller has it."""
+    per, starts, iters = grouped or _per_iteration(events, skip_first)
     medians = {name: statistics.median([by_it.get(i, 0.0) for i in iters]) if iters else 0.0
                for name, by_it in per.items()}
     gaps = [starts[b] - starts[a] for a, b in zip(iters, iters[1:]) if b == a + 1]
     return medians, (statistics.median(gaps) if gaps else None), len(iters)
 
 
-def op_minima(events, skip_first=True):
+def op_minima(events, skip_first=True, grouped=None):
     """{op name: its least seconds in one iteration} over the iterations
     ``median_durations`` reads (an op that runs several times in one
-    iteration counts its sum there)."""
-    per, _, iters = _per_iteration(events, skip_first)
+    iteration counts its sum there); ``grouped`` as ``median_durations``'."""
+    per, _, iters = grouped or _per_iteration(events, skip_first)
     return {name: min(by_it.get(i, 0.0) for i in iters) for name, by_it in per.items()
             if iters}
 
@@ -264,9 +266,10 @@ def read_traces(folder):
     per_rank, iter_s, counts, gaps, fastest, replayed = {}, {}, [], {}, {}, set()
     for rank, path in files.items():
         events = load_events(path)
-        medians, period, n = median_durations(events)
+        grouped = _per_iteration(events, True)   # grouped once for both readers
+        medians, period, n = median_durations(events, grouped=grouped)
         gap = dispatch_gap(events)
-        fastest[rank] = op_minima(events)
+        fastest[rank] = op_minima(events, grouped=grouped)
         if gap is not None:
             gaps[rank] = gap
         if not medians:
@@ -280,9 +283,7 @@ def read_traces(folder):
         raise UserError(f"predict {folder}: no config.yaml there (the run folder of train "
                         "--profile-iters holds one; the predictor rebuilds the graph from it)")
     job = load_job(cfg_path, check_files=False)
-    durations = Durations(per_rank, iter_s, min(counts), gaps, fastest)
-    durations.replayed = replayed
-    return durations, job
+    return Durations(per_rank, iter_s, min(counts), gaps, fastest, replayed), job
 
 
 def replayed_ops(events):
