@@ -228,3 +228,21 @@ def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     check_writable("rel/p.h5")
     assert sorted(os.listdir(tmp_path)) == ["link.h5", "p.h5"] and out.read_bytes() == b"old"
+
+
+def test_an_iteration_0_checkpoint_of_another_solver_is_named_as_such(tmp_path, digits_h5):
+    """An iteration-0 checkpoint holding Adam's state, resumed under SGD:
+    "for solver type 'sgd'", not the no-update note (which read the
+    checkpoint's solver state after the resume had let it go, so any
+    iteration-0 file looked like one written before any update)."""
+    from tests.conftest import run_cli_args
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    first = run_cli_args("train", job, "--set", "solver.type=adam", "--iters", "0",
+                         "--out", tmp_path / "a")
+    assert first.returncode == 0, first.stderr
+    res = run_cli_args("train", job, "--resume", tmp_path / "a" / "latest.h5", "--iters", "1",
+                       "--out", tmp_path / "b")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert "holds no 'momentum' solver state for solver type 'sgd'" in out, out
+    assert "before any update" not in out, out

@@ -252,21 +252,22 @@ class Checkpoints(Service):
         blobs = loop.graphs.graph.blobs
         unread = sorted(p for p in loop.graphs.params
                         if ck.solver.get(p) and p in blobs and not trained(blobs[p]))
+        # no update made yet (a parameter-server run's --iters 0: the servers'
+        # momenta never reached rank 0): read before ck.loaded() empties solver
+        before_update = int(ck.attrs["iteration"]) == 0 and not any(
+            ck.solver.get(p) for p in loop.graphs.params)
+        missing = {s for _, s in fresh} & other_type
         ck.loaded()  # a checkpoint the run read itself lets its arrays go
         if unread:
             loop.say(f"note: {path}'s solver state of {len(unread)} parameter(s) "
                      f"({', '.join(unread[:4])}{' ...' if len(unread) > 4 else ''}) is not "
                      "used: frozen (lr_mult 0) in this run, they have none (nor will its "
                      "checkpoints)")
-        before_update = int(ck.attrs["iteration"]) == 0 and not any(
-            ck.solver.get(p) for p in loop.graphs.params)
-        if {s for _, s in fresh} & other_type and before_update:
-            # no update made yet (a parameter-server run's --iters 0: the
-            # servers' momenta never reached rank 0), not another solver's
+        if missing and before_update:   # not another solver's
             loop.say(f"note: {path} was written at iteration 0, before any update, and holds "
                      f"no '{', '.join(sorted(other_type))}' solver state; that state starts "
                      "from zero, as it would have in the run that wrote it")
-        elif {s for _, s in fresh} & other_type:
+        elif missing:
             loop.say(f"note: {path} holds no '{', '.join(sorted(other_type))}' solver state "
                      f"for solver type {loop.job.solver.type!r}; that state starts from zero")
         frozen_there = sorted({p for p, s in fresh if s not in other_type})
@@ -280,7 +281,7 @@ class Checkpoints(Service):
         notes = not finished_run(loop, int(ck.attrs["iteration"]))
         if ck.state:
             self.load_state_dict(loop, ck.state, notes, ck.attrs.get("world_size"))
-        self._adam_step0(loop, ck, {s for _, s in fresh} & other_type)
+        self._adam_step0(loop, ck, missing)
         st = loop.state
         # what the test passes decided (train/watch.py); the best files are
         # the checkpoint's folder's: another folder starts its own best list
