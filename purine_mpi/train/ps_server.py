@@ -169,16 +169,14 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             loaded = load_params(init)
         # checked for every parameter of the net as the workers check it (one
         # the file lacks is found on every rank alike), then this server's
-        mine = set(owned)
-        wanted = [p for p in init_params(loaded if found is None else found,
-                                         [b.name for b in graph.params()], job, init, init_skip)
-                  if p in mine]
+        every = init_params(loaded if found is None else found,
+                            [b.name for b in graph.params()], job, init, init_skip)
         # NaN or inf in the file: found here as the workers find it (every
         # parameter they take, in their order), so every rank ends with one
         # message (exit 3), not each worker with its own while this one waits
-        skip = set(init_skip)
-        check_finite({p: loaded[p] for p in (b.name for b in graph.params())
-                      if p in loaded and p.split("/")[0] not in skip}, init)
+        check_finite({p: loaded[p] for p in every if p in loaded}, init)
+        mine = set(owned)
+        wanted = [p for p in every if p in mine]
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted
                        if p in loaded})
         del loaded
