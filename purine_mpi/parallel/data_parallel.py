@@ -157,8 +157,8 @@ def split_large_params(graph, grads, cap, min_bytes=SPLIT_MIN_BYTES, accept=None
     - ``<update>[a:b]``: the update op on those views, same attrs.
 
     The chunk ops take the place of the ops they replace in emission order.
-    ``accept(gradient op, row bounds)``: falsy leaves that weight whole, a
-    list of row bounds splits it there instead (True: where it was).
+    ``accept(gradient op, row bounds)``: the row bounds to split that
+    weight at, or falsy to leave it whole.
     Returns the new ``{param: grad}`` map (a chunk's key is ``p[a:b]``)."""
     producers, consumers = graph.producers(), graph.consumers()
     out = {}
@@ -193,11 +193,10 @@ def _split_rows(graph, p, g, cap, floor, producers, consumers, accept=None):
     k = min(rows, -(-gb.nbytes // int(cap)))
     bounds = [rows * i // k for i in range(k + 1)]
     if accept is not None:
-        chosen = accept(gop, bounds)
-        if not chosen:
+        bounds = accept(gop, bounds)
+        if not bounds:
             return None
-        if chosen is not True:
-            bounds = [int(r) for r in chosen]
+        bounds = [int(r) for r in bounds]
 
     def view(src, name, alias_of, a, b):
         sb = graph.blobs[src]
