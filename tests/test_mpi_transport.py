@@ -58,24 +58,36 @@ if rank == 0:
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
 def test_transport_row_is_what_mpi_s_cells_hold():
     """3 ranks on this node, each receiving from both others: the resident
-    bytes MPICH's shared-memory segment gains on each rank are at most the
-    row (2 peers x NUM_CELLS x CELL_SIZE, from MPI_T) and at least 70% of
-    it (measured 0.80-0.95 on 2-4 ranks: a cell's pages a message does not reach stay
-    out). Before, plan counted nothing for them (test_plan_rss.py's
-    parameter-server ranks measured 4.0-5.9% above plan, 2.8-4.8% with the
-    row in two runs under load; the sync_ps workers 5.3-5.6% in quiet runs,
-    the 10-13 MiB every process holds unplanned: docs/running.md)."""
+    bytes MPICH's shared-memory segment gains on every rank are at most the
+    row (2 peers x NUM_CELLS x CELL_SIZE, from MPI_T), and the rank that
+    gains most reaches at least 70% of it (measured 0.80-0.95 on 2-4 ranks:
+    a cell's pages a message does not reach stay out). How many cells a
+    rank's messages reach depends on the timing: a receiver that keeps up
+    frees each cell at once and the sender reuses it (CI under load measured
+    0.87, 0.81 and 0.50 on the three ranks of one run), so a run whose
+    largest growth stays under 70% is tried again, up to 3 times; the upper
+    bound -- what plan relies on -- holds in every run. Before, plan counted
+    nothing for them (test_plan_rss.py's parameter-server ranks measured
+    4.0-5.9% above plan, 2.8-4.8% with the row in two runs under load; the
+    sync_ps workers 5.3-5.6% in quiet runs, the 10-13 MiB every process
+    holds unplanned: docs/running.md)."""
     from purine_mpi.comm.mpi_transport import shm_cells
     if shm_cells() is None:
         pytest.skip("the MPI library has no MPICH shared-memory cells")
-    p = subprocess.run(["mpiexec", "-n", "3", sys.executable, "-c", _PROBE],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 0, p.stderr
-    got = json.loads(p.stdout.strip().splitlines()[-1])
-    if not any(got["grown"]):
-        pytest.skip("no /dev/shm/mpich_shm segment: another shared-memory transport")
-    for grown in got["grown"]:
-        assert 0.7 * got["planned"] <= grown <= got["planned"], got
+    runs = []
+    for _ in range(3):
+        p = subprocess.run(["mpiexec", "-n", "3", sys.executable, "-c", _PROBE],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert p.returncode == 0, p.stderr
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        if not any(got["grown"]):
+            pytest.skip("no /dev/shm/mpich_shm segment: another shared-memory transport")
+        runs.append(got)
+        for grown in got["grown"]:
+            assert grown <= got["planned"], runs
+        if max(got["grown"]) >= 0.7 * got["planned"]:
+            break
+    assert max(got["grown"]) >= 0.7 * got["planned"], runs
 
 
 def test_transport_settings_are_the_library_s():

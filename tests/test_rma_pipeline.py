@@ -212,13 +212,14 @@ def test_50_iterations_one_sided_matches_two_sided(tmp_path, digits_h5, n, job):
 
 
 # ------------------------------------------------------------ faults
-def _start(tmp_path, digits_h5, **parallel):
+def _start(tmp_path, digits_h5, env=None, **parallel):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     cfg = _config(tmp_path, digits_h5, iters=100000, transport="one_sided", **parallel)
     out = str(tmp_path / "run")
     proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", cfg,
-                             "--out", out], cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                             "--out", out], cwd=REPO, env=dict(cli_env(), **(env or {})),
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _wait_for_metrics(out, time.time() + 60)
     time.sleep(0.2)  # mid-run: puts and waits in flight
@@ -245,13 +246,18 @@ def test_kill_9_of_any_rank_ends_every_rank_promptly(tmp_path, digits_h5, victim
 
 def test_sigstop_watchdog_names_the_window_op(tmp_path, digits_h5):
     """SIGSTOP of rank 1: rank 0 ends the job naming what it waits for --
-    the window op mid-iteration (a trial that stops it between iterations
-    names the stop agreement instead, and is tried again, up to 4 times)."""
+    the window op mid-iteration. A trial that stops rank 1 between its last
+    write of an iteration and the stop agreement names the agreement instead
+    (correctly), and is tried again, up to 6 times. Every comm op sleeps a
+    seeded 0-40 ms before it posts (PURINE_COMM_DELAY), so most of rank 1's
+    iteration is spent before its window writes: CI under load once saw 4 of
+    4 trials without it land between iterations."""
     names = ("(WaitWrite, WaitWrite pool1.grad", "(Put, Put pool1",
              "(WaitFree, WaitFree before computing into rank 1")
-    for trial in range(4):
+    for trial in range(6):
         (tmp_path / f"t{trial}").mkdir()
-        proc, pids, _out = _start(tmp_path / f"t{trial}", digits_h5, stall_timeout=2)
+        proc, pids, _out = _start(tmp_path / f"t{trial}", digits_h5,
+                                  env={"PURINE_COMM_DELAY": f"40:{trial}"}, stall_timeout=2)
         try:
             os.kill(pids[1], signal.SIGSTOP)
             _, stderr = proc.communicate(timeout=30)
