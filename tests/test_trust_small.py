@@ -194,7 +194,7 @@ def test_predict_that_fails_later_leaves_no_folder_of_its_check(tmp_path, digits
 
 def test_check_writable_leaves_nothing_on_ctrl_c(tmp_path, monkeypatch):
     """(1) Ctrl-C between the check's temporary file and its removal left
-    the file (``p.h5.tmp<pid>``) and the folder made for it; now both go."""
+    the file (``p.h5.tmp.<pid>``) and the folder made for it; now both go."""
     import builtins
     import os
     from purine_mpi.base import runfiles
@@ -210,16 +210,16 @@ def test_check_writable_leaves_nothing_on_ctrl_c(tmp_path, monkeypatch):
 
 
 def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatch):
-    """(1) A killed predict leaves ``P.tmp<pid>``; a later one with the
+    """(1) A killed predict leaves ``P.tmp.<pid>``; a later one with the
     same process id (a container's) raised FileExistsError from the check
     (a traceback, an abort under MPI) where the write itself removes it and
     goes on. Now the check does as the write: the path is taken, nothing
     left; an existing output (replaced by the write), a relative path and a
     link to a file are taken too, untouched."""
     import os
-    from purine_mpi.base.runfiles import check_writable
+    from purine_mpi.base.runfiles import check_writable, temp_name
     out = tmp_path / "p.h5"
-    (tmp_path / f"p.h5.tmp{os.getpid()}").write_bytes(b"left by a killed write")
+    (tmp_path / os.path.basename(temp_name(out))).write_bytes(b"left by a killed write")
     check_writable(str(out))
     assert os.listdir(tmp_path) == []
     out.write_bytes(b"old")

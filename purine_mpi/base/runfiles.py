@@ -170,7 +170,7 @@ def check_writable(path):
     while not os.path.lexists(head) and head != os.path.dirname(head):
         made.append(head)
         head = os.path.dirname(head)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_name(path)
     ours = False  # from the open on: a file under that name is this check's
     try:
         make_folder(folder)
@@ -193,11 +193,18 @@ def check_writable(path):
                 break
 
 
+def temp_name(path):
+    """The temporary name beside ``path`` that ``write_replacing`` writes
+    (and ``check_writable`` tries): ``PATH.tmp.<pid>``."""
+    return f"{path}.tmp.{os.getpid()}"
+
+
 def write_replacing(path, write):
     """``write(tmp)`` into a temporary name beside ``path``, then rename it
-    over ``path``: never a half-written file under the final name (a full
-    disk: ``disk_error``'s one line; the temporary file goes)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    over ``path``: never a half-written file under the final name, whatever
+    ends the write (an error, Ctrl-C: the temporary file goes and what was
+    at ``path`` stays as it was; a full disk: ``disk_error``'s one line)."""
+    tmp = temp_name(path)
     if os.path.lexists(tmp):
         os.remove(tmp)  # never written through a link left under that name
     try:
