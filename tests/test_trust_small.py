@@ -230,6 +230,48 @@ def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["link.h5", "p.h5"] and out.read_bytes() == b"old"
 
 
+def _longest_name(folder, suffix=".h5"):
+    """A file name in ``folder`` of the most bytes its file system takes."""
+    import os
+    return "p" * (os.pathconf(folder, "PC_NAME_MAX") - len(suffix)) + suffix
+
+
+def test_check_writable_names_an_out_whose_temporary_name_is_too_long(tmp_path):
+    """(1) An --out whose name fits the file system but whose temporary
+    name (``.tmp.<pid>`` added) does not: the check raised the OSError
+    (ENAMETOOLONG, a traceback); now one line naming the path and why."""
+    import os
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.base.runfiles import check_writable, temp_name
+    out = str(tmp_path / _longest_name(tmp_path))
+    with pytest.raises(UserError) as err:
+        check_writable(out)
+    tmp, limit = os.path.basename(temp_name(out)), os.pathconf(tmp_path, "PC_NAME_MAX")
+    assert str(err.value) == (
+        f"{out}: the name is too long: its write goes through the temporary file '{tmp}' "
+        f"({len(tmp)} bytes) and this file system takes names of at most {limit} bytes (the "
+        f"name itself has {limit}); give a shorter --out"), str(err.value)
+    with pytest.raises(UserError, match="the name is too long: File name too long; give a "
+                                        "shorter --out"):
+        check_writable(out + "x")  # the name itself too long
+    with pytest.raises(UserError, match="the name is too long: File name too long; give a "
+                                        "shorter --out"):
+        check_writable(os.path.join(out + "x", "p.h5"))  # a folder's
+    assert os.listdir(tmp_path) == []
+
+
+def test_predict_names_an_out_too_long_in_one_line(tmp_path, digits_h5, one_rank_run):
+    """(1) The same through ``predict``: exit 2, one line, no traceback."""
+    from tests.conftest import run_cli_args
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    out = tmp_path / _longest_name(tmp_path)
+    res = run_cli_args("predict", job, "--weights", one_rank_run, "--out", out)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out}: the name is too long: its write goes through the "
+                           "temporary file") and last.endswith("; give a shorter --out"), last
+
+
 def test_an_iteration_0_checkpoint_of_another_solver_is_named_as_such(tmp_path, digits_h5):
     """An iteration-0 checkpoint holding Adam's state, resumed under SGD:
     "for solver type 'sgd'", not the no-update note (which read the

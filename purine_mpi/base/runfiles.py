@@ -137,7 +137,29 @@ def cannot_write(path, tmp, exc):
     if code in _REFUSED and mine:
         return UserError(f"{path}: cannot be written there ({os.strerror(code)}); give "
                          "another --out")
+    if code == errno.ENAMETOOLONG and mine:
+        return name_too_long(path, tmp)
     return None
+
+
+def name_too_long(path, tmp=None):
+    """The ``UserError`` for a ``path`` too long for the file system
+    (ENAMETOOLONG): its name, or (``tmp``) the temporary name
+    ``PATH.tmp.<pid>`` its write goes through, which a name near the limit
+    (255 bytes on most file systems) passes."""
+    name = os.path.basename(str(path))
+    try:
+        limit = os.pathconf(os.path.dirname(os.path.abspath(path)), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    size = len(os.fsencode(name))
+    if tmp is not None and size <= limit:
+        why = (f"its write goes through the temporary file '{os.path.basename(tmp)}' "
+               f"({len(os.fsencode(os.path.basename(tmp)))} bytes) and this file system takes "
+               f"names of at most {limit} bytes (the name itself has {size})")
+    else:
+        why = os.strerror(errno.ENAMETOOLONG)
+    return UserError(f"{path}: the name is too long: {why}; give a shorter --out")
 
 
 def make_folder(path):
@@ -146,6 +168,8 @@ def make_folder(path):
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise name_too_long(path) from None
         code = exc.errno if exc.errno in _REFUSED + (errno.EEXIST,) else None
         if code is None:
             raise
