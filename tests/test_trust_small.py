@@ -230,6 +230,47 @@ def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["link.h5", "p.h5"] and out.read_bytes() == b"old"
 
 
+def test_rank0_decides_gives_every_rank_rank_0s_value_or_error():
+    """``comm.world.rank0_decides`` (predict's --out check, parallel.scheme
+    auto, the run folder): rank 0 alone decides; one allgather (named, under
+    the wait given, the world's own timeout back after it, also when it
+    fails) gives every rank its value or the same UserError."""
+    from purine_mpi.base.errors import StallError, UserError
+    from purine_mpi.comm.world import rank0_decides
+
+    class World:
+        def __init__(self, rank, answer=None, stall=False):
+            self.rank, self.size, self.stall_timeout = rank, 2, 300.0
+            self.answer, self.stall, self.calls = answer, stall, []
+
+        def allgather_object(self, obj, what):
+            self.calls.append((obj, what, self.stall_timeout))
+            if self.stall:
+                raise StallError(what)
+            return [self.answer if self.rank else obj, None]
+
+    def never():
+        raise AssertionError("only rank 0 decides")
+    zero, one = World(0), World(1, answer=("sets", None))
+    assert rank0_decides(zero, lambda: ("sets", None), "the choice", 3600.0) == "sets"
+    assert rank0_decides(one, never, "the choice", 3600.0) == "sets"
+    assert zero.calls == [(("sets", None), "the choice", 3600.0)]
+    assert one.calls == [(None, "the choice", 3600.0)] and one.stall_timeout == 300.0
+    one = World(1, answer=(None, "out: cannot be written there"))
+    with pytest.raises(UserError, match="^out: cannot be written there$"):
+        rank0_decides(one, never, "the check")
+    assert one.calls == [(None, "the check", 300.0)]
+    stalled = World(1, stall=True)
+    with pytest.raises(StallError):
+        rank0_decides(stalled, never, "the choice", 3600.0)
+    assert stalled.stall_timeout == 300.0
+    single = World(0)
+    single.size = 1
+    with pytest.raises(UserError, match="^no$"):
+        rank0_decides(single, lambda: (None, "no"), "the check")
+    assert single.calls == []
+
+
 def _longest_name(folder, suffix=".h5"):
     """A file name in ``folder`` of the most bytes its file system takes."""
     import os
