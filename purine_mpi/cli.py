@@ -134,11 +134,12 @@ def _resolve_auto(args, out_dir, limits):
     (its calibration cached in OUT/calibration.json) and sends the chosen
     ``--set`` overrides to every rank, which loads the job with them:
     (job, the start-up block's lines: one, and the table with --debug)."""
+    from .comm.world import rank0_decides
     from .tools.choose import choose, format_choice
     from .train.collectives import get_world
     world = get_world()
-    answer = None
-    if world.rank == 0:
+
+    def decide():
         try:
             choice = choose(args.config, _seeded(args), world.size, limits, None,
                             os.path.join(out_dir, "calibration.json"),
@@ -147,20 +148,15 @@ def _resolve_auto(args, out_dir, limits):
             lines = [f"parallel.scheme auto: {choice.why()}"]
             if args.debug:
                 lines += format_choice(choice).splitlines()
-            answer = ("ok", list(best.sets), lines) if best is not None else \
-                ("error", "parallel.scheme auto: no setting fits the ranks' memory; "
-                 "python -m purine_mpi plan CONFIG --np N --choose shows the table", None)
         except UserError as exc:
-            answer = ("error", f"parallel.scheme auto: {exc}", None)
-    if world.size > 1:
-        wait, world.stall_timeout = world.stall_timeout, AUTO_WAIT_S
-        answer = world.allgather_object(answer, "parallel.scheme auto's choice")[0]
-        world.stall_timeout = wait
-    status, value, lines = answer
-    if status != "ok":
-        raise UserError(value)
+            return None, f"parallel.scheme auto: {exc}"
+        if best is None:
+            return None, ("parallel.scheme auto: no setting fits the ranks' memory; "
+                          "python -m purine_mpi plan CONFIG --np N --choose shows the table")
+        return (list(best.sets), lines), None
+    sets, lines = rank0_decides(world, decide, "parallel.scheme auto's choice", AUTO_WAIT_S)
     import argparse
-    chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + value})
+    chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + sets})
     return _load(chosen), tuple(lines)
 
 
@@ -288,18 +284,16 @@ def _check_written_by_rank0(out):
     rank 0 and exit 2 on every rank, not rank 0's own ``error: rank 0: ...``
     and an abort after the whole pass)."""
     from .base.runfiles import check_writable
+    from .comm.world import rank0_decides
     from .train.collectives import get_world
-    world = get_world()
-    why = None
-    if world.rank == 0:
+
+    def check():
         try:
             check_writable(out)
         except UserError as exc:
-            why = str(exc)
-    if world.size > 1:
-        why = world.allgather_object(why, "predict's check of --out")[0]
-    if why is not None:
-        raise UserError(why)
+            return None, str(exc)
+        return None, None
+    rank0_decides(get_world(), check, "predict's check of --out")
 
 
 def cmd_generate(args):

@@ -580,3 +580,18 @@ def checkpoint_arrays(path):
         f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset)
                      and k.startswith(("params/", "solver/")) else None)
     return out
+
+
+def poisoned_copy(src, dst, dataset, value=float("nan")):
+    """A copy of the checkpoint ``src`` at ``dst`` whose dataset ``dataset``
+    (``params/fc1/weight``, ``solver/fc1/weight/momentum``) has its first
+    element set to ``value`` (NaN; inf): the non-finite file the checks of
+    --init, --resume and the exporters are tested on. Returns ``dst``."""
+    import h5py
+    shutil.copyfile(src, dst)
+    with h5py.File(dst, "r+") as f:
+        d = f[dataset]
+        a = d[...]
+        a.flat[0] = value
+        d[...] = a
+    return dst

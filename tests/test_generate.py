@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import (REPO, cli_env, run_cli_args, run_cli_here, run_mpi_cli, train_here,
-                            write_config_file)
+from tests.conftest import (REPO, cli_env, poisoned_copy, run_cli_args, run_cli_here,
+                            run_mpi_cli, train_here, write_config_file)
 from tests.gpt_oracle import gpt_net, torch_gpt_from_net
 
 T = 16
@@ -183,15 +183,9 @@ def test_a_padded_test_pass_counts_each_window_once(trained):
 # ------------------------------------------------------ issue 42 and issue 46
 def test_nan_weights_exit_3_naming_the_blob(trained, tmp_path):
     """As test, --init and --resume: not NumPy's 'Probabilities contain NaN'."""
-    import h5py
     config, run, _ = trained
-    bad = tmp_path / "nan.h5"
-    shutil.copy(os.path.join(run, "latest.h5"), bad)
-    with h5py.File(bad, "r+") as f:
-        weight = f["params/h0_fc/weight"]
-        value = weight[...]
-        value[0, 0] = np.nan
-        weight[...] = value
+    bad = poisoned_copy(os.path.join(run, "latest.h5"), tmp_path / "nan.h5",
+                        "params/h0_fc/weight")
     res = run_cli_args("generate", config, "--weights", bad, "--prompt", "x", "--tokens", "3")
     assert res.returncode == 3, res.stderr
     assert "h0_fc/weight" in res.stderr and "Traceback" not in res.stderr

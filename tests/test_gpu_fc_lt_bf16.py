@@ -43,6 +43,19 @@ def reference(x_bits, w_bits, bias):
     return _bits(product + _widen(_bits(bias)).reshape(-1, 1)).T
 
 
+def _operands(seed):
+    """x (8, 32) and w (16, 32) as bfloat16 bits, a float32 bias (16,)."""
+    rng = np.random.default_rng(seed)
+    xb, wb = _bits(rng.standard_normal((8, 32))), _bits(rng.standard_normal((16, 32)))
+    return xb, wb, rng.standard_normal(16).astype(np.float32)
+
+
+def _default_bits(x_bits, w_bits, bias):
+    """y's bits on the default path: the float32 product plus the float32
+    bias (unrounded), rounded once."""
+    return _bits(_widen(x_bits) @ _widen(w_bits).T + bias)
+
+
 def _kernel():
     return make_kernel(Op("fc", "InnerProduct", ["x", "w", "b"], ["y"],
                           {"compute_dtype": BF16, "bits_out": [0]}))
@@ -93,7 +106,7 @@ def test_the_output_bits_equal_numpys_at_the_gpt2_shapes(opted, k_in, o):
     assert device.launched.count("to_bf16_bits") == 1 and "bias_bits_f32" not in device.launched
     # the scratch: the bias's bits, no float32 product
     assert k.scratch_specs(ins, [out]) == [((o,), np.uint16)]
-    default = _bits(_widen(xb) @ _widen(wb).T + b)   # the default path: float32 bias
+    default = _default_bits(xb, wb, b)
     assert (default != want).any()
 
 
@@ -121,12 +134,10 @@ def test_without_the_opt_in_the_path_is_todays(device, monkeypatch):  # noqa: F8
     """The default: GemmEx's float32 product in scratch and bias_bits (the
     float32 bias), the float32 path's bits; cuBLASLt not called."""
     monkeypatch.delenv("PURINE_FC_EPILOGUE", raising=False)
-    rng = np.random.default_rng(2)
-    xb, wb = _bits(rng.standard_normal((8, 32))), _bits(rng.standard_normal((16, 32)))
-    b = rng.standard_normal(16).astype(np.float32)
+    xb, wb, b = _operands(2)
     k, ins, out, got = _run(device, xb, wb, b, 8, 16)
     if device.name == "emulated":
-        np.testing.assert_array_equal(got, _bits(_widen(xb) @ _widen(wb).T + b))
+        np.testing.assert_array_equal(got, _default_bits(xb, wb, b))
         assert sys.modules["nvmath.bindings.cublasLt"].calls == []
     assert device.launched.count("bias_bits_f32") == 1
     assert k.scratch_specs(ins, [out]) == [((8, 16), np.float32)]
@@ -143,9 +154,7 @@ def test_no_algorithm_keeps_gemm_ex_and_bias_bits_said_once(device, monkeypatch,
     monkeypatch.setenv("PURINE_FC_EPILOGUE", "cublaslt")
     lt = sys.modules["nvmath.bindings.cublasLt"]
     lt.no_algorithm = lambda config: True
-    rng = np.random.default_rng(3)
-    xb, wb = _bits(rng.standard_normal((8, 32))), _bits(rng.standard_normal((16, 32)))
-    b = rng.standard_normal(16).astype(np.float32)
+    xb, wb, b = _operands(3)
     k = _kernel()
     ins = [device.to_device(a) for a in (xb, wb, b)]
     out = device.to_device(np.zeros((8, 16), np.uint16))
@@ -153,8 +162,7 @@ def test_no_algorithm_keeps_gemm_ex_and_bias_bits_said_once(device, monkeypatch,
     assert k.scratch_specs(ins, [out]) == [((16,), np.uint16)]   # planned for cuBLASLt
     for _ in range(2):
         k.run(ins, [out])
-        np.testing.assert_array_equal(np.asarray(device.to_host(out)),
-                                      _bits(_widen(xb) @ _widen(wb).T + b))
+        np.testing.assert_array_equal(np.asarray(device.to_host(out)), _default_bits(xb, wb, b))
     assert k.scratch_specs(ins, [out]) == [((8, 16), np.float32)]
     err = capfd.readouterr().err
     assert err.count("cuBLASLt refused the epilogue (RuntimeError: the heuristic returned no "
@@ -174,9 +182,7 @@ def test_without_the_binding_the_scratch_is_the_float32_products(device, monkeyp
     monkeypatch.setenv("PURINE_FC_EPILOGUE", "cublaslt")
     monkeypatch.delattr(sys.modules["nvmath.bindings"], "cublasLt")
     monkeypatch.setitem(sys.modules, "nvmath.bindings.cublasLt", None)
-    rng = np.random.default_rng(4)
-    xb, wb = _bits(rng.standard_normal((8, 32))), _bits(rng.standard_normal((16, 32)))
-    b = rng.standard_normal(16).astype(np.float32)
+    xb, wb, b = _operands(4)
     k = _kernel()
     ins = [device.to_device(a) for a in (xb, wb, b)]
     out = device.to_device(np.zeros((8, 16), np.uint16))
@@ -184,8 +190,7 @@ def test_without_the_binding_the_scratch_is_the_float32_products(device, monkeyp
     k.setup(ins, [out])
     for _ in range(2):
         k.run(ins, [out])
-    np.testing.assert_array_equal(np.asarray(device.to_host(out)),
-                                  _bits(_widen(xb) @ _widen(wb).T + b))
+    np.testing.assert_array_equal(np.asarray(device.to_host(out)), _default_bits(xb, wb, b))
     assert planned == k.scratch_specs(ins, [out]) == [((8, 16), np.float32)]
     assert device.launched.count("bias_bits_f32") == 2
     assert "to_bf16_bits" not in " ".join(device.launched)   # no bias rounded for nothing

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from purine_mpi.job.config import load_job
+from purine_mpi.job.config import dump_config, load_job
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, write_config_file
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job
@@ -99,9 +99,15 @@ def test_one_rank_trains_bitwise_as_before(monkeypatch, scheme, parallel):
         np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
 
 
-def _mpi_train(tmp_path, name, n, cfg, old):
+def _mpi_train(tmp_path, name, n, cfg, old=False):
+    """``train`` of ``cfg`` (a config mapping, or a ``Job``) on ``n`` ranks
+    into ``tmp_path/name``, by this code or (``old``) with the separate
+    running sums of before (``OLD``): the checkpoint's arrays."""
     import subprocess
-    path = write_config_file(tmp_path, cfg, f"{name}.yaml")
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    text = cfg if isinstance(cfg, dict) else dump_config(cfg)
+    path = write_config_file(tmp_path, text, f"{name}.yaml")
     out = tmp_path / name
     cmd = [MPIEXEC, "-n", str(n), PYTHON] + (["-c", OLD] if old else ["-m", "purine_mpi"]) + \
         ["train", str(path), "--out", str(out)]
@@ -121,8 +127,6 @@ def test_ranks_train_bitwise_as_before(tmp_path, n, scheme, parallel):
     running sum in place; 1F1B), 6 AdamW steps: every weight and optimizer
     state blob of the checkpoint equals the old code's (separate running
     sums), bit for bit."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
     cfg = _job(scheme, "adamw", iters=6, micro_batches=3, **parallel)
     cfg["data"]["train"]["batch_size"] = 6
     cfg["checkpoint"] = {"interval": 0}

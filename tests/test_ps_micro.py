@@ -6,16 +6,13 @@ divide their updates by M as well (param_server.scale_for_micro_batches).
 Before, the config refused them: 'parameter-server mode 'sync_ps' takes no
 micro-batches; use mode: sync'."""
 import dataclasses
-import subprocess
 
 import numpy as np
 import pytest
 
 from purine_mpi.job.config import dump_config, load_job
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
 from tests.mpi_scripts.common import mlp_config
-from tests.test_micro_batches import _params
-from tests.test_micro_inplace import OLD
+from tests.test_micro_inplace import _mpi_train
 
 
 def _cfg(mode, m, batch=12, iters=4):
@@ -24,20 +21,6 @@ def _cfg(mode, m, batch=12, iters=4):
                      parallel={"mode": mode, "ps_ranks": 1, "micro_batches": m,
                                "max_staleness": 1})
     return cfg
-
-
-def _train(tmp_path, name, n, cfg, old=False):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(dump_config(cfg))
-    out = tmp_path / name
-    cmd = [MPIEXEC, "-n", str(n), PYTHON] + (["-c", OLD] if old else ["-m", "purine_mpi"]) + \
-        ["train", str(path), "--out", str(out)]
-    res = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return _params(out / "latest.h5")
 
 
 @pytest.mark.mpi
@@ -53,9 +36,9 @@ def test_sync_ps_micro_batches_train_bitwise_as_separate_sums_and_as_one_batch(t
     def cfg(m):
         return _cfg("sync_ps", m).replace(parallel=dataclasses.replace(
             _cfg("sync_ps", m).parallel, transport=transport))
-    new = _train(tmp_path, "new", 3, cfg(3))
-    old = _train(tmp_path, "old", 3, cfg(3), old=True)
-    one = _train(tmp_path, "one", 3, cfg(1))
+    new = _mpi_train(tmp_path, "new", 3, cfg(3))
+    old = _mpi_train(tmp_path, "old", 3, cfg(3), old=True)
+    one = _mpi_train(tmp_path, "one", 3, cfg(1))
     assert sorted(new) == sorted(old) == sorted(one)
     assert any(k.startswith("solver/") for k in new)
     for k in old:
@@ -166,16 +149,16 @@ def test_sync_ps_micro_batches_clip_decay_and_ignored_labels_as_one_batch(tmp_pa
             raw["checkpoint"] = {"interval": 0}
             return make_job(raw)
         ms = (2, 4)
-    one = _train(tmp_path, "one", 3, cfg(1))
+    one = _mpi_train(tmp_path, "one", 3, cfg(1))
     for m in ms:
-        got = _train(tmp_path, f"m{m}", 3, cfg(m))
+        got = _mpi_train(tmp_path, f"m{m}", 3, cfg(m))
         assert sorted(got) == sorted(one) and any(k.startswith("solver/") for k in got)
         for k in one:
             np.testing.assert_allclose(got[k], one[k], rtol=1e-4, atol=1e-6, err_msg=(m, k))
         np.testing.assert_allclose(_losses(tmp_path / f"m{m}"), _losses(tmp_path / "one"),
                                    rtol=1e-5)
     if case == "clip":   # the clip was on: one batch without it takes other steps
-        free = _train(tmp_path, "free", 3, cfg(1).replace(solver=dataclasses.replace(
+        free = _mpi_train(tmp_path, "free", 3, cfg(1).replace(solver=dataclasses.replace(
             cfg(1).solver, clip_gradients=None)))
         assert not np.allclose(free["params/fc1/weight"], one["params/fc1/weight"],
                                rtol=1e-3, atol=1e-5)

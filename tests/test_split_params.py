@@ -228,6 +228,26 @@ def test_row_chunks_end_where_the_host_product_is_cut():
     assert _row_bounds(g, opw, [0, 32, 64]) is None   # K 256 < N: cut along the columns
 
 
+def _split_trains_as_whole(tmp_path, n, config_text, *args):
+    """``train`` on ``n`` ranks of the config ``config_text(split)`` (YAML)
+    with parallel.split_params true, then false (ARGS added): both exit 0
+    and their final parameters are equal bit for bit (a difference names
+    the blob and how many of its elements differ)."""
+    from tests.conftest import run_mpi_cli
+    from tests.test_micro_batches import _params
+    runs = {}
+    for split in (True, False):
+        path = tmp_path / f"{split}.yaml"
+        path.write_text(config_text(split))
+        res = run_mpi_cli(n, "train", path, "--out", tmp_path / str(split), *args, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        runs[split] = _params(tmp_path / str(split) / "latest.h5")
+    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
+    for k in runs[False]:
+        assert np.array_equal(runs[True][k], runs[False][k]), \
+            (k, int((runs[True][k] != runs[False][k]).sum()))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,parallel", [
     (2, {}), (4, {"scheme": "hybrid", "stages": {"fc1": 0, "relu1": 0, "out": 1, "loss": 1}})])
@@ -237,17 +257,9 @@ def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, par
     chunks (ending where the whole product's row pieces do, each making
     the whole's calls for its rows) trains bit for bit as with split_params: false (today's
     micro-batched results, and the old code's with either setting)."""
-    from tests.conftest import run_mpi_cli
-    from tests.test_micro_batches import _params
-    runs = {}
-    for split in (True, False):
-        cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "split_params": split,
-                                                  "micro_batches": 2}, **parallel), **WIDE)
-        path = tmp_path / f"{split}.yaml"
-        path.write_text(dump_config(cfg))
-        res = run_mpi_cli(n, "train", path, "--out", tmp_path / str(split), timeout=300)
-        assert res.returncode == 0, res.stdout + res.stderr
-        runs[split] = _params(tmp_path / str(split) / "latest.h5")
+    _split_trains_as_whole(tmp_path, n, lambda split: dump_config(mlp_config(
+        batch=16, parallel=dict({"bucket_mb": 1, "split_params": split, "micro_batches": 2},
+                                **parallel), **WIDE)))
     from purine_mpi.tools.graph import compose_for
     cfg = mlp_config(batch=16, parallel=dict({"bucket_mb": 1, "micro_batches": 2}, **parallel),
                      **WIDE)
@@ -256,9 +268,6 @@ def test_micro_batch_chunks_train_bitwise_as_the_whole_gradient(tmp_path, n, par
     # pieces do (336 and 304 rows, 8 samples): 2 chunks
     assert all(f"fc1.bwd.inner_product_grad_weight[{a}:{b}]@mb{k}" in graph.ops
                for a, b in ((0, 336), (336, 640)) for k in (0, 1))
-    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
-    for k in runs[False]:
-        assert np.array_equal(runs[True][k], runs[False][k]), k
 
 
 def _chunk_products(threads, monkeypatch, **mlp):
@@ -333,23 +342,12 @@ def test_micro_batch_chunks_of_a_row_cut_product_train_bitwise(tmp_path):
     chunks were 100 rows, each product cut 96 + 4 on its own, and the
     weights differed (the assertion failed on params/fc1/bias, 97 of 1000
     elements, after 2 steps)."""
-    from tests.conftest import run_mpi_cli
-    from tests.test_micro_batches import _params
-    runs = {}
-    for split in (True, False):
+    def config(split):
         cfg = mlp_config(batch=1024, hidden=(1000,), shape=(1, 15, 20), classes=10,
                          parallel={"bucket_mb": 0.125, "split_params": split,
                                    "micro_batches": 2})
-        path = tmp_path / f"{split}.yaml"
-        path.write_text(dump_config(cfg).replace("num_samples: 96", "num_samples: 4096"))
-        res = run_mpi_cli(2, "train", path, "--out", tmp_path / str(split), "--iters", 2,
-                          timeout=300)
-        assert res.returncode == 0, res.stdout + res.stderr
-        runs[split] = _params(tmp_path / str(split) / "latest.h5")
-    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
-    for k in runs[False]:
-        assert np.array_equal(runs[True][k], runs[False][k]), \
-            (k, int((runs[True][k] != runs[False][k]).sum()))
+        return dump_config(cfg).replace("num_samples: 96", "num_samples: 4096")
+    _split_trains_as_whole(tmp_path, 2, config, "--iters", 2)
 
 
 #: scheme hybrid with tensor shards: 2 replicas x 2 stages x 2 shards, an
@@ -392,18 +390,5 @@ def test_hybrid_tensor_micro_batch_chunks_train_bitwise(tmp_path):
     """8 ranks of scheme hybrid (2 replicas x 2 stages x 2 tensor shards),
     2 micro-batches of 8, 4 SGD steps: fc1's shards split into row chunks
     train bit for bit as with split_params: false."""
-    from tests.conftest import run_mpi_cli
-    from tests.test_micro_batches import _params
-    runs = {}
-    for split in (True, False):
-        cfg = mlp_config(batch=16, parallel=dict(TENSOR_HYBRID, split_params=split),
-                         **TENSOR_MLP)
-        path = tmp_path / f"{split}.yaml"
-        path.write_text(dump_config(cfg))
-        res = run_mpi_cli(8, "train", path, "--out", tmp_path / str(split), timeout=300)
-        assert res.returncode == 0, res.stdout + res.stderr
-        runs[split] = _params(tmp_path / str(split) / "latest.h5")
-    assert runs[True] and sorted(runs[True]) == sorted(runs[False])
-    for k in runs[False]:
-        assert np.array_equal(runs[True][k], runs[False][k]), \
-            (k, int((runs[True][k] != runs[False][k]).sum()))
+    _split_trains_as_whole(tmp_path, 8, lambda split: dump_config(mlp_config(
+        batch=16, parallel=dict(TENSOR_HYBRID, split_params=split), **TENSOR_MLP)))

@@ -43,8 +43,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli,
-                            small_net_config, write_config_file)
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, poisoned_copy, run_cli_args,
+                            run_mpi_cli, small_net_config, write_config_file)
 from tests.test_trust_mpi_resume import _outlier_h5, _overflow_config
 
 
@@ -264,13 +264,7 @@ def test_export_onnx_refuses_non_finite_weights_as_export_hf_does(tmp_path, one_
     exited 0, where ``export hf``, ``test``, ``predict`` and ``generate`` of
     such weights exit 3 naming the blob. Now exit 3, nothing written."""
     pytest.importorskip("onnx")
-    bad = tmp_path / "nan.h5"
-    bad.write_bytes(one_rank_run.read_bytes())
-    with h5py.File(bad, "a") as f:
-        d = f["params/fc1/weight"]
-        a = d[...]
-        a[0, 0] = np.nan
-        d[...] = a
+    bad = poisoned_copy(one_rank_run, tmp_path / "nan.h5", "params/fc1/weight")
     job = write_config_file(tmp_path, small_net_config(digits_h5))
     out = tmp_path / "m.onnx"
     res = run_cli_args("export", "onnx", job, "--weights", bad, "--out", out)
@@ -309,13 +303,8 @@ def test_a_ps_resume_of_a_nan_momentum_is_refused_naming_it(tmp_path, digits_h5,
     on data-parallel ranks says. (Review: found by the server alone, it was
     its own 'error: rank 2: ...' and an abort, one line per server; the
     workers now check the servers' momenta too: one message.)"""
-    bad = tmp_path / "nan_momentum.h5"
-    bad.write_bytes(one_rank_run.read_bytes())
-    with h5py.File(bad, "a") as f:
-        d = f["solver/fc1/weight/momentum"]
-        a = d[...]
-        a[0, 0] = np.nan
-        d[...] = a
+    bad = poisoned_copy(one_rank_run, tmp_path / "nan_momentum.h5",
+                        "solver/fc1/weight/momentum")
     cfg = small_net_config(digits_h5)
     cfg["parallel"] = dict(PS)
     ps = write_config_file(tmp_path, cfg, "ps.yaml")
@@ -343,13 +332,7 @@ def test_a_ps_init_of_nan_weights_ends_every_rank_with_one_message(tmp_path, dig
     server without threads waited in MPI_Finalize and Hydra, seeing a worker
     end by os._exit, killed it: exit 9 in 10 of 12 runs of 4 ranks with an
     --init of another net, 1 of 12 since, comm/world.report_user_error.)"""
-    bad = tmp_path / "nan.h5"
-    bad.write_bytes(one_rank_run.read_bytes())
-    with h5py.File(bad, "a") as f:
-        d = f["params/conv1/weight"]
-        a = d[...]
-        a[0, 0, 0, 0] = np.inf
-        d[...] = a
+    bad = poisoned_copy(one_rank_run, tmp_path / "nan.h5", "params/conv1/weight", np.inf)
     cfg = small_net_config(digits_h5)
     cfg["parallel"] = dict(PS)
     ps = write_config_file(tmp_path, cfg, "ps.yaml")

@@ -194,7 +194,7 @@ def test_predict_that_fails_later_leaves_no_folder_of_its_check(tmp_path, digits
 
 def test_check_writable_leaves_nothing_on_ctrl_c(tmp_path, monkeypatch):
     """(1) Ctrl-C between the check's temporary file and its removal left
-    the file (``p.h5.tmp<pid>``) and the folder made for it; now both go."""
+    the file (``p.h5.tmp.<pid>``) and the folder made for it; now both go."""
     import builtins
     import os
     from purine_mpi.base import runfiles
@@ -210,16 +210,16 @@ def test_check_writable_leaves_nothing_on_ctrl_c(tmp_path, monkeypatch):
 
 
 def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatch):
-    """(1) A killed predict leaves ``P.tmp<pid>``; a later one with the
+    """(1) A killed predict leaves ``P.tmp.<pid>``; a later one with the
     same process id (a container's) raised FileExistsError from the check
     (a traceback, an abort under MPI) where the write itself removes it and
     goes on. Now the check does as the write: the path is taken, nothing
     left; an existing output (replaced by the write), a relative path and a
     link to a file are taken too, untouched."""
     import os
-    from purine_mpi.base.runfiles import check_writable
+    from purine_mpi.base.runfiles import check_writable, temp_name
     out = tmp_path / "p.h5"
-    (tmp_path / f"p.h5.tmp{os.getpid()}").write_bytes(b"left by a killed write")
+    (tmp_path / os.path.basename(temp_name(out))).write_bytes(b"left by a killed write")
     check_writable(str(out))
     assert os.listdir(tmp_path) == []
     out.write_bytes(b"old")
@@ -228,6 +228,89 @@ def test_check_writable_takes_a_path_left_by_a_killed_write(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     check_writable("rel/p.h5")
     assert sorted(os.listdir(tmp_path)) == ["link.h5", "p.h5"] and out.read_bytes() == b"old"
+
+
+def test_rank0_decides_gives_every_rank_rank_0s_value_or_error():
+    """``comm.world.rank0_decides`` (predict's --out check, parallel.scheme
+    auto, the run folder): rank 0 alone decides; one allgather (named, under
+    the wait given, the world's own timeout back after it, also when it
+    fails) gives every rank its value or the same UserError."""
+    from purine_mpi.base.errors import StallError, UserError
+    from purine_mpi.comm.world import rank0_decides
+
+    class World:
+        def __init__(self, rank, answer=None, stall=False):
+            self.rank, self.size, self.stall_timeout = rank, 2, 300.0
+            self.answer, self.stall, self.calls = answer, stall, []
+
+        def allgather_object(self, obj, what):
+            self.calls.append((obj, what, self.stall_timeout))
+            if self.stall:
+                raise StallError(what)
+            return [self.answer if self.rank else obj, None]
+
+    def never():
+        raise AssertionError("only rank 0 decides")
+    zero, one = World(0), World(1, answer=("sets", None))
+    assert rank0_decides(zero, lambda: ("sets", None), "the choice", 3600.0) == "sets"
+    assert rank0_decides(one, never, "the choice", 3600.0) == "sets"
+    assert zero.calls == [(("sets", None), "the choice", 3600.0)]
+    assert one.calls == [(None, "the choice", 3600.0)] and one.stall_timeout == 300.0
+    one = World(1, answer=(None, "out: cannot be written there"))
+    with pytest.raises(UserError, match="^out: cannot be written there$"):
+        rank0_decides(one, never, "the check")
+    assert one.calls == [(None, "the check", 300.0)]
+    stalled = World(1, stall=True)
+    with pytest.raises(StallError):
+        rank0_decides(stalled, never, "the choice", 3600.0)
+    assert stalled.stall_timeout == 300.0
+    single = World(0)
+    single.size = 1
+    with pytest.raises(UserError, match="^no$"):
+        rank0_decides(single, lambda: (None, "no"), "the check")
+    assert single.calls == []
+
+
+def _longest_name(folder, suffix=".h5"):
+    """A file name in ``folder`` of the most bytes its file system takes."""
+    import os
+    return "p" * (os.pathconf(folder, "PC_NAME_MAX") - len(suffix)) + suffix
+
+
+def test_check_writable_names_an_out_whose_temporary_name_is_too_long(tmp_path):
+    """(1) An --out whose name fits the file system but whose temporary
+    name (``.tmp.<pid>`` added) does not: the check raised the OSError
+    (ENAMETOOLONG, a traceback); now one line naming the path and why."""
+    import os
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.base.runfiles import check_writable, temp_name
+    out = str(tmp_path / _longest_name(tmp_path))
+    with pytest.raises(UserError) as err:
+        check_writable(out)
+    tmp, limit = os.path.basename(temp_name(out)), os.pathconf(tmp_path, "PC_NAME_MAX")
+    assert str(err.value) == (
+        f"{out}: the name is too long: its write goes through the temporary file '{tmp}' "
+        f"({len(tmp)} bytes) and this file system takes names of at most {limit} bytes (the "
+        f"name itself has {limit}); give a shorter --out"), str(err.value)
+    with pytest.raises(UserError, match="the name is too long: File name too long; give a "
+                                        "shorter --out"):
+        check_writable(out + "x")  # the name itself too long
+    with pytest.raises(UserError, match="the name is too long: File name too long; give a "
+                                        "shorter --out"):
+        check_writable(os.path.join(out + "x", "p.h5"))  # a folder's
+    assert os.listdir(tmp_path) == []
+
+
+def test_predict_names_an_out_too_long_in_one_line(tmp_path, digits_h5, one_rank_run):
+    """(1) The same through ``predict``: exit 2, one line, no traceback."""
+    from tests.conftest import run_cli_args
+    job = write_config_file(tmp_path, small_net_config(digits_h5))
+    out = tmp_path / _longest_name(tmp_path)
+    res = run_cli_args("predict", job, "--weights", one_rank_run, "--out", out)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out}: the name is too long: its write goes through the "
+                           "temporary file") and last.endswith("; give a shorter --out"), last
 
 
 def test_an_iteration_0_checkpoint_of_another_solver_is_named_as_such(tmp_path, digits_h5):

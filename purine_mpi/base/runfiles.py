@@ -137,7 +137,29 @@ def cannot_write(path, tmp, exc):
     if code in _REFUSED and mine:
         return UserError(f"{path}: cannot be written there ({os.strerror(code)}); give "
                          "another --out")
+    if code == errno.ENAMETOOLONG and mine:
+        return name_too_long(path, tmp)
     return None
+
+
+def name_too_long(path, tmp=None):
+    """The ``UserError`` for a ``path`` too long for the file system
+    (ENAMETOOLONG): its name, or (``tmp``) the temporary name
+    ``PATH.tmp.<pid>`` its write goes through, which a name near the limit
+    (255 bytes on most file systems) passes."""
+    name = os.path.basename(str(path))
+    try:
+        limit = os.pathconf(os.path.dirname(os.path.abspath(path)), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    size = len(os.fsencode(name))
+    if tmp is not None and size <= limit:
+        why = (f"its write goes through the temporary file '{os.path.basename(tmp)}' "
+               f"({len(os.fsencode(os.path.basename(tmp)))} bytes) and this file system takes "
+               f"names of at most {limit} bytes (the name itself has {size})")
+    else:
+        why = os.strerror(errno.ENAMETOOLONG)
+    return UserError(f"{path}: the name is too long: {why}; give a shorter --out")
 
 
 def make_folder(path):
@@ -146,6 +168,8 @@ def make_folder(path):
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise name_too_long(path) from None
         code = exc.errno if exc.errno in _REFUSED + (errno.EEXIST,) else None
         if code is None:
             raise
@@ -170,7 +194,7 @@ def check_writable(path):
     while not os.path.lexists(head) and head != os.path.dirname(head):
         made.append(head)
         head = os.path.dirname(head)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_name(path)
     ours = False  # from the open on: a file under that name is this check's
     try:
         make_folder(folder)
@@ -193,11 +217,18 @@ def check_writable(path):
                 break
 
 
+def temp_name(path):
+    """The temporary name beside ``path`` that ``write_replacing`` writes
+    (and ``check_writable`` tries): ``PATH.tmp.<pid>``."""
+    return f"{path}.tmp.{os.getpid()}"
+
+
 def write_replacing(path, write):
     """``write(tmp)`` into a temporary name beside ``path``, then rename it
-    over ``path``: never a half-written file under the final name (a full
-    disk: ``disk_error``'s one line; the temporary file goes)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    over ``path``: never a half-written file under the final name, whatever
+    ends the write (an error, Ctrl-C: the temporary file goes and what was
+    at ``path`` stays as it was; a full disk: ``disk_error``'s one line)."""
+    tmp = temp_name(path)
     if os.path.lexists(tmp):
         os.remove(tmp)  # never written through a link left under that name
     try:

@@ -85,6 +85,31 @@ def set_world(world):
     return world
 
 
+def rank0_decides(world, decide, what, wait=None):
+    """A decision rank 0 alone makes, taken by every rank: rank 0 calls
+    ``decide()`` -> (value, None) or (anything, the message of a UserError);
+    with more than one rank, one ``allgather_object`` (named ``what``, under
+    ``wait`` seconds of stall timeout where given, else the world's) brings
+    rank 0's answer to all. Every rank then returns the same value or raises
+    the same UserError (exit 2 on every rank, one line, not rank 0's error
+    and the others waiting). Collective: every rank calls it at the same
+    point; ``world`` is anything with ``rank``, ``size`` and
+    ``allgather_object`` (a World, a one-rank stand-in)."""
+    answer = decide() if world.rank == 0 else None
+    if world.size > 1:
+        saved = world.stall_timeout
+        if wait is not None:
+            world.stall_timeout = wait
+        try:
+            answer = world.allgather_object(answer, what)[0]
+        finally:
+            world.stall_timeout = saved
+    value, error = answer
+    if error is not None:
+        raise UserError(error)
+    return value
+
+
 class World:
     """An MPI communicator plus the host table of its ranks.
 

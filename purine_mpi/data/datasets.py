@@ -6,8 +6,9 @@
     write_cifar10(src_dir, out_path)  CIFAR-10's python pickle batches
     write_lmdb({split: db}, out_path)  Caffe LMDBs of Datum records (data/lmdb_source)
 
-Files are written to a temporary name and renamed, so an interrupted
-conversion never leaves a file that looks complete.
+Files are written to a temporary name and renamed (``write_replacing``), so
+an interrupted or failed conversion never leaves a half-written file (a full
+disk is one line naming the file; a file already there stays as it was).
 """
 import os
 import pickle
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.progress_bar import progress
-from ..base.runfiles import cannot_write, make_folder
+from ..base.runfiles import make_folder, write_replacing
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -143,8 +144,8 @@ def _write_splits(out_path, splits, attrs, log=None):
     import h5py
     out_dir = os.path.dirname(os.path.abspath(out_path))
     make_folder(out_dir)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    try:
+
+    def write(tmp):
         with h5py.File(tmp, "w") as f:
             for key, value in attrs.items():
                 f.attrs[key] = value
@@ -174,13 +175,7 @@ def _write_splits(out_path, splits, attrs, log=None):
                     log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
                         f"{'x'.join(map(str, sample))})")
                 group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
-        os.replace(tmp, out_path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(exc, OSError):  # a place no file can be made: one line
-            raise cannot_write(out_path, tmp, exc) or exc
-        raise
+    write_replacing(out_path, write)
 
 
 def write_lmdb(splits, out_path, log=None, block=1024):
@@ -194,8 +189,8 @@ def write_lmdb(splits, out_path, log=None, block=1024):
     sources = {split: LMDBSource(path) for split, path in splits.items()}
     out_dir = os.path.dirname(os.path.abspath(out_path))
     make_folder(out_dir)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    try:
+
+    def write(tmp):
         with h5py.File(tmp, "w") as f:
             f.attrs["source"] = "Caffe LMDB: " + ", ".join(
                 f"{split}={os.path.abspath(path)}" for split, path in splits.items())
@@ -220,11 +215,5 @@ def write_lmdb(splits, out_path, log=None, block=1024):
                 if log:
                     log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
                         f"{'x'.join(map(str, sample))})")
-        os.replace(tmp, out_path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(exc, OSError):  # a place no file can be made: one line
-            raise cannot_write(out_path, tmp, exc) or exc
-        raise
+    write_replacing(out_path, write)
     return {split: src.n_samples for split, src in sources.items()}

@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
-from ..base.runfiles import cannot_write, make_folder
+from ..base.runfiles import make_folder, write_replacing
 from .filecache import INFO_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
@@ -194,14 +194,14 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
     splits = {"train": stream[:len(stream) - n_val], "val": stream[len(stream) - n_val:]}
     out_dir = os.path.dirname(os.path.abspath(out_path))
     make_folder(out_dir)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
     kind = "bytes" if vocab is None else ("file" if tokenizer is not None else "bpe")
     encoding = {"bytes": "bytes of UTF-8 text, one token per byte",
                 "file": f"ids of the tokenizer.json {os.path.abspath(str(tokenizer))} "
                         "(Hugging Face tokenizers; its JSON: /tokenizer)",
                 "bpe": f"ids of a byte-level BPE of {vocab_size} tokens trained on this text "
                        "(Hugging Face tokenizers; its JSON: /tokenizer)"}[kind]
-    try:
+
+    def write(tmp):
         with h5py.File(tmp, "w") as f:
             attrs = {"format": FORMAT, "vocab_size": vocab_size, "encoding": encoding,
                      "tokenizer": kind, "source": os.path.abspath(src), "glob": glob or "",
@@ -222,13 +222,7 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
                 from .tokenizer import write_json
                 f.create_dataset("file_tokens", data=np.array(per_file, np.int64))
                 write_json(f, json_text)
-        os.replace(tmp, out_path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(exc, OSError):  # a place no file can be made: one line
-            raise cannot_write(out_path, tmp, exc) or exc
-        raise
+    write_replacing(out_path, write)
     summary = {"path": out_path, "files": len(files), "bytes": int(n_bytes),
                "tokens": int(len(stream)), "train": int(len(splits["train"])),
                "val": int(len(splits["val"])), "vocab_size": int(vocab_size),

@@ -286,10 +286,6 @@ def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="
     rank 0's error: every rank then raises the same UserError (exit 2), so
     a failed set-up ends the job at once instead of leaving the other ranks
     waiting. Returns the path."""
-    answer = _set_up(name, out, resume, force, runs_root, init, job) if world.rank == 0 else None
-    if world.size > 1:
-        answer = world.allgather_object(answer, "the run folder")[0]
-    path, error = answer
-    if error is not None:
-        raise UserError(error)
-    return path
+    from ..comm.world import rank0_decides
+    return rank0_decides(world, lambda: _set_up(name, out, resume, force, runs_root, init, job),
+                         "the run folder")

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import GuardedFile, cannot_write, disk_error, make_folder
+from ..base.runfiles import GuardedFile, make_folder, write_replacing
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
 from ..parallel.tensor_split import join_shards
@@ -225,10 +225,8 @@ def _host(array):
 def _write(path, rows, blobs, trainer, weights, split, n):
     import h5py
     make_folder(os.path.dirname(os.path.abspath(path)))
-    tmp = f"{path}.tmp{os.getpid()}"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    try:  # HDF5 writes through a new file of ours: a full disk is one line
+
+    def write(tmp):  # HDF5 writes through a new file of ours: a full disk is one line
         with GuardedFile(tmp) as raw, h5py.File(raw, "w") as f:
             group = f.create_group("outputs")
             for b in blobs:
@@ -243,9 +241,4 @@ def _write(path, rows, blobs, trainer, weights, split, n):
             f.flush()
             f.close()
             raw.check()
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_replacing(path, write)

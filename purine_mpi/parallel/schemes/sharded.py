@@ -731,7 +731,6 @@ class Sharded(Hybrid):
         group = list(graphs.layout.stage_ranks())
         me = group.index(world.rank)
         comm = world.group_comm(group) if graphs.params else None  # a stage without any: none
-        held = test_ws.graph.blobs
         for entry in _plan(graphs):
             if "weight_shard" not in entry:
                 continue
@@ -753,32 +752,29 @@ class Sharded(Hybrid):
                 # the part alone from a GPU
                 mine = np.ascontiguousarray(to_numpy(shard[a - lo:b - lo] if a < b
                                                      else shard[:0]), dtype=dtype)
-                into = test_ws.arrays.get(p) if p in held else None
-                direct = _receives(into, shape, dtype)
-                recv = into if direct else np.empty(shape, dtype)
                 item = dtype.itemsize
                 counts = [max(0, y - x) * item for x, y in parts]
                 displs = [max(0, x - off) * item if y > x else 0 for x, y in parts]
-                world.allgatherv(mine, recv, counts, displs,
-                                 f"the test graph's gather of the weight '{p}' from its "
-                                 f"shards (Allgatherv over ranks {group})", comm)
-                if into is not None and not direct:
-                    test_ws.set(p, recv)
+
+                def gather(recv, direct):
+                    world.allgatherv(mine, recv, counts, displs,
+                                     f"the test graph's gather of the weight '{p}' from its "
+                                     f"shards (Allgatherv over ranks {group})", comm)
+                _land(test_ws, p, shape, dtype, lambda: np.empty(shape, dtype), gather)
         where = _zero3(graphs)
         for p in graphs.params:  # held whole: the group's first rank's, in graph order
             if p in where:
                 continue
             blob = graphs.graph.blobs[p]
             shape, dtype = tuple(blob.shape), np.dtype(blob.dtype)
-            into = test_ws.arrays.get(p) if p in held else None
-            direct = _receives(into, shape, dtype)
-            if direct and me == 0 and into is not ws[p]:  # the root sends its own in place
-                test_ws.set(p, ws[p])
-            buf = into if direct else np.array(to_numpy(ws[p]), dtype=dtype, order="C")
-            world.bcast(buf, 0, f"the test graph's weight '{p}' from rank {group[0]} "
-                                f"(Ibcast over ranks {group})", comm)
-            if into is not None and not direct:
-                test_ws.set(p, buf)
+
+            def bcast(buf, direct):
+                if direct and me == 0 and buf is not ws[p]:  # the root sends its own in place
+                    test_ws.set(p, ws[p])
+                world.bcast(buf, 0, f"the test graph's weight '{p}' from rank {group[0]} "
+                                    f"(Ibcast over ranks {group})", comm)
+            _land(test_ws, p, shape, dtype,
+                  lambda: np.array(to_numpy(ws[p]), dtype=dtype, order="C"), bcast)
 
     def whole_solver_shapes(self, graphs):
         from ..tensor_parallel import whole_shape
@@ -849,6 +845,20 @@ def _plain(lay):
     if lay.replicas != 1:
         return None
     return Pipeline if lay.staged else TensorParallel if lay.tensor > 1 else None
+
+
+def _land(test_ws, p, shape, dtype, spare, fill):
+    """The test workspace's parameter ``p`` (``shape``, ``dtype``) filled
+    by the collective ``fill(buffer, direct)``: straight in its own array
+    where ``_receives`` allows (``direct``), else in ``spare()``, a host
+    array of the collective's own, then set (a test graph without ``p``:
+    the collective runs all the same, into ``spare()``)."""
+    into = test_ws.arrays.get(p) if p in test_ws.graph.blobs else None
+    direct = _receives(into, shape, dtype)
+    buf = into if direct else spare()
+    fill(buf, direct)
+    if into is not None and not direct:
+        test_ws.set(p, buf)
 
 
 def _receives(array, shape, dtype):

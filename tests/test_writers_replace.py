@@ -1,0 +1,92 @@
+"""The data and prediction writers (``_write_splits``, ``write_lmdb``,
+``write_text``, predict's ``_write``) go through ``runfiles.write_replacing``:
+a write that fails after part of its output is written (a full disk here,
+injected: HDF5 fails on its second dataset) leaves what was at the
+destination as it was, or nothing where nothing was, no temporary file, and
+one line naming the file and what to do."""
+import errno
+import os
+import types
+
+import h5py
+import numpy as np
+import pytest
+
+from purine_mpi.base.errors import UserError
+
+OLD = b"the previous file"
+
+
+@pytest.fixture
+def disk_full_mid_write(monkeypatch):
+    """HDF5's second ``create_dataset`` of a write fails with ENOSPC (the
+    first one is written: the temporary file holds part of the output)."""
+    real, calls = h5py.Group.create_dataset, []
+
+    def create_dataset(self, *args, **kwargs):
+        calls.append(args[0] if args else kwargs.get("name"))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(h5py.Group, "create_dataset", create_dataset)
+    return calls
+
+
+def _fails_and_leaves_the_destination(out, write, before):
+    if before:
+        out.write_bytes(OLD)
+    with pytest.raises(UserError) as err:
+        write(str(out))
+    assert str(err.value) == f"{out}: no space left on device; free space there or give " \
+                             "another --out", str(err.value)
+    assert os.listdir(out.parent) == ([out.name] if before else []), os.listdir(out.parent)
+    if before:
+        assert out.read_bytes() == OLD
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["file-there", "no-file"])
+def test_write_splits(tmp_path, disk_full_mid_write, before):
+    from purine_mpi.data.datasets import _write_splits
+    x = np.arange(2 * 1 * 4 * 4, dtype=np.float32).reshape(2, 1, 4, 4)
+    splits = {"train": (x, np.arange(2)), "test": (x, np.arange(2))}
+    (tmp_path / "out").mkdir()
+    _fails_and_leaves_the_destination(
+        tmp_path / "out" / "d.h5", lambda p: _write_splits(p, splits, {"source": "t"}), before)
+    assert disk_full_mid_write[:2] == ["data", "label"]
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["file-there", "no-file"])
+def test_write_lmdb(tmp_path, disk_full_mid_write, before):
+    from purine_mpi.data.datasets import write_lmdb as convert
+    from tests.lmdb_fixtures import write_lmdb
+    rng = np.random.default_rng(0)
+    db = write_lmdb(tmp_path / "db", rng.integers(0, 256, (3, 1, 4, 4), np.uint8),
+                    [0, 1, 2])
+    (tmp_path / "out").mkdir()
+    _fails_and_leaves_the_destination(
+        tmp_path / "out" / "d.h5", lambda p: convert({"train": db}, p), before)
+    assert disk_full_mid_write[:2] == ["data", "label"]
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["file-there", "no-file"])
+def test_write_text(tmp_path, disk_full_mid_write, before):
+    from purine_mpi.data.text import write_text
+    src = tmp_path / "src.txt"
+    src.write_text("some text to split into a train and a validation stream\n" * 4)
+    (tmp_path / "out").mkdir()
+    _fails_and_leaves_the_destination(tmp_path / "out" / "t.h5",
+                                      lambda p: write_text(str(src), p), before)
+    assert disk_full_mid_write[:2] == ["tokens", "tokens"]
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["file-there", "no-file"])
+def test_predict_write(tmp_path, disk_full_mid_write, monkeypatch, before):
+    from purine_mpi.tools import predict
+    monkeypatch.setattr(predict, "dump_config", lambda job: "config")
+    rows = {"fc2": np.ones((3, 2), np.float32), "label": np.arange(3)}
+    (tmp_path / "out").mkdir()
+    _fails_and_leaves_the_destination(
+        tmp_path / "out" / "p.h5",
+        lambda p: predict._write(p, rows, ["fc2"], types.SimpleNamespace(job=None), "w.h5",
+                                 "test", 3), before)
+    assert disk_full_mid_write[:2] == ["fc2", "label"]
