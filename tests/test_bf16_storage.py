@@ -17,7 +17,8 @@ by its producer, and the products take it as it is.
 - GELU and its gradient reading x as bits, the fused attention and its
   gradient reading qkv as bits, against the float32 storage bit for bit;
 - the gradients' copies (``fold_copies``): GELU's gradient, a gradient
-  Sum and a layer norm's gradient (ln_f's dx) writing their float32
+  Sum, a layer norm's gradient (ln_f's dx) and a redrawn dropout's
+  gradient writing their float32
   output's bits beside it (the kernels against the float32 kernel and
   to_bf16_bits on adversarial values; the ops on the device and the
   host), no Cast of a gradient in the GPT;
@@ -562,6 +563,77 @@ def test_the_layer_norm_gradient_copy_kernels_on_adversarial_values(device):
     with pytest.raises(ValueError, match="copy"):
         kernels.layernorm_backward(put(dy32), put(x), put(g), put(mean), put(rstd), dx=None,
                                    copy=put(np.zeros(x.shape, np.uint16)))
+
+
+@pytest.mark.parametrize("n", [1003, 4096])
+def test_the_redrawn_dropout_gradient_writes_dx_and_its_bits_in_one_pass(device, n):
+    """DropoutRedrawGrad with ``bits_copy: [0]`` (parallel/precision.
+    fold_copies: a residual dropout's dx, read as float32 by the projection's
+    bias gradient and as bits by its data and weight gradients): dx the
+    same float32 bits as without the copy (the same redrawn mask), and its
+    second output NumPy's bfloat16 bits of that dx (what the Cast wrote);
+    on the device one ``dropout_apply_copy_f32`` launch (no to_bf16_bits),
+    on the host the draw then to_bf16_bits in its declared scratch. The
+    kernel against dropout_apply + to_bf16_bits_device on adversarial
+    values (kept ones scaled, dropped ones 0 or NaN). The op infers a
+    float32 dx and a bits copy; a copy of a float64 dx is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.base.philox import dropout_keys
+    from purine_mpi.gpu import kernels
+    from purine_mpi.ops.dropout import DropoutRedrawGrad
+    rng = np.random.default_rng(41)
+    dy = rng.standard_normal((n,)).astype(np.float32) * 3
+    attrs = {"ratio": 0.3, "stream": "h0_drop", "seed": 7}
+    for dev, put, get in _places(device):
+        it = put(np.array(5, np.int64)) if dev else np.array(5, np.int64)
+        plain = make_kernel(Op("dg", "DropoutRedrawGrad", ["dy", "iter"], ["dx"], attrs))
+        want = put(np.full(dy.shape, np.nan, np.float32))
+        plain.setup([put(dy), it], [want])
+        plain.run([put(dy), it], [want])
+        k = make_kernel(Op("dg", "DropoutRedrawGrad", ["dy", "iter"], ["dx", "dx@bf16"],
+                           dict(attrs, bits_copy=[0], bits_out=[1])))
+        outs = [put(np.full(dy.shape, np.nan, np.float32)), put(np.zeros(dy.shape, np.uint16))]
+        k.setup([put(dy), it], outs)
+        if dev:
+            device.launched.clear()
+        else:
+            assert k.host_temporaries([dy, it], outs) == \
+                plain.host_temporaries([dy, it], [want]) + [((3, n), np.uint32)]
+        k.run([put(dy), it], outs)
+        if dev:
+            assert device.launched == ["dropout_apply_copy_f32"]
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+        assert 0 < np.count_nonzero(get(want)) < n   # some dropped, some kept
+    # the kernel on adversarial values, at an odd length (a part Philox block)
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    v = _adversarial()
+    v = v[:v.size // 2 * 2 - 1]
+    key0, key1, ctr1 = dropout_keys(7, "h0_drop")
+    for ratio in (0.0, 0.3):
+        want = put(np.zeros(v.size, np.float32))
+        with np.errstate(all="ignore"):
+            kernels.dropout_apply(put(v), (1 << 32) + 3, ratio, key0, key1, ctr1, out=want)
+        bits = put(np.zeros(v.size, np.uint16))
+        kernels.to_bf16_bits_device(want, bits)
+        out, copy = put(np.zeros(v.size, np.float32)), put(np.zeros(v.size, np.uint16))
+        with np.errstate(all="ignore"):
+            kernels.dropout_apply(put(v), (1 << 32) + 3, ratio, key0, key1, ctr1, out=out,
+                                  copy=copy)
+        np.testing.assert_array_equal(get(out).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(copy), get(bits), err_msg=str(ratio))
+        if ratio == 0.0:   # scale 1, every unit kept: the copy is v's own rounding
+            keep = ~np.isnan(v)
+            np.testing.assert_array_equal(get(copy)[keep], _numpy_bits(v)[keep])
+    with pytest.raises(ValueError, match="copy"):
+        kernels.dropout_apply(put(v), 3, 0.3, key0, key1, ctr1, out=None,
+                              copy=put(np.zeros(v.size, np.uint16)))
+    assert DropoutRedrawGrad.bits_copies(attrs) == (0,)
+    specs = [((2, 3), "float32"), ((), "int64")]
+    assert DropoutRedrawGrad.infer(dict(attrs, bits_copy=[0]), specs) == [
+        ((2, 3), "float32"), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        DropoutRedrawGrad.infer(dict(attrs, bits_copy=[0]), [((2, 3), "float64"), ((), "int64")])
 
 
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
@@ -1513,6 +1585,43 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
                  "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32",
                  "add_copy_f32", "layernorm_backward_bdy_copy_f32"):
         assert first_off.get(func, 0) == 0, func
+
+
+def test_a_bf16_gpt_with_dropout_writes_the_dropout_gradients_bits_and_trains_the_same(
+        host_build_dir, monkeypatch):
+    """The 2-block GPT with dropout 0.1 (the attention's and the MLP's
+    residual dropouts, redrawn on the device): each redrawn dropout
+    gradient read by a bias gradient and, through a Cast, by products
+    writes dx's bits itself (``bits_copy``, ``fold_copies``): no Cast of a
+    gradient is left. Three captured AdamW steps give the same losses and
+    weights bit for bit with bits storage as with float32 storage, the
+    redrawn gradients as ``dropout_apply_copy_f32`` launches."""
+    import functools
+
+    import tests.gpt_oracle as oracle
+    monkeypatch.setattr(oracle, "gpt_net", functools.partial(oracle.gpt_net, dropout=0.1))
+    g = _gpt(monkeypatch, host_build_dir)
+    cons = g.consumers()
+    grads = [op for op in g.ops.values() if op.op_type == "DropoutRedrawGrad"]
+    assert grads and not any(op.op_type == "Cast" and ".grad" in op.inputs[0]
+                             for op in g.ops.values())
+    copied = [op for op in grads if op.attrs.get("bits_copy")]
+    assert len(copied) == 4   # the two blocks' attention and MLP residual dropouts
+    for op in copied:
+        dx, copy = op.outputs
+        assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
+        assert g.blobs[dx].dtype == "float32" and g.blobs[copy].dtype == "uint16"
+        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
+        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
+                                                         "InnerProductGradWeight"]
+    on = _train(monkeypatch, host_build_dir, "1", iters=3)
+    off = _train(monkeypatch, host_build_dir, "0", iters=3)
+    assert on[0] == off[0] and on[0][-1] != on[0][0]
+    for name in off[1]:
+        np.testing.assert_array_equal(on[1][name].view(np.uint32), off[1][name].view(np.uint32),
+                                      err_msg=name)
+    assert on[2][0]["dropout_apply_copy_f32"] == 2 * len(copied)   # eager and captured
+    assert off[2][0].get("dropout_apply_copy_f32", 0) == 0
 
 
 @pytest.mark.parametrize("way", ["micro_batches", "recompute"])

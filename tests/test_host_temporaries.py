@@ -142,6 +142,11 @@ def _cases():
          [big, np.full(big.size // 8, 0xB7, np.uint8)], [np.empty_like(big)]),
         ("DropoutReplay", {"ratio": 0.1}, [big, np.full(big.size // 8, 0xB7, np.uint8)],
          [np.empty_like(big)]),
+        # the redrawn gradient writing dx's bits too (bits_copy): the draw's
+        # temporaries, then to_bf16_bits's scratch
+        ("DropoutRedrawGrad", {"ratio": 0.1, "stream": "drop", "bits_copy": [0],
+                               "bits_out": [1]},
+         [big, np.array(3)], [np.empty_like(big), np.empty(big.shape, np.uint16)]),
         # a 1x1 conv's weight gradient: a chunk's per-sample products and
         # their sum (42 samples of 96 KiB columns a chunk here: 2.1 MiB)
         ("ConvGradWeight", {}, [_f(64, 128, 16, 16), _f(64, 96, 16, 16)],

@@ -39,21 +39,37 @@ def dropout_forward(x, iteration, ratio, key0, key1, ctr1=0, out=None):
     return _finish(y, y_target), _finish(mask, mask_target)
 
 
-def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None):
+def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None, copy=None):
     """``dropout_forward``'s y without the mask: the same Philox draw, y = (x
     * mask) / (1 - ratio), nothing else written. Given Dropout's dy for x, y
-    is its dx (the mask drawn again, not kept: the bits the forward drew)."""
+    is its dx (the mask drawn again, not kept: the bits the forward drew).
+    ``copy`` (uint16, C-contiguous, x's size, no input's bytes; x and a
+    C-contiguous ``out`` float32): also the bits of the bfloat16 nearest
+    each y, in the same pass (``dropout_apply_copy_f32``:
+    ``to_bf16_bits_device`` of y bit for bit)."""
     from ...base.philox import keep_threshold
     cupy = import_cupy()
     threshold = keep_threshold(ratio)
     x = _input(cupy, x, "dropout_apply: x")
+    if copy is not None:
+        if out is None or np.dtype(x.dtype) != np.dtype(np.float32):
+            raise ValueError(f"dropout_apply: a copy takes a float32 x and out, got x "
+                             f"{x.dtype} and out {None if out is None else out.dtype}")
+        _bits_array(out, np.float32, "dropout_apply: out")
+        _bits_array(copy, np.uint16, "dropout_apply: copy")
+        if copy.size != x.size:
+            raise ValueError(f"dropout_apply: copy has {copy.size} elements, x {x.size}")
     y, target = _output(cupy, out, x.shape, x.dtype, "dropout_apply")
     it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
     u32 = np.uint32
-    _base._launch("dropout", "dropout_apply", x.dtype, -(-x.size // 4),
-                  (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
-                   u32(int(ctr1) & 0xFFFFFFFF), u32(threshold),
-                   x.dtype.type(1.0 / (1.0 - float(ratio))), y))
+    args = (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
+            u32(int(ctr1) & 0xFFFFFFFF), u32(threshold),
+            x.dtype.type(1.0 / (1.0 - float(ratio))), y)
+    if copy is not None:
+        _base._launch("dropout", "dropout_apply_copy_f32", None, -(-x.size // 4),
+                      args + (copy,))
+    else:
+        _base._launch("dropout", "dropout_apply", x.dtype, -(-x.size // 4), args)
     return _finish(y, target)
 
 
