@@ -12,10 +12,18 @@
 // One thread per block of four elements (one Philox call each), grid-stride.
 // `philox_words` writes the raw words (tests compare them with NumPy's).
 //
+// dropout_apply_copy_f32 (float32 only): dropout_apply's y and also `copy`,
+// the bits of the bfloat16 nearest each y (uint16: what a Cast of y to bits
+// writes, precision.cuh), in the same pass -- the redrawn backward's dx read
+// as float32 (a bias gradient) and, as bits, by the products
+// (ops/dropout.py DropoutRedrawGrad with bits_copy,
+// parallel/precision.fold_copies). copy is no input's bytes.
+//
 // Compiled at run time by purine_mpi.gpu.load_kernel("dropout"); one
 // extern "C" entry point per dtype: <name>_f32, <name>_f64.
 
 #include "philox.cuh"
+#include "precision.cuh"
 
 #define CUDA_KERNEL_LOOP(i, n)                                              \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
@@ -30,12 +38,13 @@ __device__ __forceinline__ long long purine_iteration(long long value,
 // and written where `mask` is given. Without it (dropout_apply) this is, given
 // dy for x, the backward's dx with the mask drawn again instead of kept
 // (parallel/placement.redraw_dropout_masks): the kept mask's bits.
-template <typename T>
+// COPY (T float): also y's bfloat16 bits into `copy`
+template <typename T, bool COPY = false>
 __device__ void dropout_forward_impl(long long blocks, long long total, const T* x,
                                      long long iter_value, const long long* iter_ptr,
                                      int has_iter_ptr, unsigned int key0, unsigned int key1,
                                      unsigned int ctr1, unsigned int threshold, T scale,
-                                     T* y, T* mask) {
+                                     T* y, T* mask, unsigned short* copy = nullptr) {
   const unsigned long long it =
       (unsigned long long)purine_iteration(iter_value, iter_ptr, has_iter_ptr);
   CUDA_KERNEL_LOOP(b, blocks) {
@@ -47,7 +56,9 @@ __device__ void dropout_forward_impl(long long blocks, long long total, const T*
       if (i < total) {
         const T m = ctr[j] >= threshold ? T(1) : T(0);
         if (mask != nullptr) mask[i] = m;
-        y[i] = (x[i] * m) * scale;
+        const T v = (x[i] * m) * scale;
+        y[i] = v;
+        if (COPY) copy[i] = (unsigned short)(purine_round_bf16(purine_float_bits((float)v)) >> 16);
       }
     }
   }
@@ -81,6 +92,16 @@ __device__ void dropout_backward_impl(long long total, const T* dy, const T* mas
 
 PURINE_DROPOUT_ENTRY(f32, float)
 PURINE_DROPOUT_ENTRY(f64, double)
+
+extern "C" __global__ void dropout_apply_copy_f32(long long blocks, long long total,
+                                                  const float* x, long long iter_value,
+                                                  const long long* iter_ptr, int has_iter_ptr,
+                                                  unsigned int key0, unsigned int key1,
+                                                  unsigned int ctr1, unsigned int threshold,
+                                                  float scale, float* y, unsigned short* copy) {
+  dropout_forward_impl<float, true>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,
+                                    key1, ctr1, threshold, scale, y, nullptr, copy);
+}
 
 // The raw Philox words of counters (c0 + b, c1, c2, c3), b in [0, blocks):
 // out[4 b + j] = word j (`rounds` rounds). One entry point, no dtype suffix:

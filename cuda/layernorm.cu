@@ -25,6 +25,13 @@
 // layernorm_backward_bdy_f32 reads dy as bfloat16 bits (a data gradient
 // stored as bits), widened exactly: the float32 dy's results.
 //
+// layernorm_backward_copy_f32 and layernorm_backward_bdy_copy_f32 (dy
+// float32 or bits) write dx as above and also `copy`, the bits of the
+// bfloat16 nearest each float32 dx (uint16: what a Cast of dx to bits
+// writes), in the same pass: a dx read as float32 (a residual sum, a bias
+// gradient) and as bits by the products (ops/layernorm.py LayerNormGrad
+// with bits_copy, parallel/precision.fold_copies). copy is no input's bytes.
+//
 // layernorm_forward_bits_f32 writes y as bfloat16 bits (uint16: the upper
 // halves of precision.cu's round_bf16 of the float32 y, precision.cuh), for a
 // y stored as bits (purine_mpi/parallel/precision.store_bits): the bits a
@@ -74,10 +81,12 @@ __device__ void layernorm_forward_impl(long long rows, long long cols, const T* 
 }
 
 // D: dy's storage (T, or bfloat16 bits for T float: layernorm_backward_bdy_f32)
-template <typename T, typename D>
+// COPY (T float, has_dx): also dx's bfloat16 bits into `copy`
+template <typename T, typename D, bool COPY = false>
 __device__ void layernorm_backward_impl(long long rows, long long cols, const D* dy,
                                         const T* x, const T* g, const T* mean, const T* rstd,
-                                        T* dx, int has_dx, T* dyxhat, int has_dyxhat) {
+                                        T* dx, int has_dx, T* dyxhat, int has_dyxhat,
+                                        unsigned short* copy = nullptr) {
   __shared__ double shared[PURINE_LN_THREADS];
   const unsigned int tid = threadIdx.x;
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -98,7 +107,9 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const D*
     for (long long c = tid; c < cols; c += blockDim.x) {
       const T xhat = (T)(x[at + c] - mu) * rs;
       const T dxhat = purine_load(dy, at + c) * g[c];
-      dx[at + c] = (T)((T)(dxhat - (T)(xhat * k)) - a) * rs;
+      const T v = (T)((T)(dxhat - (T)(xhat * k)) - a) * rs;
+      dx[at + c] = v;
+      if (COPY) purine_ln_store(copy + at + c, v);
     }
   }
 }
@@ -139,4 +150,26 @@ extern "C" __global__ void layernorm_backward_bdy_f32(long long rows, long long 
                                                       float* dyxhat, int has_dyxhat) {
   layernorm_backward_impl<float, unsigned short>(rows, cols, dy, x, g, mean, rstd, dx, has_dx,
                                                  dyxhat, has_dyxhat);
+}
+
+// dx and its bfloat16 bits in one pass (dy float32, or bits: _bdy_), dyxhat
+// as above: a dx read as float32 and, as bits, by the products
+extern "C" __global__ void layernorm_backward_copy_f32(long long rows, long long cols,
+                                                       const float* dy, const float* x,
+                                                       const float* g, const float* mean,
+                                                       const float* rstd, float* dx,
+                                                       float* dyxhat, int has_dyxhat,
+                                                       unsigned short* copy) {
+  layernorm_backward_impl<float, float, true>(rows, cols, dy, x, g, mean, rstd, dx, 1, dyxhat,
+                                              has_dyxhat, copy);
+}
+
+extern "C" __global__ void layernorm_backward_bdy_copy_f32(long long rows, long long cols,
+                                                           const unsigned short* dy,
+                                                           const float* x, const float* g,
+                                                           const float* mean, const float* rstd,
+                                                           float* dx, float* dyxhat,
+                                                           int has_dyxhat, unsigned short* copy) {
+  layernorm_backward_impl<float, unsigned short, true>(rows, cols, dy, x, g, mean, rstd, dx, 1,
+                                                       dyxhat, has_dyxhat, copy);
 }

@@ -16,10 +16,12 @@ by its producer, and the products take it as it is.
   cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
 - GELU and its gradient reading x as bits, the fused attention and its
   gradient reading qkv as bits, against the float32 storage bit for bit;
-- the gradients' copies (``fold_copies``): GELU's gradient and a gradient
-  Sum writing their float32 output's bits beside it (the kernels against
-  the float32 kernel and to_bf16_bits on adversarial values; the ops on
-  the device and the host), no Cast of them in the GPT;
+- the gradients' copies (``fold_copies``): GELU's gradient, a gradient
+  Sum, a layer norm's gradient (ln_f's dx) and a redrawn dropout's
+  gradient writing their float32
+  output's bits beside it (the kernels against the float32 kernel and
+  to_bf16_bits on adversarial values; the ops on the device and the
+  host), no Cast of a gradient in the GPT;
 - GemmEx into a bfloat16 result, the fc writing its output as bits
   (without a bias from GemmEx, with one through bias_bits: one rounding
   after the bias), the softmax loss and its gradient ``from_logits`` on
@@ -430,6 +432,208 @@ def test_a_gradient_sum_writes_its_bits_beside_its_float32_sum(device, terms):
         ((2, 3), "float32"), ((2, 3), "uint16")]
     with pytest.raises(ShapeError, match="bits_copy"):
         Sum.infer({"bits_copy": [0]}, [((2, 3), "float64")] * 2)
+
+
+def _ln_grad_inputs(rng, rows, cols):
+    """x, g, mean and rstd of a layer norm over (rows, cols) (x's own row
+    statistics)."""
+    x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    g = rng.standard_normal(cols).astype(np.float32)
+    mean = x.mean(axis=1).astype(np.float32)
+    rstd = (1 / np.sqrt(x.var(axis=1) + 1e-5)).astype(np.float32)
+    return x, g, mean, rstd
+
+
+@pytest.mark.parametrize("wanted", [("dx", "dg", "db"), ("dx",), ("dx", "db")])
+@pytest.mark.parametrize("dy_bits", [False, True], ids=["f32", "bdy"])
+def test_the_layer_norm_gradient_writes_dx_and_its_bits_in_one_pass(device, monkeypatch,
+                                                                    wanted, dy_bits):
+    """LayerNormGrad with ``bits_copy`` (parallel/precision.fold_copies: the
+    final layer norm's dx, read as float32 by the last residual sum and the
+    projection's bias gradient, as bits by its data and weight gradients):
+    dx, dg and db the same float32 bits as without the copy, and the last
+    output NumPy's bfloat16 bits of that dx (what the Cast wrote); on the
+    device in the backward kernel's one launch (``layernorm_backward_copy_f32``
+    / ``_bdy_copy_f32``, no to_bf16_bits), on the host a chunk of rows at a
+    time over several chunks (to_bf16_bits's scratch declared). The op
+    infers the float32 gradients and a bits copy; a copy of anything but
+    dx, or of a float64 dx, is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.ops import layernorm
+    from purine_mpi.ops.layernorm import LayerNormGrad
+    rows, cols = 300, 96
+    monkeypatch.setattr(layernorm, "HOST_CHUNK_BYTES", 64 * cols * 4)   # 5 chunks of rows
+    rng = np.random.default_rng(31)
+    x, g, mean, rstd = _ln_grad_inputs(rng, rows, cols)
+    dy32, dyb = _bf16_values(rng, (rows, cols))
+    dy = dyb if dy_bits else dy32
+    attrs = {"outputs": list(wanted)}
+    index = list(wanted).index("dx")
+    shapes = {"dx": (rows, cols), "dg": (cols,), "db": (cols,)}
+    func = "layernorm_backward" + "_bdy" * dy_bits + "_copy_f32"
+    names = ["dy", "x", "g", "mean", "rstd"]
+    for dev, put, get in _places(device):
+        plain = make_kernel(Op("lg", "LayerNormGrad", names, list(wanted), attrs))
+        ins = [put(dy), put(x), put(g), put(mean), put(rstd)]
+        want = [put(np.full(shapes[w], np.nan, np.float32)) for w in wanted]
+        plain.setup(ins, want)
+        plain.run(ins, want)
+        k = make_kernel(Op("lg", "LayerNormGrad", names, list(wanted) + ["dx@bf16"],
+                           dict(attrs, bits_copy=[index], bits_out=[len(wanted)])))
+        outs = [put(np.full(shapes[w], np.nan, np.float32)) for w in wanted] + [
+            put(np.zeros((rows, cols), np.uint16))]
+        k.setup(ins, outs)
+        if dev:
+            assert k.scratch_specs(ins, outs) == plain.scratch_specs(ins, want)
+            device.launched.clear()
+        else:
+            assert k.host_temporaries(ins, outs) == plain.host_temporaries(ins, want) + [
+                ((3, 64 * cols), np.uint32)]
+        k.run(ins, outs)
+        if dev:
+            assert func in device.launched and "to_bf16_bits" not in device.launched
+            assert not any(f.startswith("layernorm_backward") and f != func
+                           for f in device.launched)
+        for a, b, w in zip(outs, want, wanted):
+            np.testing.assert_array_equal(get(a).view(np.uint32), get(b).view(np.uint32),
+                                          err_msg=w)
+        np.testing.assert_array_equal(get(outs[-1]), _numpy_bits(get(want[index])))
+    in_shapes = [((rows, cols), "uint16" if dy_bits else "float32"), ((rows, cols), "float32"),
+                 ((cols,), "float32"), ((rows,), "float32"), ((rows,), "float32")]
+    assert LayerNormGrad.bits_copies(attrs) == (index,)
+    assert LayerNormGrad.bits_copies({"outputs": ["dg", "db"]}) == ()
+    assert LayerNormGrad.infer(dict(attrs, bits_copy=[index]), in_shapes) == [
+        (shapes[w], np.float32) for w in wanted] + [((rows, cols), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        LayerNormGrad.infer(dict(attrs, bits_copy=[index + 1]), in_shapes)
+    with pytest.raises(ShapeError, match="bits_copy"):
+        LayerNormGrad.infer({"outputs": ["dx"], "bits_copy": [0]},
+                            [(s, "float64") for s, _ in in_shapes])
+
+
+def test_the_layer_norm_gradient_copy_kernels_on_adversarial_values(device):
+    """The ``_copy`` layer norm gradient kernels (dy float32 or bits, with
+    and without dy * xhat) against the float32 kernel followed by
+    to_bf16_bits_device, bit for bit: dx and dyxhat the same float32 and
+    the copy dx's bits. Rows of two columns [v, -v] with x 0, g 1, mean 0
+    and rstd 1 have dx = dy exactly (xhat 0, mean(dy * g) 0), so the
+    rounding meets every adversarial value of
+    test_precision_device._adversarial (ties both ways, carries into
+    infinity, subnormals; an infinity's or NaN's row is NaN); rows of 300
+    random columns take every thread of a block and the row sums' tree."""
+    from purine_mpi.gpu import kernels
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    v = _adversarial()
+    pairs = np.stack([v, -v], axis=1).astype(np.float32)
+    rng = np.random.default_rng(37)
+    x, g, mean, rstd = _ln_grad_inputs(rng, 5, 300)
+    cases = [(pairs, np.zeros_like(pairs), np.ones(2, np.float32),
+              np.zeros(len(v), np.float32), np.ones(len(v), np.float32)),
+             ((rng.standard_normal(x.shape) * 2).astype(np.float32), x, g, mean, rstd)]
+    widen = (lambda b: (b.astype(np.uint32) << np.uint32(16)).view(np.float32))
+    for case, (dy32, x, g, mean, rstd) in enumerate(cases):
+        dyb = _numpy_bits(dy32)
+        for dy_bits in (False, True):
+            for with_dyxhat in (False, True):
+                dy = dyb if dy_bits else dy32
+                want = put(np.zeros(x.shape, np.float32))
+                want_p = put(np.zeros(x.shape, np.float32)) if with_dyxhat else None
+                with np.errstate(all="ignore"):
+                    kernels.layernorm_backward(put(widen(dyb) if dy_bits else dy32), put(x),
+                                               put(g), put(mean), put(rstd), dx=want,
+                                               dyxhat=want_p)
+                bits = put(np.zeros(x.shape, np.uint16))
+                kernels.to_bf16_bits_device(want.reshape(-1), bits.reshape(-1))
+                out, copy = put(np.zeros(x.shape, np.float32)), put(np.zeros(x.shape, np.uint16))
+                p = put(np.zeros(x.shape, np.float32)) if with_dyxhat else None
+                with np.errstate(all="ignore"):
+                    kernels.layernorm_backward(put(dy), put(x), put(g), put(mean), put(rstd),
+                                               dx=out, dyxhat=p, copy=copy)
+                what = (case, dy_bits, with_dyxhat)
+                np.testing.assert_array_equal(get(out).view(np.uint32),
+                                              get(want).view(np.uint32), err_msg=str(what))
+                np.testing.assert_array_equal(get(copy), get(bits), err_msg=str(what))
+                if with_dyxhat:
+                    np.testing.assert_array_equal(get(p).view(np.uint32),
+                                                  get(want_p).view(np.uint32), err_msg=str(what))
+                if case == 0 and not dy_bits:   # dx = dy: the copy is dy's own rounding
+                    finite = np.isfinite(v)
+                    np.testing.assert_array_equal(get(copy)[finite], _numpy_bits(pairs)[finite],
+                                                  err_msg=str(what))
+    with pytest.raises(ValueError, match="copy"):
+        kernels.layernorm_backward(put(dy32), put(x), put(g), put(mean), put(rstd), dx=None,
+                                   copy=put(np.zeros(x.shape, np.uint16)))
+
+
+@pytest.mark.parametrize("n", [1003, 4096])
+def test_the_redrawn_dropout_gradient_writes_dx_and_its_bits_in_one_pass(device, n):
+    """DropoutRedrawGrad with ``bits_copy: [0]`` (parallel/precision.
+    fold_copies: a residual dropout's dx, read as float32 by the projection's
+    bias gradient and as bits by its data and weight gradients): dx the
+    same float32 bits as without the copy (the same redrawn mask), and its
+    second output NumPy's bfloat16 bits of that dx (what the Cast wrote);
+    on the device one ``dropout_apply_copy_f32`` launch (no to_bf16_bits),
+    on the host the draw then to_bf16_bits in its declared scratch. The
+    kernel against dropout_apply + to_bf16_bits_device on adversarial
+    values (kept ones scaled, dropped ones 0 or NaN). The op infers a
+    float32 dx and a bits copy; a copy of a float64 dx is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.base.philox import dropout_keys
+    from purine_mpi.gpu import kernels
+    from purine_mpi.ops.dropout import DropoutRedrawGrad
+    rng = np.random.default_rng(41)
+    dy = rng.standard_normal((n,)).astype(np.float32) * 3
+    attrs = {"ratio": 0.3, "stream": "h0_drop", "seed": 7}
+    for dev, put, get in _places(device):
+        it = put(np.array(5, np.int64)) if dev else np.array(5, np.int64)
+        plain = make_kernel(Op("dg", "DropoutRedrawGrad", ["dy", "iter"], ["dx"], attrs))
+        want = put(np.full(dy.shape, np.nan, np.float32))
+        plain.setup([put(dy), it], [want])
+        plain.run([put(dy), it], [want])
+        k = make_kernel(Op("dg", "DropoutRedrawGrad", ["dy", "iter"], ["dx", "dx@bf16"],
+                           dict(attrs, bits_copy=[0], bits_out=[1])))
+        outs = [put(np.full(dy.shape, np.nan, np.float32)), put(np.zeros(dy.shape, np.uint16))]
+        k.setup([put(dy), it], outs)
+        if dev:
+            device.launched.clear()
+        else:
+            assert k.host_temporaries([dy, it], outs) == \
+                plain.host_temporaries([dy, it], [want]) + [((3, n), np.uint32)]
+        k.run([put(dy), it], outs)
+        if dev:
+            assert device.launched == ["dropout_apply_copy_f32"]
+        np.testing.assert_array_equal(get(outs[0]).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+        assert 0 < np.count_nonzero(get(want)) < n   # some dropped, some kept
+    # the kernel on adversarial values, at an odd length (a part Philox block)
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    v = _adversarial()
+    v = v[:v.size // 2 * 2 - 1]
+    key0, key1, ctr1 = dropout_keys(7, "h0_drop")
+    for ratio in (0.0, 0.3):
+        want = put(np.zeros(v.size, np.float32))
+        with np.errstate(all="ignore"):
+            kernels.dropout_apply(put(v), (1 << 32) + 3, ratio, key0, key1, ctr1, out=want)
+        bits = put(np.zeros(v.size, np.uint16))
+        kernels.to_bf16_bits_device(want, bits)
+        out, copy = put(np.zeros(v.size, np.float32)), put(np.zeros(v.size, np.uint16))
+        with np.errstate(all="ignore"):
+            kernels.dropout_apply(put(v), (1 << 32) + 3, ratio, key0, key1, ctr1, out=out,
+                                  copy=copy)
+        np.testing.assert_array_equal(get(out).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(copy), get(bits), err_msg=str(ratio))
+        if ratio == 0.0:   # scale 1, every unit kept: the copy is v's own rounding
+            keep = ~np.isnan(v)
+            np.testing.assert_array_equal(get(copy)[keep], _numpy_bits(v)[keep])
+    with pytest.raises(ValueError, match="copy"):
+        kernels.dropout_apply(put(v), 3, 0.3, key0, key1, ctr1, out=None,
+                              copy=put(np.zeros(v.size, np.uint16)))
+    assert DropoutRedrawGrad.bits_copies(attrs) == (0,)
+    specs = [((2, 3), "float32"), ((), "int64")]
+    assert DropoutRedrawGrad.infer(dict(attrs, bits_copy=[0]), specs) == [
+        ((2, 3), "float32"), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        DropoutRedrawGrad.infer(dict(attrs, bits_copy=[0]), [((2, 3), "float64"), ((), "int64")])
 
 
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
@@ -1026,13 +1230,24 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
                                                                    "h1_m@h1_gelu@bf16"]
     assert all(t == "Cast" for n, t in writers.items() if n.endswith("@bf16") and "weight" in n)
-    # the float32 gradients the products read as bits: GELU's dx and the
-    # residual sums write their bits themselves; ln_f's dx (a LayerNormGrad,
-    # which writes no copy) keeps its Cast
+    # the float32 gradients the products read as bits: GELU's dx, the
+    # residual sums and ln_f's dx (its LayerNormGrad) write their bits
+    # themselves: no Cast of a gradient is left
     assert {n: t for n, t in writers.items() if ".grad@bf16" in n and "logits" not in n} == {
         "h0_m.grad@bf16": "GeluGrad", "h1_m.grad@bf16": "GeluGrad",
         "h0_x1.grad@bf16": "Sum", "h1_x1.grad@bf16": "Sum", "h0_x.grad@bf16": "Sum",
-        "h1_x.grad@bf16": "Cast"}
+        "h1_x.grad@bf16": "LayerNormGrad"}
+    assert not any(op.op_type == "Cast" and ".grad" in op.inputs[0] for op in g.ops.values())
+    # ln_f's dx: float32 for the last residual sum and the projection's bias
+    # gradient, its bits (the LayerNormGrad's last output) for the products
+    (w,) = prod["h1_x.grad@bf16"]
+    assert w.outputs == ["h1_x.grad", "ln_f/weight.grad", "ln_f/bias.grad",
+                         "h1_x.grad@bf16"]
+    assert w.attrs["bits_copy"] == [0] and w.attrs["bits_out"] == [3]
+    assert g.blobs["h1_x.grad"].dtype == "float32"
+    assert sorted(r.op_type for r in cons["h1_x.grad"]) == ["InnerProductGradBias", "Sum"]
+    assert sorted(r.op_type for r in cons["h1_x.grad@bf16"]) == ["InnerProductGradData",
+                                                                 "InnerProductGradWeight"]
     for i in (0, 1):   # the residual sums: float32 for the next sum and the bias gradient
         for dx, copy in ((f"h{i}_x1.grad", f"h{i}_x1.grad@bf16"),) + (
                 ((f"h{i}_x.grad", f"h{i}_x.grad@bf16"),) if i == 0 else ()):
@@ -1056,11 +1271,14 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
                    for op in g.ops.values())
     # the layer norms' input gradients' dy (the data gradients of qkv, fc1
     # and the lm-head) written as bits by their GemmEx, read by the layer
-    # norms' gradients, which write float32 gradients
+    # norms' gradients, which write float32 gradients (ln_f's, xf.grad's
+    # reader, its dx's bits too, as its last output)
     for dy in ("h0_n1.grad", "h0_n2.grad", "h1_n1.grad", "h1_n2.grad", "xf.grad"):
         assert writers[dy] == "InnerProductGradData", dy
         assert [r.op_type for r in cons[dy]] == ["LayerNormGrad"], dy
-        assert all(g.blobs[o].dtype == "float32" for o in cons[dy][0].outputs)
+        outs = cons[dy][0].outputs
+        assert all(g.blobs[o].dtype == "float32" for o in outs[:3])
+        assert outs[3:] == (["h1_x.grad@bf16"] if dy == "xf.grad" else [])
     # the MLP projection's data gradient (bf16 values, read by GELU's gradient
     # alone) written as bits by its GemmEx; GELU's gradient reads it so and
     # writes a float32 dx (the fc bias gradient's input)
@@ -1354,17 +1572,56 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     assert gelu > 0 and first_on["gelu_backward_bdy_bx_copy_f32"] == gelu
     assert first_on.get("gelu_backward_bdy_bx_f32", 0) == 0
     # the residual gradients' sums write their bits too: a block's two, but
-    # for the last block's first, ln_f's dx (a LayerNormGrad's: a Cast) --
-    # three sums for the two blocks' GELUs
+    # for the last block's first, ln_f's dx (its LayerNormGrad writes them,
+    # reading the lm-head's data gradient as bits) -- three sums for the two
+    # blocks' GELUs
     assert 2 * first_on["add_copy_f32"] == 3 * gelu
+    assert 2 * first_on["layernorm_backward_bdy_copy_f32"] == gelu   # one ln_f, two blocks
     # qkv, the attention's projection, fc1 and fc2 (with their biases)
     # write bits: four for each GELU; the two residual adds read them
     assert first_on["bias_bits_f32"] == 4 * gelu
     assert first_on["add_bits_f32"] == 2 * gelu
     for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bx_f32",
                  "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32",
-                 "add_copy_f32"):
-        assert first_off[func] == 0, func
+                 "add_copy_f32", "layernorm_backward_bdy_copy_f32"):
+        assert first_off.get(func, 0) == 0, func
+
+
+def test_a_bf16_gpt_with_dropout_writes_the_dropout_gradients_bits_and_trains_the_same(
+        host_build_dir, monkeypatch):
+    """The 2-block GPT with dropout 0.1 (the attention's and the MLP's
+    residual dropouts, redrawn on the device): each redrawn dropout
+    gradient read by a bias gradient and, through a Cast, by products
+    writes dx's bits itself (``bits_copy``, ``fold_copies``): no Cast of a
+    gradient is left. Three captured AdamW steps give the same losses and
+    weights bit for bit with bits storage as with float32 storage, the
+    redrawn gradients as ``dropout_apply_copy_f32`` launches."""
+    import functools
+
+    import tests.gpt_oracle as oracle
+    monkeypatch.setattr(oracle, "gpt_net", functools.partial(oracle.gpt_net, dropout=0.1))
+    g = _gpt(monkeypatch, host_build_dir)
+    cons = g.consumers()
+    grads = [op for op in g.ops.values() if op.op_type == "DropoutRedrawGrad"]
+    assert grads and not any(op.op_type == "Cast" and ".grad" in op.inputs[0]
+                             for op in g.ops.values())
+    copied = [op for op in grads if op.attrs.get("bits_copy")]
+    assert len(copied) == 4   # the two blocks' attention and MLP residual dropouts
+    for op in copied:
+        dx, copy = op.outputs
+        assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
+        assert g.blobs[dx].dtype == "float32" and g.blobs[copy].dtype == "uint16"
+        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
+        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
+                                                         "InnerProductGradWeight"]
+    on = _train(monkeypatch, host_build_dir, "1", iters=3)
+    off = _train(monkeypatch, host_build_dir, "0", iters=3)
+    assert on[0] == off[0] and on[0][-1] != on[0][0]
+    for name in off[1]:
+        np.testing.assert_array_equal(on[1][name].view(np.uint32), off[1][name].view(np.uint32),
+                                      err_msg=name)
+    assert on[2][0]["dropout_apply_copy_f32"] == 2 * len(copied)   # eager and captured
+    assert off[2][0].get("dropout_apply_copy_f32", 0) == 0
 
 
 @pytest.mark.parametrize("way", ["micro_batches", "recompute"])

@@ -142,6 +142,11 @@ def _cases():
          [big, np.full(big.size // 8, 0xB7, np.uint8)], [np.empty_like(big)]),
         ("DropoutReplay", {"ratio": 0.1}, [big, np.full(big.size // 8, 0xB7, np.uint8)],
          [np.empty_like(big)]),
+        # the redrawn gradient writing dx's bits too (bits_copy): the draw's
+        # temporaries, then to_bf16_bits's scratch
+        ("DropoutRedrawGrad", {"ratio": 0.1, "stream": "drop", "bits_copy": [0],
+                               "bits_out": [1]},
+         [big, np.array(3)], [np.empty_like(big), np.empty(big.shape, np.uint16)]),
         # a 1x1 conv's weight gradient: a chunk's per-sample products and
         # their sum (42 samples of 96 KiB columns a chunk here: 2.1 MiB)
         ("ConvGradWeight", {}, [_f(64, 128, 16, 16), _f(64, 96, 16, 16)],
@@ -172,6 +177,12 @@ def _cases():
         ("GeluGrad", {"approximate": "tanh", "bits_copy": [0], "bits_out": [1]},
          [_bits(4, 64, 512), _bits(4, 64, 512)],
          [np.empty((4, 64, 512), np.float32), np.empty((4, 64, 512), np.uint16)]),
+        # ln_f's gradient of a bits dy writing dx's bits too (bits_copy): a
+        # chunk's dxhat and row means, the widened dy, to_bf16_bits's scratch
+        ("LayerNormGrad", {"outputs": ["dx", "dg", "db"], "bits_copy": [0], "bits_out": [3]},
+         [_bits(8, 64, 512), _f(8, 64, 512), _f(512), _f(8, 64), np.abs(_f(8, 64))],
+         [np.empty((8, 64, 512), np.float32), np.empty(512, np.float32),
+          np.empty(512, np.float32), np.empty((8, 64, 512), np.uint16)]),
         # a weight gradient of several chunks: each chunk's product after
         # the first a new (O, K) array (1.6 MiB; before it was declared
         # 'assert 1644528 <= ((0 * 1.1) + 262144)'), on the rows path and

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..base.backend import get_xp, to_numpy
 from ..base.errors import ShapeError
+from ..base.precision import BITS, to_bf16_bits, wire_scratch
 from ..gpu.raw import raw_kernels
 from ..base.philox import dropout_keys, keep_mask, keep_mask_temporaries
 from .registry import OpKernel, gradient, register, specs_nbytes
@@ -141,20 +142,25 @@ def dropout_forward(x, it, ratio, keys, y, mask=None, split=None):
     y *= 1.0 / (1.0 - ratio)
 
 
-def dropout_apply(x, it, ratio, keys, y, split=None):
+def dropout_apply(x, it, ratio, keys, y, split=None, copy=None, scratch=None):
     """y = x * keep / (1 - ratio) of ``dropout_forward``'s draw, no mask
     written: on a GPU one kernel (``dropout_apply``: nothing kept, nothing
     allocated), on the host ``dropout_forward`` without a mask. Given
     Dropout's dy for x, y is its dx: (dy * keep) * scale, the product
-    ``dropout_backward`` makes with the kept mask, bit for bit."""
+    ``dropout_backward`` makes with the kept mask, bit for bit. ``copy``
+    (uint16, y's size; float32 y): y's bfloat16 bits too -- on a GPU in the
+    same kernel (``dropout_apply_copy_f32``), on the host ``to_bf16_bits``
+    of y after (``scratch``: its ``wire_scratch``)."""
     k = raw_kernels(get_xp(x), x)
     if k is None or split:
         dropout_forward(x, it, ratio, keys, y, None, split)
+        if copy is not None:
+            to_bf16_bits(y, copy, scratch)
         return
     key0, key1, ctr1 = keys
     if get_xp(it) is np:
         it = _iteration_value(it)
-    k.dropout_apply(x, it, ratio, key0, key1, ctr1, out=y)
+    k.dropout_apply(x, it, ratio, key0, key1, ctr1, out=y, copy=copy)
 
 
 def dropout_backward(dy, mask, ratio, out):
@@ -359,10 +365,21 @@ class DropoutRedrawGrad(PhiloxStream, OpKernel):
     mask: dx = (dy * mask) / (1 - ratio), the bits ``DropoutGrad`` gives.
     parallel/placement.redraw_dropout_masks makes it on a GPU, where the
     draw is one kernel that reads the device's iteration blob, so no mask
-    lives from the forward to the backward (PyTorch keeps a bool one)."""
+    lives from the forward to the backward (PyTorch keeps a bool one).
+
+    With attr ``bits_copy: [0]`` (bf16 storage, parallel/precision.
+    fold_copies: a residual dropout's dx read as float32 by the projection's
+    bias gradient and, as bits, by its data and weight gradients) a second
+    output, dx's bfloat16 bits (uint16: the bits a Cast of dx wrote): on a
+    GPU in the draw's pass (``dropout_apply_copy_f32``), on the host
+    ``to_bf16_bits`` of dx after the draw."""
 
     op_type = "DropoutRedrawGrad"
     in_place = ((0, 0),)  # dx over dy
+
+    @classmethod
+    def bits_copies(cls, attrs):
+        return (0,)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -372,14 +389,27 @@ class DropoutRedrawGrad(PhiloxStream, OpKernel):
         if not attrs.get("stream"):
             raise ShapeError("DropoutRedrawGrad needs the forward's Philox stream (attr stream)")
         check_iteration("DropoutRedrawGrad", ins[1])
-        return [ins[0]]
+        copy = list(attrs.get("bits_copy", ()))
+        if copy not in ([], [0]) or (copy and np.dtype(ins[0][1]) != np.float32):
+            raise ShapeError(f"DropoutRedrawGrad: bits_copy takes [0] of a float32 dx, got "
+                             f"{copy} ({ins[0][1]})")
+        return [ins[0]] + [(ins[0][0], BITS)] * len(copy)
 
     def host_temporaries(self, ins, outs):
-        """The host draw's temporaries (``keep_mask_temporaries``)."""
-        return keep_mask_temporaries(tuple(ins[0].shape), self.split)
+        """The host draw's temporaries (``keep_mask_temporaries``); for dx's
+        bits copy (``bits_copy``) to_bf16_bits's scratch."""
+        specs = keep_mask_temporaries(tuple(ins[0].shape), self.split)
+        if len(outs) > 1:
+            specs = list(specs) + [(wire_scratch(outs[0].size).shape, np.uint32)]
+        return specs
 
     def run(self, ins, outs):
-        dropout_apply(ins[0], ins[1], _ratio(self.attrs), self.keys, outs[0], self.split)
+        copy = outs[1] if len(outs) > 1 else None
+        scratch = None
+        if copy is not None and get_xp(outs[0]) is np:
+            (scratch,) = self.temporaries(outs[0], self.host_temporaries(ins, outs)[-1])
+        dropout_apply(ins[0], ins[1], _ratio(self.attrs), self.keys, outs[0], self.split,
+                      copy, scratch)
 
 
 def redraw_grad_attrs(op):

@@ -201,7 +201,16 @@ class LayerNormGrad(OpKernel):
     gradients are float32, on a GPU dy widened exactly in the kernels
     (``layernorm_backward_bdy_f32``, db's column sums ``sum_rows_bits_f32``),
     on the host into a float32 copy first (``host_temporaries``): the
-    float32 dy's gradients bit for bit."""
+    float32 dy's gradients bit for bit.
+
+    With attr ``bits_copy`` (the index of dx among the outputs; bf16
+    storage, parallel/precision.fold_copies: a dx read as float32 -- the
+    final layer norm's, by the last residual sum and the projection's bias
+    gradient -- and, as bits, by the products) a last output, dx's
+    bfloat16 bits (uint16: the bits a Cast of dx wrote): on a GPU in the
+    backward kernel's pass (``layernorm_backward_copy_f32``,
+    ``layernorm_backward_bdy_copy_f32``), on the host ``to_bf16_bits`` of
+    each chunk of rows as it is done: no Cast, no second read of dx."""
 
     op_type = "LayerNormGrad"
 
@@ -209,16 +218,25 @@ class LayerNormGrad(OpKernel):
     def bits_inputs(cls, attrs):
         return (0,)
 
+    @classmethod
+    def bits_copies(cls, attrs):
+        wanted = list(attrs.get("outputs", ()))
+        return (wanted.index("dx"),) if "dx" in wanted else ()
+
     def host_temporaries(self, ins, outs):
         """``_grad_host``'s: a chunk's dxhat and two row means (``host_rows``)
         with dx; the whole xhat without dx but with dg (with dx it is made
-        in dx's bytes); a float32 copy of a dy stored as bits (last)."""
+        in dx's bytes); a float32 copy of a dy stored as bits; for dx's bits
+        copy (``bits_copy``) to_bf16_bits's scratch (last)."""
         x, wanted = ins[1], self.attrs["outputs"]
         rows = host_rows(x)[1]
         whole = [(x.shape, x.dtype)] if "dg" in wanted and "dx" not in wanted else []
         part = [((rows, x.shape[-1]), x.dtype), ((rows,), x.dtype), ((rows,), x.dtype)] \
             if "dx" in wanted else []
-        return part + whole + ([(tuple(ins[0].shape), np.float32)] if is_bits(ins[0]) else [])
+        wide = [(tuple(ins[0].shape), np.float32)] if is_bits(ins[0]) else []
+        copy = [(wire_scratch(rows * x.shape[-1]).shape, np.uint32)] \
+            if len(outs) > len(wanted) else []
+        return part + whole + wide + copy
 
     def scratch_specs(self, ins, outs):
         if not _fused(ins[1]):
@@ -237,33 +255,53 @@ class LayerNormGrad(OpKernel):
         (dys, dyd), (xs, _), (gs, _), _, _ = ins
         shapes = {"dx": tuple(xs), "dg": tuple(gs), "db": tuple(gs)}
         dtype = value_dtype(dyd)   # a bits dy: float32 gradients
-        return [(shapes[o], dtype) for o in attrs["outputs"]]
+        wanted = list(attrs["outputs"])
+        copy = list(attrs.get("bits_copy", ()))
+        if copy and (copy != list(cls.bits_copies(attrs)) or np.dtype(dtype) != np.float32):
+            raise ShapeError(f"LayerNormGrad: bits_copy takes [{wanted.index('dx')}] (dx among "
+                             f"{wanted}) of a float32 dx, got {copy} ({np.dtype(dtype).name})"
+                             if "dx" in wanted else
+                             f"LayerNormGrad: bits_copy takes a dx among the outputs, got "
+                             f"{copy} of {wanted}")
+        return [(shapes[o], dtype) for o in wanted] + [(tuple(xs), BITS)] * len(copy)
 
     def run(self, ins, outs):
         dy, x, g, mean, rstd = ins
         xp = get_xp(dy)
-        got = dict(zip(self.attrs["outputs"], outs))
+        wanted = self.attrs["outputs"]
+        got = dict(zip(wanted, outs))
+        copy = outs[len(wanted)] if len(outs) > len(wanted) else None
+        if copy is not None and np.dtype(x.dtype) != np.dtype(np.float32):
+            raise TypeError(f"LayerNormGrad '{self.op.name}': dx's bits copy takes a float32 "
+                            f"x and dx, got {x.dtype}")
         k = float_kernels(xp, *ins)
         if is_bits(dy) and (k is None or np.dtype(x.dtype) != np.dtype(np.float32)):
             if xp is not np:
                 raise TypeError(f"LayerNormGrad '{self.op.name}': a dy stored as bits takes a "
                                 f"float32 x, got {x.dtype}")
             temps = self.temporaries(x, *self.host_temporaries(ins, outs))
+            bits = temps[-1] if copy is not None else None
+            temps = temps[:-1] if copy is not None else temps
             from ..base.precision import from_bf16_bits
-            _grad_host(from_bf16_bits(dy, temps[-1]), x, g, mean, rstd, got, temps[:-1])
+            _grad_host(from_bf16_bits(dy, temps[-1]), x, g, mean, rstd, got, temps[:-1],
+                       copy, bits)
             return
         if k is not None:
             temps = self.temporaries(x, *self.scratch_specs(ins, outs))
             dyxhat = temps[0] if "dg" in got else None
-            k.layernorm_backward(dy, x, g, mean, rstd, dx=got.get("dx"), dyxhat=dyxhat)
+            k.layernorm_backward(dy, x, g, mean, rstd, dx=got.get("dx"), dyxhat=dyxhat,
+                                 copy=copy)
             if "db" in got:
                 column_sum(xp, k, dy, got["db"], temps[-1])
             if "dg" in got:
                 column_sum(xp, k, dyxhat, got["dg"], temps[-1])
             return
         if xp is np:
-            _grad_host(dy, x, g, mean, rstd, got,
-                       self.temporaries(x, *self.host_temporaries(ins, outs)))
+            temps = self.temporaries(x, *self.host_temporaries(ins, outs))
+            if copy is None:
+                _grad_host(dy, x, g, mean, rstd, got, temps)
+            else:
+                _grad_host(dy, x, g, mean, rstd, got, temps[:-1], copy, temps[-1])
             return
         if "db" in got:
             column_sum(xp, k, dy, got["db"])
@@ -277,14 +315,16 @@ class LayerNormGrad(OpKernel):
             _dx(xp, k, dy, g, rstd, xhat, got["dx"], dxhat, a, c)
 
 
-def _grad_host(dy, x, g, mean, rstd, got, temps):
+def _grad_host(dy, x, g, mean, rstd, got, temps, copy=None, bits=None):
     """LayerNormGrad on the host: xhat once, a chunk (``host_rows``) at a
     time, into dx's bytes (without dx: the whole temporary ``temps[-1]``),
     dg = the column sums of dy * xhat and db those of dy (einsum over the
     whole arrays: one order whatever the chunks), then dx made over xhat in
     place, the row means einsum's (``_normalise_host``), mean(dxhat * xhat)
     one einsum of the two (no product array). ``temps``: dxhat (a chunk's)
-    and the chunk's two row means with dx, then the whole xhat without dx."""
+    and the chunk's two row means with dx, then the whole xhat without dx.
+    ``copy`` (uint16, x's size; ``bits``: to_bf16_bits's scratch): dx's
+    bfloat16 bits too, each chunk's as its dx is done."""
     n = x.shape[-1]
     dy2, x2, mean1, rstd1 = dy.reshape(-1, n), x.reshape(-1, n), mean.reshape(-1), \
         rstd.reshape(-1)
@@ -313,6 +353,8 @@ def _grad_host(dy, x, g, mean, rstd, got, temps):
         np.subtract(d, dx, out=dx)
         dx -= am[:, None]
         dx *= rstd1[s][:, None]
+        if copy is not None:
+            to_bf16_bits(dx, copy.reshape(-1, n)[s], bits)
 
 
 def _xhat(xp, x, mean, rstd, out):

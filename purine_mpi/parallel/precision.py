@@ -45,8 +45,9 @@ whose producer can write bits itself (LayerNorm's y, GELU's y), the
 producer writes the bits and the Cast and the float32 blob go
 (``fold_casts``). Where the source has float32 readers too and its
 producer can write the bits as a second output (``OpKernel.bits_copies``:
-GELU's gradient, a gradient ``Sum``), it does, in the same pass, and the
-Cast goes (``fold_copies``): the float32 blob stays for those readers.
+GELU's gradient, a gradient ``Sum``, a layer norm's gradient's dx, a
+redrawn dropout's gradient), it does, in the same pass, and the Cast goes
+(``fold_copies``): the float32 blob stays for those readers.
 A bf16 product (no fused ReLU) writes its output as bits
 too: without a bias its GemmEx's bfloat16 result; with one its GemmEx's
 float32 result into scratch, to which one kernel adds the bias before the
@@ -297,7 +298,9 @@ def fold_copies(graph):
     it waits for the producer). The float32 blob stays for its other
     readers; the bits are those the Cast wrote, written in the producer's
     pass (GeluGrad's dx read by the fc bias gradient and, as bits, by the
-    fc's data and weight gradients). A float32 reader emitted after the
+    fc's data and weight gradients; a residual gradient's Sum; ln_f's
+    LayerNormGrad's dx; a residual dropout's DropoutRedrawGrad). A float32
+    reader emitted after the
     first reader of the bits that would be ready as early (the bias
     gradient, emitted after the fc's data and weight gradients) moves
     before it in the emission order (``_float32_readers_first``), so the

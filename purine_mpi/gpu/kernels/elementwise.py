@@ -39,21 +39,37 @@ def dropout_forward(x, iteration, ratio, key0, key1, ctr1=0, out=None):
     return _finish(y, y_target), _finish(mask, mask_target)
 
 
-def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None):
+def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None, copy=None):
     """``dropout_forward``'s y without the mask: the same Philox draw, y = (x
     * mask) / (1 - ratio), nothing else written. Given Dropout's dy for x, y
-    is its dx (the mask drawn again, not kept: the bits the forward drew)."""
+    is its dx (the mask drawn again, not kept: the bits the forward drew).
+    ``copy`` (uint16, C-contiguous, x's size, no input's bytes; x and a
+    C-contiguous ``out`` float32): also the bits of the bfloat16 nearest
+    each y, in the same pass (``dropout_apply_copy_f32``:
+    ``to_bf16_bits_device`` of y bit for bit)."""
     from ...base.philox import keep_threshold
     cupy = import_cupy()
     threshold = keep_threshold(ratio)
     x = _input(cupy, x, "dropout_apply: x")
+    if copy is not None:
+        if out is None or np.dtype(x.dtype) != np.dtype(np.float32):
+            raise ValueError(f"dropout_apply: a copy takes a float32 x and out, got x "
+                             f"{x.dtype} and out {None if out is None else out.dtype}")
+        _bits_array(out, np.float32, "dropout_apply: out")
+        _bits_array(copy, np.uint16, "dropout_apply: copy")
+        if copy.size != x.size:
+            raise ValueError(f"dropout_apply: copy has {copy.size} elements, x {x.size}")
     y, target = _output(cupy, out, x.shape, x.dtype, "dropout_apply")
     it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
     u32 = np.uint32
-    _base._launch("dropout", "dropout_apply", x.dtype, -(-x.size // 4),
-                  (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
-                   u32(int(ctr1) & 0xFFFFFFFF), u32(threshold),
-                   x.dtype.type(1.0 / (1.0 - float(ratio))), y))
+    args = (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
+            u32(int(ctr1) & 0xFFFFFFFF), u32(threshold),
+            x.dtype.type(1.0 / (1.0 - float(ratio))), y)
+    if copy is not None:
+        _base._launch("dropout", "dropout_apply_copy_f32", None, -(-x.size // 4),
+                      args + (copy,))
+    else:
+        _base._launch("dropout", "dropout_apply", x.dtype, -(-x.size // 4), args)
     return _finish(y, target)
 
 
@@ -607,14 +623,27 @@ def layernorm_forward(x, g, b, eps, y, mean, rstd):
     return y
 
 
-def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None):
+def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
     """Layer norm's input gradient in one kernel (cuda/layernorm.cu): into
     ``dx`` (x's shape; may be ``dy`` or ``x``), and into ``dyxhat`` dy *
     xhat, whose column sums are the weight gradient; either may be None.
     ``dy`` may be bfloat16 bits (uint16, C-contiguous, x's size; x and the
     rest float32; dx not ``dy``): widened exactly in the kernel
-    (``layernorm_backward_bdy_f32``), the float32 ``dy``'s results."""
+    (``layernorm_backward_bdy_f32``), the float32 ``dy``'s results.
+    ``copy`` (uint16, C-contiguous, x's size, no input's bytes; x float32,
+    ``dx`` given): also the bits of the bfloat16 nearest each float32 dx,
+    in the same pass (``layernorm_backward_copy_f32``,
+    ``layernorm_backward_bdy_copy_f32``: ``to_bf16_bits_device`` of dx bit
+    for bit)."""
     cupy = import_cupy()
+    if copy is not None:
+        if dx is None or np.dtype(x.dtype) != np.dtype(np.float32):
+            raise ValueError(f"layernorm_backward: a copy takes a float32 x and dx, got x "
+                             f"{x.dtype} and dx {None if dx is None else dx.dtype}")
+        _bits_array(copy, np.uint16, "layernorm_backward: copy")
+        if copy.size != x.size or any(copy is a for a in (dy, x, g, mean, rstd)):
+            raise ValueError(f"layernorm_backward: copy must be x's {x.size} elements on no "
+                             f"input's bytes, got {copy.size}")
     n = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 0
     c = int(x.shape[-1]) if x.ndim else 0
     outs = {name: (a, x.size) for name, a in (("dx", dx), ("dyxhat", dyxhat)) if a is not None}
@@ -628,7 +657,12 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None):
         outs["dy"] = (dy, x.size)
     x, rows, cols = _ln_rows(cupy, "layernorm_backward", x, g=(g, c), mean=(mean, n),
                              rstd=(rstd, n), **outs)
-    if rows and cols and (dx is not None or dyxhat is not None):
+    if rows and cols and copy is not None:
+        _base._launch_blocks("layernorm", "layernorm_backward" + "_bdy" * bits + "_copy_f32",
+                             None, min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd, dx,
+                              x if dyxhat is None else dyxhat, _int(dyxhat is not None), copy))
+    elif rows and cols and (dx is not None or dyxhat is not None):
         _base._launch_blocks("layernorm", "layernorm_backward_bdy_f32" if bits
                              else "layernorm_backward", None if bits else x.dtype,
                              min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
