@@ -431,3 +431,53 @@ def test_predict_costs_reduce_scatter_false_as_an_allreduce(traced_sharded, tmp_
         assert r["comm_bytes"] == 2 * total and r["comm_ops"] % 2 == 0
         want = r["comm_ops"] // 2 * 3 * (n - 1) * alpha + 3 * (n - 1) / n * total / beta
         assert r["comm_ms"] == pytest.approx(1000 * want, abs=2e-3), n
+
+
+def test_a_shards_ops_at_another_rank_count_take_their_elements_share():
+    """ZeRO names an op on a gradient's shard after the shard's bounds
+    (``w.grad.shard[a:b].clip``, a shard's update ``w.update[a:b]``), which
+    the rank count sets: at another rank count the op takes its elements'
+    share of the traced ops on the same gradient's shards (the rank's own,
+    else every rank's), or of the op on the whole gradient (``rows``: its
+    elements); the whole op traced as shards, their sum. Before, the first
+    two were None (priced 0 s: 4 ranks from a 2-rank stage-3 trace above
+    100 % efficiency)."""
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    two = Durations({0: {"w.grad.shard[0:100].clip": 1.0, "w.update[0:100]": 2.0},
+                     1: {"w.grad.shard[100:200].clip": 3.0, "w.update[100:200]": 4.0}})
+    assert two.lookup("w.grad.shard[0:50].clip", 0) == pytest.approx(0.5)
+    assert two.lookup("w.grad.shard[50:100].clip", 1) == pytest.approx(1.5)
+    assert two.lookup("w.grad.shard[150:200].clip", 3) == pytest.approx(4.0 / 4)
+    assert two.lookup("w.update[0:50]", 0) == pytest.approx(1.0)
+    assert two.lookup("w.update[150:200]", 3) == pytest.approx(6.0 / 4)
+    assert two.lookup("w.grad.clip", 0) == pytest.approx(4.0)
+    assert two.lookup("w.update", 0) == pytest.approx(6.0)
+    assert two.lookup("v.grad.shard[0:5].clip", 0) is None
+    assert two.lookup("w.grad.shard[0:5].norm", 0) is None
+    for name in ("w.grad.clip", "w.grad.sum.clip"):
+        one = Durations({0: {name: 2.0}})
+        assert one.lookup("w.grad.shard[0:50].clip", 0, rows=200) == pytest.approx(0.5)
+        assert one.lookup("w.grad.shard[0:50].clip", 0) is None  # the whole's size unknown
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_predict_prices_a_stage_3_traces_clipping_at_every_rank_count(tmp_path, ranks):
+    """A stage-3 run with gradient clipping traced on 1 or 2 ranks: at 1, 2
+    and 4 ranks every compute op is priced from the trace (the shards'
+    clipping and updates whose bounds the rank count moves: their elements'
+    share). Before: 4 untraced ops (0 s) at 2 and 4 ranks from 1 rank; 6 at
+    1 rank and 8 at 4 ranks from 2 ranks."""
+    net = dict(NET, parallel={"scheme": "sharded", "shard": 3},
+               solver=dict(NET["solver"], clip_gradients=1.0))
+    cfg = write_config_file(tmp_path, net)
+    run = tmp_path / "run"
+    args = ("train", cfg, "--out", run, "--profile-iters", "2:6", "--iters", 6)
+    res = run_cli_args(*args) if ranks == 1 else run_mpi_cli(2, *args)
+    assert res.returncode == 0, res.stderr
+    link = tmp_path / "link.json"
+    save_link(link, Link(2e-5, 1.25e8, 0.0, "test"))
+    res = run_cli_args("predict", run, "--np", "1,2,4", "--link", link, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["rows"]
+    assert [(r["np"], r["untraced_ops"]) for r in rows] == [(1, 0), (2, 0), (4, 0)]

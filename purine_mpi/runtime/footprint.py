@@ -736,22 +736,52 @@ def coexisting_bytes(graph, roots):
         for r in {root_of[b] for b in op.inputs if b in root_of}:
             touched[r] |= 1 << pos[op.name]
 
-    def before(a, b):
-        return bool(writers[b]) and all(anc[w] & touched[a] == touched[a] for w in writers[b])
+    # A before B: every op touching A is an ancestor of every writer of B,
+    # that is none of them outside the ancestors B's writers all share
+    # (``outside``; a root nothing writes comes after none: ``unwritten``)
+    outside, unwritten = {}, {r for r in roots if not writers[r]}
+    for r in roots:
+        bits = -1
+        for w in writers[r]:
+            bits &= anc[w]
+        outside[r] = ~bits
     size = {r: _root_nbytes(graph.blobs[r]) for r in roots}
-    beside = {r: {s for s in roots if s != r and not before(r, s) and not before(s, r)}
-              for r in roots}
-    best = 0
+    beside = {r: set() for r in roots}
+    for i, a in enumerate(roots):
+        ta, oa = touched[a], outside[a]
+        for b in roots[i + 1:]:
+            if ((ta & outside[b] or b in unwritten)     # neither before the other
+                    and (touched[b] & oa or a in unwritten)):
+                beside[a].add(b)
+                beside[b].add(a)
+    return _heaviest_clique(roots, size, beside)
 
-    def grow(total, free):  # Bron-Kerbosch over the unordered pairs, heaviest first
-        nonlocal best
-        best = max(best, total)
-        for r in sorted(free, key=lambda r: -size[r]):
-            if total + sum(size[s] for s in free) <= best:
-                return
-            grow(total + size[r], free & beside[r])
-            free = free - {r}
-    grow(0, set(roots))
+
+def _heaviest_clique(roots, size, beside):
+    """The most total ``size`` of a set of ``roots`` each of which is in
+    the others' ``beside`` sets: Bron-Kerbosch over the unordered pairs,
+    heaviest first, a branch left when its total and all it could still
+    add are no more than the best found. An explicit stack, not recursion:
+    a thousand buckets live together (a deep model at stage 3) passed
+    Python's recursion limit."""
+    order = sorted(roots, key=lambda r: -size[r])
+    best = 0
+    # a frame: [total, the roots it may still add, their sum, its candidates, next one]
+    stack = [[0, set(roots), sum(size.values()), order, 0]]
+    while stack:
+        frame = stack[-1]
+        total, free, room, cands, i = frame
+        if i == 0:
+            best = max(best, total)
+        if i >= len(cands) or total + room <= best:
+            stack.pop()
+            continue
+        r = cands[i]
+        frame[4] = i + 1
+        frame[1], frame[2] = free - {r}, room - size[r]
+        inner = free & beside[r]
+        stack.append([total + size[r], inner, sum(size[s] for s in inner),
+                      [s for s in order if s in inner], 0])
     return best
 
 

@@ -73,13 +73,15 @@ def node_ranks(limits, size):
     return size, None
 
 
-def host_ranks(limits, size, rank):
+def host_ranks(limits, size, rank, per_node=None):
     """The ranks of a ``size``-rank job that share ``rank``'s node, the
     ranks placed in blocks of ``node_ranks`` (``block_nodes``: the last
     node the rest): what the launcher tells that rank in the run
     (base/threads.LOCAL_SIZE_VARS), and so the ranks its thread count is
-    shared among (base/threads.decide)."""
-    per_node = node_ranks(limits, size)[0]
+    shared among (base/threads.decide). ``per_node``: ``node_ranks``'
+    count, where the caller has it (it reads the environment)."""
+    if per_node is None:
+        per_node = node_ranks(limits, size)[0]
     return min(per_node, size - rank // per_node * per_node)
 
 
@@ -171,7 +173,8 @@ def plan_node_checks(fps, like, size, limits):
     blocks of ``node_ranks``, each node checked against this host's
     MemAvailable (the node plan runs on stands for each)."""
     per_node, source = node_ranks(limits, size)
-    needs = {r: fps[like.get(r, r)].host_total for r in range(size)}
+    totals = {r: fp.host_total for r, fp in fps.items()}  # each footprint once
+    needs = {r: totals[like.get(r, r)] for r in range(size)}
     nodes = block_nodes(size, per_node)
     avail = mem_available()
     placed = (f"{per_node} ranks a node, from {source}" if source else
@@ -514,7 +517,8 @@ def ranks_to_build(job, size, limits=None):
     --ranks-per-node 2`` on 2 cores gave rank 8, alone on its node at 2
     threads, rank 1's 1-thread scratch: 65536 bytes for 458752."""
     built, like = _alike(job, size)
-    count = {r: host_ranks(limits, size, r) for r in set(like) | set(like.values())}
+    per_node = node_ranks(limits, size)[0]
+    count = {r: host_ranks(limits, size, r, per_node) for r in set(like) | set(like.values())}
     placed, first = {}, {}
     for r in sorted(like):
         src = like[r]
@@ -783,13 +787,15 @@ def run_plan(job, size, limits, as_json=False, restore=None):
     built, like = ranks_to_build(job, size, limits)
     fps, everyone = offline_footprints(job, size, built, restore, limits=limits)
     set_transports(fps, size, limits)
-    groups = {}
+    groups, keys = {}, {}  # keys: {built rank: its footprint's figures}, each read once
     for r in range(size):
-        fp = fps[like.get(r, r)]
-        d = fp.as_dict()
-        d.pop("rank")
-        key = repr(d)
-        groups.setdefault(key, (fp, []))[1].append(r)
+        src = like.get(r, r)
+        key = keys.get(src)
+        if key is None:
+            d = fps[src].as_dict()
+            d.pop("rank")
+            key = keys[src] = repr(d)
+        groups.setdefault(key, (fps[src], []))[1].append(r)
     kinds = []
     for fp, ranks in groups.values():
         lims = limits_for(limits, sorted(fp.devices))

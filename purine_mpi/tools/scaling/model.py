@@ -46,7 +46,11 @@ second once.
 
 An op on a gradient that the rank count renames (``w.grad.sum.clip`` on N
 ranks, ``w.grad.clip`` on one: trace_reader.sum_alias) takes the traced
-time of its other name. A compute op absent from the trace otherwise (a
+time of its other name; an op on a ZeRO shard of a gradient, named after
+the shard's bounds that the rank count sets (``w.grad.shard[a:b].clip``),
+its elements' share of the traced ops on the same gradient's shards, or of
+the op on the whole gradient (``w.grad.clip``: trace_reader.Durations.
+lookup). A compute op absent from the trace otherwise (a
 row chunk of a split weight, a shard's update, a copy into a bucket) is
 estimated: a chunk takes its
 rows' share of the whole op, a shard's update its elements' share; a Copy
@@ -59,7 +63,7 @@ import time
 from ...base.errors import UserError
 from ...comm.ops import moved_bytes, posted_type
 from .simulate import RankGraph, SimOp, simulate
-from .trace_reader import split_chunk, sum_alias
+from .trace_reader import shard_rows_key, split_chunk, split_shard, sum_alias
 
 #: the point-to-point comm ops: two-sided, and one-sided (comm/rma_ops.py,
 #: comm/rma_pull.py: a Put matched with its WaitWrite by window region)
@@ -147,6 +151,11 @@ class Template:
                                  if scenario.defer else (frozenset(), {}))
         self.rows = {}
         for name, op in graph.ops.items():
+            shard = split_shard(name)
+            if shard is not None and shard[0] in graph.blobs:
+                # an op on a gradient's shard: the whole gradient's elements
+                self.rows[shard[0] + shard[3]] = graph.blobs[shard[0]].size
+                continue
             base, _, b = split_chunk(name)
             if base is None:
                 continue
@@ -177,8 +186,7 @@ class Template:
                 if no_comm:
                     sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
             else:
-                base, _, _ = split_chunk(name)
-                seconds = durations.lookup(name, self.rank, self.rows.get(base))
+                seconds = durations.lookup(name, self.rank, self.rows.get(shard_rows_key(name)))
                 alias = sum_alias(name) if seconds is None else None
                 if alias:  # the op on the gradient, traced at another rank count
                     seconds = durations.lookup(alias, self.rank)

@@ -17,6 +17,7 @@ from collections import defaultdict
 from ...base.errors import UserError
 
 _RANK = re.compile(r"trace\.rank(\d+)\.json$")
+_SHARD = re.compile(r"(.+)\.shard\[(\d+):(\d+)\](\..+)")
 
 
 class Durations:
@@ -44,32 +45,69 @@ class Durations:
         # for every op of every candidate's graph (a name matched against
         # each traced name: 5% of ``plan --choose`` on gpt_small)
         self._chunks = defaultdict(set)
-        for ops in per_rank.values():
+        # (gradient, suffix) -> [(rank, seconds, elements)] of the traced
+        # ops on a ZeRO shard of it (``w.grad.shard[a:b].clip``: split_shard)
+        self._shards = defaultdict(list)
+        # base name -> [(rank, seconds, rows)] of its traced [a:b] chunks
+        self._chunk_rows = defaultdict(list)
+        for r, ops in per_rank.items():
             for name in ops:
                 base, a, b = split_chunk(name)
                 if base is not None:
                     self._rows[base] = max(self._rows.get(base, 0), b)
                     self._chunks[base].add(name)
+                    if b > a:
+                        self._chunk_rows[base].append((r, ops[name], b - a))
+                shard = split_shard(name)
+                if shard is not None and shard[2] > shard[1]:
+                    grad, a, b, suffix = shard
+                    self._shards[grad, suffix].append((r, ops[name], b - a))
+                    self._chunks[grad + suffix].add(name)
 
     def lookup(self, name, rank=0, rows=None):
         """Seconds of op ``name`` on ``rank``: that rank's median, else the
         median over the ranks that ran it; None when no rank traced it.
         A row chunk ``op[a:b]`` of an op traced whole takes its share of the
         rows (``rows``: how many the whole op has); a whole op traced as
-        chunks, their sum."""
+        chunks, their sum. An op on a ZeRO shard of a gradient the trace
+        does not name (``w.grad.shard[a:b].clip``: the bounds change with
+        the rank count) takes its elements' share of the traced ops on
+        shards of the same gradient (``rank``'s own, else every rank's),
+        else of the op on the whole gradient (``w.grad.clip``, ``rows``:
+        the gradient's elements), a bytes-bound op; a row chunk traced
+        neither whole nor under its name (a shard's update ``w.update[a:b]``
+        at another rank count), its rows' share of the traced chunks of the
+        op; the op on a whole gradient traced as shards, their sum."""
         found = self._exact(name, rank)
         if found is not None:
             return found
+        shard = split_shard(name)
+        if shard is not None:
+            return self._shard_share(rank, rows, *shard)
         base, a, b = split_chunk(name)
         if base is not None:
             whole = self._exact(base, rank)
             rows = self._rows.get(base) or rows
             if whole is not None and rows:
                 return whole * (b - a) / rows
-            return None
+            # traced as other chunks (a ZeRO shard's update ``w.update[a:b]``,
+            # its bounds set by the rank count): their rows' rate
+            return _share(self._chunk_rows.get(base, ()), rank, b - a)
         parts = [self._exact(n, rank) for n in self._chunks_of(name)]
         if parts and all(p is not None for p in parts):
             return sum(parts)
+        return None
+
+    def _shard_share(self, rank, rows, grad, a, b, suffix):
+        found = _share(self._shards.get((grad, suffix), ()), rank, b - a)
+        if found is not None:
+            return found
+        whole = grad + suffix
+        seconds = self._exact(whole, rank)
+        if seconds is None and sum_alias(whole):
+            seconds = self._exact(sum_alias(whole), rank)
+        if seconds is not None and rows:
+            return seconds * (b - a) / rows
         return None
 
     def least(self, name, rank=0):
@@ -87,6 +125,16 @@ class Durations:
 
     def _chunks_of(self, name):
         return sorted(self._chunks.get(name, ()))
+
+
+def _share(traced, rank, count):
+    """Seconds of ``count`` rows or elements at the rate of ``traced``
+    [(rank, seconds, rows)]: ``rank``'s own entries, else every rank's;
+    None when there are none."""
+    use = [t for t in traced if t[0] == rank] or traced
+    if not use:
+        return None
+    return sum(t[1] for t in use) * count / sum(t[2] for t in use)
 
 
 def sum_alias(name):
@@ -111,6 +159,28 @@ def split_chunk(name):
     if not m:
         return None, None, None
     return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def split_shard(name):
+    """``"w.grad.shard[0:112].clip"`` -> ("w.grad", 0, 112, ".clip"): an op
+    on elements a:b of a ZeRO shard (parallel/sharding.py names a shard
+    ``<blob>.shard[a:b]``), its bounds set by the rank count; None for any
+    other name (a name ending in the bounds is a row chunk: split_chunk)."""
+    m = _SHARD.fullmatch(name)
+    if not m:
+        return None
+    return m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+
+
+def shard_rows_key(name):
+    """The name whose element count ``Durations.lookup``'s ``rows`` gives
+    for op ``name``: a row chunk's whole op (split_chunk), a shard op's op
+    on the whole gradient (split_shard: ``w.grad.clip``); None otherwise."""
+    base, _, _ = split_chunk(name)
+    if base is not None:
+        return base
+    shard = split_shard(name)
+    return None if shard is None else shard[0] + shard[3]
 
 
 def trace_files(folder):
