@@ -107,6 +107,20 @@ def test_yaml_numbers_both_versions_agree_on_still_load(write_config, digits_h5)
     assert read_yaml(dump_config(config))["net"][0]["name"] == "024"
 
 
+# ------------------------------------------------------ empty path options
+@pytest.mark.parametrize("option", ["--resume", "--init", "--out"])
+def test_an_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path, option):
+    """``train JOB --resume "$CKPT"`` with CKPT unset trained afresh, exit 0
+    (and ``--init ''`` from fresh weights, ``--out ''`` into runs/<name>/<N>):
+    an empty value read as the option left out (before the fix:
+    ``assert res.returncode == 2`` failed, 0)."""
+    path = write_config(_job(digits_h5), "job.yaml")
+    out = [] if option == "--out" else ["--out", tmp_path / "run"]
+    res = run_cli_here("train", path, "--iters", "1", *out, option, "", cwd=tmp_path)
+    _user_error(res, f"argument {option}: an empty path", limit=3000)
+    assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "runs")
+
+
 # ----------------------------------------------------------------- case 10
 #: nine levels of nine aliases: 9^9 (387 million) values in 10 short lines,
 #: where a value is checked (and was quoted whole in the message)
