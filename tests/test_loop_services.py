@@ -4,6 +4,8 @@ the list, with no edit of the loop."""
 import ast
 import os
 
+import pytest
+
 from purine_mpi.train.loop import Loop, Service
 from purine_mpi.train.trainer import Trainer
 from tests.conftest import REPO, FakeWorld, make_job, small_net_config
@@ -98,3 +100,25 @@ def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
         assert not hasattr(cls, "agree_to_stop") and not hasattr(cls, "before_save")
     assert issubclass(WorkerStopAgreement, StopAgreement)
     assert "before_save" in vars(Service) and "before_save" in vars(WorkerStopAgreement)
+
+
+def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path, digits_h5):
+    """``solver.early_stop: {metric: acuracy}`` (or checkpoint.best's) trained
+    until the first test pass, then exited 2 (a long job's whole first test
+    interval spent; before the fix: the Trainer was built, ``pytest.raises``
+    failed: DID NOT RAISE). Now the Trainer refuses it, naming the key and the
+    figures, with a did-you-mean; the figures the net has still load."""
+    from purine_mpi.base.errors import ConfigError
+    for section, key in (("solver", "early_stop"), ("checkpoint", "best")):
+        cfg = small_net_config(str(digits_h5))
+        cfg[section][key] = {"metric": "acuracy"}
+        with pytest.raises(ConfigError) as info:
+            Trainer(make_job(cfg, path="job.yaml"), str(tmp_path / key), world=FakeWorld(),
+                    log=lambda m: None)
+        text = str(info.value)
+        assert text.startswith(f"job.yaml: key '{section}.{key}.metric': metric 'acuracy'")
+        assert "did you mean 'accuracy'?" in text and "it has loss, accuracy" in text
+        assert not os.path.exists(tmp_path / key / "latest.h5")
+        cfg[section][key] = {"metric": "accuracy"}
+        Trainer(make_job(cfg), str(tmp_path / f"{key}_ok"), world=FakeWorld(),
+                log=lambda m: None).close()

@@ -37,6 +37,25 @@ def _figure(results, metric, where):
     return float(results[metric])
 
 
+def check_watched_figures(job, figures):
+    """Exit 2 before the first iteration when ``solver.early_stop`` or
+    ``checkpoint.best`` names a metric that is none of the net's test
+    ``figures`` (RankGraphs.test_keys): found only at the first test pass,
+    it cost that many iterations. The same on every rank (the figures are
+    the whole test graph's)."""
+    import difflib
+    from ..base.errors import ConfigError
+    names = list(dict.fromkeys(figures))
+    for where, spec in (("solver.early_stop", job.solver.early_stop),
+                        ("checkpoint.best", job.checkpoint.best)):
+        if spec is not None and spec.metric not in names:
+            close = difflib.get_close_matches(spec.metric, names, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            has = f"it has {', '.join(names)}" if names else "it has no test pass"
+            raise ConfigError(job.path, f"{where}.metric", f"metric '{spec.metric}' is not a "
+                              f"test figure of this net{hint}; {has}")
+
+
 def _restored(loop, key, metric, mode):
     """The state ``key`` of ``loop.state.watch`` a resume gave back, when it
     was decided on the same metric in the same direction; else None."""
