@@ -241,3 +241,11 @@ def test_a_metric_watch_without_test_data_is_refused(cfg_dir, section, key):
     assert err.key == f"{section}.{key}" and "no data.test" in text
     assert "'accuracy'" in text
 
+
+def test_a_data_path_that_is_a_device_is_not_reported_missing(cfg_dir):
+    """``path: /dev/null`` said 'not found (looked for '/dev/null')', which
+    exists (before the fix: ``assert 'not a regular file' in text`` failed)."""
+    err, text = error_of(write(cfg_dir, BASE.replace("path: tiny.h5, split: train",
+                                                     "path: /dev/null, split: train")))
+    assert err.key == "data.train.path" and "not a regular file" in text
+    assert "not found" not in text
