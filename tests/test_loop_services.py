@@ -105,20 +105,34 @@ def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
 def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path, digits_h5):
     """``solver.early_stop: {metric: acuracy}`` (or checkpoint.best's) trained
     until the first test pass, then exited 2 (a long job's whole first test
-    interval spent; before the fix: the Trainer was built, ``pytest.raises``
-    failed: DID NOT RAISE). Now the Trainer refuses it, naming the key and the
-    figures, with a did-you-mean; the figures the net has still load."""
-    from purine_mpi.base.errors import ConfigError
+    interval spent; before the fix: ``assert not [r for r in rows if r.get('phase') ==
+    'train']`` failed: 6 train rows). Now the watch refuses it at the loop's start,
+    naming the file, the key and the figures, with a did-you-mean; a figure the net
+    has trains."""
+    import json
+    from purine_mpi.base.errors import UserError
     for section, key in (("solver", "early_stop"), ("checkpoint", "best")):
         cfg = small_net_config(str(digits_h5))
+        cfg["solver"].update(max_iter=6, display=1, test_interval=6)
         cfg[section][key] = {"metric": "acuracy"}
-        with pytest.raises(ConfigError) as info:
-            Trainer(make_job(cfg, path="job.yaml"), str(tmp_path / key), world=FakeWorld(),
+        out = tmp_path / key
+        t = Trainer(make_job(cfg, path="job.yaml"), str(out), world=FakeWorld(),
                     log=lambda m: None)
+        try:
+            with pytest.raises(UserError) as info:
+                t.run()
+        finally:
+            t.close()
+        metrics = out / "metrics.jsonl"
+        rows = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+        assert not [r for r in rows if r.get("phase") == "train"], rows
         text = str(info.value)
-        assert text.startswith(f"job.yaml: key '{section}.{key}.metric': metric 'acuracy'")
+        assert text.startswith(f"{t.job.path}: key '{section}.{key}.metric': metric 'acuracy'")
         assert "did you mean 'accuracy'?" in text and "it has loss, accuracy" in text
-        assert not os.path.exists(tmp_path / key / "latest.h5")
         cfg[section][key] = {"metric": "accuracy"}
-        Trainer(make_job(cfg), str(tmp_path / f"{key}_ok"), world=FakeWorld(),
-                log=lambda m: None).close()
+        t = Trainer(make_job(cfg), str(tmp_path / f"{key}_ok"), world=FakeWorld(),
+                    log=lambda m: None)
+        try:
+            assert "accuracy" in t.run()
+        finally:
+            t.close()

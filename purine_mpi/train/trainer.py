@@ -43,7 +43,7 @@ from .progress import Progress
 from .signals import StopAgreement
 from .startup import StartupReport
 from .profiling import Traces
-from .watch import BestCheckpoints, EarlyStopping, check_watched_figures
+from .watch import BestCheckpoints, EarlyStopping
 
 
 class Trainer(Loop):
@@ -64,7 +64,6 @@ class Trainer(Loop):
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         try:
             graphs = build_rank_graphs(job, world, scheme)
-            check_watched_figures(job, graphs.test_keys)  # before any iteration
             # the memory plans, made once: counted by the start-up check
             # (``memory(job, graphs, plans, world)``: the CLI's, tools/plan.py
             # check_memory with train's limits), then laid out
