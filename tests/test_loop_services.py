@@ -136,3 +136,28 @@ def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path
             assert "accuracy" in t.run()
         finally:
             t.close()
+
+
+def test_a_profile_window_past_the_run_is_refused_before_any_iteration(tmp_path, digits_h5):
+    """``train --iters 2 --profile-iters 100:110`` wrote a trace of no op,
+    exit 0 (before the fix: ``pytest.raises`` failed, DID NOT RAISE); a
+    window that meets the run's iterations still traces them."""
+    import json
+    from purine_mpi.base.errors import UserError
+    cfg = small_net_config(str(digits_h5))
+    cfg["solver"].update(max_iter=2, test_interval=0)
+    for window, ok in (((100, 110), False), ((1, 110), True)):
+        out = tmp_path / f"w{window[0]}"
+        t = Trainer(make_job(cfg), str(out), world=FakeWorld(), log=lambda m: None,
+                    profile=window)
+        try:
+            if ok:
+                t.run()
+            else:
+                with pytest.raises(UserError, match="--profile-iters 100:110 traces none of "
+                                                    r"the iterations this run trains \(0 to 1\)"):
+                    t.run()
+        finally:
+            t.close()
+        events = json.load(open(out / "trace.rank0.json"))["traceEvents"]
+        assert any(e.get("ph") == "X" for e in events) == ok
