@@ -57,6 +57,17 @@ class AppendList(argparse.Action):
         setattr(namespace, self.dest, list(getattr(namespace, self.dest) or []) + items)
 
 
+def path_arg(value):
+    """The ``type`` of an option that names a file or folder: an empty value
+    (an unset shell variable, ``--resume "$CKPT"``) is a usage error, where
+    it read as the option not given: a fresh run for ``--resume ''``, fresh
+    weights for ``--init ''``, the default folder for ``--out ''``."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"an empty path {value!r} (an unset shell variable?); "
+                                         "give the path, or leave the option out")
+    return value
+
+
 def _common_config_args(p, optional=False):
     if optional:
         p.add_argument("config", nargs="?", default=None,
@@ -116,16 +127,17 @@ def build_parser():
 
     p = sub.add_parser("train", help="train a network from a job YAML")
     _common_config_args(p)
-    p.add_argument("--out", help="output folder (default: a new numbered folder "
+    p.add_argument("--out", type=path_arg, help="output folder (default: a new numbered folder "
                                  "runs/<name>/<N> for each run)")
     p.add_argument("--force", action="store_true",
                    help="start afresh in an --out that holds another run's files (they are "
                         "deleted)")
     p.add_argument("--iters", type=int, help="override solver.max_iter")
-    p.add_argument("--resume", metavar="CKPT.h5|auto",
+    p.add_argument("--resume", type=path_arg, metavar="CKPT.h5|auto",
                    help="continue from a checkpoint (auto: latest.h5 of --out, or of the "
                         "newest runs/<name>/<N>; a fresh run if there is none)")
-    p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel|MODEL.safetensors",
+    p.add_argument("--init", type=path_arg,
+                   metavar="WEIGHTS.h5|MODEL.caffemodel|MODEL.safetensors",
                    help="initialise parameters from a file; every parameter of the net must "
                         "be in it, except those of the --init-skip layers; a Caffe .caffemodel "
                         "loads by layer name and reports which blobs matched; a .safetensors "
@@ -153,10 +165,12 @@ def build_parser():
 
     p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
     _common_config_args(p)
-    p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel|RUN",
+    p.add_argument("--weights", type=path_arg,
+                   required=True, metavar="CKPT.h5|MODEL.caffemodel|RUN",
                    help="checkpoint to evaluate, a Caffe .caffemodel (loaded by layer name), "
                         "or a run folder (its latest.h5; runs/<name>: its newest numbered run's)")
-    p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
+    p.add_argument("--out", type=path_arg,
+                   help="the run folder (default runs/<name>); nothing is written "
                                  "there: the result is printed as one JSON object")
 
     p = sub.add_parser("generate", help="print a prompt and a continuation drawn from a "
@@ -166,7 +180,7 @@ def build_parser():
                                    "CONFIG may be left out (the checkpoint holds its config), "
                                    "and the training data file is not needed.")
     _common_config_args(p, optional=True)
-    p.add_argument("--weights", required=True, metavar="CKPT.h5|RUN",
+    p.add_argument("--weights", type=path_arg, required=True, metavar="CKPT.h5|RUN",
                    help="a checkpoint train wrote, or a run folder (its latest.h5; "
                         "runs/<name>: its newest numbered run's)")
     p.add_argument("--prompt", required=True, metavar="TEXT",
@@ -225,7 +239,8 @@ def build_parser():
     p.add_argument("--resume", action="store_true",
                    help="count a --resume of this job's checkpoint: train reads it whole on "
                         "every rank before the first iteration (the start-up load)")
-    p.add_argument("--init", metavar="W.h5|MODEL.caffemodel|MODEL.safetensors", default=None,
+    p.add_argument("--init", type=path_arg,
+                   metavar="W.h5|MODEL.caffemodel|MODEL.safetensors", default=None,
                    help="count train's --init of this file: what loading it holds on every "
                         "rank before the first iteration (the start-up load: an HDF5 file's "
                         "/params; a .caffemodel read whole and its blobs; a .safetensors "
@@ -253,7 +268,7 @@ def build_parser():
                    help="--choose: link bandwidth, e.g. 10gbit (replaces --network's)")
     c.add_argument("--latency", metavar="TIME",
                    help="--choose: link latency, e.g. 5us (replaces --network's)")
-    c.add_argument("--out", metavar="BEST.yaml",
+    c.add_argument("--out", type=path_arg, metavar="BEST.yaml",
                    help="--choose: write the job with the best setting there (it trains as "
                         "it is; its first lines give the setting as --set options)")
 
@@ -274,10 +289,10 @@ def build_parser():
                         "test split) as our HDF5 layout; text: UTF-8 text (--from a file or a "
                         "folder) as byte-level tokens, or with --tokenizer/--bpe-vocab "
                         "subword tokens (groups train and val)")
-    p.add_argument("--out", required=True, metavar="PATH.h5",
+    p.add_argument("--out", type=path_arg, required=True, metavar="PATH.h5",
                    help="the HDF5 data file to write (groups train and test; text: train and "
                         "val)")
-    p.add_argument("--from", dest="source", metavar="PATH",
+    p.add_argument("--from", type=path_arg, dest="source", metavar="PATH",
                    help="cifar10: cifar-10-python.tar.gz, its folder, or the folder of the "
                         "python-pickle batches (with --download: where the archive is fetched "
                         "and unpacked); lmdb-to-h5: the train split's LMDB folder; text: a "
@@ -288,7 +303,7 @@ def build_parser():
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                    help="text: the last F of the token stream is the validation split "
                         "(default 0.1)")
-    p.add_argument("--tokenizer", metavar="TOKENIZER.json",
+    p.add_argument("--tokenizer", type=path_arg, metavar="TOKENIZER.json",
                    help="text: encode with this Hugging Face tokenizer file (e.g. GPT-2's "
                         "tokenizer.json) instead of bytes; the file keeps its JSON (needs "
                         "pip install 'purine_mpi[text]')")
@@ -319,10 +334,10 @@ def build_parser():
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="outputs: override a config key by dotted path (repeatable)")
     p.add_argument("--seed", type=int, default=None, help="outputs: random seed")
-    p.add_argument("--weights", metavar="W.h5",
+    p.add_argument("--weights", type=path_arg, metavar="W.h5",
                    help="outputs: checkpoint or weights file (HDF5 /params, or a .caffemodel), "
                         "or a run folder (its latest.h5; runs/<name>: its newest numbered run's)")
-    p.add_argument("--out", metavar="PREDS.h5",
+    p.add_argument("--out", type=path_arg, metavar="PREDS.h5",
                    help="outputs: the HDF5 file to write: /outputs/<blob>, /label, /index "
                         "(docs/formats.md)")
     p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
@@ -352,7 +367,7 @@ def build_parser():
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a run folder, its metrics.jsonl, or runs/<name> (its newest "
                         "numbered run); several are overlaid")
-    p.add_argument("--out", default="curves.png", metavar="IMAGE",
+    p.add_argument("--out", type=path_arg, default="curves.png", metavar="IMAGE",
                    help="the image to write; the format follows the extension (.png, .pdf, "
                         ".svg; default curves.png)")
     p.add_argument("--loss-scale", choices=["auto", "log", "linear"], default="auto",
@@ -366,7 +381,8 @@ def build_parser():
                    help="Caffe solver (text format): becomes the solver and checkpoint sections")
     p.add_argument("--data", metavar="DATA.h5",
                    help="our HDF5 data file (groups train/test) that the net's data layers read")
-    p.add_argument("--out", required=True, metavar="JOB.yaml", help="the job YAML to write")
+    p.add_argument("--out", type=path_arg,
+                   required=True, metavar="JOB.yaml", help="the job YAML to write")
 
     p = sub.add_parser("export", help="export a trained net's inference graph (onnx) or a "
                                       "GPT's weights as a Hugging Face GPT-2 (hf)")
@@ -374,11 +390,11 @@ def build_parser():
                    help="onnx: an ONNX model; hf: a folder of model.safetensors and "
                         "config.json that transformers' GPT2LMHeadModel loads")
     p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
-    p.add_argument("--weights", required=True, metavar="CKPT.h5",
+    p.add_argument("--weights", type=path_arg, required=True, metavar="CKPT.h5",
                    help="checkpoint or weights file (/params layout) with every parameter, "
                         "or a run folder (its latest.h5), or runs/<name> (its newest "
                         "numbered run's)")
-    p.add_argument("--out", required=True, metavar="MODEL.onnx|DIR",
+    p.add_argument("--out", type=path_arg, required=True, metavar="MODEL.onnx|DIR",
                    help="the ONNX file to write (onnx), or the model folder (hf)")
     p.add_argument("--batch", type=int, default=None,
                    help="onnx: fixed batch size of the model input (default: a symbolic "

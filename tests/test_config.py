@@ -224,3 +224,28 @@ def test_dump_is_pyyamls_own_text(monkeypatch):
         monkeypatch.setattr(config_mod, "_DUMPER", yaml.SafeDumper)
         assert fast == dump_config(config)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("section,key", [("solver", "early_stop"), ("checkpoint", "best")])
+def test_a_metric_watch_without_test_data_is_refused(cfg_dir, section, key):
+    """checkpoint.best (or solver.early_stop) in a job without data.test ran
+    to the end, exit 0, with no best file and no stop: no test pass ever
+    gives the figure (before the fix: ``pytest.raises`` failed, DID NOT RAISE)."""
+    text = BASE.replace("  test:  {source: hdf5, path: tiny.h5, split: test, batch_size: 5}\n",
+                        "") + f"{section}:\n  {key}: {{metric: accuracy}}\n"
+    if section == "solver":
+        text = text.replace("solver: {base_lr: 0.1, lr_policy: step, stepsize: 100, "
+                            "max_iter: 200}\n", "").replace(
+            "solver:\n", "solver:\n  base_lr: 0.1\n  lr_policy: step\n  stepsize: 100\n")
+    err, text = error_of(write(cfg_dir, text))
+    assert err.key == f"{section}.{key}" and "no data.test" in text
+    assert "'accuracy'" in text
+
+
+def test_a_data_path_that_is_a_device_is_not_reported_missing(cfg_dir):
+    """``path: /dev/null`` said 'not found (looked for '/dev/null')', which
+    exists (before the fix: ``assert 'not a regular file' in text`` failed)."""
+    err, text = error_of(write(cfg_dir, BASE.replace("path: tiny.h5, split: train",
+                                                     "path: /dev/null, split: train")))
+    assert err.key == "data.train.path" and "not a regular file" in text
+    assert "not found" not in text

@@ -4,6 +4,8 @@ the list, with no edit of the loop."""
 import ast
 import os
 
+import pytest
+
 from purine_mpi.train.loop import Loop, Service
 from purine_mpi.train.trainer import Trainer
 from tests.conftest import REPO, FakeWorld, make_job, small_net_config
@@ -98,3 +100,64 @@ def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
         assert not hasattr(cls, "agree_to_stop") and not hasattr(cls, "before_save")
     assert issubclass(WorkerStopAgreement, StopAgreement)
     assert "before_save" in vars(Service) and "before_save" in vars(WorkerStopAgreement)
+
+
+def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path, digits_h5):
+    """``solver.early_stop: {metric: acuracy}`` (or checkpoint.best's) trained
+    until the first test pass, then exited 2 (a long job's whole first test
+    interval spent; before the fix: ``assert not [r for r in rows if r.get('phase') ==
+    'train']`` failed: 6 train rows). Now the watch refuses it at the loop's start,
+    naming the file, the key and the figures, with a did-you-mean; a figure the net
+    has trains."""
+    import json
+    from purine_mpi.base.errors import UserError
+    for section, key in (("solver", "early_stop"), ("checkpoint", "best")):
+        cfg = small_net_config(str(digits_h5))
+        cfg["solver"].update(max_iter=6, display=1, test_interval=6)
+        cfg[section][key] = {"metric": "acuracy"}
+        out = tmp_path / key
+        t = Trainer(make_job(cfg, path="job.yaml"), str(out), world=FakeWorld(),
+                    log=lambda m: None)
+        try:
+            with pytest.raises(UserError) as info:
+                t.run()
+        finally:
+            t.close()
+        metrics = out / "metrics.jsonl"
+        rows = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+        assert not [r for r in rows if r.get("phase") == "train"], rows
+        text = str(info.value)
+        assert text.startswith(f"{t.job.path}: key '{section}.{key}.metric': metric 'acuracy'")
+        assert "did you mean 'accuracy'?" in text and "it has loss, accuracy" in text
+        cfg[section][key] = {"metric": "accuracy"}
+        t = Trainer(make_job(cfg), str(tmp_path / f"{key}_ok"), world=FakeWorld(),
+                    log=lambda m: None)
+        try:
+            assert "accuracy" in t.run()
+        finally:
+            t.close()
+
+
+def test_a_profile_window_past_the_run_is_refused_before_any_iteration(tmp_path, digits_h5):
+    """``train --iters 2 --profile-iters 100:110`` wrote a trace of no op,
+    exit 0 (before the fix: ``pytest.raises`` failed, DID NOT RAISE); a
+    window that meets the run's iterations still traces them."""
+    import json
+    from purine_mpi.base.errors import UserError
+    cfg = small_net_config(str(digits_h5))
+    cfg["solver"].update(max_iter=2, test_interval=0)
+    for window, ok in (((100, 110), False), ((1, 110), True)):
+        out = tmp_path / f"w{window[0]}"
+        t = Trainer(make_job(cfg), str(out), world=FakeWorld(), log=lambda m: None,
+                    profile=window)
+        try:
+            if ok:
+                t.run()
+            else:
+                with pytest.raises(UserError, match="--profile-iters 100:110 traces none of "
+                                                    r"the iterations this run trains \(0 to 1\)"):
+                    t.run()
+        finally:
+            t.close()
+        events = json.load(open(out / "trace.rank0.json"))["traceEvents"]
+        assert any(e.get("ph") == "X" for e in events) == ok

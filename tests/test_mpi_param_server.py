@@ -24,6 +24,25 @@ def test_layout_and_sharding():
     assert len(set(tags)) == len(tags)
 
 
+def test_too_few_ranks_for_the_servers_names_the_config_file():
+    """``mpiexec -n 2`` with ps_ranks 2 said "error: key 'parallel.ps_ranks':
+    ..." without the file: the first check a run makes (split_workers, before
+    any MPI call) left the config's path out (before the fix:
+    ``assert text.startswith(f'{job.path}: ')`` failed)."""
+    from purine_mpi.parallel.param_server import split_workers
+
+    class TwoRanks:
+        rank, size = 0, 2
+
+    cfg = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 2})
+    job = make_job(cfg)
+    assert job.path
+    with pytest.raises(UserError) as info:
+        split_workers(job, TwoRanks())
+    text = str(info.value)
+    assert text.startswith(f"{job.path}: key 'parallel.ps_ranks': 2 server rank(s)"), text
+
+
 def test_worker_and_server_graphs_match():
     """Every push has a receive on its server and every pull a send."""
     from purine_mpi.comm.verify import comm_signature, compare_signatures

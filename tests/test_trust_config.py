@@ -70,6 +70,57 @@ def test_case7_duplicate_nested_key_names_both_lines_and_the_path(write_config, 
                         "solver={base_lr: 0.1, base_lr: 0.2}"), "--set", "'base_lr' is given twice")
 
 
+# ------------------------------------------------ YAML 1.1 number forms
+@pytest.mark.parametrize("written,yaml11,yaml12",
+                         [("1:20", "80", "'1:20'"), ("024", "20", "24")])
+def test_yaml11_only_numbers_are_refused_naming_key_and_line(write_config, digits_h5,
+                                                             written, yaml11, yaml12):
+    """``max_iter: 1:20`` trained 80 iterations and ``max_iter: 024`` 20
+    (PyYAML reads YAML 1.1's base-60 and leading-zero octal numbers; YAML
+    1.2 and docs/config.md's '1e-3 reads as a number, as in YAML 1.2' read
+    the text '1:20' and 24): exit 0 with a value nobody wrote (before the
+    fix: ``assert res.returncode == 2`` failed, 0)."""
+    text = _job(digits_h5).replace("max_iter: 20", f"max_iter: {written}")
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if "max_iter:" in t)
+    path = write_config(text, "y11.yaml")
+    _user_error(run_cli_here("graph", path), "key 'solver.max_iter'", f"y11.yaml:{line}",
+                f"YAML 1.1 ({yaml11})", yaml12)
+    # the same in a --set value
+    ok = write_config(_job(digits_h5), "ok.yaml")
+    _user_error(run_cli_here("graph", ok, "--set", f"solver.max_iter={written}"),
+                "--set", "solver.max_iter", f"YAML 1.1 ({yaml11})")
+
+
+def test_yaml_numbers_both_versions_agree_on_still_load(write_config, digits_h5):
+    """Quoted, the forms are text (a layer name); 0, 00, 0x14, 1_000 and 1e3
+    read the same in YAML 1.1 and 1.2 and stay numbers; a config dumped with
+    such text reloads (the dumper quotes it)."""
+    from purine_mpi.job.config import dump_config, load_config
+    from purine_mpi.job.yamlread import read_yaml
+    assert read_yaml("[0, 00, 0x14, 1_000, 1e3, '024', '1:20', a1:20]") == \
+        [0, 0, 20, 1000, 1000.0, "024", "1:20", "a1:20"]
+    cfg = small_net_config(digits_h5)
+    cfg["net"][0]["name"] = "024"
+    cfg["net"][1]["name"] = "1:20"
+    path = write_config(yaml.safe_dump(cfg, sort_keys=False), "quoted.yaml")
+    config = load_config(path)
+    assert read_yaml(dump_config(config))["net"][0]["name"] == "024"
+
+
+# ------------------------------------------------------ empty path options
+@pytest.mark.parametrize("option", ["--resume", "--init", "--out"])
+def test_an_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path, option):
+    """``train JOB --resume "$CKPT"`` with CKPT unset trained afresh, exit 0
+    (and ``--init ''`` from fresh weights, ``--out ''`` into runs/<name>/<N>):
+    an empty value read as the option left out (before the fix:
+    ``assert res.returncode == 2`` failed, 0)."""
+    path = write_config(_job(digits_h5), "job.yaml")
+    out = [] if option == "--out" else ["--out", tmp_path / "run"]
+    res = run_cli_here("train", path, "--iters", "1", *out, option, "", cwd=tmp_path)
+    _user_error(res, f"argument {option}: an empty path", limit=3000)
+    assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "runs")
+
+
 # ----------------------------------------------------------------- case 10
 #: nine levels of nine aliases: 9^9 (387 million) values in 10 short lines,
 #: where a value is checked (and was quoted whole in the message)

@@ -140,6 +140,27 @@ def test_accuracy_ties_and_ignore_label_as_caffe(top_k, ignore):
     agree(outs[0], caffe_accuracy(x, label, top_k, ignore))
 
 
+def test_accuracy_top_k_of_every_class_is_refused(digits_h5, tmp_path):
+    """``top_k: 100`` (or 10) on digits' 10 classes reported accuracy 1.0000
+    at every test pass, exit 0: every label is among the k best scores (before
+    the fix: ``assert res.returncode == 2`` failed, 0). Caffe refuses k > C
+    (the op, for graph: configs, too); the layer refuses k = C > 1 as well."""
+    from purine_mpi.base.errors import ShapeError
+    from tests.conftest import run_cli_here, small_net_config, write_config_file
+    for k, status in ((100, 2), (10, 2), (9, 0), (1, 0)):
+        cfg = small_net_config(digits_h5)
+        cfg["net"][5]["top_k"] = k
+        res = run_cli_here("graph", write_config_file(tmp_path, cfg, f"k{k}.yaml"))
+        assert res.returncode == status, (k, res.returncode, res.stderr)
+        if status:
+            assert "Traceback" not in res.stderr and f"k{k}.yaml" in res.stderr
+            assert "net[5].top_k" in res.stderr and "below the 10 classes" in res.stderr
+    x, label = np.zeros((3, 4)), np.array([0, 1, 2])
+    with pytest.raises(ShapeError, match="top_k must be at most the 4 classes"):
+        run_op("Accuracy", {"top_k": 5}, {"x": x, "label": label})
+    assert run_op("Accuracy", {"top_k": 4}, {"x": x, "label": label})[0][0] == 1.0
+
+
 def test_accuracy_layer_takes_ignore_label():
     """The accuracy layer's ignore_label (Caffe's AccuracyParameter), e.g. a
     segmentation net's 'unlabelled' value that its softmax_loss ignores.

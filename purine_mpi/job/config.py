@@ -267,6 +267,7 @@ def validate_config(config, path="<config>", check_files=True):
             out[name] = key.check(name, value, path)
     _recompute_rules(out, path)
     _precision_rules(out, config, path)
+    _watch_rules(out, path)
     net_keys = out.pop("_net_keys", None)
     out["_path"] = path
     if net_keys:
@@ -536,6 +537,22 @@ def _solver_rules(out, solver, path):
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
         raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
                           "momentum (as in Caffe); remove the key or set it to 0")
+
+
+def _watch_rules(out, path):
+    """``solver.early_stop`` and ``checkpoint.best`` watch a test figure: a
+    net without ``data.test`` has no test pass, and each would do nothing
+    without a word (no best file kept, never a stop)."""
+    if out.get("net") is None or "test" in (out.get("data") or {}):
+        return
+    for key, what in (("solver.early_stop", "would never stop the run"),
+                      ("checkpoint.best", "would keep no best checkpoint")):
+        section, name = key.split(".")
+        spec = out.get(section, {}).get(name)
+        if spec is not None:
+            raise ConfigError(path, key, f"watches the test figure {excerpt(spec['metric'])}, "
+                              f"but the job has no data.test, so no test pass gives it and "
+                              f"it {what}; add data.test or remove {key}")
 
 
 def _parallel_rules(out, parallel, path):

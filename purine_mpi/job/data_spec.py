@@ -240,6 +240,11 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
         raise ConfigError(config_path, key, f"{what} {excerpt(data_path)} is a folder "
                                             f"({excerpt(os.path.abspath(found))}), not a file; "
                                             "give the file's path")
+    odd = [c for c in candidates if os.path.exists(c) and not os.path.isdir(c)]
+    if check_files and odd:  # a device, a pipe, a socket: there, but no file to read
+        raise ConfigError(config_path, key, f"{what} {excerpt(data_path)} is not a regular "
+                                            f"file ({excerpt(os.path.abspath(odd[0]))} is a "
+                                            "device, pipe or socket); give the file's path")
     if check_files:
         tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
         hint = data_hint(data_path, what) if what.endswith("data file") and not folder else (

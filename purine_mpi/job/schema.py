@@ -102,7 +102,8 @@ SOLVER = (
         "stop (with a checkpoint, exit 0) when the test figure `metric` (`accuracy`, `loss`, "
         "...) has not improved by more than `min_delta` (default 0) in `patience` test passes "
         "in a row (default 5); `mode` `max` or `min` (default: min for a loss, else max); "
-        "not with parameter servers (`parallel.mode` sync_ps, async)",
+        "not with parameter servers (`parallel.mode` sync_ps, async); needs `data.test`, and "
+        "`metric` one of the net's test figures (checked at start-up)",
         typed=typed_watch(EarlyStopSpec)),
     Key("clip_gradients", _optional(_num(0, strict=True)), None,
         "scale the gradients by min(1, C / ‖g‖) before the update, ‖g‖ the global L2 norm of "
@@ -228,7 +229,8 @@ CHECKPOINT = (
     Key("best", watch_check(BestSpec, "mapping {metric, mode, keep} or null"), None,
         "also keep `best_<iter>.h5` for the `keep` best test passes (default 1) by the test "
         "figure `metric` (`accuracy`, `loss`, ...), `mode` `max` or `min` (default: min for a "
-        "loss, else max); rotation of the newest checkpoints never deletes them",
+        "loss, else max); rotation of the newest checkpoints never deletes them; needs "
+        "`data.test`, and `metric` one of the net's test figures (checked at start-up)",
         typed=typed_watch(BestSpec)),
     Key("folder", _check_folder, None, "without `--out`, the runs go to numbered folders "
         "`<folder>/<N>` instead of `runs/<name>/<N>` (a relative folder is relative to the "

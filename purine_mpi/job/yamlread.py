@@ -16,7 +16,13 @@ bounded:
   what the text itself holds, and an alias inside its own anchor is
   refused. A "billion laughs" file (a few lines of nested aliases that
   expand to 10^9 values) is refused in milliseconds, before anything is
-  built.
+  built;
+- the two YAML 1.1 number forms that YAML 1.2 reads otherwise are refused
+  naming the key and line: a base-60 number (``max_iter: 1:20`` is 80 in
+  YAML 1.1, the text '1:20' in 1.2) and an integer with a leading zero
+  (``024`` is octal 20 in YAML 1.1, 24 in 1.2). PyYAML reads them the 1.1
+  way without a word, so a job would train with a value its author never
+  wrote; quoted, they stay text.
 
 The limits are checked on the composed node graph (aliases are shared
 nodes there, so the check costs the size of the text), before Python
@@ -33,6 +39,11 @@ MAX_DEPTH = 64
 MAX_ALIAS_NODES = 100_000
 
 _MERGE = "tag:yaml.org,2002:merge"
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+#: YAML 1.1's base-60 numbers (PyYAML's resolver: 1:20 is 80, 1:20.5 is 80.5)
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+#: YAML 1.1's octal integers with a leading 0 (024 is 20; 1.2 reads 24)
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-7_]+$")
 
 
 class YamlRefused(yaml.MarkedYAMLError):
@@ -117,6 +128,8 @@ class StrictLoader(yaml.SafeLoader):
             active.add(nid)
             if isinstance(node, MappingNode):
                 self._no_duplicates(node, path)
+            elif isinstance(node, ScalarNode):
+                self._no_yaml11_number(node, path)
             stack.append((node, path, True))
             stack.extend((k, path + (step,), False) for k, step in reversed(kids))
         extra = size[id(root)] - len(size)
@@ -127,6 +140,28 @@ class StrictLoader(yaml.SafeLoader):
                               f"{size[id(node)]}), over the "
                               f"limit of {MAX_ALIAS_NODES} (nested aliases, a 'billion "
                               "laughs'?); write the values out or alias fewer", mark)
+
+    def _no_yaml11_number(self, node, path):
+        """Refuse a plain scalar that YAML 1.1 and 1.2 read as different
+        values (the module docstring): PyYAML would take the 1.1 one."""
+        if node.style is not None or node.tag not in (_INT, _FLOAT):
+            return  # quoted (text) or not a number
+        text = node.value
+        if _SEXAGESIMAL.match(text):
+            value = self.construct_object(node)
+            why = (f"is a base-60 number in YAML 1.1 ({value:g}) and the text {text!r} in "
+                   f"YAML 1.2; write the number you mean, or quote it where it is text")
+        elif _LEADING_ZERO.match(text) and text.lstrip("+-").replace("_", "") != "0" * len(
+                text.lstrip("+-").replace("_", "")):
+            value = self.construct_object(node)
+            decimal = int(text.replace("_", ""), 10)
+            why = (f"is octal in YAML 1.1 ({value}) and decimal in YAML 1.2 ({decimal}); "
+                   "write it without the leading 0, or quote it where it is text")
+        else:
+            return
+        dotted = ".".join(str(p) for p in path)
+        key = f"key '{dotted}': " if dotted else ""
+        raise YamlRefused(f"{key}{text} at {_at(self, node.start_mark)} {why}", node.start_mark)
 
     def _no_duplicates(self, node, path):
         seen = {}

@@ -423,7 +423,7 @@ def softmax_loss(b):
 
 @layer("accuracy", keys=(
     Key("top_k", "posint", 1, "a sample counts as right when its label is among the k best "
-                              "scores"),
+                              "scores; below the number of classes (or 1)"),
     Key("axis", "int", 1, "the class axis, as softmax_loss's (-1: the next-token accuracy "
                           "of (N, T, V) logits over every position)",
         Range(note="an axis of the scores")),
@@ -434,6 +434,12 @@ def accuracy(b):
     x, label = b.bottoms(2)
     (acc,) = b.tops(1)
     attrs = dict(_class_axis(b, x), top_k=b.get("top_k"))
+    classes = b.shape(x)[attrs.get("axis", 1)]
+    # Caffe refuses k > C; k = C > 1 counts every finite sample right as well
+    if attrs["top_k"] > 1 and attrs["top_k"] >= classes:
+        b.fail("top_k", f"expected a top_k below the {classes} classes of the scores "
+                        f"{list(b.shape(x))} (with k >= the classes every sample counts as "
+                        f"right: accuracy 1), got {attrs['top_k']}")
     ignore = b.get("ignore_label")
     if ignore is not None:
         attrs["ignore_label"] = ignore

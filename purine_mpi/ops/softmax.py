@@ -633,8 +633,14 @@ class Accuracy(OpKernel):
     def infer(cls, attrs, ins):
         (xs, xd), (ls, _) = ins
         _check_label(attrs, xs, ls, cls.op_type)
-        if int(attrs.get("top_k", 1)) < 1:
+        top_k = int(attrs.get("top_k", 1))
+        if top_k < 1:
             raise ShapeError(f"Accuracy: top_k must be >= 1, got {attrs.get('top_k')}")
+        classes = xs[_axis(attrs, len(xs))]
+        if top_k > classes:  # Caffe's CHECK_LE: every sample would count as right
+            raise ShapeError(f"Accuracy: top_k must be at most the {classes} classes of the "
+                             f"scores {list(xs)} (with more every sample counts as right), "
+                             f"got {top_k}")
         dtype = xd if np.dtype(xd).kind == "f" else "float32"
         return [((), dtype)]
 

@@ -242,13 +242,14 @@ class _Offline:
         self.size, self.rank = size, rank
 
 
-def worker_world(world=None, ps_ranks=1):
+def worker_world(world=None, ps_ranks=1, path=None):
     """A World over the worker ranks only, for the trainer's collectives
     (metrics, evaluation). Collective: every rank calls it; servers get None.
-    Worker i of the result is global rank i."""
+    Worker i of the result is global rank i. ``path``: the config's, which a
+    wrong count names."""
     from ..comm.world import World
     world = _global_world(world)
-    layout = ps_layout(world.size, ps_ranks)
+    layout = ps_layout(world.size, ps_ranks, path)
     color = 1 if world.rank in layout["servers"] else 0
     sub = world.world_comm.Split(color, world.rank)
     if color == 1:
@@ -362,4 +363,4 @@ def split_workers(job, world):
     """(the job a PS run trains with, the workers' World or None on a
     server). Collective: every rank calls it."""
     job = synchronous_if_no_staleness(job)
-    return job, worker_world(world, job.parallel.ps_ranks)
+    return job, worker_world(world, job.parallel.ps_ranks, job.path)

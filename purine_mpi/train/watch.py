@@ -37,6 +37,23 @@ def _figure(results, metric, where):
     return float(results[metric])
 
 
+def check_watched_figure(loop, where, metric):
+    """Exit 2 at the start of training (a watch's ``on_start``) when the
+    metric ``where`` (``solver.early_stop`` or ``checkpoint.best``) watches
+    is none of the net's test figures (RankGraphs.test_keys): found only at
+    the first test pass, it cost that many iterations. The same on every
+    rank (the figures are the whole test graph's)."""
+    import difflib
+    from ..base.errors import ConfigError
+    names = list(dict.fromkeys(loop.graphs.test_keys))
+    if metric not in names:
+        close = difflib.get_close_matches(metric, names, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        has = f"it has {', '.join(names)}" if names else "it has no test pass"
+        raise ConfigError(loop.job.path, f"{where}.metric", f"metric '{metric}' is not a "
+                          f"test figure of this net{hint}; {has}")
+
+
 def _restored(loop, key, metric, mode):
     """The state ``key`` of ``loop.state.watch`` a resume gave back, when it
     was decided on the same metric in the same direction; else None."""
@@ -60,6 +77,7 @@ class BestCheckpoints(Service):
         self.kept = []  # [(figure, iteration, path)], best first
 
     def on_start(self, loop):
+        check_watched_figure(loop, "checkpoint.best", self.metric)
         saved = _restored(loop, "best", self.metric, self.mode)
         if saved is not None:  # [figure, iteration, file name in the run folder]
             self.kept = [(float(v), int(it), os.path.join(self.out_dir, name))
@@ -119,6 +137,7 @@ class EarlyStopping(Service):
         self.best, self.best_iter, self.waited = None, None, 0
 
     def on_start(self, loop):
+        check_watched_figure(loop, "solver.early_stop", self.metric)
         saved = _restored(loop, "early_stop", self.metric, self.mode)
         if saved is not None:
             self.best, self.best_iter, self.waited = saved["best"], saved["best_iter"], \
