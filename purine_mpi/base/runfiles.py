@@ -17,7 +17,8 @@ folder goes through (``.purine.lock``, ``train.log``, ``config.yaml``,
   file (``no space left on device`` for ENOSPC/EDQUOT, ``file too large``
   for EFBIG), a ``UserError``.
 
-Standard library only: the log file (foundation) uses it too.
+Standard library only (``write_hdf5_replacing`` imports h5py when
+called): the log file (foundation) uses it too.
 """
 import errno
 import io
@@ -239,6 +240,23 @@ def write_replacing(path, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_hdf5_replacing(path, fill):
+    """An HDF5 file at ``path`` by ``write_replacing``: ``fill(f)`` writes
+    the open ``h5py.File`` ``f``, which writes through a ``GuardedFile``
+    of the temporary name, so a full disk or the file-size limit is
+    ``disk_error``'s one line (HDF5 writing a file by name meets the
+    failure itself: its errors, a traceback and a crash of the process)."""
+    import h5py
+
+    def write(tmp):
+        with GuardedFile(tmp) as raw:
+            with h5py.File(raw, "w") as f:
+                fill(f)
+                f.flush()
+            raw.check()
+    write_replacing(path, write)
 
 
 def write_text_replacing(path, text):
