@@ -147,20 +147,32 @@ def name_too_long(path, tmp=None):
     """The ``UserError`` for a ``path`` too long for the file system
     (ENAMETOOLONG): its name, or (``tmp``) the temporary name
     ``PATH.tmp.<pid>`` its write goes through, which a name near the limit
-    (255 bytes on most file systems) passes."""
+    (255 bytes on most file systems) or a path near the system's limit on
+    a whole path (4095 bytes on Linux) passes."""
     name = os.path.basename(str(path))
-    try:
-        limit = os.pathconf(os.path.dirname(os.path.abspath(path)), "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
+    folder = os.path.dirname(os.path.abspath(path))
+    limit, path_max = _pathconf(folder, "PC_NAME_MAX", 255), _pathconf(folder, "PC_PATH_MAX",
+                                                                      4096)
     size = len(os.fsencode(name))
-    if tmp is not None and size <= limit:
+    if tmp is not None and size <= limit < len(os.fsencode(os.path.basename(tmp))):
         why = (f"its write goes through the temporary file '{os.path.basename(tmp)}' "
                f"({len(os.fsencode(os.path.basename(tmp)))} bytes) and this file system takes "
                f"names of at most {limit} bytes (the name itself has {size})")
+    elif tmp is not None and len(os.fsencode(str(path))) < path_max <= len(os.fsencode(str(tmp))):
+        why = (f"its write goes through the temporary file '{os.path.basename(tmp)}' beside "
+               f"it, a path of {len(os.fsencode(str(tmp)))} bytes, and this system takes paths "
+               f"of at most {path_max - 1} bytes (the path itself has "
+               f"{len(os.fsencode(str(path)))})")
     else:
         why = os.strerror(errno.ENAMETOOLONG)
     return UserError(f"{path}: the name is too long: {why}; give a shorter --out")
+
+
+def _pathconf(folder, name, default):
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return default
 
 
 def make_folder(path):
