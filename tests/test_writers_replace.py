@@ -141,3 +141,28 @@ def test_a_data_command_past_the_file_size_limit_is_one_line(tmp_path, command, 
     assert os.listdir(out.parent) == (["d.h5"] if before else []), os.listdir(out.parent)
     if before:
         assert out.read_bytes() == old
+
+
+def test_the_written_files_keep_their_modes(tmp_path, monkeypatch):
+    """Under umask 002 a data file is -rw-rw-r-- (0o666 less the umask, as
+    HDF5 made it by name before the writers went through a GuardedFile,
+    whose 0o644 gave -rw-r--r--: the data files' assertion failed), a
+    prediction file -rw-r--r-- (as predict's GuardedFile always made it)."""
+    import stat
+    from purine_mpi.data.datasets import _write_splits
+    from purine_mpi.data.text import write_text
+    from purine_mpi.tools import predict
+    monkeypatch.setattr(predict, "dump_config", lambda job: "config")
+    x = np.zeros((2, 1, 4, 4), np.float32)
+    src = tmp_path / "src.txt"
+    src.write_text("some text to split into a train and a validation stream\n" * 4)
+    old = os.umask(0o002)
+    try:
+        _write_splits(str(tmp_path / "d.h5"), {"train": (x, np.arange(2))}, {})
+        write_text(str(src), str(tmp_path / "t.h5"))
+        predict._write(str(tmp_path / "p.h5"), {"fc2": x[:, 0, 0], "label": np.arange(2)},
+                       ["fc2"], types.SimpleNamespace(job=None), "w.h5", "test", 2)
+    finally:
+        os.umask(old)
+    modes = {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in ("d.h5", "t.h5", "p.h5")}
+    assert modes == {"d.h5": 0o664, "t.h5": 0o664, "p.h5": 0o644}, modes

@@ -254,16 +254,23 @@ def write_replacing(path, write):
             os.remove(tmp)
 
 
-def write_hdf5_replacing(path, fill):
+#: the mode HDF5 creates a file by name with (less the umask): a data file
+#: written by ``write_hdf5_replacing`` keeps the mode it had when HDF5 made it
+HDF5_MODE = 0o666
+
+
+def write_hdf5_replacing(path, fill, mode=0o644):
     """An HDF5 file at ``path`` by ``write_replacing``: ``fill(f)`` writes
     the open ``h5py.File`` ``f``, which writes through a ``GuardedFile``
     of the temporary name, so a full disk or the file-size limit is
     ``disk_error``'s one line (HDF5 writing a file by name meets the
-    failure itself: its errors, a traceback and a crash of the process)."""
+    failure itself: its errors, a traceback and a crash of the process).
+    The file is created with ``mode`` less the umask (``HDF5_MODE``: as
+    HDF5 creates a file by name)."""
     import h5py
 
     def write(tmp):
-        with GuardedFile(tmp) as raw:
+        with GuardedFile(tmp, mode) as raw:
             with h5py.File(raw, "w") as f:
                 fill(f)
                 f.flush()
@@ -312,10 +319,10 @@ class GuardedFile(io.RawIOBase):
     the file goes on in memory so the library's reads stay consistent; the
     caller asks ``check()`` when the library is done and removes the file."""
 
-    def __init__(self, path):
+    def __init__(self, path, mode=0o644):
         super().__init__()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
+                     mode)
         self._file = io.FileIO(fd, "r+b", closefd=True)
         self._io, self.path, self.error = self._file, path, None
 

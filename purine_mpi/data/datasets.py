@@ -17,7 +17,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.progress_bar import progress
-from ..base.runfiles import make_folder, write_hdf5_replacing
+from ..base.runfiles import HDF5_MODE, make_folder, write_hdf5_replacing
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -173,7 +173,7 @@ def _write_splits(out_path, splits, attrs, log=None):
                 log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
                     f"{'x'.join(map(str, sample))})")
             group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
-    write_hdf5_replacing(out_path, fill)
+    write_hdf5_replacing(out_path, fill, HDF5_MODE)
 
 
 def write_lmdb(splits, out_path, log=None, block=1024):
@@ -211,5 +211,5 @@ def write_lmdb(splits, out_path, log=None, block=1024):
             if log:
                 log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
                     f"{'x'.join(map(str, sample))})")
-    write_hdf5_replacing(out_path, fill)
+    write_hdf5_replacing(out_path, fill, HDF5_MODE)
     return {split: src.n_samples for split, src in sources.items()}

@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
-from ..base.runfiles import make_folder, write_hdf5_replacing
+from ..base.runfiles import HDF5_MODE, make_folder, write_hdf5_replacing
 from .filecache import INFO_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
@@ -221,7 +221,7 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
             from .tokenizer import write_json
             f.create_dataset("file_tokens", data=np.array(per_file, np.int64))
             write_json(f, json_text)
-    write_hdf5_replacing(out_path, fill)
+    write_hdf5_replacing(out_path, fill, HDF5_MODE)
     summary = {"path": out_path, "files": len(files), "bytes": int(n_bytes),
                "tokens": int(len(stream)), "train": int(len(splits["train"])),
                "val": int(len(splits["val"])), "vocab_size": int(vocab_size),
