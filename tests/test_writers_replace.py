@@ -98,14 +98,14 @@ def _old_h5(path):
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("command", ["digits", "text", "lmdb-to-h5"])
-@pytest.mark.parametrize("before", [True, False], ids=["file-there", "no-file"])
+@pytest.mark.parametrize("command,before", [("digits", True), ("text", False),
+                                            ("lmdb-to-h5", True)])
 def test_a_data_command_past_the_file_size_limit_is_one_line(tmp_path, command, before):
     """The operating system refuses HDF5's own writes (the file-size limit,
     ``ulimit -f`` of 40 KiB, as a full disk does with ENOSPC; found on a
     64 KiB tmpfs, where ``data digits`` failed the same way): exit 2, the
     one line naming the file, nothing new left, a file already there
-    untouched. Before, the writers opened the temporary file by name with
+    untouched (each writer once; with and without a file there). Before, the writers opened the temporary file by name with
     HDF5's own driver: HDF5's 'Can't close dataset (file write failed ...
     errno = 27, error message = 'File too large' ...)', a RuntimeError's
     traceback and a crash (exit -11: the first assertion failed)."""
