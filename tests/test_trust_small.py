@@ -301,6 +301,34 @@ def test_check_writable_names_an_out_whose_temporary_name_is_too_long(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_check_writable_names_a_temporary_path_past_the_path_limit(tmp_path):
+    """(1) An --out whose path fits the system's limit on a whole path
+    (4095 bytes) but whose temporary path (``.tmp.<pid>`` added) does not,
+    its name short: the line said the temporary file's name ('p.h5.tmp.<pid>'
+    (14 bytes)) passed the 255-byte limit on names, which it does not (the
+    assertion on 'paths of at most' failed: '... at most 255 bytes (the name
+    itself has 4)'). Now it names the path's limit."""
+    import os
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.base.runfiles import check_writable, temp_name
+    path_max = os.pathconf(tmp_path, "PC_PATH_MAX")
+    folder = str(tmp_path)
+    while len(os.fsencode(folder)) < path_max - 8:   # "/p.h5" makes it path_max - 3 bytes
+        folder = os.path.join(folder, "a" * min(200, path_max - 9 - len(os.fsencode(folder))))
+    os.makedirs(folder)
+    out = os.path.join(folder, "p.h5")
+    assert len(os.fsencode(out)) < path_max <= len(os.fsencode(temp_name(out)))
+    with pytest.raises(UserError) as err:
+        check_writable(out)
+    assert str(err.value) == (
+        f"{out}: the name is too long: its write goes through the temporary file "
+        f"'{os.path.basename(temp_name(out))}' beside it, a path of "
+        f"{len(os.fsencode(temp_name(out)))} bytes, and this system takes paths of at most "
+        f"{path_max - 1} bytes (the path itself has {len(os.fsencode(out))}); give a shorter "
+        "--out"), str(err.value)[-300:]
+    assert os.listdir(folder) == []
+
+
 def test_predict_names_an_out_too_long_in_one_line(tmp_path, digits_h5, one_rank_run):
     """(1) The same through ``predict``: exit 2, one line, no traceback."""
     from tests.conftest import run_cli_args

@@ -90,3 +90,79 @@ def test_predict_write(tmp_path, disk_full_mid_write, monkeypatch, before):
         lambda p: predict._write(p, rows, ["fc2"], types.SimpleNamespace(job=None), "w.h5",
                                  "test", 3), before)
     assert disk_full_mid_write[:2] == ["fc2", "label"]
+
+
+def _old_h5(path):
+    with h5py.File(path, "w") as f:
+        f.attrs["old"] = 1
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("command,before", [("digits", True), ("text", False),
+                                            ("lmdb-to-h5", True)])
+def test_a_data_command_past_the_file_size_limit_is_one_line(tmp_path, command, before):
+    """The operating system refuses HDF5's own writes (the file-size limit,
+    ``ulimit -f`` of 40 KiB, as a full disk does with ENOSPC; found on a
+    64 KiB tmpfs, where ``data digits`` failed the same way): exit 2, the
+    one line naming the file, nothing new left, a file already there
+    untouched (each writer once; with and without a file there). Before, the writers opened the temporary file by name with
+    HDF5's own driver: HDF5's 'Can't close dataset (file write failed ...
+    errno = 27, error message = 'File too large' ...)', a RuntimeError's
+    traceback and a crash (exit -11: the first assertion failed)."""
+    import resource
+    import subprocess
+    from tests.conftest import PYTHON, REPO, cli_env
+    from tests.lmdb_fixtures import write_lmdb
+    rng = np.random.default_rng(0)
+    args = []
+    if command == "text":   # incompressible: 200 kB of random letters
+        src = tmp_path / "src.txt"
+        src.write_bytes(bytes(rng.integers(97, 123, 200_000, dtype=np.uint8)))
+        args = ["--from", src]
+    elif command == "lmdb-to-h5":   # 150 kB of random pixels
+        args = ["--from", write_lmdb(tmp_path / "db", rng.integers(
+            0, 256, (200, 3, 16, 16), np.uint8), list(range(200)))]
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "d.h5"
+    old = _old_h5(out) if before else None
+    limit = 40 << 10
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "data", command, "--out", str(out)]
+                         + [str(a) for a in args], cwd=REPO, env=dict(
+                             cli_env(), PYTHONDONTWRITEBYTECODE="1"), preexec_fn=limited,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: {out}: file too large for this process's file-size limit ('ulimit -f') or "
+        "the file system; raise the limit or give another --out"), res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert os.listdir(out.parent) == (["d.h5"] if before else []), os.listdir(out.parent)
+    if before:
+        assert out.read_bytes() == old
+
+
+def test_the_written_files_keep_their_modes(tmp_path, monkeypatch):
+    """Under umask 002 a data file is -rw-rw-r-- (0o666 less the umask, as
+    HDF5 made it by name before the writers went through a GuardedFile,
+    whose 0o644 gave -rw-r--r--: the data files' assertion failed), a
+    prediction file -rw-r--r-- (as predict's GuardedFile always made it)."""
+    import stat
+    from purine_mpi.data.datasets import _write_splits
+    from purine_mpi.data.text import write_text
+    from purine_mpi.tools import predict
+    monkeypatch.setattr(predict, "dump_config", lambda job: "config")
+    x = np.zeros((2, 1, 4, 4), np.float32)
+    src = tmp_path / "src.txt"
+    src.write_text("some text to split into a train and a validation stream\n" * 4)
+    old = os.umask(0o002)
+    try:
+        _write_splits(str(tmp_path / "d.h5"), {"train": (x, np.arange(2))}, {})
+        write_text(str(src), str(tmp_path / "t.h5"))
+        predict._write(str(tmp_path / "p.h5"), {"fc2": x[:, 0, 0], "label": np.arange(2)},
+                       ["fc2"], types.SimpleNamespace(job=None), "w.h5", "test", 2)
+    finally:
+        os.umask(old)
+    modes = {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in ("d.h5", "t.h5", "p.h5")}
+    assert modes == {"d.h5": 0o664, "t.h5": 0o664, "p.h5": 0o644}, modes

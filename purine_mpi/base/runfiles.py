@@ -17,7 +17,8 @@ folder goes through (``.purine.lock``, ``train.log``, ``config.yaml``,
   file (``no space left on device`` for ENOSPC/EDQUOT, ``file too large``
   for EFBIG), a ``UserError``.
 
-Standard library only: the log file (foundation) uses it too.
+Standard library only (``write_hdf5_replacing`` imports h5py when
+called): the log file (foundation) uses it too.
 """
 import errno
 import io
@@ -146,20 +147,32 @@ def name_too_long(path, tmp=None):
     """The ``UserError`` for a ``path`` too long for the file system
     (ENAMETOOLONG): its name, or (``tmp``) the temporary name
     ``PATH.tmp.<pid>`` its write goes through, which a name near the limit
-    (255 bytes on most file systems) passes."""
+    (255 bytes on most file systems) or a path near the system's limit on
+    a whole path (4095 bytes on Linux) passes."""
     name = os.path.basename(str(path))
-    try:
-        limit = os.pathconf(os.path.dirname(os.path.abspath(path)), "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
+    folder = os.path.dirname(os.path.abspath(path))
+    limit, path_max = _pathconf(folder, "PC_NAME_MAX", 255), _pathconf(folder, "PC_PATH_MAX",
+                                                                      4096)
     size = len(os.fsencode(name))
-    if tmp is not None and size <= limit:
+    if tmp is not None and size <= limit < len(os.fsencode(os.path.basename(tmp))):
         why = (f"its write goes through the temporary file '{os.path.basename(tmp)}' "
                f"({len(os.fsencode(os.path.basename(tmp)))} bytes) and this file system takes "
                f"names of at most {limit} bytes (the name itself has {size})")
+    elif tmp is not None and len(os.fsencode(str(path))) < path_max <= len(os.fsencode(str(tmp))):
+        why = (f"its write goes through the temporary file '{os.path.basename(tmp)}' beside "
+               f"it, a path of {len(os.fsencode(str(tmp)))} bytes, and this system takes paths "
+               f"of at most {path_max - 1} bytes (the path itself has "
+               f"{len(os.fsencode(str(path)))})")
     else:
         why = os.strerror(errno.ENAMETOOLONG)
     return UserError(f"{path}: the name is too long: {why}; give a shorter --out")
+
+
+def _pathconf(folder, name, default):
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return default
 
 
 def make_folder(path):
@@ -241,6 +254,30 @@ def write_replacing(path, write):
             os.remove(tmp)
 
 
+#: the mode HDF5 creates a file by name with (less the umask): a data file
+#: written by ``write_hdf5_replacing`` keeps the mode it had when HDF5 made it
+HDF5_MODE = 0o666
+
+
+def write_hdf5_replacing(path, fill, mode=0o644):
+    """An HDF5 file at ``path`` by ``write_replacing``: ``fill(f)`` writes
+    the open ``h5py.File`` ``f``, which writes through a ``GuardedFile``
+    of the temporary name, so a full disk or the file-size limit is
+    ``disk_error``'s one line (HDF5 writing a file by name meets the
+    failure itself: its errors, a traceback and a crash of the process).
+    The file is created with ``mode`` less the umask (``HDF5_MODE``: as
+    HDF5 creates a file by name)."""
+    import h5py
+
+    def write(tmp):
+        with GuardedFile(tmp, mode) as raw:
+            with h5py.File(raw, "w") as f:
+                fill(f)
+                f.flush()
+            raw.check()
+    write_replacing(path, write)
+
+
 def write_text_replacing(path, text):
     """``text`` (UTF-8) into ``path`` by ``write_replacing``: the temporary
     name is created anew (never a link's target) and renamed over ``path``,
@@ -282,10 +319,10 @@ class GuardedFile(io.RawIOBase):
     the file goes on in memory so the library's reads stay consistent; the
     caller asks ``check()`` when the library is done and removes the file."""
 
-    def __init__(self, path):
+    def __init__(self, path, mode=0o644):
         super().__init__()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
+                     mode)
         self._file = io.FileIO(fd, "r+b", closefd=True)
         self._io, self.path, self.error = self._file, path, None
 

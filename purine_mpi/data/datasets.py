@@ -6,7 +6,7 @@
     write_cifar10(src_dir, out_path)  CIFAR-10's python pickle batches
     write_lmdb({split: db}, out_path)  Caffe LMDBs of Datum records (data/lmdb_source)
 
-Files are written to a temporary name and renamed (``write_replacing``), so
+Files are written to a temporary name and renamed (``write_hdf5_replacing``), so
 an interrupted or failed conversion never leaves a half-written file (a full
 disk is one line naming the file; a file already there stays as it was).
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.progress_bar import progress
-from ..base.runfiles import make_folder, write_replacing
+from ..base.runfiles import HDF5_MODE, make_folder, write_hdf5_replacing
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -141,41 +141,39 @@ def _write_splits(out_path, splits, attrs, log=None):
     Data keeps its dtype (uint8 pixels stay uint8, anything else is
     float32), in chunks of whole samples of about CHUNK_BYTES, compressed
     (shuffle + gzip), so a reader of a few samples decodes little."""
-    import h5py
     out_dir = os.path.dirname(os.path.abspath(out_path))
     make_folder(out_dir)
 
-    def write(tmp):
-        with h5py.File(tmp, "w") as f:
-            for key, value in attrs.items():
-                f.attrs[key] = value
-            for split, (data, labels) in splits.items():
-                chunks = data if isinstance(data, list) else [data]
-                label_chunks = labels if isinstance(labels, list) else [labels]
-                n = sum(len(c) for c in chunks)
-                group = f.create_group(split)
-                dtype = np.uint8 if chunks[0].dtype == np.uint8 else np.float32
-                sample = chunks[0].shape[1:]
-                rows = max(1, min(n, CHUNK_BYTES // (np.dtype(dtype).itemsize
-                                                      * int(np.prod(sample)))))
-                dset = group.create_dataset("data", shape=(n,) + sample, dtype=dtype,
-                                            chunks=(rows,) + sample, compression="gzip",
-                                            compression_opts=4, shuffle=True)
-                start = 0
-                step = rows * 64  # a few MB per write, so progress moves
-                with progress(n, f"write {split}", "samples", log=log,
-                              enabled=log is not None) as bar:
-                    for chunk in chunks:
-                        for i in range(0, len(chunk), step):
-                            piece = chunk[i:i + step]
-                            dset[start:start + len(piece)] = piece
-                            start += len(piece)
-                            bar.update(len(piece))
-                if log:
-                    log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
-                        f"{'x'.join(map(str, sample))})")
-                group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
-    write_replacing(out_path, write)
+    def fill(f):
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        for split, (data, labels) in splits.items():
+            chunks = data if isinstance(data, list) else [data]
+            label_chunks = labels if isinstance(labels, list) else [labels]
+            n = sum(len(c) for c in chunks)
+            group = f.create_group(split)
+            dtype = np.uint8 if chunks[0].dtype == np.uint8 else np.float32
+            sample = chunks[0].shape[1:]
+            rows = max(1, min(n, CHUNK_BYTES // (np.dtype(dtype).itemsize
+                                                  * int(np.prod(sample)))))
+            dset = group.create_dataset("data", shape=(n,) + sample, dtype=dtype,
+                                        chunks=(rows,) + sample, compression="gzip",
+                                        compression_opts=4, shuffle=True)
+            start = 0
+            step = rows * 64  # a few MB per write, so progress moves
+            with progress(n, f"write {split}", "samples", log=log,
+                          enabled=log is not None) as bar:
+                for chunk in chunks:
+                    for i in range(0, len(chunk), step):
+                        piece = chunk[i:i + step]
+                        dset[start:start + len(piece)] = piece
+                        start += len(piece)
+                        bar.update(len(piece))
+            if log:
+                log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
+                    f"{'x'.join(map(str, sample))})")
+            group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
+    write_hdf5_replacing(out_path, fill, HDF5_MODE)
 
 
 def write_lmdb(splits, out_path, log=None, block=1024):
@@ -184,36 +182,34 @@ def write_lmdb(splits, out_path, log=None, block=1024):
     so a database larger than memory converts): raw and encoded images stay
     uint8 (decoded images in BGR order, as Caffe reads them), float_data is
     float32. Returns {split: samples}."""
-    import h5py
     from .lmdb_source import LMDBSource
     sources = {split: LMDBSource(path) for split, path in splits.items()}
     out_dir = os.path.dirname(os.path.abspath(out_path))
     make_folder(out_dir)
 
-    def write(tmp):
-        with h5py.File(tmp, "w") as f:
-            f.attrs["source"] = "Caffe LMDB: " + ", ".join(
-                f"{split}={os.path.abspath(path)}" for split, path in splits.items())
-            for split, src in sources.items():
-                n, sample = src.n_samples, src.sample_shape
-                dtype = np.uint8 if src.dtype == np.uint8 else np.float32
-                rows = max(1, min(n, CHUNK_BYTES // (np.dtype(dtype).itemsize
-                                                      * int(np.prod(sample)))))
-                group = f.create_group(split)
-                dset = group.create_dataset("data", shape=(n,) + sample, dtype=dtype,
-                                            chunks=(rows,) + sample, compression="gzip",
-                                            compression_opts=4, shuffle=True)
-                labels = np.empty(n, dtype=np.int64)
-                with progress(n, f"write {split}", "samples", log=log,
-                              enabled=log is not None) as bar:
-                    for start in range(0, n, block):
-                        data, labels[start:start + block] = src.gather(
-                            np.arange(start, min(n, start + block)))
-                        dset[start:start + len(data)] = data
-                        bar.update(len(data))
-                group.create_dataset("label", data=labels)
-                if log:
-                    log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
-                        f"{'x'.join(map(str, sample))})")
-    write_replacing(out_path, write)
+    def fill(f):
+        f.attrs["source"] = "Caffe LMDB: " + ", ".join(
+            f"{split}={os.path.abspath(path)}" for split, path in splits.items())
+        for split, src in sources.items():
+            n, sample = src.n_samples, src.sample_shape
+            dtype = np.uint8 if src.dtype == np.uint8 else np.float32
+            rows = max(1, min(n, CHUNK_BYTES // (np.dtype(dtype).itemsize
+                                                  * int(np.prod(sample)))))
+            group = f.create_group(split)
+            dset = group.create_dataset("data", shape=(n,) + sample, dtype=dtype,
+                                        chunks=(rows,) + sample, compression="gzip",
+                                        compression_opts=4, shuffle=True)
+            labels = np.empty(n, dtype=np.int64)
+            with progress(n, f"write {split}", "samples", log=log,
+                          enabled=log is not None) as bar:
+                for start in range(0, n, block):
+                    data, labels[start:start + block] = src.gather(
+                        np.arange(start, min(n, start + block)))
+                    dset[start:start + len(data)] = data
+                    bar.update(len(data))
+            group.create_dataset("label", data=labels)
+            if log:
+                log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
+                    f"{'x'.join(map(str, sample))})")
+    write_hdf5_replacing(out_path, fill, HDF5_MODE)
     return {split: src.n_samples for split, src in sources.items()}

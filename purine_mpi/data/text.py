@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
-from ..base.runfiles import make_folder, write_replacing
+from ..base.runfiles import HDF5_MODE, make_folder, write_hdf5_replacing
 from .filecache import INFO_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
@@ -201,28 +201,27 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
                 "bpe": f"ids of a byte-level BPE of {vocab_size} tokens trained on this text "
                        "(Hugging Face tokenizers; its JSON: /tokenizer)"}[kind]
 
-    def write(tmp):
-        with h5py.File(tmp, "w") as f:
-            attrs = {"format": FORMAT, "vocab_size": vocab_size, "encoding": encoding,
-                     "tokenizer": kind, "source": os.path.abspath(src), "glob": glob or "",
-                     "bytes": n_bytes, "tokens": len(stream), "dropped_characters": n_dropped,
-                     "unknown_characters": n_unknown,
-                     "val_fraction": float(val_fraction), "version": __version__,
-                     "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
-            for key, value in attrs.items():
-                f.attrs[key] = value
-            for split, tokens in splits.items():
-                f.create_group(split).create_dataset(
-                    "tokens", data=tokens, chunks=(min(len(tokens), 1 << 16),),
-                    compression="gzip", compression_opts=4)
-            f.create_dataset("files", data=[rel.encode("utf-8") for rel, _ in files],
-                             dtype=h5py.string_dtype("utf-8"))
-            f.create_dataset("file_bytes", data=np.array([len(p) for p in parts], np.int64))
-            if json_text is not None:
-                from .tokenizer import write_json
-                f.create_dataset("file_tokens", data=np.array(per_file, np.int64))
-                write_json(f, json_text)
-    write_replacing(out_path, write)
+    def fill(f):
+        attrs = {"format": FORMAT, "vocab_size": vocab_size, "encoding": encoding,
+                 "tokenizer": kind, "source": os.path.abspath(src), "glob": glob or "",
+                 "bytes": n_bytes, "tokens": len(stream), "dropped_characters": n_dropped,
+                 "unknown_characters": n_unknown,
+                 "val_fraction": float(val_fraction), "version": __version__,
+                 "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        for split, tokens in splits.items():
+            f.create_group(split).create_dataset(
+                "tokens", data=tokens, chunks=(min(len(tokens), 1 << 16),),
+                compression="gzip", compression_opts=4)
+        f.create_dataset("files", data=[rel.encode("utf-8") for rel, _ in files],
+                         dtype=h5py.string_dtype("utf-8"))
+        f.create_dataset("file_bytes", data=np.array([len(p) for p in parts], np.int64))
+        if json_text is not None:
+            from .tokenizer import write_json
+            f.create_dataset("file_tokens", data=np.array(per_file, np.int64))
+            write_json(f, json_text)
+    write_hdf5_replacing(out_path, fill, HDF5_MODE)
     summary = {"path": out_path, "files": len(files), "bytes": int(n_bytes),
                "tokens": int(len(stream)), "train": int(len(splits["train"])),
                "val": int(len(splits["val"])), "vocab_size": int(vocab_size),

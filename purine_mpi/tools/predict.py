@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import GuardedFile, make_folder, write_replacing
+from ..base.runfiles import make_folder, write_hdf5_replacing
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
 from ..parallel.tensor_split import join_shards
@@ -223,22 +223,17 @@ def _host(array):
 
 
 def _write(path, rows, blobs, trainer, weights, split, n):
-    import h5py
     make_folder(os.path.dirname(os.path.abspath(path)))
 
-    def write(tmp):  # HDF5 writes through a new file of ours: a full disk is one line
-        with GuardedFile(tmp) as raw, h5py.File(raw, "w") as f:
-            group = f.create_group("outputs")
-            for b in blobs:
-                group.create_dataset(b.replace("/", "|"), data=rows[b], fletcher32=True)
-            f.create_dataset("label", data=rows["label"].astype(np.int64))
-            f.create_dataset("index", data=np.arange(n, dtype=np.int64))
-            f.attrs["format"] = "purine_mpi.predictions"
-            f.attrs["config"] = dump_config(trainer.job)
-            f.attrs["weights"] = str(weights)
-            f.attrs["split"] = split
-            f.attrs["blobs"] = ",".join(blobs)
-            f.flush()
-            f.close()
-            raw.check()
-    write_replacing(path, write)
+    def fill(f):
+        group = f.create_group("outputs")
+        for b in blobs:
+            group.create_dataset(b.replace("/", "|"), data=rows[b], fletcher32=True)
+        f.create_dataset("label", data=rows["label"].astype(np.int64))
+        f.create_dataset("index", data=np.arange(n, dtype=np.int64))
+        f.attrs["format"] = "purine_mpi.predictions"
+        f.attrs["config"] = dump_config(trainer.job)
+        f.attrs["weights"] = str(weights)
+        f.attrs["split"] = split
+        f.attrs["blobs"] = ",".join(blobs)
+    write_hdf5_replacing(path, fill)  # a full disk is one line
