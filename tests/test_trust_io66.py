@@ -1,0 +1,55 @@
+"""Trust audit of the file tools (session 66): layer names with a '/' (Caffe's
+``loss3/classifier``) with --init-skip, layer names a checkpoint cannot hold,
+and export onnx from a weights file of another net."""
+import numpy as np
+import pytest
+
+from purine_mpi.job.checkpoint_file import save_checkpoint
+
+from .conftest import run_cli_args, small_net_config, write_config_file
+from .test_caffemodel import blob, layer, string
+from .test_cli import assert_user_error
+
+
+def slashed_config(data_path, **solver):
+    """The small net with its classifier named 'head/fc' (a '/' inside the name)."""
+    cfg = small_net_config(data_path)
+    for entry in cfg["net"]:
+        if entry["name"] == "fc1":
+            entry["name"] = "head/fc"
+    cfg["solver"].update(max_iter=2, **solver)
+    return cfg
+
+
+def weights_of(fc_shape):
+    rng = np.random.default_rng(0)
+    return {"conv1/weight": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
+            "conv1/bias": np.zeros(4, np.float32),
+            "head/fc/weight": np.zeros(fc_shape, np.float32),
+            "head/fc/bias": np.zeros(fc_shape[:1], np.float32)}
+
+
+def test_init_skip_of_a_layer_named_with_a_slash_keeps_it_fresh(tmp_path, digits_h5):
+    """The layer of 'head/fc/weight' is 'head/fc', not 'head': before, --init-skip
+    head/fc said 'kept fresh' and loaded its weights anyway (here a file of a
+    1000-class head: a shape error that named --init-skip head/fc as its cure)."""
+    path = write_config_file(tmp_path, slashed_config(digits_h5))
+    weights = save_checkpoint(str(tmp_path / "other.h5"), weights_of((1000, 64)))
+    res = run_cli_args("train", path, "--out", tmp_path / "run", "--init", weights,
+                       "--init-skip", "head/fc")
+    assert res.returncode == 0, res.stderr
+    assert "loaded 2 blobs from" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_init_skip_of_a_slashed_layer_with_a_caffemodel(tmp_path, digits_h5):
+    """Fine-tuning a Caffe model by replacing its 'loss3/classifier'-style head."""
+    path = write_config_file(tmp_path, slashed_config(digits_h5))
+    w = weights_of((1000, 64))
+    model = string(1, "other") + layer("conv1", "Convolution", ["data"], ["conv1"],
+                                       [blob(w["conv1/weight"]), blob(w["conv1/bias"])])
+    model += layer("head/fc", "InnerProduct", ["pool1"], ["head/fc"],
+                   [blob(w["head/fc/weight"]), blob(w["head/fc/bias"])])
+    (tmp_path / "m.caffemodel").write_bytes(model)
+    res = run_cli_args("train", path, "--out", tmp_path / "run", "--init",
+                       tmp_path / "m.caffemodel", "--init-skip", "head/fc")
+    assert res.returncode == 0, res.stderr
