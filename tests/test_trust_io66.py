@@ -53,3 +53,15 @@ def test_init_skip_of_a_slashed_layer_with_a_caffemodel(tmp_path, digits_h5):
     res = run_cli_args("train", path, "--out", tmp_path / "run", "--init",
                        tmp_path / "m.caffemodel", "--init-skip", "head/fc")
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("name", [".", "..", "a//b", "/fc", "fc/", "a/../b"])
+def test_a_layer_name_a_checkpoint_cannot_hold_is_refused_at_once(tmp_path, digits_h5, name):
+    """Before: the run trained and failed at its first checkpoint with exit 1
+    and a ValueError ("cannot store key './weight'")."""
+    cfg = small_net_config(digits_h5)
+    cfg["net"][3]["name"] = name
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert_user_error(res, path, "net.3.name", repr(name))
+    assert not (tmp_path / "run").exists()
