@@ -65,3 +65,20 @@ def test_a_layer_name_a_checkpoint_cannot_hold_is_refused_at_once(tmp_path, digi
     res = run_cli_args("train", path, "--out", tmp_path / "run")
     assert_user_error(res, path, "net.3.name", repr(name))
     assert not (tmp_path / "run").exists()
+
+
+def test_export_onnx_names_the_blobs_of_another_net(tmp_path, digits_h5):
+    """A weights file with a layer more (another net's head) gives a model
+    without it: a note says so, as test and predict do."""
+    pytest.importorskip("onnx")
+    cfg = small_net_config(digits_h5)
+    path = write_config_file(tmp_path, cfg)
+    w = weights_of((10, 64))
+    w = {k.replace("head/fc", "fc1"): v for k, v in w.items()}
+    w["fc2/weight"] = np.zeros((10, 10), np.float32)
+    weights = save_checkpoint(str(tmp_path / "other.h5"), w)
+    res = run_cli_args("export", "onnx", path, "--weights", weights, "--out",
+                       tmp_path / "m.onnx")
+    assert res.returncode == 0, res.stderr
+    assert "1 blob(s) of the file are not in the exported test-phase graph: fc2/weight" \
+        in res.stderr, res.stderr

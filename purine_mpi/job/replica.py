@@ -573,12 +573,20 @@ def init_params(loaded, params, job, path, skip=()):
 def trained_values(graph, job, path):
     """{param: float32 array} of every parameter of ``graph`` from the weights
     file ``path`` (export onnx, export hf): a missing one is init_params'
-    InitMismatch, a shape that differs a UserError naming both."""
+    InitMismatch, a shape that differs a UserError naming both; the file's
+    blobs ``graph`` has no parameter for are named in a note on stderr."""
     import numpy as np
     from .checkpoint_file import load_params
+    import sys
+    from .checkpoint_check import unused_blobs
     loaded = load_params(path)
     params = [b.name for b in graph.params()]
     init_params(loaded, params, job, path)
+    extra = unused_blobs(loaded, params)
+    if extra:  # not silently: a file of another net (a head more) gives another model
+        print(f"note: {path}: {len(extra)} blob(s) of the file are not in the exported "
+              f"test-phase graph: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}; "
+              "they are left out (a file of another net?)", file=sys.stderr)
     values = {}
     for p in params:
         value = np.asarray(loaded[p], dtype=np.float32)
