@@ -82,3 +82,15 @@ def test_export_onnx_names_the_blobs_of_another_net(tmp_path, digits_h5):
     assert res.returncode == 0, res.stderr
     assert "1 blob(s) of the file are not in the exported test-phase graph: fc2/weight" \
         in res.stderr, res.stderr
+
+
+def test_convert_of_a_binary_file_says_it_is_not_a_prototxt(tmp_path):
+    """A .caffemodel given as the net definition: before, the message was
+    Python's codec error ("'utf-8' codec can't decode byte 0xa2 ...")."""
+    model = tmp_path / "w.caffemodel"
+    model.write_bytes(string(1, "x") + layer("c", "Convolution", ["data"], ["c"],
+                                             [blob(np.ones((2, 1, 3, 3)))]))
+    res = run_cli_args("convert", "caffe", model, "--out", tmp_path / "j.yaml")
+    assert_user_error(res, str(model), "is not a text prototxt", ".caffemodel holds weights")
+    res = run_cli_args("convert", "caffe", tmp_path, "--out", tmp_path / "j.yaml")
+    assert_user_error(res, str(tmp_path), "is a folder; expected a text prototxt")

@@ -298,6 +298,13 @@ def parse_file(path, schema, root):
             text = f.read()
     except FileNotFoundError:
         raise PrototxtError(path, None, "file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise PrototxtError(path, None, "is a folder; expected a text prototxt file") from None
+    except UnicodeDecodeError as e:  # a .caffemodel, an HDF5 file: binary, not text
+        raise PrototxtError(path, None, f"is not a text prototxt (binary data at byte "
+                                        f"{e.start}); a binary .caffemodel holds weights, "
+                                        "which train --init / test --weights read, not a "
+                                        "definition") from None
+    except OSError as e:
         raise PrototxtError(path, None, f"cannot read the file ({e})") from None
     return parse(text, schema, root, path)
