@@ -94,3 +94,27 @@ def test_convert_of_a_binary_file_says_it_is_not_a_prototxt(tmp_path):
     assert_user_error(res, str(model), "is not a text prototxt", ".caffemodel holds weights")
     res = run_cli_args("convert", "caffe", tmp_path, "--out", tmp_path / "j.yaml")
     assert_user_error(res, str(tmp_path), "is a folder; expected a text prototxt")
+
+
+def test_inspect_of_a_null_dataspace_and_a_name_with_a_newline(tmp_path):
+    """A dataset of h5py.Empty (HDF5's null dataspace: a dtype, no shape):
+    before, inspect ended in a TypeError traceback (exit 1). A name holding
+    a newline broke the table's one row per dataset."""
+    import h5py
+    import json
+    for name in ("a.h5", "b.h5"):
+        with h5py.File(tmp_path / name, "w") as f:
+            f.create_dataset("null", data=h5py.Empty("f4"))
+            f["two\nlines"] = np.ones(2, np.float32)
+    res = run_cli_args("inspect", tmp_path / "a.h5", "--diff", tmp_path / "b.h5")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    rows = res.stdout.splitlines()
+    assert any(r.startswith("/null ") and " null " in r and "null dataspace" in r
+               for r in rows), res.stdout
+    assert sum(r.startswith("/two\\nlines ") for r in rows) == 2, res.stdout  # table and diff
+    assert any(r.startswith("/null ") and r.endswith("equal") for r in rows), res.stdout
+    res = run_cli_args("inspect", "--json", tmp_path / "a.h5")
+    assert res.returncode == 0, res.stderr
+    by_name = {d["name"]: d for d in json.loads(res.stdout)["datasets"]}
+    assert by_name["/null"]["shape"] is None and by_name["/null"]["dtype"] == "float32"
+    assert by_name["/two\nlines"]["shape"] == [2]

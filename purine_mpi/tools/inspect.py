@@ -227,6 +227,9 @@ def _describe(path):
 
 def _stats(name, dset):
     entry = {"name": name}
+    if dset.shape is None:  # a null dataspace (h5py.Empty): a dtype, no value at all
+        entry.update(shape=None, dtype=str(dset.dtype), value="<null dataspace: no value>")
+        return entry
     if plain_attr(dset.attrs.get(KIND)) != "json" and _numeric(dset):
         entry.update(shape=list(dset.shape), dtype=str(dset.dtype))
         if dset.size:
@@ -247,6 +250,16 @@ def _stats(name, dset):
     else:
         entry.update(shape=[], dtype="string", value=str(value))
     return entry
+
+
+#: control characters as their escapes (a name with a newline keeps its table row)
+_CONTROL = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
+
+
+def _one_line(name):
+    """A dataset's name as the table shows it: one line, control characters
+    escaped (``\\n``); the JSON keeps it as it is."""
+    return name.translate(_CONTROL)
 
 
 def _diff_parts(a, b):
@@ -334,6 +347,10 @@ def _diff(path, other):
                 continue
             a, b = a_sets[name], b_sets[name]
             row = {"name": name}
+            if a.shape is None or b.shape is None:  # null dataspaces: no values to compare
+                row["equal"] = a.shape is None and b.shape is None and a.dtype == b.dtype
+                rows.append(row)
+                continue
             numeric = all(_numeric(d) and plain_attr(d.attrs.get(KIND)) != "json" for d in (a, b))
             if numeric and a.shape != b.shape:
                 row["shapes"] = [list(a.shape), list(b.shape)]
@@ -402,12 +419,12 @@ def _format_text(report):
         if isinstance(value, str) and "\n" in value:
             value = f"<{len(value.splitlines())} lines of text>"
         lines.append(f"  @{key} = {_fmt(value)}")
-    width = max([len(d["name"]) for d in report["datasets"]] + [7])
+    width = max([len(_one_line(d["name"])) for d in report["datasets"]] + [7])
     lines.append(f"{'dataset':<{width}}  {'shape':<16} {'dtype':<8} {'min':>11} {'max':>11} "
                  f"{'mean':>11} {'std':>11} {'l2':>11}")
     for d in report["datasets"]:
-        shape = "x".join(str(s) for s in d["shape"]) or "scalar"
-        line = f"{d['name']:<{width}}  {shape:<16} {d['dtype']:<8}"
+        shape = "null" if d["shape"] is None else "x".join(str(s) for s in d["shape"]) or "scalar"
+        line = f"{_one_line(d['name']):<{width}}  {shape:<16} {d['dtype']:<8}"
         if "min" in d:
             line += "".join(f" {_fmt(d[k]):>11}" for k in ("min", "max", "mean", "std", "l2"))
             bad = [f"{d[k]:,} {k}" for k in ("nan", "inf") if d.get(k)]
@@ -431,11 +448,11 @@ def _format_text(report):
                 tail = f"shapes differ: {row['shapes'][0]} vs {row['shapes'][1]}"
             else:
                 tail = "equal" if row["equal"] else "differs"
-            lines.append(f"{row['name']:<{width}}  {tail}")
+            lines.append(f"{_one_line(row['name']):<{width}}  {tail}")
         for label, names in (("only in first", diff["only_in_first"]),
                              ("only in second", diff["only_in_second"])):
             if names:
-                lines.append(f"{label}: {', '.join(names)}")
+                lines.append(f"{label}: {', '.join(map(_one_line, names))}")
         for key, (a, b) in diff["attrs"].items():
             if isinstance(a, str) and "\n" in a or isinstance(b, str) and "\n" in b:
                 lines.append(f"attribute @{key} differs")
