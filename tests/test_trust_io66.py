@@ -118,3 +118,19 @@ def test_inspect_of_a_null_dataspace_and_a_name_with_a_newline(tmp_path):
     by_name = {d["name"]: d for d in json.loads(res.stdout)["datasets"]}
     assert by_name["/null"]["shape"] is None and by_name["/null"]["dtype"] == "float32"
     assert by_name["/two\nlines"]["shape"] == [2]
+
+
+@pytest.mark.parametrize("field,at", [("name", "net.3.name"), ("top", "net.3.top")])
+def test_a_nul_in_a_layer_or_blob_name_is_refused(tmp_path, digits_h5, field, at):
+    """Before: a layer 'fc\\0x' trained (exit 0) into a checkpoint whose
+    parameters HDF5 had cut to 'fc' (resume and test then said it lacks
+    'fcx/weight'); a NUL in a blob name made 'graph --format dot' output
+    that Graphviz refuses."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"]["max_iter"] = 2
+    cfg["net"][3][field] = "fc\0x"
+    if field == "top":
+        cfg["net"][4]["bottom"][0] = cfg["net"][5]["bottom"][0] = "fc\0x"
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert_user_error(res, path, at, "NUL character")
