@@ -134,3 +134,25 @@ def test_a_nul_in_a_layer_or_blob_name_is_refused(tmp_path, digits_h5, field, at
     path = write_config_file(tmp_path, cfg)
     res = run_cli_args("train", path, "--out", tmp_path / "run")
     assert_user_error(res, path, at, "NUL character")
+
+
+def test_a_caffemodel_naming_a_layer_twice_says_which_blobs_won(tmp_path, digits_h5):
+    """Caffe's loader copies the layers in file order, so the later of two
+    layers of one name wins; before, that happened without a word (a file
+    whose second 'fc1' is zeros gave a net of chance accuracy)."""
+    cfg = small_net_config(digits_h5)
+    path = write_config_file(tmp_path, cfg)
+    w = weights_of((10, 64))
+    conv = layer("conv1", "Convolution", ["data"], ["conv1"],
+                 [blob(w["conv1/weight"]), blob(w["conv1/bias"])])
+    fc = layer("fc1", "InnerProduct", ["pool1"], ["fc1"],
+               [blob(np.ones((10, 64))), blob(np.ones(10))])
+    fc_again = layer("fc1", "InnerProduct", ["pool1"], ["fc1"],
+                     [blob(np.zeros((10, 64))), blob(np.zeros(10))])
+    (tmp_path / "m.caffemodel").write_bytes(string(1, "x") + conv + fc + fc_again)
+    res = run_cli_args("test", path, "--weights", tmp_path / "m.caffemodel")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert "note: the file has an earlier layer named 'fc1': its fc1/weight, fc1/bias " \
+           "replace that layer's" in out, out
+    assert "not used" not in out, out
