@@ -156,3 +156,21 @@ def test_a_caffemodel_naming_a_layer_twice_says_which_blobs_won(tmp_path, digits
     assert "note: the file has an earlier layer named 'fc1': its fc1/weight, fc1/bias " \
            "replace that layer's" in out, out
     assert "not used" not in out, out
+
+
+def test_a_surrogate_escape_in_the_yaml_is_refused_at_its_line(tmp_path, digits_h5):
+    """YAML's "\\ud800" makes a string UTF-8 cannot encode: before, graph
+    ended in a UnicodeEncodeError traceback and train in exit 1 at its first
+    write (a --set value too)."""
+    cfg = small_net_config(digits_h5)
+    path = write_config_file(tmp_path, cfg)
+    text = open(path).read().replace("name: fc1", 'name: "fc\\ud800x"')
+    assert text.count("\\ud800") == 1
+    with open(path, "w") as f:
+        f.write(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if "ud800" in t)
+    res = run_cli_args("graph", path, "--format", "dot")
+    assert_user_error(res, f"{path}:{line}", "surrogate")
+    res = run_cli_args("train", write_config_file(tmp_path, cfg, "ok.yaml"), "--out",
+                       tmp_path / "run", "--set", 'net.3.name="fc\\udc80"')
+    assert_user_error(res, "net.3.name", "surrogate")
