@@ -174,3 +174,23 @@ def test_a_surrogate_escape_in_the_yaml_is_refused_at_its_line(tmp_path, digits_
     res = run_cli_args("train", write_config_file(tmp_path, cfg, "ok.yaml"), "--out",
                        tmp_path / "run", "--set", 'net.3.name="fc\\udc80"')
     assert_user_error(res, "net.3.name", "surrogate")
+
+
+def test_prototxt_string_escapes_are_protobufs(tmp_path, digits_h5):
+    """Octal and hex escapes are bytes of UTF-8 text, an unknown escape is
+    refused with its line; before, a backslash was dropped and its letter
+    kept: "ip\\303\\251" became layer 'ip303251', "\\d" became 'd'."""
+    from purine_mpi.interop.caffe_convert import convert
+    from purine_mpi.interop.prototxt import PrototxtError
+    from .test_caffe_convert import fixture
+    text = open(fixture("lenet_digits.prototxt")).read()
+    assert text.count('name: "ip1"') == 1
+    path = tmp_path / "n.prototxt"
+    path.write_text(text.replace('name: "ip1"', r'name: "ip\303\251\x41\n"'))
+    config, _ = convert(str(path), data_path=digits_h5)
+    assert "ip\u00e9A\n" in [entry["name"] for entry in config["net"]]
+    path.write_text(text.replace('name: "ip1"', r'name: "ip\d1"'))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if r"\d1" in t)
+    with pytest.raises(PrototxtError) as info:
+        convert(str(path), data_path=digits_h5)
+    assert info.value.line == line and r"unknown escape '\d'" in str(info.value)

@@ -13,6 +13,7 @@ is a ``PrototxtError`` that names the file and line. The schema (see
 ``caffe_schema``) maps each message type to its fields; a field it does not
 list is an error, so a typo never passes silently.
 """
+import re
 from collections import namedtuple
 
 from ..base.errors import UserError
@@ -99,19 +100,45 @@ def tokenize(text, path):
 
 
 def _string(text, i, line, path):
-    quote, i, start_line, out = text[i], i + 1, line, []
-    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "r": "\r"}
+    """A quoted string from ``text[i]``: protobuf's text-format escapes (C's:
+    \\n \\t \\r \\a \\b \\f \\v \\\\ \\' \\" \\?, octal \\ooo and hex \\xhh
+    bytes, the whole read as UTF-8); another escape is refused, as protobuf
+    refuses it, not read as its letter."""
+    quote, i, start_line, out = text[i], i + 1, line, bytearray()
+    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "r": "\r", "a": "\a",
+               "b": "\b", "f": "\f", "v": "\v", "?": "?"}
     while True:
         if i >= len(text) or text[i] == "\n":
             raise PrototxtError(path, start_line, "string is not closed on its line")
         c = text[i]
         if c == quote:
-            return "".join(out), i + 1, line
+            try:
+                return out.decode("utf-8"), i + 1, line
+            except UnicodeDecodeError as e:
+                raise PrototxtError(path, start_line, f"string's escapes make bytes that are "
+                                                      f"not UTF-8 text ({e.reason} at byte "
+                                                      f"{e.start})") from None
         if c == "\\" and i + 1 < len(text):
-            out.append(escapes.get(text[i + 1], text[i + 1]))
-            i += 2
+            e = text[i + 1]
+            octal = re.match(r"[0-7]{1,3}", text[i + 1:i + 4])
+            hexa = re.match(r"x([0-9a-fA-F]{1,2})", text[i + 1:i + 4])
+            if e in escapes:
+                out += escapes[e].encode()
+                i += 2
+            elif octal and int(octal.group(), 8) < 256:
+                out.append(int(octal.group(), 8))
+                i += 1 + len(octal.group())
+            elif hexa:
+                out.append(int(hexa.group(1), 16))
+                i += 1 + len(hexa.group())
+            elif octal:
+                raise PrototxtError(path, line, f"octal escape '\\{octal.group()}' is over "
+                                                "\\377, the largest byte")
+            else:
+                raise PrototxtError(path, line, f"unknown escape '\\{e}' in a string (protobuf "
+                                                "refuses it); write '\\\\' for a backslash")
         else:
-            out.append(c)
+            out += c.encode("utf-8")
             i += 1
 
 
