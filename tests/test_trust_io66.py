@@ -194,3 +194,23 @@ def test_prototxt_string_escapes_are_protobufs(tmp_path, digits_h5):
     with pytest.raises(PrototxtError) as info:
         convert(str(path), data_path=digits_h5)
     assert info.value.line == line and r"unknown escape '\d'" in str(info.value)
+
+
+def test_inspect_diff_names_the_corrupt_file_and_dataset(tmp_path):
+    """A flipped bit in the second file's data (its Fletcher-32 checksum
+    fails): before, the message blamed the first file and named no dataset."""
+    import h5py
+    good, bad = str(tmp_path / "good.h5"), str(tmp_path / "bad.h5")
+    for path in (good, bad):
+        save_checkpoint(path, {"fc/weight": np.arange(4096, dtype=np.float32).reshape(64, 64)})
+    with h5py.File(bad, "r") as f:
+        d = f["params/fc/weight"]
+        offset = d.id.get_offset() if d.chunks is None else d.id.get_chunk_info(0).byte_offset
+    with open(bad, "r+b") as fh:
+        fh.seek(offset + 100)
+        byte = fh.read(1)[0]
+        fh.seek(offset + 100)
+        fh.write(bytes([byte ^ 0x40]))
+    res = run_cli_args("inspect", good, "--diff", bad)
+    text = assert_user_error(res, f"'{bad}' is corrupt (dataset '/params/fc/weight')")
+    assert good not in text, text

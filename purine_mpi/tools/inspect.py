@@ -30,16 +30,20 @@ def inspect_checkpoint(path, diff=None, as_json=False):
 BLOCK_BYTES = 64 << 20
 
 
-def _read_errors(path):
-    """HDF5's errors on a damaged file, and memory, as one UserError."""
+def _read_errors(path, name=None):
+    """HDF5's errors on a damaged file, and memory, as one UserError naming
+    the file (and ``name``, the dataset being read, when given)."""
     import contextlib
 
     @contextlib.contextmanager
     def guard():
         try:
             yield
+        except UserError:
+            raise
         except (OSError, KeyError, ValueError, RuntimeError) as e:
-            raise UserError(f"'{path}' is corrupt: {type(e).__name__}: {e}") from None
+            at = f" (dataset '{name}')" if name else ""
+            raise UserError(f"'{path}' is corrupt{at}: {type(e).__name__}: {e}") from None
         except MemoryError:
             raise UserError(f"'{path}': a dataset does not fit in memory ({BLOCK_BYTES >> 20} "
                             "MiB at a time is read)") from None
@@ -221,7 +225,8 @@ def _describe(path):
         datasets = []
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
             for name, dset in _datasets(f).items():
-                datasets.append(_stats(name, dset))
+                with _read_errors(path, name):
+                    datasets.append(_stats(name, dset))
         return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
 
 
@@ -278,16 +283,21 @@ def _diff_parts(a, b):
     return (list(_slabs(a.shape, itemsize)) if a.ndim else [()]), 0
 
 
-def _diff_pair(a, b, row):
+def _diff_pair(a, b, row, paths):
     """max_abs_diff and rel_l2_diff of two numeric datasets of one shape,
     read BLOCK_BYTES at a time, and ``unread_fill``: how many values
-    neither file wrote were compared as the two fill values, unread."""
+    neither file wrote were compared as the two fill values, unread; a
+    read that fails names its file of ``paths`` (a's, b's)."""
     sums = np.zeros(3)  # ||x||^2, ||y||^2, ||x - y||^2
     biggest = 0.0
     parts, fill = _diff_parts(a, b)
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
-            part_sums, part_max = _diff_sums(a[index], b[index])
+            with _read_errors(paths[0], row["name"]):
+                x = a[index]
+            with _read_errors(paths[1], row["name"]):
+                y = b[index]
+            part_sums, part_max = _diff_sums(x, y)
             sums += part_sums
             biggest = np.maximum(biggest, part_max)
         if fill:  # as that many copies of the fill values: NaN and NaN are equal
@@ -355,11 +365,14 @@ def _diff(path, other):
             if numeric and a.shape != b.shape:
                 row["shapes"] = [list(a.shape), list(b.shape)]
             elif numeric and a.size:
-                _diff_pair(a, b, row)
+                _diff_pair(a, b, row, (path, other))
             elif numeric:
                 row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
             else:
-                x, y = _small_value(a), _small_value(b)
+                with _read_errors(path, name):
+                    x = _small_value(a)
+                with _read_errors(other, name):
+                    y = _small_value(b)
                 # values of other kinds (a record array beside floats) are not equal
                 row["equal"] = x is not None and y is not None and _same(x, y)
             rows.append(row)
