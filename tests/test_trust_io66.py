@@ -214,3 +214,32 @@ def test_inspect_diff_names_the_corrupt_file_and_dataset(tmp_path):
     res = run_cli_args("inspect", good, "--diff", bad)
     text = assert_user_error(res, f"'{bad}' is corrupt (dataset '/params/fc/weight')")
     assert good not in text, text
+
+
+@pytest.mark.parametrize("where,text,needle", [
+    ("solver", "base_lr: 0.5\n", "field 'base_lr' of SolverParameter is given twice (also on "),
+    ("net", 'layer { name: "p" type: "Pooling" bottom: "data" top: "p"\n'
+            '        pooling_param { pool: MAX pool: AVE kernel_size: 2 } }\n',
+     "field 'pool' of PoolingParameter is given twice"),
+])
+def test_a_singular_prototxt_field_given_twice_is_refused(tmp_path, digits_h5, where, text,
+                                                         needle):
+    """Protobuf refuses a second value of a non-repeated field; before, the
+    last one won without a word (base_lr 0.05 then 0.5 converted as 0.5)."""
+    from purine_mpi.interop.caffe_convert import convert
+    from purine_mpi.interop.prototxt import PrototxtError
+    from .test_caffe_convert import fixture
+    net, solver = tmp_path / "n.prototxt", tmp_path / "s.prototxt"
+    net_text = open(fixture("lenet_digits.prototxt")).read()
+    solver_text = open(fixture("lenet_solver.prototxt")).read()
+    assert "base_lr" in solver_text
+    net.write_text(net_text + text if where == "net" else net_text)
+    solver.write_text(solver_text + text if where == "solver" else solver_text)
+    bad = net if where == "net" else solver
+    line = len(bad.read_text().splitlines()) - text.count("\n") + 1 + (where == "net")
+    with pytest.raises(PrototxtError) as info:
+        convert(str(net), solver_path=str(solver), data_path=digits_h5)
+    assert info.value.line == line and needle in str(info.value), (info.value.line, line)
+    res = run_cli_args("convert", "caffe", net, "--solver", solver, "--data", digits_h5,
+                       "--out", tmp_path / "j.yaml")
+    assert_user_error(res, f"{bad}:{line}", needle)

@@ -159,8 +159,9 @@ def _number(word, line, path):
 
 # ------------------------------------------------------------------- parser
 class _Parser:
-    def __init__(self, tokens, schema, path):
+    def __init__(self, tokens, schema, path, repeated=None):
         self.tokens, self.schema, self.path, self.pos = tokens, schema, path, 0
+        self.repeated = repeated
         self.open = []  # (message type, line of its '{') of the enclosing messages
         self.building = []  # the messages being parsed, outermost first
 
@@ -220,7 +221,19 @@ class _Parser:
                 raise PrototxtError(self.path, tok.line, self.in_layer() +
                                     _unknown(tok.text, type_name, fields))
             kind = fields[tok.text]
-            for value in self.value(tok, kind):
+            if self.repeated is not None and tok.text not in self.repeated.get(type_name, ()):
+                first = next((f.line for f in msg.fields if f.name == tok.text), None)
+                if first is not None:
+                    raise PrototxtError(self.path, tok.line, self.in_layer() + (
+                        f"field '{tok.text}' of {type_name} is given twice (also on line "
+                        f"{first}); it holds one value (protobuf refuses a second): keep one"))
+            values = self.value(tok, kind)
+            if self.repeated is not None and len(values) > 1 and \
+                    tok.text not in self.repeated.get(type_name, ()):
+                raise PrototxtError(self.path, tok.line, self.in_layer() + (
+                    f"field '{tok.text}' of {type_name} holds one value, not a list of "
+                    f"{len(values)}"))
+            for value in values:
                 msg.fields.append(Field(tok.text, value, tok.line))
             nxt = self.peek()
             if nxt is not None and nxt.kind == "punct" and nxt.text in ",;":
@@ -312,14 +325,18 @@ def _unknown(name, type_name, fields):
             f"{', '.join(sorted(fields))}")
 
 
-def parse(text, schema, root, path="<prototxt>"):
-    """The ``root`` message parsed from ``text`` against ``schema``."""
-    parser = _Parser(tokenize(text, path), schema, path)
+def parse(text, schema, root, path="<prototxt>", repeated=None):
+    """The ``root`` message parsed from ``text`` against ``schema``;
+    ``repeated`` ({message type: field names}): the repeated fields, when
+    given; any other field given twice in one message is then refused, as
+    protobuf refuses it (a second ``base_lr`` would otherwise replace the
+    first without a word)."""
+    parser = _Parser(tokenize(text, path), schema, path, repeated)
     parser.open.append((root, 1))
     return parser.message(root, 1)
 
 
-def parse_file(path, schema, root):
+def parse_file(path, schema, root, repeated=None):
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -334,4 +351,4 @@ def parse_file(path, schema, root):
                                         "definition") from None
     except OSError as e:
         raise PrototxtError(path, None, f"cannot read the file ({e})") from None
-    return parse(text, schema, root, path)
+    return parse(text, schema, root, path, repeated)
