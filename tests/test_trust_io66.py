@@ -243,3 +243,25 @@ def test_a_singular_prototxt_field_given_twice_is_refused(tmp_path, digits_h5, w
     res = run_cli_args("convert", "caffe", net, "--solver", solver, "--data", digits_h5,
                        "--out", tmp_path / "j.yaml")
     assert_user_error(res, f"{bad}:{line}", needle)
+
+
+def test_a_resume_with_another_net_of_the_same_parameters_says_so(tmp_path, digits_h5):
+    """The checkpoint's own config is compared with this one's net: a layer
+    gone and a key changed are named; before, the run went on without a word
+    (same parameter names and shapes, so nothing was refused)."""
+    cfg = small_net_config(digits_h5, checkpoint={"interval": 2, "keep": 3})
+    cfg["solver"]["max_iter"] = 2
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    same = run_cli_args("train", path, "--out", tmp_path / "same", "--iters", 4, "--resume",
+                        tmp_path / "run" / "latest.h5")
+    assert same.returncode == 0 and "differs" not in same.stdout + same.stderr, same.stderr
+    cfg["net"] = [e for e in cfg["net"] if e["name"] != "relu1"]
+    cfg["net"][1]["pool"] = "ave"
+    other = write_config_file(tmp_path, cfg, "other.yaml")
+    res = run_cli_args("train", other, "--out", tmp_path / "other", "--iters", 4, "--resume",
+                       tmp_path / "run" / "latest.h5")
+    assert res.returncode == 0, res.stderr
+    assert "this net differs from the one that wrote it: layer 'relu1' removed; layer " \
+           "'pool1' pool 'max' -> 'ave'" in res.stdout + res.stderr, res.stdout + res.stderr

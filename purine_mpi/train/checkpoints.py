@@ -16,8 +16,9 @@ from ..graph.grad import trained
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
-from ..job.checkpoint_check import (saved_config, changed_data_note, check_finite,
-                                    check_for_net, check_same_meaning, unused_note)
+from ..job.checkpoint_check import (saved_config, changed_data_note, changed_net_note,
+                                    check_finite, check_for_net, check_same_meaning,
+                                    unused_note)
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant, param_layer
 from ..parallel.compose import Layout
@@ -230,6 +231,9 @@ class Checkpoints(Service):
                           for s in solver_states(loop.job.solver.type)
                           if state_name(p, s) in loop.ws.arrays}, **held})
         check_same_meaning(ck.attrs.get("config"), loop.job.net, path, what="checkpoint")
+        changed = changed_net_note(ck.attrs.get("config"), loop.job.net, path)
+        if changed:
+            loop.say(changed)
         moved = changed_data_note(ck.attrs.get("config"), loop.job.data, path)
         if moved:
             loop.say(moved)
