@@ -25,7 +25,7 @@ Semantics kept exact:
 import os
 
 from .caffe_layers import DATA_TYPES, LAYERS, SUPPORTED
-from .caffe_schema import PHASES, TEXT_SCHEMA, V1_TYPES
+from .caffe_schema import PHASES, REPEATED, TEXT_SCHEMA, V1_TYPES
 from .caffe_solver import convert_solver
 from .prototxt import Message, PrototxtError, parse_file
 
@@ -371,7 +371,7 @@ def check_builds(config, converter):
 # ------------------------------------------------------------------ entry
 def convert(net_path, solver_path=None, data_path=None):
     """(config, notes) from a Caffe net prototxt and optional solver."""
-    net = parse_file(net_path, TEXT_SCHEMA, "NetParameter")
+    net = parse_file(net_path, TEXT_SCHEMA, "NetParameter", REPEATED)
     data_abs = os.path.abspath(data_path) if data_path else None
     conv = Converter(net_path, data_abs)
     layers = conv.convert_net(net)
@@ -381,7 +381,7 @@ def convert(net_path, solver_path=None, data_path=None):
         config["data"] = conv.data
     config["net"] = layers
     if solver_path:
-        msg = parse_file(solver_path, TEXT_SCHEMA, "SolverParameter")
+        msg = parse_file(solver_path, TEXT_SCHEMA, "SolverParameter", REPEATED)
         solver, checkpoint, seed, iter_size = convert_solver(msg, solver_path, conv.notes)
         config["solver"], config["checkpoint"] = solver, checkpoint
         if seed is not None:

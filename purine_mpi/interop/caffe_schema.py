@@ -117,6 +117,21 @@ TEXT_SCHEMA = {
         "delta": "float", "rms_decay": "float", "clip_gradients": "float"},
 }
 
+#: the repeated fields of ``TEXT_SCHEMA``'s messages (caffe.proto's
+#: ``repeated``); any other field holds one value, and a second is refused
+REPEATED = {
+    "NetParameter": {"layer", "layers"},
+    "LayerParameter": {"bottom", "top", "param", "include", "exclude", "loss_weight"},
+    "V1LayerParameter": {"bottom", "top", "include", "exclude", "loss_weight", "blobs_lr",
+                         "weight_decay"},
+    "ConvolutionParameter": {"pad", "kernel_size", "stride", "dilation"},
+    "SliceParameter": {"slice_point"},
+    "EltwiseParameter": {"coeff"},
+    "TransformationParameter": {"mean_value"},
+    "BlobShape": {"dim"},
+    "SolverParameter": {"test_iter", "stepvalue"},
+}
+
 # ------------------------------------------------------------ wire format
 #: field numbers in caffe.proto for what a .caffemodel's weights need
 NET_LAYER, NET_LAYERS_V1 = 100, 2

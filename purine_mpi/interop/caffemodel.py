@@ -105,11 +105,13 @@ def caffe_params(path, shapes):
             bn = next((lay for lay in reversed(layers[:i]) if set(lay[3]) & set(bottoms)), None)
             if bn is not None and bn[1] == "BatchNorm":
                 owner = bn[0]
-        matched = []
+        matched, again = [], []
         for suffix, value in targets:
             ours = f"{owner}/{suffix}"
             if ours not in shapes:
                 continue
+            if ours in values:  # a second layer of the name: the later wins, as in Caffe
+                again.append(ours)
             value = _fit(value, tuple(shapes[ours]), ours, name, path)
             values[ours] = value
             matched.append(f"{suffix} {list(value.shape)}")
@@ -121,6 +123,10 @@ def caffe_params(path, shapes):
         else:
             report.append(f"not used: {name} ({kind}, {len(blobs)} blob(s)): no such layer "
                           "in the net")
+        if again:
+            report.append(f"note: the file has an earlier layer named '{name}': its "
+                          f"{', '.join(again)} replace that layer's (the later layer wins, as "
+                          "in Caffe's loader)")
     return values, report, factors
 
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..base.errors import InitMismatch, UserError
 from ..base.runfiles import make_folder, write_replacing, write_text_replacing
+from ..job.replica import param_layer
 
 INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 #: the weights file of a Hugging Face model folder
@@ -419,7 +420,7 @@ def hf_params(path, job, skip=()):
     blobs = layout.graph.blobs
     values, missing = {}, []
     for hf, ours, transposed in layout.tensors:
-        layer = ours.split("/")[0]
+        layer = param_layer(ours)
         if layer in skip:
             continue
         if hf not in tensors:

@@ -13,6 +13,7 @@ is a ``PrototxtError`` that names the file and line. The schema (see
 ``caffe_schema``) maps each message type to its fields; a field it does not
 list is an error, so a typo never passes silently.
 """
+import re
 from collections import namedtuple
 
 from ..base.errors import UserError
@@ -99,19 +100,45 @@ def tokenize(text, path):
 
 
 def _string(text, i, line, path):
-    quote, i, start_line, out = text[i], i + 1, line, []
-    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "r": "\r"}
+    """A quoted string from ``text[i]``: protobuf's text-format escapes (C's:
+    \\n \\t \\r \\a \\b \\f \\v \\\\ \\' \\" \\?, octal \\ooo and hex \\xhh
+    bytes, the whole read as UTF-8); another escape is refused, as protobuf
+    refuses it, not read as its letter."""
+    quote, i, start_line, out = text[i], i + 1, line, bytearray()
+    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "r": "\r", "a": "\a",
+               "b": "\b", "f": "\f", "v": "\v", "?": "?"}
     while True:
         if i >= len(text) or text[i] == "\n":
             raise PrototxtError(path, start_line, "string is not closed on its line")
         c = text[i]
         if c == quote:
-            return "".join(out), i + 1, line
+            try:
+                return out.decode("utf-8"), i + 1, line
+            except UnicodeDecodeError as e:
+                raise PrototxtError(path, start_line, f"string's escapes make bytes that are "
+                                                      f"not UTF-8 text ({e.reason} at byte "
+                                                      f"{e.start})") from None
         if c == "\\" and i + 1 < len(text):
-            out.append(escapes.get(text[i + 1], text[i + 1]))
-            i += 2
+            e = text[i + 1]
+            octal = re.match(r"[0-7]{1,3}", text[i + 1:i + 4])
+            hexa = re.match(r"x([0-9a-fA-F]{1,2})", text[i + 1:i + 4])
+            if e in escapes:
+                out += escapes[e].encode()
+                i += 2
+            elif octal and int(octal.group(), 8) < 256:
+                out.append(int(octal.group(), 8))
+                i += 1 + len(octal.group())
+            elif hexa:
+                out.append(int(hexa.group(1), 16))
+                i += 1 + len(hexa.group())
+            elif octal:
+                raise PrototxtError(path, line, f"octal escape '\\{octal.group()}' is over "
+                                                "\\377, the largest byte")
+            else:
+                raise PrototxtError(path, line, f"unknown escape '\\{e}' in a string (protobuf "
+                                                "refuses it); write '\\\\' for a backslash")
         else:
-            out.append(c)
+            out += c.encode("utf-8")
             i += 1
 
 
@@ -132,8 +159,9 @@ def _number(word, line, path):
 
 # ------------------------------------------------------------------- parser
 class _Parser:
-    def __init__(self, tokens, schema, path):
+    def __init__(self, tokens, schema, path, repeated=None):
         self.tokens, self.schema, self.path, self.pos = tokens, schema, path, 0
+        self.repeated = repeated
         self.open = []  # (message type, line of its '{') of the enclosing messages
         self.building = []  # the messages being parsed, outermost first
 
@@ -193,7 +221,19 @@ class _Parser:
                 raise PrototxtError(self.path, tok.line, self.in_layer() +
                                     _unknown(tok.text, type_name, fields))
             kind = fields[tok.text]
-            for value in self.value(tok, kind):
+            if self.repeated is not None and tok.text not in self.repeated.get(type_name, ()):
+                first = next((f.line for f in msg.fields if f.name == tok.text), None)
+                if first is not None:
+                    raise PrototxtError(self.path, tok.line, self.in_layer() + (
+                        f"field '{tok.text}' of {type_name} is given twice (also on line "
+                        f"{first}); it holds one value (protobuf refuses a second): keep one"))
+            values = self.value(tok, kind)
+            if self.repeated is not None and len(values) > 1 and \
+                    tok.text not in self.repeated.get(type_name, ()):
+                raise PrototxtError(self.path, tok.line, self.in_layer() + (
+                    f"field '{tok.text}' of {type_name} holds one value, not a list of "
+                    f"{len(values)}"))
+            for value in values:
                 msg.fields.append(Field(tok.text, value, tok.line))
             nxt = self.peek()
             if nxt is not None and nxt.kind == "punct" and nxt.text in ",;":
@@ -285,19 +325,30 @@ def _unknown(name, type_name, fields):
             f"{', '.join(sorted(fields))}")
 
 
-def parse(text, schema, root, path="<prototxt>"):
-    """The ``root`` message parsed from ``text`` against ``schema``."""
-    parser = _Parser(tokenize(text, path), schema, path)
+def parse(text, schema, root, path="<prototxt>", repeated=None):
+    """The ``root`` message parsed from ``text`` against ``schema``;
+    ``repeated`` ({message type: field names}): the repeated fields, when
+    given; any other field given twice in one message is then refused, as
+    protobuf refuses it (a second ``base_lr`` would otherwise replace the
+    first without a word)."""
+    parser = _Parser(tokenize(text, path), schema, path, repeated)
     parser.open.append((root, 1))
     return parser.message(root, 1)
 
 
-def parse_file(path, schema, root):
+def parse_file(path, schema, root, repeated=None):
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise PrototxtError(path, None, "file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise PrototxtError(path, None, "is a folder; expected a text prototxt file") from None
+    except UnicodeDecodeError as e:  # a .caffemodel, an HDF5 file: binary, not text
+        raise PrototxtError(path, None, f"is not a text prototxt (binary data at byte "
+                                        f"{e.start}); a binary .caffemodel holds weights, "
+                                        "which train --init / test --weights read, not a "
+                                        "definition") from None
+    except OSError as e:
         raise PrototxtError(path, None, f"cannot read the file ({e})") from None
-    return parse(text, schema, root, path)
+    return parse(text, schema, root, path, repeated)

@@ -119,6 +119,55 @@ def changed_data_note(config_text, data, path):
             "under another path)")
 
 
+def changed_net_note(config_text, net, path):
+    """A note naming how ``net`` (this config's layers) differs from the net
+    of the run that wrote checkpoint ``path`` (its saved config): layers
+    removed or added, keys of a layer changed, the order; or None. A resume
+    with the same parameters but another net (a ReLU gone, max pooling made
+    average) would otherwise go on without a word."""
+    saved = (saved_config(config_text) or {}).get("net")
+    if not isinstance(saved, list) or not net:
+        return None
+    from ..layers import layer_spec
+    then = {e.get("name"): _plain_value(e) for e in saved if isinstance(e, dict)}
+    now = {e.get("name"): _plain_value(e) for e in net}
+    changes = [f"layer '{n}' removed" for n in then if n not in now]
+    changes += [f"layer '{n}' added" for n in now if n not in then]
+    for name, entry in now.items():
+        old = then.get(name)
+        if old is None or old == entry:
+            continue
+        spec = layer_spec(entry.get("type"))
+        keys = {k.name: k for k in spec.keys} if spec is not None else {}
+        for key in [k for k in entry if k in old or k not in keys] + \
+                [k for k in old if k not in entry]:
+            a, b = old.get(key), entry.get(key)
+            if key in keys:  # an absent key is its default; a pair k is [k, k]
+                k = keys[key]
+                a = _key_value(k, k.default if key not in old else a)
+                b = _key_value(k, k.default if key not in entry else b)
+            if a != b:
+                changes.append(f"layer '{name}' {key} {a!r} -> {b!r}")
+    if not changes and [n for n in then] != [n for n in now]:
+        changes.append("the layers' order")
+    if not changes:
+        return None
+    more = f" and {len(changes) - 6} more" if len(changes) > 6 else ""
+    return (f"note: resuming from {path}: this net differs from the one that wrote it: "
+            f"{'; '.join(changes[:6])}{more} (the weights load by name; the run goes on "
+            "with this net)")
+
+
+def _plain_value(value):
+    """A config value with its mappings and lists as plain dicts and lists."""
+    from collections.abc import Mapping
+    if isinstance(value, Mapping):
+        return {k: _plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(v) for v in value]
+    return value
+
+
 def _max_iter(config_text):
     """solver.max_iter of the config text a checkpoint was written with, or
     None when it does not say."""

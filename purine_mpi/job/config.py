@@ -497,6 +497,23 @@ def _check_net(net, path):
             if not isinstance(layer.get(field), str) or not layer[field]:
                 raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' string, "
                                                           f"got {excerpt(layer.get(field))}")
+        for field in ("name", "top", "bottom"):  # HDF5 ends a name at a NUL; dot cannot say one
+            values = layer.get(field)
+            for j, value in enumerate(values if isinstance(values, list) else [values]):
+                if isinstance(value, str) and "\0" in value:
+                    at = f"{key}.{field}" + (f".{j}" if isinstance(values, list) else "")
+                    raise ConfigError(path, at, f"{excerpt(value)} holds a NUL character "
+                                                "(\\0), which no checkpoint (HDF5) name or "
+                                                "Graphviz file can hold")
+        parts = layer["name"].split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            # its parameters '<name>/weight' are HDF5 paths of the checkpoint:
+            # refused here, not at the first checkpoint after training
+            raise ConfigError(path, f"{key}.name", f"layer name {excerpt(layer['name'])}: its "
+                                                   "parts between '/' must be non-empty and "
+                                                   "not '.' or '..' (the layer's parameters "
+                                                   "are stored at /params/<name>/weight of a "
+                                                   "checkpoint)")
         if layer["name"] in seen:
             raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
                                                    f"(also {keys[seen[layer['name']]]})")

@@ -161,7 +161,7 @@ def check_test_params(job, shapes, test):
                         if op.op_type == "DataReader"), "?")
         raise ConfigError(job.path, "data.test",
                           f"its samples of shape {samples} give layer "
-                          f"'{blob.name.split('/')[0]}' the parameter '{blob.name}' of shape "
+                          f"'{param_layer(blob.name)}' the parameter '{blob.name}' of shape "
                           f"{list(blob.shape)}, but the train phase's is {list(want)}: the "
                           "test phase runs on the train phase's parameters; give the test "
                           "samples the shape they have in training (e.g. crop_size)")
@@ -527,6 +527,13 @@ def kept_constant(blob):
             and attrs.get("filler", {}).get("type") == "constant")
 
 
+def param_layer(name):
+    """The layer of the parameter ``name`` (``<layer>/<suffix>``, layers/build.py):
+    all but its last part, since a layer's name may hold a '/' itself (Caffe's
+    ``loss3/classifier``, ``conv1/bn``)."""
+    return name.rsplit("/", 1)[0]
+
+
 def init_params(loaded, params, job, path, skip=()):
     """The names of ``params`` to take from a weights file's ``loaded``
     params (``--init`` / ``test --weights``): all of them, except those of
@@ -540,7 +547,7 @@ def init_params(loaded, params, job, path, skip=()):
     if unknown:
         raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "
                         f"(layers: {', '.join(sorted(n for n in layers if n))})")
-    wanted = [p for p in params if p.split("/")[0] not in set(skip)]
+    wanted = [p for p in params if param_layer(p) not in set(skip)]
     missing = [p for p in wanted if p not in loaded]
     if missing:
         raise InitMismatch(f"weights file '{path}' lacks {len(missing)} parameter(s) of this "
@@ -559,19 +566,27 @@ def init_params(loaded, params, job, path, skip=()):
         from .checkpoint_check import check_same_meaning
         from .checkpoint_file import saved_config_text
         check_same_meaning(saved_config_text(path), job.net, path,
-                           {p.split("/")[0] for p in wanted})
+                           {param_layer(p) for p in wanted})
     return wanted
 
 
 def trained_values(graph, job, path):
     """{param: float32 array} of every parameter of ``graph`` from the weights
     file ``path`` (export onnx, export hf): a missing one is init_params'
-    InitMismatch, a shape that differs a UserError naming both."""
+    InitMismatch, a shape that differs a UserError naming both; the file's
+    blobs ``graph`` has no parameter for are named in a note on stderr."""
     import numpy as np
     from .checkpoint_file import load_params
+    import sys
+    from .checkpoint_check import unused_blobs
     loaded = load_params(path)
     params = [b.name for b in graph.params()]
     init_params(loaded, params, job, path)
+    extra = unused_blobs(loaded, params)
+    if extra:  # not silently: a file of another net (a head more) gives another model
+        print(f"note: {path}: {len(extra)} blob(s) of the file are not in the exported "
+              f"test-phase graph: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}; "
+              "they are left out (a file of another net?)", file=sys.stderr)
     values = {}
     for p in params:
         value = np.asarray(loaded[p], dtype=np.float32)
@@ -605,7 +620,8 @@ def check_fits_memory(graph, memory=None):
         # an in-place copy (conv1@relu1), a gradient or state (conv1.grad) counts for
         # the layer whose output it is: the one whose num_output sets its size
         base = b.name.split("@")[0].split(".")[0]
-        layer = base.split("/")[0] if "/" in base else layer_of.get(base, base)
+        param = base in graph.blobs and graph.blobs[base].kind == "param"
+        layer = param_layer(base) if param else layer_of.get(base, base)
         need[layer] = need.get(layer, 0) + b.nbytes
         if b.nbytes > biggest.get(layer, (0, None))[0]:
             biggest[layer] = (b.nbytes, b)

@@ -10,6 +10,9 @@ bounded:
 - nesting deeper than ``MAX_DEPTH`` levels is refused at the line where it
   happens (counted while composing, so no ``RecursionError``; values that
   aliases paste into others count at their expanded depth);
+- a string holding a surrogate (a ``"\\ud800"`` escape; YAML does not join
+  a pair into one character) is refused at its line: every file the run
+  writes is UTF-8, which cannot hold one;
 - anchors and aliases (``&name`` / ``*name``) stay allowed: sharing a
   value is what they are for, and the key checks advise them; but the
   values that aliases repeat may add at most ``MAX_ALIAS_NODES`` nodes to
@@ -44,6 +47,8 @@ _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 #: YAML 1.1's octal integers with a leading 0 (024 is 20; 1.2 reads 24)
 _LEADING_ZERO = re.compile(r"^[-+]?0[0-7_]+$")
+#: a surrogate code point, which a "\ud800" escape makes and UTF-8 cannot encode
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class YamlRefused(yaml.MarkedYAMLError):
@@ -126,6 +131,13 @@ class StrictLoader(yaml.SafeLoader):
                                   f"{_at(self, node.start_mark)} (a value that contains "
                                   "itself)", node.start_mark)
             active.add(nid)
+            if isinstance(node, ScalarNode) and _SURROGATE.search(node.value):
+                raise YamlRefused(f"a string at {_at(self, node.start_mark)} holds a UTF-16 "
+                                  "surrogate (a \\ud800 to \\udfff escape: YAML does not "
+                                  "join a pair of them into one character), which no UTF-8 "
+                                  "file (log, checkpoint, trace) can hold; write the "
+                                  "character itself or its 8-digit \\U escape",
+                                  node.start_mark)
             if isinstance(node, MappingNode):
                 self._no_duplicates(node, path)
             elif isinstance(node, ScalarNode):

@@ -30,16 +30,20 @@ def inspect_checkpoint(path, diff=None, as_json=False):
 BLOCK_BYTES = 64 << 20
 
 
-def _read_errors(path):
-    """HDF5's errors on a damaged file, and memory, as one UserError."""
+def _read_errors(path, name=None):
+    """HDF5's errors on a damaged file, and memory, as one UserError naming
+    the file (and ``name``, the dataset being read, when given)."""
     import contextlib
 
     @contextlib.contextmanager
     def guard():
         try:
             yield
+        except UserError:
+            raise
         except (OSError, KeyError, ValueError, RuntimeError) as e:
-            raise UserError(f"'{path}' is corrupt: {type(e).__name__}: {e}") from None
+            at = f" (dataset '{name}')" if name else ""
+            raise UserError(f"'{path}' is corrupt{at}: {type(e).__name__}: {e}") from None
         except MemoryError:
             raise UserError(f"'{path}': a dataset does not fit in memory ({BLOCK_BYTES >> 20} "
                             "MiB at a time is read)") from None
@@ -221,12 +225,16 @@ def _describe(path):
         datasets = []
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
             for name, dset in _datasets(f).items():
-                datasets.append(_stats(name, dset))
+                with _read_errors(path, name):
+                    datasets.append(_stats(name, dset))
         return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
 
 
 def _stats(name, dset):
     entry = {"name": name}
+    if dset.shape is None:  # a null dataspace (h5py.Empty): a dtype, no value at all
+        entry.update(shape=None, dtype=str(dset.dtype), value="<null dataspace: no value>")
+        return entry
     if plain_attr(dset.attrs.get(KIND)) != "json" and _numeric(dset):
         entry.update(shape=list(dset.shape), dtype=str(dset.dtype))
         if dset.size:
@@ -249,6 +257,16 @@ def _stats(name, dset):
     return entry
 
 
+#: control characters as their escapes (a name with a newline keeps its table row)
+_CONTROL = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
+
+
+def _one_line(name):
+    """A dataset's name as the table shows it: one line, control characters
+    escaped (``\\n``); the JSON keeps it as it is."""
+    return name.translate(_CONTROL)
+
+
 def _diff_parts(a, b):
     """Index tuples covering two datasets of one shape BLOCK_BYTES at a
     time, and the count of values both hold as their fill value unread:
@@ -265,16 +283,21 @@ def _diff_parts(a, b):
     return (list(_slabs(a.shape, itemsize)) if a.ndim else [()]), 0
 
 
-def _diff_pair(a, b, row):
+def _diff_pair(a, b, row, paths):
     """max_abs_diff and rel_l2_diff of two numeric datasets of one shape,
     read BLOCK_BYTES at a time, and ``unread_fill``: how many values
-    neither file wrote were compared as the two fill values, unread."""
+    neither file wrote were compared as the two fill values, unread; a
+    read that fails names its file of ``paths`` (a's, b's)."""
     sums = np.zeros(3)  # ||x||^2, ||y||^2, ||x - y||^2
     biggest = 0.0
     parts, fill = _diff_parts(a, b)
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
-            part_sums, part_max = _diff_sums(a[index], b[index])
+            with _read_errors(paths[0], row["name"]):
+                x = a[index]
+            with _read_errors(paths[1], row["name"]):
+                y = b[index]
+            part_sums, part_max = _diff_sums(x, y)
             sums += part_sums
             biggest = np.maximum(biggest, part_max)
         if fill:  # as that many copies of the fill values: NaN and NaN are equal
@@ -334,15 +357,22 @@ def _diff(path, other):
                 continue
             a, b = a_sets[name], b_sets[name]
             row = {"name": name}
+            if a.shape is None or b.shape is None:  # null dataspaces: no values to compare
+                row["equal"] = a.shape is None and b.shape is None and a.dtype == b.dtype
+                rows.append(row)
+                continue
             numeric = all(_numeric(d) and plain_attr(d.attrs.get(KIND)) != "json" for d in (a, b))
             if numeric and a.shape != b.shape:
                 row["shapes"] = [list(a.shape), list(b.shape)]
             elif numeric and a.size:
-                _diff_pair(a, b, row)
+                _diff_pair(a, b, row, (path, other))
             elif numeric:
                 row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
             else:
-                x, y = _small_value(a), _small_value(b)
+                with _read_errors(path, name):
+                    x = _small_value(a)
+                with _read_errors(other, name):
+                    y = _small_value(b)
                 # values of other kinds (a record array beside floats) are not equal
                 row["equal"] = x is not None and y is not None and _same(x, y)
             rows.append(row)
@@ -402,12 +432,12 @@ def _format_text(report):
         if isinstance(value, str) and "\n" in value:
             value = f"<{len(value.splitlines())} lines of text>"
         lines.append(f"  @{key} = {_fmt(value)}")
-    width = max([len(d["name"]) for d in report["datasets"]] + [7])
+    width = max([len(_one_line(d["name"])) for d in report["datasets"]] + [7])
     lines.append(f"{'dataset':<{width}}  {'shape':<16} {'dtype':<8} {'min':>11} {'max':>11} "
                  f"{'mean':>11} {'std':>11} {'l2':>11}")
     for d in report["datasets"]:
-        shape = "x".join(str(s) for s in d["shape"]) or "scalar"
-        line = f"{d['name']:<{width}}  {shape:<16} {d['dtype']:<8}"
+        shape = "null" if d["shape"] is None else "x".join(str(s) for s in d["shape"]) or "scalar"
+        line = f"{_one_line(d['name']):<{width}}  {shape:<16} {d['dtype']:<8}"
         if "min" in d:
             line += "".join(f" {_fmt(d[k]):>11}" for k in ("min", "max", "mean", "std", "l2"))
             bad = [f"{d[k]:,} {k}" for k in ("nan", "inf") if d.get(k)]
@@ -431,11 +461,11 @@ def _format_text(report):
                 tail = f"shapes differ: {row['shapes'][0]} vs {row['shapes'][1]}"
             else:
                 tail = "equal" if row["equal"] else "differs"
-            lines.append(f"{row['name']:<{width}}  {tail}")
+            lines.append(f"{_one_line(row['name']):<{width}}  {tail}")
         for label, names in (("only in first", diff["only_in_first"]),
                              ("only in second", diff["only_in_second"])):
             if names:
-                lines.append(f"{label}: {', '.join(names)}")
+                lines.append(f"{label}: {', '.join(map(_one_line, names))}")
         for key, (a, b) in diff["attrs"].items():
             if isinstance(a, str) and "\n" in a or isinstance(b, str) and "\n" in b:
                 lines.append(f"attribute @{key} differs")

@@ -16,10 +16,11 @@ from ..graph.grad import trained
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
-from ..job.checkpoint_check import (saved_config, changed_data_note, check_finite,
-                                    check_for_net, check_same_meaning, unused_note)
+from ..job.checkpoint_check import (saved_config, changed_data_note, changed_net_note,
+                                    check_finite, check_for_net, check_same_meaning,
+                                    unused_note)
 from ..job.config import dump_config
-from ..job.replica import init_params, kept_constant
+from ..job.replica import init_params, kept_constant, param_layer
 from ..parallel.compose import Layout
 from ..parallel.schemes import scheme_of
 from ..parallel.tensor_parallel import initial_value, whole_shape
@@ -99,7 +100,7 @@ class Checkpoints(Service):
         from ..interop.caffemodel import caffe_params
         skip = set(init_skip)
         shapes = {p: loop.graphs.graph.blobs[p].shape for p in loop.graphs.params
-                  if p.split("/")[0] not in skip}
+                  if param_layer(p) not in skip}
         values, report, factors = caffe_params(path, shapes)
         check_finite(values, path)
         if loop.world.rank == 0:
@@ -112,7 +113,7 @@ class Checkpoints(Service):
             if p in values:
                 self._load_blob(loop, p, values[p], path)
         for k in loop.train.kernels.values():  # Caffe's running averages go on
-            layer = k.op.inputs[3].split("/")[0] if k.op.op_type == "BatchNorm" else None
+            layer = param_layer(k.op.inputs[3]) if k.op.op_type == "BatchNorm" else None
             if layer in factors and getattr(k, "caffe_average", False):
                 k.factor = factors[layer]
 
@@ -122,8 +123,9 @@ class Checkpoints(Service):
         try:
             scheme.set_weight(loop.graphs, loop.ws, name, value)
         except GraphError as e:  # a file from another net: name the file too
-            hint = (f"; to start layer '{name.split('/')[0]}' afresh instead (fine-tuning a "
-                    f"changed layer), give --init-skip {name.split('/')[0]}") if skip_hint else ""
+            layer = param_layer(name)
+            hint = (f"; to start layer '{layer}' afresh instead (fine-tuning a "
+                    f"changed layer), give --init-skip {layer}") if skip_hint else ""
             raise InitMismatch(f"{path}: {e}", hint) from None
 
     def state_dict(self, loop):
@@ -229,6 +231,9 @@ class Checkpoints(Service):
                           for s in solver_states(loop.job.solver.type)
                           if state_name(p, s) in loop.ws.arrays}, **held})
         check_same_meaning(ck.attrs.get("config"), loop.job.net, path, what="checkpoint")
+        changed = changed_net_note(ck.attrs.get("config"), loop.job.net, path)
+        if changed:
+            loop.say(changed)
         moved = changed_data_note(ck.attrs.get("config"), loop.job.data, path)
         if moved:
             loop.say(moved)

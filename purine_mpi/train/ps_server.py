@@ -150,7 +150,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     start = 0
     if init:
         from ..job.checkpoint_file import load_params
-        from ..job.replica import init_params, kept_constant
+        from ..job.replica import init_params, kept_constant, param_layer
         found = None  # the params the file may lack: a .caffemodel's kept constants
         if str(init).endswith(".caffemodel"):  # Caffe's weights by layer name, as a worker's
             from ..interop.caffemodel import caffe_params
@@ -159,7 +159,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             # server's alone: a NaN (or a wrong shape) in another server's
             # is found here too, so every rank ends with one message
             loaded = caffe_params(init, {b.name: b.shape for b in graph.params()
-                                         if b.name.split("/")[0] not in skip})[0]
+                                         if param_layer(b.name) not in skip})[0]
             found = dict.fromkeys(set(loaded) | {b.name for b in graph.params()
                                                  if kept_constant(b)})
         elif str(init).endswith(".safetensors"):  # GPT-2 in Hugging Face's layout
