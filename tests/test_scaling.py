@@ -481,3 +481,25 @@ def test_predict_prices_a_stage_3_traces_clipping_at_every_rank_count(tmp_path, 
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)["rows"]
     assert [(r["np"], r["untraced_ops"]) for r in rows] == [(1, 0), (2, 0), (4, 0)]
+
+
+def test_a_layer_named_like_a_shard_is_no_shard_of_another_gradient():
+    """A shard op is ``<param>.grad.shard[a:b]`` and the op's own suffix
+    (``.clip``; loss scaling's ``@unscale.clip``): a layer named
+    ``c.shard[0:4].x`` has ops on its weight's ZeRO shards, not on a shard
+    of a gradient ``c``, so its whole update at 1 rank is the sum of the
+    traced shards and a shard of another rank count its elements' share.
+    Before, these names read as shards of ``c`` with suffix
+    ``.x/weight.update...`` and were priced None (0 s), and a clip after
+    the unscale (``@unscale.clip``) read as no shard at all."""
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    w = "c.shard[0:4].x/weight"
+    two = Durations({0: {f"{w}.update[0:112]": 2.0, f"{w}.grad.shard[0:112].clip": 1.0,
+                         "v.grad.shard[0:100]@unscale.clip": 4.0},
+                     1: {f"{w}.update[112:224]": 6.0, f"{w}.grad.shard[112:224].clip": 3.0}})
+    assert two.lookup(f"{w}.update", 0) == pytest.approx(8.0)
+    assert two.lookup(f"{w}.grad.clip", 0) == pytest.approx(4.0)
+    assert two.lookup(f"{w}.update[0:56]", 0) == pytest.approx(1.0)
+    assert two.lookup(f"{w}.grad.shard[0:56].clip", 0) == pytest.approx(0.5)
+    assert two.lookup(f"{w}.grad.shard[56:112].clip", 3) == pytest.approx(4.0 / 4)
+    assert two.lookup("v.grad.shard[0:50]@unscale.clip", 0) == pytest.approx(2.0)

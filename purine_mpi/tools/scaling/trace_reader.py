@@ -17,7 +17,11 @@ from collections import defaultdict
 from ...base.errors import UserError
 
 _RANK = re.compile(r"trace\.rank(\d+)\.json$")
-_SHARD = re.compile(r"(.+)\.shard\[(\d+):(\d+)\](\..+)")
+# an op on a ZeRO shard of a gradient: ``<param>.grad.shard[a:b]`` then the
+# op's own suffix (``.clip``, loss scaling's ``.unscale``, ``@unscale.clip``),
+# which names no parameter ('/', '[' or ']'): a layer named ``c.shard[0:4].x``
+# has ops ``c.shard[0:4].x/weight.update[0:112]``, on no shard of ``c``
+_SHARD = re.compile(r"(.+\.grad)\.shard\[(\d+):(\d+)\]([.@][^/\[\]]+)")
 
 
 class Durations:
