@@ -390,9 +390,20 @@ def test_op_error_on_first_op_of_a_thread_chain():
 
 # ------------------------------------------------------------- concurrency
 def test_independent_branches_on_different_threads_overlap():
+    """Two chains of sleeps on two worker threads run side by side: the
+    run's wall time is under 80% of the sleeps' sum (half of it when they
+    overlap fully), and the two threads' spans overlap. The wall time is a
+    clock: under CPU load a woken thread waits for a core (3 CPU hogs and
+    two MPI test loops on 2 cores: 2 of 30 runs of 50 ms sleeps took 0.305
+    and 0.465 s for 0.300 s of sleeps; timed up to 3 times, 1 of 25 runs
+    was over in all 3: 0.29, 0.26, 0.37 s), so the sleeps are 100 ms (the
+    scheduler's delays are the same few tens of ms, the margin twice) and a
+    run over the bound is timed again, up to 3 times; a dispatcher that ran
+    the branches one after the other is over it every time (wall >= the
+    sum)."""
     g = Graph()
     g.add_blob("x", SHAPE)
-    n, secs = 3, 0.05
+    n, secs = 3, 0.1
     for branch, thread in (("a", 0), ("b", 1)):
         prev = "x"
         for i in range(n):
@@ -404,17 +415,20 @@ def test_independent_branches_on_different_threads_overlap():
     g.infer_shapes().validate()
     prof = Profiler()
     d = EventDispatcher(g, profiler=prof)
+    total, walls = 2 * n * secs, []
     try:
         d.run()  # warm-up (threads started)
-        prof.events.clear()
-        t0 = time.perf_counter()
-        d.run()
-        wall = time.perf_counter() - t0
-        assert np.all(d.workspace["y"] == 2 * n)
+        for _ in range(3):
+            prof.events.clear()
+            t0 = time.perf_counter()
+            d.run()
+            walls.append(time.perf_counter() - t0)
+            assert np.all(d.workspace["y"] == 2 * n)
+            if walls[-1] < 0.8 * total:
+                break
     finally:
         d.close()
-    total = 2 * n * secs
-    assert wall < 0.8 * total, f"no overlap: {wall:.3f} s for {total:.3f} s of sleeps"
+    assert walls[-1] < 0.8 * total, f"no overlap: {walls} s for {total:.3f} s of sleeps"
     spans = {}
     for ev in prof.events:
         if ev["name"].startswith(("a.", "b.")):
@@ -502,7 +516,13 @@ def test_progress_thread_tests_transfers_during_a_long_op():
     """A transfer posted before a long op (one worker thread, busy for 0.3 s)
     moves only inside MPI calls: the progress thread tests it every
     ``busy_poll`` seconds meanwhile, so it completes before the op ends.
-    With busy_poll 0 nobody tests it until the op is over."""
+    With busy_poll 0 nobody tests it until the op is over.
+    The 20 tests in 0.3 s need the progress thread woken every 15 ms: under
+    CPU load (3 CPU hogs and two MPI test loops on 2 cores) 2 of 30 runs
+    completed the transfer 44 and 115 ms after the op's end, so a busy_poll
+    run that does not complete during the op is run again, up to 3 times
+    (without the progress thread's tests it never does); busy_poll 0 is
+    checked on every run."""
     g = Graph()
     g.add_blob("x", SHAPE)
     g.add_op("grad", "TestDispatcherSleep", ["x"], ["g"], {"seconds": 0.01})
@@ -511,21 +531,27 @@ def test_progress_thread_tests_transfers_during_a_long_op():
     g.add_op("long", "TestDispatcherSleep", ["g"], ["y"], {"seconds": 0.3})
     g.infer_shapes().validate()
     for busy_poll, completes_during in ((2e-3, True), (0.0, False)):
-        prof = Profiler()
-        d = EventDispatcher(g, profiler=prof, busy_poll=busy_poll)
-        try:
-            d.run()
-            events = {e["name"]: e for e in prof.events}
+        tries = []
+        for _ in range(3 if completes_during else 1):
+            prof = Profiler()
+            d = EventDispatcher(g, profiler=prof, busy_poll=busy_poll)
+            try:
+                d.run()
+                events = {e["name"]: e for e in prof.events}
+            finally:
+                d.close()
             long_end = events["long"]["ts"] + events["long"]["dur"]
             comm_end = events["c0"]["ts"] + events["c0"]["dur"]
-            assert (comm_end < long_end) == completes_during, (busy_poll, comm_end, long_end)
             start = prof.t0 + events["long"]["ts"] / 1e6
             during = [name for name, t in _SlowTransferOp.last.tests
                       if start < t < prof.t0 + long_end / 1e6]
-            assert (len(during) >= 10) == completes_during, during
-            assert set(during) <= {"MainThread"}
-        finally:
-            d.close()
+            assert set(during) <= {"MainThread"}, during
+            tries.append((comm_end < long_end, len(during)))
+            if comm_end < long_end and len(during) >= 10:
+                break
+        completed, tested = tries[-1]
+        assert completed == completes_during, (busy_poll, tries)
+        assert (tested >= 10) == completes_during, (busy_poll, tries)
 
 
 def test_comm_poster_gate_holds_an_op_until_its_device_work_is_done():

@@ -88,6 +88,7 @@ def test_case12_second_ctrl_c_during_the_stop_checkpoint_ends_at_once(tmp_path, 
     finally:
         if proc.poll() is None:
             proc.kill()
+    print(f"the second Ctrl-C: exit {proc.returncode} {took:.2f} s after the first")
     assert proc.returncode == 130, (proc.returncode, stderr)
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
     assert stderr.strip().splitlines() == [

@@ -42,7 +42,13 @@ def test_prediction_is_near_the_emulated_link(tmp_path):
     # 304 / 289, a burst of the other worker's lasting both rounds; alone
     # -2.4 %, beside a process spinning on one of the 2 cores -11.6 %), so
     # up to four rounds 10 s apart; a predictor off by the bound fails all
-    # four. The communication part, the link model's, is checked in every round
+    # four. The communication part, the link model's, is a round's too: its
+    # calibration (alpha, beta and a byte's CPU cost, predict --calibrate) and
+    # the measured run are timed at different moments of the same load (3
+    # CPU hogs beside MPI test loops, load average 18 on the 2 cores: round 1
+    # predicted 311.0 ms of communication against 218.6 measured, 1 of 2
+    # runs; three more runs' first rounds 6%, 21% and 1% off), so a round
+    # off on either part is tried again; the last round meets both bounds
     rows = []
     for attempt in range(4):
         if attempt:
@@ -60,9 +66,14 @@ def test_prediction_is_near_the_emulated_link(tmp_path):
         assert row["real_ms"] > 0 and row["predicted_ms"] > 0
         # the communication part alone is the link model's: 24 MB at ~1 Gbit/s
         (r,) = result["rounds"]
-        assert r["predicted_comm_ms"] == pytest.approx(r["measured_comm_ms"], rel=0.25)
-        rows.append({k: row[k] for k in ("real_ms", "predicted_ms", "measured_compute_ms",
-                                         "predicted_compute_ms", "error")})
-        if abs(row["error"]) < 0.4:
+        rows.append(dict({k: row[k] for k in ("real_ms", "predicted_ms", "measured_compute_ms",
+                                              "predicted_compute_ms", "error")},
+                         measured_comm_ms=r["measured_comm_ms"],
+                         predicted_comm_ms=r["predicted_comm_ms"]))
+        comm_ok = r["predicted_comm_ms"] == pytest.approx(r["measured_comm_ms"], rel=0.25)
+        if abs(row["error"]) < 0.4 and comm_ok:
             break
-    assert abs(rows[-1]["error"]) < 0.4, rows
+    print(json.dumps(rows))
+    last = rows[-1]
+    assert last["predicted_comm_ms"] == pytest.approx(last["measured_comm_ms"], rel=0.25), rows
+    assert abs(last["error"]) < 0.4, rows
