@@ -107,6 +107,21 @@ def test_yaml_numbers_both_versions_agree_on_still_load(write_config, digits_h5)
     assert read_yaml(dump_config(config))["net"][0]["name"] == "024"
 
 
+def test_leading_zero_numbers_both_versions_read_alike_still_load(write_config, digits_h5):
+    """``01`` to ``07`` (and ``-05``, ``0_7``) are the same number in YAML 1.1
+    (octal) and 1.2 (decimal): they were refused with "octal in YAML 1.1 (7)
+    and decimal in YAML 1.2 (7)" (before the fix: ``read_yaml`` raised
+    YamlRefused); ``010`` (8 or 10) is still refused."""
+    from purine_mpi.job.config import load_config
+    from purine_mpi.job.yamlread import YamlRefused, read_yaml
+    assert read_yaml("[07, -05, 0_7, +01, 00]") == [7, -5, 7, 1, 0]
+    path = write_config(_job(digits_h5).replace("max_iter: 20", "max_iter: 07"), "l0.yaml")
+    assert load_config(path)["solver"]["max_iter"] == 7
+    with pytest.raises(YamlRefused, match=r"octal in YAML 1.1 \(8\) and decimal in YAML 1.2 "
+                                          r"\(10\)"):
+        read_yaml("a: 010")
+
+
 # ------------------------------------------------------ empty path options
 @pytest.mark.parametrize("option", ["--resume", "--init", "--out"])
 def test_an_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path, option):
