@@ -136,6 +136,31 @@ def test_an_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path
     assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "runs")
 
 
+@pytest.mark.parametrize("args", [
+    ["plan", "JOB", "--choose", "--calibration", ""],
+    ["plan", "JOB", "--choose", "--network", ""],
+    ["inspect", "JOB", "--diff", ""],
+    ["data", "lmdb-to-h5", "--from", "lmdb", "--test-from", "", "--out", "OUT"],
+    ["convert", "caffe", "NET", "--data", "DATA", "--solver", "", "--out", "OUT"],
+    ["convert", "caffe", "NET", "--data", "", "--out", "OUT"],
+], ids=lambda a: f"{a[0]}{a[a.index('') - 1]}")
+def test_every_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path, args):
+    """The path options the first sweep left out: ``plan --choose
+    --calibration ''`` (or --network '') chose with the default op times or
+    link, exit 0; ``convert caffe --solver ''`` wrote a job with the default
+    solver, exit 0 (before the fix: ``assert res.returncode == 2`` failed, 0);
+    ``inspect --diff ''``, ``data --test-from ''``, ``convert --data ''``
+    read as the option left out, or gave '' to the command."""
+    job = write_config(_job(digits_h5), "job.yaml")
+    net = os.path.join(REPO, "tests", "fixtures", "caffe", "lenet_digits.prototxt")
+    out = tmp_path / "out.h5"
+    args = [{"JOB": job, "NET": net, "OUT": out, "DATA": digits_h5}.get(a, a) for a in args]
+    option = args[args.index("") - 1]
+    res = run_cli_here(*args, cwd=tmp_path)
+    _user_error(res, f"argument {option}: an empty path", limit=3000)
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
 # ----------------------------------------------------------------- case 10
 #: nine levels of nine aliases: 9^9 (387 million) values in 10 short lines,
 #: where a value is checked (and was quoted whole in the message)
