@@ -257,11 +257,11 @@ def build_parser():
                         "(--choose leaves out the counts its model says cannot be the "
                         "fastest that fits, listed under --json's not_tried): slower, to "
                         "confirm --choose's best")
-    c.add_argument("--calibration", metavar="FILE.json",
+    c.add_argument("--calibration", type=path_arg, metavar="FILE.json",
                    help="--choose: the op times measured once, read from FILE.json when it "
                         "holds this job's, else measured and written there (default: "
                         "runs/<name>/calibration.json)")
-    c.add_argument("--network", metavar="LINK.json",
+    c.add_argument("--network", type=path_arg, metavar="LINK.json",
                    help="--choose: the link model, a predict --calibrate file (default: "
                         "100 Gbit/s InfiniBand, docs/scaling.md)")
     c.add_argument("--bandwidth", metavar="RATE",
@@ -275,7 +275,7 @@ def build_parser():
     p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
     p.add_argument("checkpoint", metavar="CKPT.h5",
                    help="a checkpoint or any HDF5 file (layout: docs/formats.md)")
-    p.add_argument("--diff", metavar="OTHER.h5",
+    p.add_argument("--diff", type=path_arg, metavar="OTHER.h5",
                    help="compare with another file: max abs and relative L2 difference per "
                         "dataset")
     p.add_argument("--json", action="store_true",
@@ -311,7 +311,7 @@ def build_parser():
                    help="text: train a byte-level BPE of N tokens (>= 256) on the text and "
                         "encode with it; the file keeps it (needs pip install "
                         "'purine_mpi[text]')")
-    p.add_argument("--test-from", dest="test_source", metavar="DIR",
+    p.add_argument("--test-from", type=path_arg, dest="test_source", metavar="DIR",
                    help="lmdb-to-h5: the test split's LMDB folder")
     p.add_argument("--download", action="store_true",
                    help="cifar10: fetch the official archive (cifar-10-python.tar.gz), verify "
@@ -377,9 +377,9 @@ def build_parser():
     p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
     p.add_argument("format", choices=["caffe"], help="the source format")
     p.add_argument("net", metavar="NET.prototxt", help="Caffe net definition (text format)")
-    p.add_argument("--solver", metavar="SOLVER.prototxt",
+    p.add_argument("--solver", type=path_arg, metavar="SOLVER.prototxt",
                    help="Caffe solver (text format): becomes the solver and checkpoint sections")
-    p.add_argument("--data", metavar="DATA.h5",
+    p.add_argument("--data", type=path_arg, metavar="DATA.h5",
                    help="our HDF5 data file (groups train/test) that the net's data layers read")
     p.add_argument("--out", type=path_arg,
                    required=True, metavar="JOB.yaml", help="the job YAML to write")

@@ -16,8 +16,37 @@ import yaml
 from purine_mpi.tools.graph import render_graph
 from purine_mpi.job.replica import build_train_graph
 
-from .conftest import (make_job, run_cli_args, run_cli_here, small_net_config,
-                       write_config_file)
+from . import conftest
+from .conftest import make_job, small_net_config, write_config_file
+
+#: the working directory of this module's commands: a tmp folder, never the
+#: repository's (a ``train`` without --out, also one that refuses its config,
+#: makes runs/<name>/<N> in the working directory)
+_CWD = {}
+
+
+@pytest.fixture(autouse=True)
+def _commands_run_in_tmp(tmp_path):
+    _CWD["now"] = tmp_path
+    yield
+    _CWD.pop("now", None)
+
+
+def _cwd(cwd):
+    if cwd is None:
+        cwd = _CWD.get("now")
+    assert cwd is not None, "give cwd: a tmp folder, not the repository's"
+    return cwd
+
+
+def run_cli_args(*args, cwd=None, **kw):
+    """conftest's, in this test's tmp folder (``_CWD``)."""
+    return conftest.run_cli_args(*args, cwd=_cwd(cwd), **kw)
+
+
+def run_cli_here(*args, cwd=None):
+    """conftest's, in this test's tmp folder (``_CWD``)."""
+    return conftest.run_cli_here(*args, cwd=_cwd(cwd))
 
 
 def read_metrics(out_dir):
@@ -48,7 +77,7 @@ def base(digits_h5, tmp_path_factory):
     cfg["solver"]["display"] = 5
     path = write_config_file(d, cfg)
     out = d / "run"
-    res = run_cli_args("train", path, "--out", out)
+    res = run_cli_args("train", path, "--out", out, cwd=d)
     assert res.returncode == 0, res.stderr
     return {"dir": d, "cfg": cfg, "path": path, "out": out}
 

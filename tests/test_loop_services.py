@@ -161,3 +161,24 @@ def test_a_profile_window_past_the_run_is_refused_before_any_iteration(tmp_path,
             t.close()
         events = json.load(open(out / "trace.rank0.json"))["traceEvents"]
         assert any(e.get("ph") == "X" for e in events) == ok
+
+
+def test_a_watched_metric_named_by_the_accuracy_top_says_the_figure_name(tmp_path, digits_h5):
+    """``checkpoint.best: {metric: acc}`` (the accuracy layer's top) is refused
+    at start-up, as the figure is named 'accuracy' (metrics.jsonl); the message
+    said only "it has loss, accuracy" (before the fix: ``assert "the test figure
+    of blob 'acc' is named 'accuracy'" in text`` failed)."""
+    from purine_mpi.base.errors import UserError
+    cfg = small_net_config(str(digits_h5))
+    cfg["solver"].update(max_iter=2, test_interval=0)
+    cfg["checkpoint"]["best"] = {"metric": "acc"}
+    t = Trainer(make_job(cfg, path="job.yaml"), str(tmp_path / "run"), world=FakeWorld(),
+                log=lambda m: None)
+    try:
+        with pytest.raises(UserError) as info:
+            t.run()
+    finally:
+        t.close()
+    text = str(info.value)
+    assert "key 'checkpoint.best.metric': metric 'acc'" in text
+    assert "the test figure of blob 'acc' is named 'accuracy'" in text

@@ -107,6 +107,21 @@ def test_yaml_numbers_both_versions_agree_on_still_load(write_config, digits_h5)
     assert read_yaml(dump_config(config))["net"][0]["name"] == "024"
 
 
+def test_leading_zero_numbers_both_versions_read_alike_still_load(write_config, digits_h5):
+    """``01`` to ``07`` (and ``-05``, ``0_7``) are the same number in YAML 1.1
+    (octal) and 1.2 (decimal): they were refused with "octal in YAML 1.1 (7)
+    and decimal in YAML 1.2 (7)" (before the fix: ``read_yaml`` raised
+    YamlRefused); ``010`` (8 or 10) is still refused."""
+    from purine_mpi.job.config import load_config
+    from purine_mpi.job.yamlread import YamlRefused, read_yaml
+    assert read_yaml("[07, -05, 0_7, +01, 00]") == [7, -5, 7, 1, 0]
+    path = write_config(_job(digits_h5).replace("max_iter: 20", "max_iter: 07"), "l0.yaml")
+    assert load_config(path)["solver"]["max_iter"] == 7
+    with pytest.raises(YamlRefused, match=r"octal in YAML 1.1 \(8\) and decimal in YAML 1.2 "
+                                          r"\(10\)"):
+        read_yaml("a: 010")
+
+
 # ------------------------------------------------------ empty path options
 @pytest.mark.parametrize("option", ["--resume", "--init", "--out"])
 def test_an_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path, option):
@@ -119,6 +134,31 @@ def test_an_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path
     res = run_cli_here("train", path, "--iters", "1", *out, option, "", cwd=tmp_path)
     _user_error(res, f"argument {option}: an empty path", limit=3000)
     assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "JOB", "--choose", "--calibration", ""],
+    ["plan", "JOB", "--choose", "--network", ""],
+    ["inspect", "JOB", "--diff", ""],
+    ["data", "lmdb-to-h5", "--from", "lmdb", "--test-from", "", "--out", "OUT"],
+    ["convert", "caffe", "NET", "--data", "DATA", "--solver", "", "--out", "OUT"],
+    ["convert", "caffe", "NET", "--data", "", "--out", "OUT"],
+], ids=lambda a: f"{a[0]}{a[a.index('') - 1]}")
+def test_every_empty_path_option_is_a_usage_error(write_config, digits_h5, tmp_path, args):
+    """The path options the first sweep left out: ``plan --choose
+    --calibration ''`` (or --network '') chose with the default op times or
+    link, exit 0; ``convert caffe --solver ''`` wrote a job with the default
+    solver, exit 0 (before the fix: ``assert res.returncode == 2`` failed, 0);
+    ``inspect --diff ''``, ``data --test-from ''``, ``convert --data ''``
+    read as the option left out, or gave '' to the command."""
+    job = write_config(_job(digits_h5), "job.yaml")
+    net = os.path.join(REPO, "tests", "fixtures", "caffe", "lenet_digits.prototxt")
+    out = tmp_path / "out.h5"
+    args = [{"JOB": job, "NET": net, "OUT": out, "DATA": digits_h5}.get(a, a) for a in args]
+    option = args[args.index("") - 1]
+    res = run_cli_here(*args, cwd=tmp_path)
+    _user_error(res, f"argument {option}: an empty path", limit=3000)
+    assert not out.exists() and not (tmp_path / "runs").exists()
 
 
 # ----------------------------------------------------------------- case 10

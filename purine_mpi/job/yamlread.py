@@ -23,7 +23,8 @@ bounded:
 - the two YAML 1.1 number forms that YAML 1.2 reads otherwise are refused
   naming the key and line: a base-60 number (``max_iter: 1:20`` is 80 in
   YAML 1.1, the text '1:20' in 1.2) and an integer with a leading zero
-  (``024`` is octal 20 in YAML 1.1, 24 in 1.2). PyYAML reads them the 1.1
+  (``024`` is octal 20 in YAML 1.1, 24 in 1.2; ``00`` to ``07`` read the
+  same in both and load). PyYAML reads them the 1.1
   way without a word, so a job would train with a value its author never
   wrote; quoted, they stay text.
 
@@ -163,10 +164,11 @@ class StrictLoader(yaml.SafeLoader):
             value = self.construct_object(node)
             why = (f"is a base-60 number in YAML 1.1 ({value:g}) and the text {text!r} in "
                    f"YAML 1.2; write the number you mean, or quote it where it is text")
-        elif _LEADING_ZERO.match(text) and text.lstrip("+-").replace("_", "") != "0" * len(
-                text.lstrip("+-").replace("_", "")):
+        elif _LEADING_ZERO.match(text):
             value = self.construct_object(node)
             decimal = int(text.replace("_", ""), 10)
+            if value == decimal:  # 00, 07, -05: the same number in both versions
+                return
             why = (f"is octal in YAML 1.1 ({value}) and decimal in YAML 1.2 ({decimal}); "
                    "write it without the leading 0, or quote it where it is text")
         else:

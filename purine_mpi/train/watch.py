@@ -49,6 +49,10 @@ def check_watched_figure(loop, where, metric):
     if metric not in names:
         close = difflib.get_close_matches(metric, names, n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
+        blobs = dict(zip(loop.graphs.test_names, loop.graphs.test_keys))
+        if metric in blobs:  # a layer's top: the one accuracy (a loss) has a figure name
+            hint = (f" (the test figure of blob '{metric}' is named '{blobs[metric]}', as in "
+                    "metrics.jsonl: watch that)")
         has = f"it has {', '.join(names)}" if names else "it has no test pass"
         raise ConfigError(loop.job.path, f"{where}.metric", f"metric '{metric}' is not a "
                           f"test figure of this net{hint}; {has}")
