@@ -28,6 +28,7 @@ from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
 from ..job.job import job_of, precision_notes
+from ..graph.solver_graph import solver_notes
 from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
@@ -210,7 +211,8 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
     if world.rank == 0:  # parallel settings that do nothing at this world size
         for note in tuple(notes) + tuple(settings_without_effect(job, world.size)) + \
-                tuple(data_notes(job)) + tuple(precision_notes(job)):
+                tuple(data_notes(job)) + tuple(precision_notes(job)) + \
+                tuple(solver_notes(job)):
             say(note)
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,

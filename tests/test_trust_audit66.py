@@ -1,0 +1,36 @@
+"""Trust audit 66: small leftovers of the config, start-up and file checks.
+
+Found (each test says what failed on the code before):
+
+- solver keys the solver type or lr_policy does not read (``momentum2``
+  with sgd, ``stepvalues``/``power``/``min_lr`` with step) were accepted
+  without a word; now a start-up note names the file, the key and why.
+"""
+from tests.conftest import run_cli_args, small_net_config, write_config_file
+
+
+def _solver(**keys):
+    solver = {"base_lr": 0.05, "momentum": 0.9, "lr_policy": "fixed", "max_iter": 1,
+              "display": 0, "test_interval": 0}
+    solver.update(keys)
+    return solver
+
+
+def test_unused_solver_keys_are_noted_at_start_up(digits_h5, tmp_path):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
+        lr_policy="step", stepsize=5, momentum2=0.95, stepvalues=[2, 4], power=2.0,
+        min_lr=0.001)))
+    res = run_cli_args("train", cfg, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    # before: none of these lines (the keys were ignored silently)
+    for key, why in (("momentum2 0.95", "solver type sgd reads momentum, weight_decay"),
+                     ("stepvalues", "lr_policy step reads gamma, stepsize"),
+                     ("power 2", "lr_policy step reads gamma, stepsize"),
+                     ("min_lr 0.001", "lr_policy step reads gamma, stepsize")):
+        line = [l for l in out.splitlines() if f"solver.{key}" in l]
+        assert line and f"{cfg}: " in line[0] and "is not used" in line[0] \
+            and why in line[0], out
+    # the keys the run reads, and a default, get none
+    assert "solver.gamma" not in out and "solver.stepsize" not in out
+    assert "solver.delta" not in out
