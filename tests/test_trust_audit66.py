@@ -5,8 +5,10 @@ Found (each test says what failed on the code before):
 - solver keys the solver type or lr_policy does not read (``momentum2``
   with sgd, ``stepvalues``/``power``/``min_lr`` with step) were accepted
   without a word; now a start-up note names the file, the key and why.
+- cosine with ``min_lr`` above ``base_lr`` was accepted, and the rate rose
+  over the run (no doc gives a reason); now exit 2 naming file and key.
 """
-from tests.conftest import run_cli_args, small_net_config, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
 
 
 def _solver(**keys):
@@ -34,3 +36,19 @@ def test_unused_solver_keys_are_noted_at_start_up(digits_h5, tmp_path):
     # the keys the run reads, and a default, get none
     assert "solver.gamma" not in out and "solver.stepsize" not in out
     assert "solver.delta" not in out
+
+
+def test_cosine_floor_above_base_lr_is_refused(digits_h5, tmp_path):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
+        lr_policy="cosine", base_lr=0.05, min_lr=0.1, max_iter=10)))
+    res = run_cli_here("graph", cfg)  # every command loads the config alike
+    # before: exit 0 (train ran, the rate rising from 0.05 to 0.1 over the run)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"{cfg}: key 'solver.min_lr'" in res.stderr and "<= base_lr (0.05)" in res.stderr
+    assert "Traceback" not in res.stderr
+    # a floor at base_lr (a constant rate) and below it are accepted
+    for floor in (0.05, 0.001):
+        cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
+            lr_policy="cosine", base_lr=0.05, min_lr=floor, max_iter=10)), name="ok.yaml")
+        res = run_cli_here("graph", cfg)
+        assert res.returncode == 0, res.stderr

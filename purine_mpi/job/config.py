@@ -523,6 +523,10 @@ def _check_graph(graph, path):
 
 
 # ------------------------------------------------ rules between keys
+#: the lr policies that decay from base_lr to a floor min_lr
+_FLOOR_POLICIES = ("cosine",)
+
+
 def _solver_rules(out, solver, path):
     """Keys of the solver that need each other."""
     out = out["solver"]
@@ -533,6 +537,13 @@ def _solver_rules(out, solver, path):
     if policy == "multistep" and not out["stepvalues"]:
         raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
                                                      "(an increasing list of iterations)")
+    if policy in _FLOOR_POLICIES and out["min_lr"] > out["base_lr"]:
+        # a floor above the start: the rate would rise over the run, the
+        # opposite of the decay the policy is chosen for (a swapped pair)
+        raise ConfigError(path, "solver.min_lr", f"{out['min_lr']!r} is above solver.base_lr "
+                          f"{out['base_lr']!r}: lr_policy {policy} decays the rate from "
+                          "base_lr down to min_lr, so it would rise over the run; expected a "
+                          f"number <= base_lr ({out['base_lr']!r})")
     given = solver if isinstance(solver, dict) else {}
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
         raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
