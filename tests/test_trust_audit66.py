@@ -7,6 +7,9 @@ Found (each test says what failed on the code before):
   without a word; now a start-up note names the file, the key and why.
 - cosine with ``min_lr`` above ``base_lr`` was accepted, and the rate rose
   over the run (no doc gives a reason); now exit 2 naming file and key.
+- ``name: no`` / ``pool: off`` (YAML 1.1 booleans where text is expected)
+  said "got False" alone; now the message says YAML read the unquoted word
+  as a boolean and to quote it, with the key (base/errors.ConfigError).
 """
 from tests.conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
 
@@ -52,3 +55,27 @@ def test_cosine_floor_above_base_lr_is_refused(digits_h5, tmp_path):
             lr_policy="cosine", base_lr=0.05, min_lr=floor, max_iter=10)), name="ok.yaml")
         res = run_cli_here("graph", cfg)
         assert res.returncode == 0, res.stderr
+
+
+def test_yaml_boolean_where_text_is_expected_says_quote_it(digits_h5, tmp_path):
+    config = small_net_config(digits_h5)
+    config["net"][2]["pool"] = False  # written as pool: off below
+    with open(write_config_file(tmp_path, config)) as f:
+        text = f.read().replace("pool: false", "pool: off")
+    cfg = write_config_file(tmp_path, text, name="off.yaml")
+    assert "pool: off" in open(cfg).read()
+    res = run_cli_here("graph", cfg)
+    assert res.returncode == 2, res.stdout
+    err = res.stderr.strip().splitlines()[-1]
+    # before: "... expected one of max, ave, avg, average, got False" and no more
+    assert f"{cfg}: key 'net[2].pool'" in err and "got False (YAML read an unquoted" in err, err
+    assert "`off`" in err and "pool: 'off'" in err, err
+    res = run_cli_here("graph", write_config_file(tmp_path, small_net_config(digits_h5)),
+                       "--set", "name=no")
+    err = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "--set name=no: key 'name'" in err, err
+    assert "`no`" in err and "name: 'no'" in err, err
+    # quoted, the word is text and accepted
+    res = run_cli_here("graph", write_config_file(tmp_path, small_net_config(digits_h5)),
+                       "--set", "name='no'")
+    assert res.returncode == 0, res.stderr
