@@ -565,6 +565,8 @@ def _run(args, action=None):
     except UserError as exc:
         if isinstance(exc, InitMismatch) and args.command != "train":
             exc = exc.for_weights()  # --init-skip is train's: no way out here
+        from .job.config import blame_override  # a key --set wrote: name the --set
+        exc = blame_override(exc, getattr(args, "config", None), getattr(args, "overrides", None))
         _report_user_error(exc)
         return exc.exit_code  # 2; 3 for non-finite weights
     except OpError as exc:  # an op that found a user error while running (a data file)

@@ -10,6 +10,9 @@ Found (each test says what failed on the code before):
 - ``name: no`` / ``pool: off`` (YAML 1.1 booleans where text is expected)
   said "got False" alone; now the message says YAML read the unquoted word
   as a boolean and to quote it, with the key (base/errors.ConfigError).
+- errors found while building the graph of a config changed by ``--set``
+  (``--set data.train=null``, ``--set net=[]``) named the file, which holds
+  neither value; now they name the ``--set`` (config.blame_override).
 """
 from tests.conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
 
@@ -79,3 +82,23 @@ def test_yaml_boolean_where_text_is_expected_says_quote_it(digits_h5, tmp_path):
     res = run_cli_here("graph", write_config_file(tmp_path, small_net_config(digits_h5)),
                        "--set", "name='no'")
     assert res.returncode == 0, res.stderr
+
+
+def test_graph_errors_of_a_set_value_name_the_set(digits_h5, tmp_path):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver()))
+    for cmd, setting, key in (("graph", "net=[]", "net"),
+                              ("graph", "net.4.bottom=fc1", "net[4].bottom"),
+                              ("train", "data.train=null", "data.train")):
+        extra = ("--out", tmp_path / "run") if cmd == "train" else ()
+        res = run_cli_args(cmd, cfg, "--set", setting, *extra)
+        err = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2, res.stdout + res.stderr
+        # before: "error: CFG: key 'net': the net has no loss layer ..."
+        assert err.startswith(f"error: --set {setting}: key '{key}': "), err
+        assert cfg not in err, err
+    # a fault of the file itself, with an unrelated --set, still names the file
+    broken = small_net_config(digits_h5, solver=_solver())
+    broken["net"][4]["bottom"] = "fc1"
+    res = run_cli_here("graph", write_config_file(tmp_path, broken, name="b.yaml"),
+                       "--set", "solver.base_lr=0.01")
+    assert res.returncode == 2 and "b.yaml: key 'net[4].bottom'" in res.stderr, res.stderr

@@ -147,6 +147,25 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
         raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem) from None
 
 
+def blame_override(exc, path, overrides):
+    """``exc`` (an error found after the config was resolved: building the
+    graph, reading the data) naming the ``--set`` that wrote its key where
+    one did, as ``resolve_config`` names it for the checks of the config
+    itself: ``--set data.train=null`` or ``--set net=[]`` made errors that
+    named the file, which holds neither. ``exc`` as it is otherwise."""
+    if not isinstance(exc, ConfigError) or not overrides or path is None \
+            or str(exc.path) != str(path):
+        return exc
+    try:
+        raw = _read(path)
+    except ConfigError:
+        return exc
+    source = _override_at(exc.key, overrides, raw)
+    if source is None:
+        return exc
+    return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem)
+
+
 def _override_at(key, overrides, raw):
     """The last ``--set`` text that wrote the config key ``key`` (as an error
     names it: ``solver.base_lr``, ``net[2].stride``) or the mapping that holds
