@@ -13,7 +13,14 @@ Found (each test says what failed on the code before):
 - errors found while building the graph of a config changed by ``--set``
   (``--set data.train=null``, ``--set net=[]``) named the file, which holds
   neither value; now they name the ``--set`` (config.blame_override).
+- a loss non-finite at the first iteration of a run (``train --init W.h5``
+  of weights that overflow) said "Lower solver.base_lr", which cannot
+  help: no update has been made; now it says the initial weights (from
+  --init, the checkpoint, the fillers) give a non-finite loss.
 """
+import h5py
+import numpy as np
+
 from tests.conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
 
 
@@ -102,3 +109,28 @@ def test_graph_errors_of_a_set_value_name_the_set(digits_h5, tmp_path):
     res = run_cli_here("graph", write_config_file(tmp_path, broken, name="b.yaml"),
                        "--set", "solver.base_lr=0.01")
     assert res.returncode == 2 and "b.yaml: key 'net[4].bottom'" in res.stderr, res.stderr
+
+
+def test_non_finite_loss_before_any_update_blames_the_weights(digits_h5, tmp_path):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(max_iter=2)))
+    res = run_cli_args("train", cfg, "--out", tmp_path / "a")
+    assert res.returncode == 0, res.stderr
+    weights = tmp_path / "big.h5"
+    weights.write_bytes((tmp_path / "a" / "latest.h5").read_bytes())
+    with h5py.File(weights, "r+") as f:  # finite, but the logits overflow float32
+        bias = f["params/fc1/bias"]
+        bias[...] = np.where(np.arange(bias.shape[0]) % 2, 3e38, -3e38).astype(np.float32)
+    res = run_cli_args("train", cfg, "--init", weights, "--out", tmp_path / "b")
+    assert res.returncode == 3, res.stdout + res.stderr
+    err = res.stderr.strip().splitlines()[-1]
+    # before: "error: the training diverged: ... at iteration 1; ... Lower solver.base_lr ..."
+    assert "before any update" in err and f"from --init {weights}" in err, err
+    assert "Lower solver.base_lr" not in err, err
+    res = run_cli_args("train", cfg, "--resume", weights, "--iters", 4, "--out", tmp_path / "c")
+    err = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 3 and f"from the checkpoint {weights}" in err, err
+    # a rate that blows up after updates keeps the advice on the rate
+    res = run_cli_args("train", cfg, "--set", "solver.base_lr=1e30", "--iters", 6,
+                       "--out", tmp_path / "d")
+    err = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 3 and "Lower solver.base_lr" in err, err
