@@ -17,6 +17,9 @@ Found (each test says what failed on the code before):
   of weights that overflow) said "Lower solver.base_lr", which cannot
   help: no update has been made; now it says the initial weights (from
   --init, the checkpoint, the fillers) give a non-finite loss.
+- ``convert caffe`` wrote its own ``OUT.tmp.PID`` and left it behind when
+  the write failed (a traceback past the file-size limit or a full disk);
+  now it writes through runfiles.write_replacing, as the data writers do.
 """
 import h5py
 import numpy as np
@@ -134,3 +137,28 @@ def test_non_finite_loss_before_any_update_blames_the_weights(digits_h5, tmp_pat
                        "--out", tmp_path / "d")
     err = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 3 and "Lower solver.base_lr" in err, err
+
+
+def test_convert_past_the_file_size_limit_leaves_no_temporary_file(digits_h5, tmp_path):
+    import os
+    import resource
+    import subprocess
+    from tests.conftest import PYTHON, REPO, cli_env
+    out = tmp_path / "out" / "lenet.yaml"
+    out.parent.mkdir()
+    out.write_text("# the previous config\n")
+    limit = 256  # the converted config is some kB
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    fixture = os.path.join(REPO, "tests", "fixtures", "caffe", "lenet_digits.prototxt")
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "convert", "caffe", fixture, "--data",
+                          digits_h5, "--out", str(out)], cwd=REPO, env=dict(
+                              cli_env(), PYTHONDONTWRITEBYTECODE="1"), preexec_fn=limited,
+                         capture_output=True, text=True, timeout=120)
+    # before: ['lenet.yaml', 'lenet.yaml.tmp.<pid>'] (and an OSError traceback, exit 1)
+    assert os.listdir(out.parent) == ["lenet.yaml"], os.listdir(out.parent)
+    assert out.read_text() == "# the previous config\n"
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {out}: file too large"), \
+        res.stderr
