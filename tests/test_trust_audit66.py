@@ -20,6 +20,8 @@ Found (each test says what failed on the code before):
 - ``convert caffe`` wrote its own ``OUT.tmp.PID`` and left it behind when
   the write failed (a traceback past the file-size limit or a full disk);
   now it writes through runfiles.write_replacing, as the data writers do.
+- ``predict --out FILE`` replaced a FILE that is not HDF5 (a config, a
+  note), where ``data --out`` refuses it; now predict refuses it alike.
 """
 import h5py
 import numpy as np
@@ -162,3 +164,28 @@ def test_convert_past_the_file_size_limit_leaves_no_temporary_file(digits_h5, tm
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: {out}: file too large"), \
         res.stderr
+
+
+def test_predict_refuses_to_replace_a_file_that_is_not_hdf5(digits_h5, tmp_path):
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver()))
+    res = run_cli_args("train", cfg, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    res = run_cli_args("predict", cfg, "--weights", tmp_path / "run" / "latest.h5",
+                       "--out", notes)
+    # before: exit 0 and notes.txt replaced by the predictions
+    assert notes.read_bytes() == b"my notes\n"
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: --out {notes} exists and is not an HDF5 file: writing the predictions there "
+        "would replace it; remove it or give another --out"), res.stderr
+    # data says the same of its own (the rule predict now shares)
+    res = run_cli_here("data", "digits", "--out", notes)
+    assert res.returncode == 2 and "writing the data there would replace it" in res.stderr
+    # an HDF5 file there (predictions of an earlier run) is written again
+    out = tmp_path / "p.h5"
+    for _ in range(2):
+        res = run_cli_args("predict", cfg, "--weights", tmp_path / "run" / "latest.h5",
+                           "--out", out)
+        assert res.returncode == 0, res.stderr
