@@ -270,6 +270,7 @@ def cmd_predict(args):
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
     check_out(args.out, args.config, args.weights, job)
+    _refuse_non_hdf5_out(args.out, "the predictions")  # as data's --out
     _check_written_by_rank0(args.out)
     res = predict_split(job, args.out, args.weights, args.blobs, args.split,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -383,16 +384,23 @@ def cmd_inspect(args):
     return 0
 
 
+def _refuse_non_hdf5_out(out, what):
+    """An ``--out`` file that is there and is not HDF5 is refused: an HDF5
+    file is remade in place (atomically), another (a config, a script, a
+    typo's victim) would be replaced by ``what`` without a word."""
+    if out and os.path.isfile(out):
+        import h5py
+        if not h5py.is_hdf5(out):
+            raise UserError(f"--out {out} exists and is not an HDF5 file: writing "
+                            f"{what} there would replace it; remove it or give another --out")
+
+
 def cmd_data(args):
     from .data import datasets
     check_out(args.out, more=[("--from", args.source), ("--tokenizer", args.tokenizer)])
     src = os.path.realpath(args.source) + os.sep if args.source else None
-    if args.out and os.path.isfile(args.out) and not (
-            src and os.path.realpath(args.out).startswith(src)):  # an input: refused below
-        import h5py
-        if not h5py.is_hdf5(args.out):  # an HDF5 data file is remade in place (atomically)
-            raise UserError(f"--out {args.out} exists and is not an HDF5 file: writing "
-                            "the data there would replace it; remove it or give another --out")
+    if not (args.out and src and os.path.realpath(args.out).startswith(src)):
+        _refuse_non_hdf5_out(args.out, "the data")  # (an input: refused below)
     if args.dataset != "text" and (args.glob is not None or args.val_fraction != 0.1 or
                                    args.tokenizer is not None or args.bpe_vocab is not None):
         raise UserError(f"data {args.dataset}: --glob, --val-fraction, --tokenizer and "
@@ -565,6 +573,8 @@ def _run(args, action=None):
     except UserError as exc:
         if isinstance(exc, InitMismatch) and args.command != "train":
             exc = exc.for_weights()  # --init-skip is train's: no way out here
+        from .job.config import blame_override  # a key --set wrote: name the --set
+        exc = blame_override(exc, getattr(args, "config", None), getattr(args, "overrides", None))
         _report_user_error(exc)
         return exc.exit_code  # 2; 3 for non-finite weights
     except OpError as exc:  # an op that found a user error while running (a data file)

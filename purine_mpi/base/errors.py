@@ -5,6 +5,7 @@ message quotes a value the user gave: its repr, cut to a short excerpt with
 the whole size when it is long. ``write_line(text)`` writes one whole
 line to stderr in one write (several ranks' lines never glue).
 """
+import re
 import os
 import sys
 
@@ -48,10 +49,33 @@ class ConfigError(UserError):
     """Bad configuration: ``ConfigError(path, key, message)``."""
 
     def __init__(self, path, key, message):
+        message = _yaml_bool_hint(key, message)
         self.path, self.key, self.problem = path, key, message
         where = f"{path}: " if path else ""
         keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
         super().__init__(f"{where}{keytxt}{message}")
+
+
+#: "got False" / "got bool True" in a message: a YAML boolean where the key wants another type
+_GOT_BOOL = re.compile(r"\bgot (?:bool )?(True|False)\b(?! \(YAML)")
+#: the plain words YAML (1.1, PyYAML's) reads as each boolean
+_BOOL_WORDS = {"True": ("yes", "on", "true"), "False": ("no", "off", "false")}
+
+
+def _yaml_bool_hint(key, message):
+    """``message`` with a word on a boolean where the key expects text:
+    YAML reads an unquoted ``no``, ``off``, ``yes``, ``on`` as a boolean
+    (``name: no``, ``pool: off``), and "got False" alone leaves the user
+    wondering where False came from."""
+    found = _GOT_BOOL.search(str(message)) if key else None
+    if found is None or re.search(r"\b(number|integer)", message[:found.start()]):
+        return message  # a boolean where a number is expected: no text to quote
+    words = _BOOL_WORDS[found.group(1)]
+    name = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")[-1]
+    hint = (f" (YAML read an unquoted `{words[0]}`, `{words[1]}` or `{words[2]}` as the "
+            f"boolean {found.group(1)}: quote the text you mean, e.g. {name}: '{words[0]}' "
+            f"or {name}: '{words[1]}')")
+    return message[:found.end()] + hint + message[found.end():]
 
 
 class MemoryTooSmall(UserError):

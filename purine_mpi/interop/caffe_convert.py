@@ -24,6 +24,7 @@ Semantics kept exact:
 """
 import os
 
+from ..base.runfiles import write_text_replacing
 from .caffe_layers import DATA_TYPES, LAYERS, SUPPORTED
 from .caffe_schema import PHASES, REPEATED, TEXT_SCHEMA, V1_TYPES
 from .caffe_solver import convert_solver
@@ -451,8 +452,8 @@ def write_config(net_path, out_path, solver_path=None, data_path=None):
                                                      default_flow_style=None, width=100)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, out_path)
+    # by a rename over the name (base/runfiles): a write that fails (a full
+    # disk, the file-size limit, Ctrl-C) leaves no temporary file and what
+    # was at out_path as it was, and a full disk is one line
+    write_text_replacing(out_path, text)
     return notes

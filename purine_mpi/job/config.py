@@ -147,6 +147,25 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
         raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem) from None
 
 
+def blame_override(exc, path, overrides):
+    """``exc`` (an error found after the config was resolved: building the
+    graph, reading the data) naming the ``--set`` that wrote its key where
+    one did, as ``resolve_config`` names it for the checks of the config
+    itself: ``--set data.train=null`` or ``--set net=[]`` made errors that
+    named the file, which holds neither. ``exc`` as it is otherwise."""
+    if not isinstance(exc, ConfigError) or not overrides or path is None \
+            or str(exc.path) != str(path):
+        return exc
+    try:
+        raw = _read(path)
+    except ConfigError:
+        return exc
+    source = _override_at(exc.key, overrides, raw)
+    if source is None:
+        return exc
+    return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem)
+
+
 def _override_at(key, overrides, raw):
     """The last ``--set`` text that wrote the config key ``key`` (as an error
     names it: ``solver.base_lr``, ``net[2].stride``) or the mapping that holds
@@ -540,6 +559,10 @@ def _check_graph(graph, path):
 
 
 # ------------------------------------------------ rules between keys
+#: the lr policies that decay from base_lr to a floor min_lr
+_FLOOR_POLICIES = ("cosine",)
+
+
 def _solver_rules(out, solver, path):
     """Keys of the solver that need each other."""
     out = out["solver"]
@@ -550,6 +573,13 @@ def _solver_rules(out, solver, path):
     if policy == "multistep" and not out["stepvalues"]:
         raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
                                                      "(an increasing list of iterations)")
+    if policy in _FLOOR_POLICIES and out["min_lr"] > out["base_lr"]:
+        # a floor above the start: the rate would rise over the run, the
+        # opposite of the decay the policy is chosen for (a swapped pair)
+        raise ConfigError(path, "solver.min_lr", f"{out['min_lr']!r} is above solver.base_lr "
+                          f"{out['base_lr']!r}: lr_policy {policy} decays the rate from "
+                          "base_lr down to min_lr, so it would rise over the run; expected a "
+                          f"number <= base_lr ({out['base_lr']!r})")
     given = solver if isinstance(solver, dict) else {}
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
         raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "

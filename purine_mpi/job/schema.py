@@ -74,7 +74,8 @@ SOLVER = (
     Key("stepvalues", _stepvalues, [], "increasing iterations at which multistep multiplies by "
         "gamma", typed=TUPLE),
     Key("power", _num(0), 1.0, "exponent of poly and inv"),
-    Key("min_lr", _num(0), 0.0, "the rate cosine decays to (torch's eta_min)"),
+    Key("min_lr", _num(0), 0.0, "the rate cosine decays to (torch's eta_min); at most base_lr "
+        "(above it the rate would rise over the run: exit 2)"),
     Key("max_iter", _int(0), 1000, "iterations to train (`--iters` overrides); also the "
         "horizon of poly and cosine"),
     Key("test_interval", _int(0), 0, "evaluate on data.test every this many iterations (0: "

@@ -579,6 +579,12 @@ def _solver():
         "(iter + 1) / W, which reaches the policy's rate at iteration W − 1.",
         "",
         _table(("lr_policy", "rate"), policies),
+        "",
+        "A key that the solver type or the lr_policy does not read (`momentum2` with "
+        "`sgd`, `stepvalues`, `power` or `min_lr` with `step`; the keys columns above) is "
+        "accepted, as a Caffe-converted solver carries every key of its own, but when it is "
+        "set to something else than its default `train` says at start-up, in a one-line "
+        "note, that it is not used and which keys the type or policy reads.",
     ]
 
 

@@ -233,8 +233,11 @@ class Loop:
                 self.emit("on_stop_request", done)
                 if st.stop_code == StopSignal.DIVERGED:
                     self.train.drain()
+                    # the loss of the run's first iteration is that of the
+                    # weights it started from, before any update: no rate made it
                     return {"diverged_at": st.first_bad or done,
-                            "last_checkpoint": st.last_finite}
+                            "last_checkpoint": st.last_finite,
+                            "initial_loss": st.first_bad == st.start_iter + 1}
                 st.result = {}
                 if self.test_due(done) and done != max_iter:
                     self.emit("on_test", done)

@@ -28,6 +28,7 @@ from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
 from ..job.job import job_of, precision_notes
+from ..graph.solver_graph import solver_notes
 from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
@@ -87,6 +88,10 @@ class Trainer(Loop):
                 for path in remove_stale_temp_files(out_dir):
                     self.log(f"removed {path}, left by a writer that was killed mid-write")
             self.checkpoints.restore(self, init, init_skip, resume)
+            #: where the weights of the first iteration came from (the divergence message)
+            self.weights_from = (f"--init {init}" if init is not None else
+                                 f"the checkpoint {getattr(resume, 'path', resume)}"
+                                 if resume is not None else "the fillers of the net")
         except BaseException:  # a refused checkpoint, bad test data, ...
             self._settle_readers()
             raise
@@ -210,7 +215,8 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
     if world.rank == 0:  # parallel settings that do nothing at this world size
         for note in tuple(notes) + tuple(settings_without_effect(job, world.size)) + \
-                tuple(data_notes(job)) + tuple(precision_notes(job)):
+                tuple(data_notes(job)) + tuple(precision_notes(job)) + \
+                tuple(solver_notes(job)):
             say(note)
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,
@@ -327,9 +333,17 @@ def run_and_report(trainer, world, baseline=None):
     if "diverged_at" in result:
         if world.rank == 0:
             kept = _last_finite(result.get("last_checkpoint"), trainer.out_dir)
-            text = (f"error: the training diverged: a non-finite loss or weight (NaN or inf) "
-                    f"at iteration {result['diverged_at']}; {kept}. Lower solver.base_lr or "
-                    "check the data.")
+            if result.get("initial_loss"):  # before any update: not the rate's doing
+                text = (f"error: the loss is non-finite (NaN or inf) at the first iteration "
+                        f"of the run (iteration {result['diverged_at']}), before any update: "
+                        f"the initial weights (from "
+                        f"{getattr(trainer, 'weights_from', 'the fillers of the net')}) give a "
+                        f"non-finite loss on the data, which no lower solver.base_lr changes; "
+                        f"{kept}. Check those weights (their scale) and the data.")
+            else:
+                text = (f"error: the training diverged: a non-finite loss or weight (NaN or "
+                        f"inf) at iteration {result['diverged_at']}; {kept}. Lower "
+                        "solver.base_lr or check the data.")
             print(text, file=sys.stderr, flush=True)
             logfile.note_error(text)
         return 3
