@@ -30,7 +30,10 @@
 // bfloat16 nearest each float32 dx (uint16: what a Cast of dx to bits
 // writes), in the same pass: a dx read as float32 (a residual sum, a bias
 // gradient) and as bits by the products (ops/layernorm.py LayerNormGrad
-// with bits_copy, parallel/precision.fold_copies). copy is no input's bytes.
+// with bits_copy, parallel/precision.fold_copies). copy is no input's bytes
+// but a bits dy's (the memory plan puts it there where dy dies at the op):
+// a row's dy is read in the first pass before the block's sums, and the
+// thread that writes copy[i] in the second has read dy[i] just before.
 //
 // layernorm_forward_bits_f32 writes y as bfloat16 bits (uint16: the upper
 // halves of precision.cu's round_bf16 of the float32 y, precision.cuh), for a

@@ -1399,6 +1399,87 @@ def test_the_gradients_copies_take_no_more_device_memory_than_their_casts(host_b
     assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
 
 
+def test_the_layer_norm_gradients_copy_takes_no_more_device_memory_than_its_cast(
+        host_build_dir, monkeypatch):
+    """The layer norm gradient's dx copy (``fold_copies``) takes the bytes of
+    its dy stored as bits where dy dies at it (``LayerNormGrad.in_place_of``:
+    the copy, after the gradients, over dy), as the Cast's copy came after
+    dy died: the device arena of a net whose plan peaks at the layer norm's
+    gradient (fc1 -> layer norm -> head of 16 classes, 64 wide: its dx read
+    by fc1's bias gradient as float32 and, as bits, by fc1's data and
+    weight gradients) is no larger than with the Cast. With the copy of its
+    own beside dy it grew by the copy (41984 -> 46080 bytes)."""
+    from purine_mpi.parallel import precision
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.gpt_oracle import gpt_graph
+    from tests.test_precision import SOLVER
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "tok",
+            "input_dim": 16, "num_output": 64},
+           {"type": "fc", "name": "fc1", "bottom": "tok", "top": "h", "axis": -1,
+            "num_output": 64},
+           {"type": "layer_norm", "name": "ln", "bottom": "h", "top": "n"},
+           {"type": "fc", "name": "head", "bottom": "n", "top": "logits", "axis": -1,
+            "num_output": 16, "bias_term": False},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"],
+            "top": "loss", "axis": -1}]
+
+    def plan(fold):
+        with monkeypatch.context() as m:
+            if not fold:
+                m.setattr(precision, "fold_copies", lambda graph: [])
+            use_emulated_cupy(m, host_build_dir)
+            g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=3), 4, 8)
+            prepare_for_device(g, 0, precision="bf16")
+        _, devices = memory_plans(g, keep=batch_blobs(g))
+        return g, devices[0]
+
+    (g, now), (_, before) = plan(True), plan(False)
+    (op,) = [op for op in g.ops.values() if op.op_type == "LayerNormGrad"]
+    assert op.attrs.get("bits_copy") == [0] and len(op.outputs) == 4, op.outputs
+    assert g.blobs[op.inputs[0]].dtype == "uint16"
+    assert now.in_place.get(op.outputs[3]) == (op.inputs[0], op.name)
+    assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
+
+
+@pytest.mark.parametrize("wanted", [("dx", "dg", "db"), ("dx",), ("dx", "db")])
+def test_the_layer_norm_gradient_writes_dx_s_bits_over_its_bits_dy(device, wanted):
+    """LayerNormGrad with ``bits_copy`` and the copy on the bytes of its dy
+    stored as bits (what ``in_place_of`` lets the memory plan do): dx, dg,
+    db and the copy the bits of separate arrays, on the device (db's column
+    sums of dy before the backward kernel writes the copy over dy) and on
+    the host (dy widened first). Only a copy after the gradients over a
+    bits dy is declared, none without ``bits_copy``."""
+    from purine_mpi.ops.layernorm import LayerNormGrad
+    rows, cols = 70, 96
+    rng = np.random.default_rng(43)
+    x, g, mean, rstd = _ln_grad_inputs(rng, rows, cols)
+    _, dyb = _bf16_values(rng, (rows, cols))
+    attrs = {"outputs": list(wanted), "bits_copy": [0], "bits_out": [len(wanted)]}
+    shapes = {"dx": (rows, cols), "dg": (cols,), "db": (cols,)}
+    names = ["dy", "x", "g", "mean", "rstd"]
+    assert LayerNormGrad.in_place_of(attrs) == ((0, len(wanted)),)
+    assert LayerNormGrad.in_place_of({"outputs": list(wanted)}) == ()
+    for dev, put, get in _places(device):
+        k = make_kernel(Op("lg", "LayerNormGrad", names, list(wanted) + ["dx@bf16"], attrs))
+        results = []
+        for shared in (False, True):
+            dy = put(dyb.copy())
+            ins = [dy, put(x), put(g), put(mean), put(rstd)]
+            copy = dy.reshape(rows, cols)[...] if shared else put(np.zeros((rows, cols),
+                                                                         np.uint16))
+            outs = [put(np.full(shapes[w], np.nan, np.float32)) for w in wanted] + [copy]
+            k.setup(ins, outs)
+            k.run(ins, outs)
+            results.append([get(a).copy() for a in outs])
+            if shared:   # the copy written over dy's bytes
+                np.testing.assert_array_equal(get(dy), results[-1][-1])
+        for a, b, w in zip(results[0], results[1], list(wanted) + ["copy"]):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=w)
+
+
 def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
     """A copy read by a product and by an op that takes no bits (here a
     weight gradient of rows, whose dy is a strided slice) stays float32;

@@ -509,7 +509,9 @@ def _in_place_after_sinks(g):
     from ..ops.catalog import get_kernel_class
     cons = g.consumers()
     for op in list(g.ops.values()):
-        for i, _ in getattr(get_kernel_class(op.op_type, op.name), "in_place", ()):
+        cls = get_kernel_class(op.op_type, op.name)
+        of = getattr(cls, "in_place_of", None)
+        for i, _ in (of(op.attrs) if of is not None else getattr(cls, "in_place", ())):
             if i >= len(op.inputs):
                 continue
             for r in cons.get(op.inputs[i], ()):

@@ -210,9 +210,22 @@ class LayerNormGrad(OpKernel):
     bfloat16 bits (uint16: the bits a Cast of dx wrote): on a GPU in the
     backward kernel's pass (``layernorm_backward_copy_f32``,
     ``layernorm_backward_bdy_copy_f32``), on the host ``to_bf16_bits`` of
-    each chunk of rows as it is done: no Cast, no second read of dx."""
+    each chunk of rows as it is done: no Cast, no second read of dx. The
+    copy may take the bytes of a dy stored as bits (``in_place_of``: 2
+    bytes an element each; a float32 dy is twice the copy, so the memory
+    plan never pairs them): each element of dy is read before its copy is
+    written (on a GPU db's column sums of dy run before the backward
+    kernel, on the host dy is widened into a float32 temporary first);
+    where dy dies at this op the plan puts the copy there, as the Cast's
+    copy came after dy died (the final layer norm's dy: the head's data
+    gradient)."""
 
     op_type = "LayerNormGrad"
+
+    @classmethod
+    def in_place_of(cls, attrs):
+        # dx's bits copy (the output after the gradients) over a bits dy
+        return ((0, len(attrs["outputs"])),) if attrs.get("bits_copy") else ()
 
     @classmethod
     def bits_inputs(cls, attrs):
@@ -289,10 +302,10 @@ class LayerNormGrad(OpKernel):
         if k is not None:
             temps = self.temporaries(x, *self.scratch_specs(ins, outs))
             dyxhat = temps[0] if "dg" in got else None
+            if "db" in got:   # first: dx's bits copy may take a bits dy's bytes
+                column_sum(xp, k, dy, got["db"], temps[-1])
             k.layernorm_backward(dy, x, g, mean, rstd, dx=got.get("dx"), dyxhat=dyxhat,
                                  copy=copy)
-            if "db" in got:
-                column_sum(xp, k, dy, got["db"], temps[-1])
             if "dg" in got:
                 column_sum(xp, k, dyxhat, got["dg"], temps[-1])
             return

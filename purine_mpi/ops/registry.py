@@ -172,6 +172,14 @@ class OpKernel:
         return ()
 
     @classmethod
+    def in_place_of(cls, attrs):
+        """``in_place`` for an op with ``attrs``: the pairs the memory plan
+        and the test graph ask (an output's index may depend on the attrs:
+        LayerNormGrad's dx bits copy comes after the gradients it lists);
+        the class's ``in_place`` (the default)."""
+        return cls.in_place
+
+    @classmethod
     def bits_outputs_of(cls, op):
         """``bits_outputs`` of the graph op ``op`` (its attrs); a kernel
         whose answer depends on its inputs too would override it (none

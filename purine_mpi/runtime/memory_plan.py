@@ -49,14 +49,16 @@ Each edge goes forward in the schedule, so no cycle can form and the order
 the dispatchers derive stays the same (the ops of one thread run one at a
 time anyway); ``graph --memory`` counts them.
 
-In place: an op whose kernel declares it (``in_place``: ReLU, dropout and
+In place: an op whose kernel declares it (``in_place``, or for its attrs
+``in_place_of``: ReLU, dropout and
 their gradients, element-wise; the softmax loss's probabilities over the
 logits and its gradient over the probabilities; the precision pass's
 ``Cast``, whose low-precision copy of a blob dead after it takes the
-blob's bytes) writes its output over its input's bytes
-when it is the last op to touch the input (every other op touching it is
-its ancestor) and both are transient roots of one size; ReLU's gradient
-reads the ReLU's output, so a convolution's pre-activation dies at the ReLU.
+blob's bytes; a gradient's bits copy over a dy stored as bits) writes
+its output over its input's bytes when it is the last op to touch the
+input (every other op touching it is its ancestor) and both are
+transient roots of one size; ReLU's gradient reads the ReLU's output, so a
+convolution's pre-activation dies at the ReLU.
 
 Offsets are assigned by greedy interval colouring: the units (a root, with
 the roots computed in place over it) in some order each take the lowest
@@ -561,7 +563,7 @@ def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):
     prod = graph.producers()
     for name in order:
         op = graph.ops[name]
-        pairs = getattr(kernel_class(op.op_type, name), "in_place", ())
+        pairs = _in_place_pairs(kernel_class(op.op_type, name), op)
         for i, o in pairs:
             if i >= len(op.inputs) or o >= len(op.outputs):
                 continue
@@ -583,6 +585,14 @@ def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):
             unit_of[y] = u
             plan.in_place[y] = (x, name)
     return units
+
+
+def _in_place_pairs(cls, op):
+    """The (input, output) pairs kernel class ``cls`` may compute in place
+    for graph op ``op`` (``in_place_of`` its attrs; a class without it:
+    its ``in_place``)."""
+    of = getattr(cls, "in_place_of", None)
+    return of(op.attrs) if of is not None else getattr(cls, "in_place", ())
 
 
 def _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail, kernel_class):

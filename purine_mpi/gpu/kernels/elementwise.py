@@ -630,8 +630,9 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
     ``dy`` may be bfloat16 bits (uint16, C-contiguous, x's size; x and the
     rest float32; dx not ``dy``): widened exactly in the kernel
     (``layernorm_backward_bdy_f32``), the float32 ``dy``'s results.
-    ``copy`` (uint16, C-contiguous, x's size, no input's bytes; x float32,
-    ``dx`` given): also the bits of the bfloat16 nearest each float32 dx,
+    ``copy`` (uint16, C-contiguous, x's size, no input's bytes but a bits
+    ``dy``'s: each element of dy is read before its copy is written; x
+    float32, ``dx`` given): also the bits of the bfloat16 nearest each float32 dx,
     in the same pass (``layernorm_backward_copy_f32``,
     ``layernorm_backward_bdy_copy_f32``: ``to_bf16_bits_device`` of dx bit
     for bit)."""
@@ -641,9 +642,9 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
             raise ValueError(f"layernorm_backward: a copy takes a float32 x and dx, got x "
                              f"{x.dtype} and dx {None if dx is None else dx.dtype}")
         _bits_array(copy, np.uint16, "layernorm_backward: copy")
-        if copy.size != x.size or any(copy is a for a in (dy, x, g, mean, rstd)):
+        if copy.size != x.size or any(copy is a for a in (x, g, mean, rstd)):
             raise ValueError(f"layernorm_backward: copy must be x's {x.size} elements on no "
-                             f"input's bytes, got {copy.size}")
+                             f"input's bytes but a bits dy's, got {copy.size}")
     n = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 0
     c = int(x.shape[-1]) if x.ndim else 0
     outs = {name: (a, x.size) for name, a in (("dx", dx), ("dyxhat", dyxhat)) if a is not None}
