@@ -265,3 +265,49 @@ def test_a_resume_with_another_net_of_the_same_parameters_says_so(tmp_path, digi
     assert res.returncode == 0, res.stderr
     assert "this net differs from the one that wrote it: layer 'relu1' removed; layer " \
            "'pool1' pool 'max' -> 'ave'" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+#: caffe.proto's (BVLC master) ``repeated`` fields of the messages TEXT_SCHEMA
+#: reads, transcribed from the .proto (those TEXT_SCHEMA leaves out included)
+CAFFE_PROTO_REPEATED = {
+    "NetParameter": {"input", "input_shape", "input_dim", "layer", "layers"},
+    "SolverParameter": {"test_net", "test_net_param", "test_state", "test_iter", "stepvalue",
+                        "weights"},
+    "NetStateRule": {"stage", "not_stage"},
+    "LayerParameter": {"bottom", "top", "loss_weight", "param", "blobs", "propagate_down",
+                       "include", "exclude"},
+    "V1LayerParameter": {"bottom", "top", "include", "exclude", "blobs", "param",
+                         "blob_share_mode", "blobs_lr", "weight_decay", "loss_weight"},
+    "ConvolutionParameter": {"pad", "kernel_size", "stride", "dilation"},
+    "EltwiseParameter": {"coeff"},
+    "SliceParameter": {"slice_point"},
+    "TransformationParameter": {"mean_value"},
+    "BlobShape": {"dim"},
+}
+
+
+def test_the_repeated_fields_are_caffe_protos():
+    """Every field of TEXT_SCHEMA that caffe.proto declares ``repeated`` is in
+    REPEATED, and no other: a repeated one left out refuses valid prototxts
+    (before: the solver's ``test_net``, which Caffe gives once per test net,
+    was 'given twice')."""
+    from purine_mpi.interop.caffe_schema import REPEATED, TEXT_SCHEMA
+    for message, fields in TEXT_SCHEMA.items():
+        want = CAFFE_PROTO_REPEATED.get(message, set()) & set(fields)
+        assert set(REPEATED.get(message, ())) == want, (message, REPEATED.get(message), want)
+
+
+def test_a_solver_with_two_test_nets_converts(tmp_path, digits_h5):
+    """``test_net`` twice (two test nets, a test_iter each) is valid Caffe:
+    before, convert exited 2 ('field 'test_net' of SolverParameter is given
+    twice'); the field is noted as ignored, as one test_net is."""
+    from .test_caffe_convert import fixture
+    net = fixture("lenet_digits.prototxt")
+    solver = tmp_path / "s.prototxt"
+    solver.write_text(f'train_net: "{net}"\ntest_net: "{net}"\ntest_net: "{net}"\n'
+                      "test_iter: 6\ntest_iter: 6\ntest_interval: 300\nbase_lr: 0.05\n"
+                      'lr_policy: "fixed"\nmax_iter: 900\n')
+    res = run_cli_args("convert", "caffe", net, "--solver", solver, "--data", digits_h5,
+                       "--out", tmp_path / "j.yaml")
+    assert res.returncode == 0, res.stderr
+    assert "solver: 'test_net' (line 3) is ignored" in res.stdout + res.stderr, res.stdout
