@@ -311,3 +311,28 @@ def test_a_solver_with_two_test_nets_converts(tmp_path, digits_h5):
                        "--out", tmp_path / "j.yaml")
     assert res.returncode == 0, res.stderr
     assert "solver: 'test_net' (line 3) is ignored" in res.stdout + res.stderr, res.stdout
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_layer_named_as_another_layers_parameter_is_refused_at_once(tmp_path, digits_h5,
+                                                                     first):
+    """Layers 'fc1' and 'fc1/weight': the checkpoint's dataset
+    /params/fc1/weight cannot also be the group of 'fc1/weight/weight'.
+    Before, the run trained and died at its first checkpoint (exit 1,
+    "AttributeError: 'Dataset' object has no attribute 'create_dataset'");
+    now exit 2 before training, naming both layers, in either order."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"]["max_iter"] = 2
+    extra = [{"type": "fc", "name": "fc1/weight", "bottom": "pool1", "top": "fc2",
+              "num_output": 10},
+             {"type": "softmax_loss", "name": "loss2", "bottom": ["fc2", "label"],
+              "top": "loss2"}]
+    at = 3 if first else 4
+    cfg["net"][at:at] = extra
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert_user_error(res, "parameter 'fc1/weight' and layer 'fc1/weight''s parameter "
+                      "'fc1/weight/weight'" if first else "parameter 'fc1/weight/weight' and "
+                      "layer 'fc1''s parameter 'fc1/weight'", "rename one of the two layers")
+    assert not (tmp_path / "run" / "latest.h5").exists()
+
