@@ -1,6 +1,8 @@
 """Trust audit of the file tools (session 66): layer names with a '/' (Caffe's
 ``loss3/classifier``) with --init-skip, layer names a checkpoint cannot hold,
 and export onnx from a weights file of another net."""
+import re
+
 import numpy as np
 import pytest
 
@@ -336,3 +338,20 @@ def test_a_layer_named_as_another_layers_parameter_is_refused_at_once(tmp_path, 
                       "layer 'fc1''s parameter 'fc1/weight'", "rename one of the two layers")
     assert not (tmp_path / "run" / "latest.h5").exists()
 
+
+def test_prototxt_unicode_escapes_are_protobufs():
+    """protobuf's tokenizer reads \\uXXXX (a surrogate pair as one code
+    point) and \\UXXXXXXXX; before, each was refused as an unknown escape."""
+    from purine_mpi.interop.caffe_schema import REPEATED, TEXT_SCHEMA
+    from purine_mpi.interop.prototxt import PrototxtError, parse
+
+    def name(text):
+        return parse(f'name: "{text}"\n', TEXT_SCHEMA, "NetParameter", "n.prototxt",
+                     REPEATED).get("name")
+    assert name(r"caf\u00e9") == "caf\u00e9"
+    assert name(r"\U0001F600!") == "\U0001F600!"
+    assert name(r"\ud83d\ude00") == "\U0001F600"
+    for bad, needle in ((r"\ud83d", "lone surrogate"), (r"\u12", "needs 4 hex digits"),
+                        (r"\U00110000", "past U+10FFFF")):
+        with pytest.raises(PrototxtError, match=re.escape(needle)):
+            name(bad)

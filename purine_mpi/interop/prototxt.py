@@ -102,8 +102,8 @@ def tokenize(text, path):
 def _string(text, i, line, path):
     """A quoted string from ``text[i]``: protobuf's text-format escapes (C's:
     \\n \\t \\r \\a \\b \\f \\v \\\\ \\' \\" \\?, octal \\ooo and hex \\xhh
-    bytes, the whole read as UTF-8); another escape is refused, as protobuf
-    refuses it, not read as its letter."""
+    bytes, the whole read as UTF-8; \\uXXXX and \\UXXXXXXXX code points);
+    another escape is refused, as protobuf refuses it, not read as its letter."""
     quote, i, start_line, out = text[i], i + 1, line, bytearray()
     escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "r": "\r", "a": "\a",
                "b": "\b", "f": "\f", "v": "\v", "?": "?"}
@@ -131,6 +131,9 @@ def _string(text, i, line, path):
             elif hexa:
                 out.append(int(hexa.group(1), 16))
                 i += 1 + len(hexa.group())
+            elif e in "uU":  # a code point: \uXXXX (a surrogate pair joined), \UXXXXXXXX
+                point, i = _unicode_escape(text, i, line, path)
+                out += chr(point).encode("utf-8")
             elif octal:
                 raise PrototxtError(path, line, f"octal escape '\\{octal.group()}' is over "
                                                 "\\377, the largest byte")
@@ -155,6 +158,27 @@ def _number(word, line, path):
         return float(word.rstrip("fF"))
     except ValueError:
         raise PrototxtError(path, line, f"malformed number {word!r}") from None
+
+
+def _unicode_escape(text, i, line, path):
+    """The code point of the ``\\u`` / ``\\U`` escape at ``text[i]`` (as
+    protobuf's tokenizer reads it: 4 / 8 hex digits; a high surrogate
+    followed by a ``\\u`` low one is one code point) and the index after it."""
+    letter = text[i + 1]
+    digits = 4 if letter == "u" else 8
+    word = text[i + 2:i + 2 + digits]
+    if not re.fullmatch(f"[0-9a-fA-F]{{{digits}}}", word):
+        raise PrototxtError(path, line, f"escape '\\{letter}' needs {digits} hex digits "
+                                        f"(got {word!r})")
+    point, i = int(word, 16), i + 2 + digits
+    low = re.match(r"\\u(d[c-f][0-9a-f]{2})", text[i:i + 6], re.IGNORECASE)
+    if 0xD800 <= point <= 0xDBFF and low:
+        return 0x10000 + ((point - 0xD800) << 10) + int(low.group(1), 16) - 0xDC00, i + 6
+    if 0xD800 <= point <= 0xDFFF or point > 0x10FFFF:
+        raise PrototxtError(path, line, f"escape '\\{letter}{word}' is not "
+                                        "a Unicode character (a lone surrogate, or past "
+                                        "U+10FFFF)")
+    return point, i
 
 
 # ------------------------------------------------------------------- parser
