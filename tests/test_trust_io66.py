@@ -355,3 +355,22 @@ def test_prototxt_unicode_escapes_are_protobufs():
                         (r"\U00110000", "past U+10FFFF")):
         with pytest.raises(PrototxtError, match=re.escape(needle)):
             name(bad)
+
+
+def test_the_resume_note_names_a_key_the_new_net_adds():
+    """A key this net gives and the saved one left at its default (a ReLU
+    made leaky) is a change too; before, only keys the saved layer gave were
+    compared, so the note said nothing. A key given as its default (top:
+    the layer's name, before named as 'top None -> 'r'') and another spelling
+    of the type are no change."""
+    import yaml
+    from purine_mpi.job.checkpoint_check import changed_net_note
+    saved = [{"type": "relu", "name": "r", "bottom": "x"},
+             {"type": "pool", "name": "p", "bottom": "r", "kernel": 2}]
+    text = yaml.safe_dump({"net": saved})
+    now = [dict(saved[0], negative_slope=0.2), dict(saved[1])]
+    note = changed_net_note(text, now, "c.h5")
+    assert note is not None and "layer 'r' negative_slope 0.0 -> 0.2" in note, note
+    now = [dict(saved[0], top="r"), dict(saved[1], pool="max", type="pooling")]
+    assert changed_net_note(text, now, "c.h5") is None
+    assert changed_net_note(text, [dict(e) for e in saved], "c.h5") is None

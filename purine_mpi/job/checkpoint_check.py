@@ -138,14 +138,16 @@ def changed_net_note(config_text, net, path):
         if old is None or old == entry:
             continue
         spec = layer_spec(entry.get("type"))
-        keys = {k.name: k for k in spec.keys} if spec is not None else {}
-        for key in [k for k in entry if k in old or k not in keys] + \
-                [k for k in old if k not in entry]:
+        keys = {k.name: k for k in spec.all_keys()} if spec is not None else {}
+        for key in list(entry) + [k for k in old if k not in entry]:
             a, b = old.get(key), entry.get(key)
             if key in keys:  # an absent key is its default; a pair k is [k, k]
                 k = keys[key]
-                a = _key_value(k, k.default if key not in old else a)
-                b = _key_value(k, k.default if key not in entry else b)
+                default = name if k.default == "<name>" else k.default  # top: the name
+                a = _key_value(k, default if key not in old else a)
+                b = _key_value(k, default if key not in entry else b)
+            if key == "type" and spec is not None and spec is layer_spec(a):
+                continue  # another spelling of the type (conv, convolution)
             if a != b:
                 changes.append(f"layer '{name}' {key} {a!r} -> {b!r}")
     if not changes and [n for n in then] != [n for n in now]:
