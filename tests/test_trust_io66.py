@@ -374,3 +374,17 @@ def test_the_resume_note_names_a_key_the_new_net_adds():
     now = [dict(saved[0], top="r"), dict(saved[1], pool="max", type="pooling")]
     assert changed_net_note(text, now, "c.h5") is None
     assert changed_net_note(text, [dict(e) for e in saved], "c.h5") is None
+
+
+def test_a_saved_config_is_parsed_once_and_each_caller_gets_its_own_copy():
+    """A resume reads the checkpoint's config five times; it is parsed once,
+    and a caller that changes its copy changes no other's."""
+    import yaml
+    from purine_mpi.job.checkpoint_check import _parsed_config, saved_config
+    text = yaml.safe_dump({"net": [{"type": "relu", "name": "r", "bottom": "x"}]})
+    _parsed_config.cache_clear()
+    first = saved_config(text)
+    first["net"][0]["name"] = "changed"
+    assert saved_config(text)["net"][0]["name"] == "r"
+    assert _parsed_config.cache_info().misses == 1
+    assert saved_config("") is None and saved_config("{not: [yaml") is None
