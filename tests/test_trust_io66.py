@@ -388,3 +388,29 @@ def test_a_saved_config_is_parsed_once_and_each_caller_gets_its_own_copy():
     assert saved_config(text)["net"][0]["name"] == "r"
     assert _parsed_config.cache_info().misses == 1
     assert saved_config("") is None and saved_config("{not: [yaml") is None
+
+
+def test_export_onnx_leaves_a_train_only_head_out_without_a_note(tmp_path, digits_h5):
+    """The blobs of this net's own ``phase: train`` auxiliary head are not in
+    the test-phase graph by design: before, the export said '2 blob(s) of the
+    file are not in the exported test-phase graph: aux/bias, aux/weight ... (a
+    file of another net?)'. A blob of no layer of the net is still named."""
+    pytest.importorskip("onnx")
+    cfg = small_net_config(digits_h5)
+    cfg["net"][4:4] = [{"type": "fc", "name": "aux", "bottom": "pool1", "top": "aux",
+                        "num_output": 10, "phase": "train"},
+                       {"type": "softmax_loss", "name": "aux_loss", "bottom": ["aux", "label"],
+                        "top": "aux_loss", "phase": "train"}]
+    path = write_config_file(tmp_path, cfg)
+    w = {k.replace("head/fc", "fc1"): v for k, v in weights_of((10, 64)).items()}
+    w.update({"aux/weight": np.zeros((10, 64), np.float32), "aux/bias": np.zeros(10, np.float32)})
+    res = run_cli_args("export", "onnx", path, "--weights",
+                       save_checkpoint(str(tmp_path / "own.h5"), w), "--out", tmp_path / "m.onnx")
+    assert res.returncode == 0, res.stderr
+    assert "not in the exported" not in res.stderr, res.stderr
+    w["fc2/weight"] = np.zeros((10, 10), np.float32)
+    res = run_cli_args("export", "onnx", path, "--weights",
+                       save_checkpoint(str(tmp_path / "other.h5"), w), "--out", tmp_path / "n.onnx")
+    assert res.returncode == 0, res.stderr
+    assert "1 blob(s) of the file are not in the exported test-phase graph: fc2/weight;" \
+        in res.stderr, res.stderr
