@@ -414,3 +414,21 @@ def test_export_onnx_leaves_a_train_only_head_out_without_a_note(tmp_path, digit
     assert res.returncode == 0, res.stderr
     assert "1 blob(s) of the file are not in the exported test-phase graph: fc2/weight;" \
         in res.stderr, res.stderr
+
+
+def test_a_latin1_prototxt_is_text_not_binary(tmp_path, digits_h5):
+    """A prototxt saved in Latin-1: protobuf reads bytes, so Caffe skips a
+    comment's; before, convert called the file binary ('is not a text
+    prototxt (binary data at byte N); a binary .caffemodel holds weights').
+    Now such a comment is skipped, and a Latin-1 byte in a value is refused
+    at its line, saying to save the file as UTF-8."""
+    from .test_caffe_convert import fixture
+    text = open(fixture("lenet_digits.prototxt"), encoding="utf-8").read()
+    net = tmp_path / "n.prototxt"
+    net.write_bytes(b"# Gr\xf6\xdfe: 8x8\r\n" + text.encode())
+    res = run_cli_args("convert", "caffe", net, "--data", digits_h5, "--out", tmp_path / "j.yaml")
+    assert res.returncode == 0, res.stderr
+    net.write_bytes(text.encode() + b'\nname: "Gr\xf6\xdfe"\n')
+    res = run_cli_args("convert", "caffe", net, "--data", digits_h5, "--out", tmp_path / "k.yaml")
+    assert_user_error(res, f"{net}:{text.count(chr(10)) + 2}: byte 0xf6 is not UTF-8 text",
+                      "save the file as UTF-8")

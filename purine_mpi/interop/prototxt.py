@@ -94,6 +94,8 @@ def tokenize(text, path):
                 i += 1
             word = text[start:i]
             tokens.append(Token("number", word, _number(word, line, path), line))
+        elif "\udc80" <= c <= "\udcff":
+            raise _not_utf8(c, path, line)
         else:
             raise PrototxtError(path, line, f"unexpected character {c!r}")
     return tokens
@@ -140,6 +142,8 @@ def _string(text, i, line, path):
             else:
                 raise PrototxtError(path, line, f"unknown escape '\\{e}' in a string (protobuf "
                                                 "refuses it); write '\\\\' for a backslash")
+        elif "\udc80" <= c <= "\udcff":
+            raise _not_utf8(c, path, line)
         else:
             out += c.encode("utf-8")
             i += 1
@@ -362,17 +366,32 @@ def parse(text, schema, root, path="<prototxt>", repeated=None):
 
 def parse_file(path, schema, root, repeated=None):
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise PrototxtError(path, None, "file not found") from None
     except IsADirectoryError:
         raise PrototxtError(path, None, "is a folder; expected a text prototxt file") from None
-    except UnicodeDecodeError as e:  # a .caffemodel, an HDF5 file: binary, not text
-        raise PrototxtError(path, None, f"is not a text prototxt (binary data at byte "
-                                        f"{e.start}); a binary .caffemodel holds weights, "
-                                        "which train --init / test --weights read, not a "
-                                        "definition") from None
     except OSError as e:
         raise PrototxtError(path, None, f"cannot read the file ({e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if re.search(rb"[\x00-\x08\x0e-\x1f]", data):  # a .caffemodel, HDF5: binary, not text
+            raise PrototxtError(path, None, f"is not a text prototxt (binary data at byte "
+                                            f"{e.start}); a binary .caffemodel holds weights, "
+                                            "which train --init / test --weights read, not a "
+                                            "definition") from None
+        # text in another encoding (a Latin-1 comment): protobuf reads bytes, so
+        # a comment's are skipped as Caffe skips them; one elsewhere is refused
+        # at its line (_not_utf8)
+        text = data.decode("utf-8", "surrogateescape")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # as open()'s universal newlines
     return parse(text, schema, root, path, repeated)
+
+
+def _not_utf8(c, path, line):
+    """A PrototxtError for the byte a ``surrogateescape`` decoding made ``c``."""
+    return PrototxtError(path, line, f"byte 0x{ord(c) - 0xDC00:02x} is not UTF-8 text (a "
+                                     "Latin-1 or other file encoding?): save the file as "
+                                     "UTF-8")
