@@ -1,6 +1,8 @@
 """Trust audit of the file tools (session 66): layer names with a '/' (Caffe's
 ``loss3/classifier``) with --init-skip, layer names a checkpoint cannot hold,
 and export onnx from a weights file of another net."""
+import re
+
 import numpy as np
 import pytest
 
@@ -265,3 +267,168 @@ def test_a_resume_with_another_net_of_the_same_parameters_says_so(tmp_path, digi
     assert res.returncode == 0, res.stderr
     assert "this net differs from the one that wrote it: layer 'relu1' removed; layer " \
            "'pool1' pool 'max' -> 'ave'" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+#: caffe.proto's (BVLC master) ``repeated`` fields of the messages TEXT_SCHEMA
+#: reads, transcribed from the .proto (those TEXT_SCHEMA leaves out included)
+CAFFE_PROTO_REPEATED = {
+    "NetParameter": {"input", "input_shape", "input_dim", "layer", "layers"},
+    "SolverParameter": {"test_net", "test_net_param", "test_state", "test_iter", "stepvalue",
+                        "weights"},
+    "NetStateRule": {"stage", "not_stage"},
+    "LayerParameter": {"bottom", "top", "loss_weight", "param", "blobs", "propagate_down",
+                       "include", "exclude"},
+    "V1LayerParameter": {"bottom", "top", "include", "exclude", "blobs", "param",
+                         "blob_share_mode", "blobs_lr", "weight_decay", "loss_weight"},
+    "ConvolutionParameter": {"pad", "kernel_size", "stride", "dilation"},
+    "EltwiseParameter": {"coeff"},
+    "SliceParameter": {"slice_point"},
+    "TransformationParameter": {"mean_value"},
+    "BlobShape": {"dim"},
+}
+
+
+def test_the_repeated_fields_are_caffe_protos():
+    """Every field of TEXT_SCHEMA that caffe.proto declares ``repeated`` is in
+    REPEATED, and no other: a repeated one left out refuses valid prototxts
+    (before: the solver's ``test_net``, which Caffe gives once per test net,
+    was 'given twice')."""
+    from purine_mpi.interop.caffe_schema import REPEATED, TEXT_SCHEMA
+    for message, fields in TEXT_SCHEMA.items():
+        want = CAFFE_PROTO_REPEATED.get(message, set()) & set(fields)
+        assert set(REPEATED.get(message, ())) == want, (message, REPEATED.get(message), want)
+
+
+def test_a_solver_with_two_test_nets_converts(tmp_path, digits_h5):
+    """``test_net`` twice (two test nets, a test_iter each) is valid Caffe:
+    before, convert exited 2 ('field 'test_net' of SolverParameter is given
+    twice'); the field is noted as ignored, as one test_net is."""
+    from .test_caffe_convert import fixture
+    net = fixture("lenet_digits.prototxt")
+    solver = tmp_path / "s.prototxt"
+    solver.write_text(f'train_net: "{net}"\ntest_net: "{net}"\ntest_net: "{net}"\n'
+                      "test_iter: 6\ntest_iter: 6\ntest_interval: 300\nbase_lr: 0.05\n"
+                      'lr_policy: "fixed"\nmax_iter: 900\n')
+    res = run_cli_args("convert", "caffe", net, "--solver", solver, "--data", digits_h5,
+                       "--out", tmp_path / "j.yaml")
+    assert res.returncode == 0, res.stderr
+    assert "solver: 'test_net' (line 3) is ignored" in res.stdout + res.stderr, res.stdout
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_layer_named_as_another_layers_parameter_is_refused_at_once(tmp_path, digits_h5,
+                                                                     first):
+    """Layers 'fc1' and 'fc1/weight': the checkpoint's dataset
+    /params/fc1/weight cannot also be the group of 'fc1/weight/weight'.
+    Before, the run trained and died at its first checkpoint (exit 1,
+    "AttributeError: 'Dataset' object has no attribute 'create_dataset'");
+    now exit 2 before training, naming both layers, in either order."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"]["max_iter"] = 2
+    extra = [{"type": "fc", "name": "fc1/weight", "bottom": "pool1", "top": "fc2",
+              "num_output": 10},
+             {"type": "softmax_loss", "name": "loss2", "bottom": ["fc2", "label"],
+              "top": "loss2"}]
+    at = 3 if first else 4
+    cfg["net"][at:at] = extra
+    path = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert_user_error(res, "parameter 'fc1/weight' and layer 'fc1/weight''s parameter "
+                      "'fc1/weight/weight'" if first else "parameter 'fc1/weight/weight' and "
+                      "layer 'fc1''s parameter 'fc1/weight'", "rename one of the two layers")
+    assert not (tmp_path / "run" / "latest.h5").exists()
+
+
+def test_prototxt_unicode_escapes_are_protobufs():
+    """protobuf's tokenizer reads \\uXXXX (a surrogate pair as one code
+    point) and \\UXXXXXXXX; before, each was refused as an unknown escape."""
+    from purine_mpi.interop.caffe_schema import REPEATED, TEXT_SCHEMA
+    from purine_mpi.interop.prototxt import PrototxtError, parse
+
+    def name(text):
+        return parse(f'name: "{text}"\n', TEXT_SCHEMA, "NetParameter", "n.prototxt",
+                     REPEATED).get("name")
+    assert name(r"caf\u00e9") == "caf\u00e9"
+    assert name(r"\U0001F600!") == "\U0001F600!"
+    assert name(r"\ud83d\ude00") == "\U0001F600"
+    for bad, needle in ((r"\ud83d", "lone surrogate"), (r"\u12", "needs 4 hex digits"),
+                        (r"\U00110000", "past U+10FFFF")):
+        with pytest.raises(PrototxtError, match=re.escape(needle)):
+            name(bad)
+
+
+def test_the_resume_note_names_a_key_the_new_net_adds():
+    """A key this net gives and the saved one left at its default (a ReLU
+    made leaky) is a change too; before, only keys the saved layer gave were
+    compared, so the note said nothing. A key given as its default (top:
+    the layer's name, before named as 'top None -> 'r'') and another spelling
+    of the type are no change."""
+    import yaml
+    from purine_mpi.job.checkpoint_check import changed_net_note
+    saved = [{"type": "relu", "name": "r", "bottom": "x"},
+             {"type": "pool", "name": "p", "bottom": "r", "kernel": 2}]
+    text = yaml.safe_dump({"net": saved})
+    now = [dict(saved[0], negative_slope=0.2), dict(saved[1])]
+    note = changed_net_note(text, now, "c.h5")
+    assert note is not None and "layer 'r' negative_slope 0.0 -> 0.2" in note, note
+    now = [dict(saved[0], top="r"), dict(saved[1], pool="max", type="pooling")]
+    assert changed_net_note(text, now, "c.h5") is None
+    assert changed_net_note(text, [dict(e) for e in saved], "c.h5") is None
+
+
+def test_a_saved_config_is_parsed_once_and_each_caller_gets_its_own_copy():
+    """A resume reads the checkpoint's config five times; it is parsed once,
+    and a caller that changes its copy changes no other's."""
+    import yaml
+    from purine_mpi.job.checkpoint_check import _parsed_config, saved_config
+    text = yaml.safe_dump({"net": [{"type": "relu", "name": "r", "bottom": "x"}]})
+    _parsed_config.cache_clear()
+    first = saved_config(text)
+    first["net"][0]["name"] = "changed"
+    assert saved_config(text)["net"][0]["name"] == "r"
+    assert _parsed_config.cache_info().misses == 1
+    assert saved_config("") is None and saved_config("{not: [yaml") is None
+
+
+def test_export_onnx_leaves_a_train_only_head_out_without_a_note(tmp_path, digits_h5):
+    """The blobs of this net's own ``phase: train`` auxiliary head are not in
+    the test-phase graph by design: before, the export said '2 blob(s) of the
+    file are not in the exported test-phase graph: aux/bias, aux/weight ... (a
+    file of another net?)'. A blob of no layer of the net is still named."""
+    pytest.importorskip("onnx")
+    cfg = small_net_config(digits_h5)
+    cfg["net"][4:4] = [{"type": "fc", "name": "aux", "bottom": "pool1", "top": "aux",
+                        "num_output": 10, "phase": "train"},
+                       {"type": "softmax_loss", "name": "aux_loss", "bottom": ["aux", "label"],
+                        "top": "aux_loss", "phase": "train"}]
+    path = write_config_file(tmp_path, cfg)
+    w = {k.replace("head/fc", "fc1"): v for k, v in weights_of((10, 64)).items()}
+    w.update({"aux/weight": np.zeros((10, 64), np.float32), "aux/bias": np.zeros(10, np.float32)})
+    res = run_cli_args("export", "onnx", path, "--weights",
+                       save_checkpoint(str(tmp_path / "own.h5"), w), "--out", tmp_path / "m.onnx")
+    assert res.returncode == 0, res.stderr
+    assert "not in the exported" not in res.stderr, res.stderr
+    w["fc2/weight"] = np.zeros((10, 10), np.float32)
+    res = run_cli_args("export", "onnx", path, "--weights",
+                       save_checkpoint(str(tmp_path / "other.h5"), w), "--out", tmp_path / "n.onnx")
+    assert res.returncode == 0, res.stderr
+    assert "1 blob(s) of the file are not in the exported test-phase graph: fc2/weight;" \
+        in res.stderr, res.stderr
+
+
+def test_a_latin1_prototxt_is_text_not_binary(tmp_path, digits_h5):
+    """A prototxt saved in Latin-1: protobuf reads bytes, so Caffe skips a
+    comment's; before, convert called the file binary ('is not a text
+    prototxt (binary data at byte N); a binary .caffemodel holds weights').
+    Now such a comment is skipped, and a Latin-1 byte in a value is refused
+    at its line, saying to save the file as UTF-8."""
+    from .test_caffe_convert import fixture
+    text = open(fixture("lenet_digits.prototxt"), encoding="utf-8").read()
+    net = tmp_path / "n.prototxt"
+    net.write_bytes(b"# Gr\xf6\xdfe: 8x8\r\n" + text.encode())
+    res = run_cli_args("convert", "caffe", net, "--data", digits_h5, "--out", tmp_path / "j.yaml")
+    assert res.returncode == 0, res.stderr
+    net.write_bytes(text.encode() + b'\nname: "Gr\xf6\xdfe"\n')
+    res = run_cli_args("convert", "caffe", net, "--data", digits_h5, "--out", tmp_path / "k.yaml")
+    assert_user_error(res, f"{net}:{text.count(chr(10)) + 2}: byte 0xf6 is not UTF-8 text",
+                      "save the file as UTF-8")

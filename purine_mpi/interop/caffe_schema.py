@@ -129,7 +129,7 @@ REPEATED = {
     "EltwiseParameter": {"coeff"},
     "TransformationParameter": {"mean_value"},
     "BlobShape": {"dim"},
-    "SolverParameter": {"test_iter", "stepvalue"},
+    "SolverParameter": {"test_net", "test_iter", "stepvalue"},
 }
 
 # ------------------------------------------------------------ wire format

@@ -94,6 +94,8 @@ def tokenize(text, path):
                 i += 1
             word = text[start:i]
             tokens.append(Token("number", word, _number(word, line, path), line))
+        elif "\udc80" <= c <= "\udcff":
+            raise _not_utf8(c, path, line)
         else:
             raise PrototxtError(path, line, f"unexpected character {c!r}")
     return tokens
@@ -102,8 +104,8 @@ def tokenize(text, path):
 def _string(text, i, line, path):
     """A quoted string from ``text[i]``: protobuf's text-format escapes (C's:
     \\n \\t \\r \\a \\b \\f \\v \\\\ \\' \\" \\?, octal \\ooo and hex \\xhh
-    bytes, the whole read as UTF-8); another escape is refused, as protobuf
-    refuses it, not read as its letter."""
+    bytes, the whole read as UTF-8; \\uXXXX and \\UXXXXXXXX code points);
+    another escape is refused, as protobuf refuses it, not read as its letter."""
     quote, i, start_line, out = text[i], i + 1, line, bytearray()
     escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "r": "\r", "a": "\a",
                "b": "\b", "f": "\f", "v": "\v", "?": "?"}
@@ -131,12 +133,17 @@ def _string(text, i, line, path):
             elif hexa:
                 out.append(int(hexa.group(1), 16))
                 i += 1 + len(hexa.group())
+            elif e in "uU":  # a code point: \uXXXX (a surrogate pair joined), \UXXXXXXXX
+                point, i = _unicode_escape(text, i, line, path)
+                out += chr(point).encode("utf-8")
             elif octal:
                 raise PrototxtError(path, line, f"octal escape '\\{octal.group()}' is over "
                                                 "\\377, the largest byte")
             else:
                 raise PrototxtError(path, line, f"unknown escape '\\{e}' in a string (protobuf "
                                                 "refuses it); write '\\\\' for a backslash")
+        elif "\udc80" <= c <= "\udcff":
+            raise _not_utf8(c, path, line)
         else:
             out += c.encode("utf-8")
             i += 1
@@ -155,6 +162,27 @@ def _number(word, line, path):
         return float(word.rstrip("fF"))
     except ValueError:
         raise PrototxtError(path, line, f"malformed number {word!r}") from None
+
+
+def _unicode_escape(text, i, line, path):
+    """The code point of the ``\\u`` / ``\\U`` escape at ``text[i]`` (as
+    protobuf's tokenizer reads it: 4 / 8 hex digits; a high surrogate
+    followed by a ``\\u`` low one is one code point) and the index after it."""
+    letter = text[i + 1]
+    digits = 4 if letter == "u" else 8
+    word = text[i + 2:i + 2 + digits]
+    if not re.fullmatch(f"[0-9a-fA-F]{{{digits}}}", word):
+        raise PrototxtError(path, line, f"escape '\\{letter}' needs {digits} hex digits "
+                                        f"(got {word!r})")
+    point, i = int(word, 16), i + 2 + digits
+    low = re.match(r"\\u(d[c-f][0-9a-f]{2})", text[i:i + 6], re.IGNORECASE)
+    if 0xD800 <= point <= 0xDBFF and low:
+        return 0x10000 + ((point - 0xD800) << 10) + int(low.group(1), 16) - 0xDC00, i + 6
+    if 0xD800 <= point <= 0xDFFF or point > 0x10FFFF:
+        raise PrototxtError(path, line, f"escape '\\{letter}{word}' is not "
+                                        "a Unicode character (a lone surrogate, or past "
+                                        "U+10FFFF)")
+    return point, i
 
 
 # ------------------------------------------------------------------- parser
@@ -338,17 +366,32 @@ def parse(text, schema, root, path="<prototxt>", repeated=None):
 
 def parse_file(path, schema, root, repeated=None):
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise PrototxtError(path, None, "file not found") from None
     except IsADirectoryError:
         raise PrototxtError(path, None, "is a folder; expected a text prototxt file") from None
-    except UnicodeDecodeError as e:  # a .caffemodel, an HDF5 file: binary, not text
-        raise PrototxtError(path, None, f"is not a text prototxt (binary data at byte "
-                                        f"{e.start}); a binary .caffemodel holds weights, "
-                                        "which train --init / test --weights read, not a "
-                                        "definition") from None
     except OSError as e:
         raise PrototxtError(path, None, f"cannot read the file ({e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if re.search(rb"[\x00-\x08\x0e-\x1f]", data):  # a .caffemodel, HDF5: binary, not text
+            raise PrototxtError(path, None, f"is not a text prototxt (binary data at byte "
+                                            f"{e.start}); a binary .caffemodel holds weights, "
+                                            "which train --init / test --weights read, not a "
+                                            "definition") from None
+        # text in another encoding (a Latin-1 comment): protobuf reads bytes, so
+        # a comment's are skipped as Caffe skips them; one elsewhere is refused
+        # at its line (_not_utf8)
+        text = data.decode("utf-8", "surrogateescape")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # as open()'s universal newlines
     return parse(text, schema, root, path, repeated)
+
+
+def _not_utf8(c, path, line):
+    """A PrototxtError for the byte a ``surrogateescape`` decoding made ``c``."""
+    return PrototxtError(path, line, f"byte 0x{ord(c) - 0xDC00:02x} is not UTF-8 text (a "
+                                     "Latin-1 or other file encoding?): save the file as "
+                                     "UTF-8")

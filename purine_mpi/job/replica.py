@@ -576,7 +576,8 @@ def trained_values(graph, job, path):
     """{param: float32 array} of every parameter of ``graph`` from the weights
     file ``path`` (export onnx, export hf): a missing one is init_params'
     InitMismatch, a shape that differs a UserError naming both; the file's
-    blobs ``graph`` has no parameter for are named in a note on stderr."""
+    blobs ``graph`` has no parameter for are named in a note on stderr,
+    except those of this net's layers the test phase has not."""
     import numpy as np
     from .checkpoint_file import load_params
     import sys
@@ -584,7 +585,10 @@ def trained_values(graph, job, path):
     loaded = load_params(path)
     params = [b.name for b in graph.params()]
     init_params(loaded, params, job, path)
-    extra = unused_blobs(loaded, params)
+    # a layer of this net the test phase leaves out (a phase: train auxiliary
+    # head) is no sign of another net: its blobs are left out without a word
+    layers = set(job.layer_names)
+    extra = [b for b in unused_blobs(loaded, params) if param_layer(b) not in layers]
     if extra:  # not silently: a file of another net (a head more) gives another model
         print(f"note: {path}: {len(extra)} blob(s) of the file are not in the exported "
               f"test-phase graph: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}; "

@@ -25,6 +25,8 @@ class NetBuilder:
         self.cfg, self.index, self.spec = None, index, None
         self.layer_of = {}  # op name -> (index, layer entry) of the layer that added it
         self.inferred = set()  # the ops whose outputs' shapes ``shape`` inferred
+        self.stored = {}  # parameter name -> its layer's name
+        self.stored_under = {}  # a proper '/'-prefix of a parameter name -> that name
 
     # -- config access with errors that name file and key ----------------
     def key(self, k, index=None):
@@ -98,11 +100,35 @@ class NetBuilder:
 
     def param(self, suffix, shape, filler, idx):
         """A learnable blob ``<layer>/<suffix>`` with Caffe's per-param mults."""
-        name = f"{self.cfg['name']}/{suffix}"
+        name = self._stored_name(suffix)
         spec = self._param_spec(idx)
         attrs = {"filler": filler, "lr_mult": float(spec.get("lr_mult", 1.0)),
                  "decay_mult": float(spec.get("decay_mult", 1.0))}
         self.graph.add_blob(name, shape, kind="param", attrs=attrs)
+        return name
+
+    def _stored_name(self, suffix):
+        """``<layer>/<suffix>``, the name of a parameter, which a checkpoint
+        stores at that HDF5 path; refused when it and another layer's
+        parameter nest (layer 'fc' has the dataset 'fc/weight', under which a
+        layer 'fc/weight' could not store its 'fc/weight/weight'): else the
+        run trains and fails at its first checkpoint."""
+        layer = self.cfg["name"]
+        name = f"{layer}/{suffix}"
+        parts = name.split("/")
+        above = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        outer = next((p for p in above if p in self.stored), None)
+        inner = self.stored_under.get(name) if outer is None else None
+        if outer is not None or inner is not None:
+            other = outer or inner
+            self.fail("name", f"its parameter '{name}' and layer '{self.stored[other]}''s "
+                              f"parameter '{other}' cannot both be saved: a checkpoint stores "
+                              f"a parameter at /params/<its name>, and nothing can be stored "
+                              f"under the array '{min(name, other, key=len)}'; rename one of "
+                              "the two layers")
+        self.stored[name] = layer
+        for p in above:
+            self.stored_under.setdefault(p, name)
         return name
 
     def shared_param(self, name, idx):
@@ -121,7 +147,7 @@ class NetBuilder:
         return name
 
     def state(self, suffix, shape, value):
-        name = f"{self.cfg['name']}/{suffix}"
+        name = self._stored_name(suffix)
         self.graph.add_blob(name, shape, kind="param",
                             attrs={"filler": {"type": "constant", "value": value},
                                    "learnable": False, "lr_mult": 0.0, "decay_mult": 0.0})

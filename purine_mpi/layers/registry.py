@@ -149,7 +149,9 @@ LIST_KINDS = ("pair", "ints", "numbers")  # a range bounds each element
 COMMON_KEYS = (
     Key("type", "str", REQUIRED, "the layer type (or one of its aliases)"),
     Key("name", "str", REQUIRED, "unique layer name; its parameters are `<name>/weight` "
-                                 "and `<name>/bias`"),
+                                 "and `<name>/bias` (so its parts between `/` are non-empty, "
+                                 "not `.` or `..`, and no layer is named as another's "
+                                 "parameter, `fc1/weight`: a checkpoint could not hold both)"),
     Key("bottom", "blobs", REQUIRED, "input blob(s): data, label or an earlier layer's top"),
     Key("top", "blobs", "<name>", "output blob(s); the same name as bottom means in place"),
     Key("phase", ("train", "test"), None, "build the layer in this phase only (default "
