@@ -16,15 +16,21 @@ folder goes through (``.purine.lock``, ``train.log``, ``config.yaml``,
 - ``disk_error`` turns an ``OSError`` of a write into one line naming the
   file (``no space left on device`` for ENOSPC/EDQUOT, ``file too large``
   for EFBIG), a ``UserError``.
+- ``GuardedFile`` is the file HDF5 writes checkpoints and data files
+  through: a failed write is remembered, not raised into HDF5, and the
+  writes after it are held in memory (only those: ``stop_if_write_failed``
+  stops the writers) until the caller's ``check()`` gives the one line.
 
 Standard library only (``write_hdf5_replacing`` imports h5py when
 called): the log file (foundation) uses it too.
 """
+import bisect
 import errno
 import io
 import fcntl
 import os
 import stat
+import threading
 
 from .errors import UserError
 
@@ -311,20 +317,79 @@ def write_all(fd, data, path):
         raise
 
 
+class _WriteStopped(Exception):
+    """Raised by ``stop_if_write_failed`` out of a writer's loop: the
+    ``GuardedFile`` it writes met a failure, so what is left is never
+    produced; the file's ``__exit__`` turns it into that failure."""
+
+
+_OPEN = threading.local()  # .files: the GuardedFiles this thread has entered
+
+
+def write_failed():
+    """Whether a write of a ``GuardedFile`` this thread is inside the
+    ``with`` of has failed (a full disk): a writer then writes no more."""
+    return any(f.error is not None for f in getattr(_OPEN, "files", ()))
+
+
+def stop_if_write_failed():
+    """Called by a writer between the pieces it writes (a chunk of samples,
+    a data set) inside ``with GuardedFile(...)`` (``write_hdf5_replacing``'s
+    ``fill``, ``save_checkpoint``): once a write of the file has failed (a
+    full disk), raise ``_WriteStopped``, so the rest (possibly GBs) is
+    never computed nor held in memory; leaving the ``with`` of the file
+    raises the write's ``OSError`` in its place (``check()``'s error, the
+    caller's one line). Nothing outside such a ``with``."""
+    if write_failed():
+        raise _WriteStopped()
+
+
 class GuardedFile(io.RawIOBase):
     """A new file (created exclusively, never through a link) for a library
     that writes through a Python file object (h5py's ``fileobj`` driver).
     A failed write (a full disk) is not raised into the library (HDF5
     answers it with errors of its own, or a crash): it is remembered, and
-    the file goes on in memory so the library's reads stay consistent; the
-    caller asks ``check()`` when the library is done and removes the file."""
+    the file goes on so the library's reads stay consistent; the caller
+    asks ``check()`` when the library is done and removes the file.
+
+    After a failure the bytes written so far stay on disk (reads below that
+    size read them there) and only the writes from then on are kept, in
+    memory, as a sparse overlay of byte ranges that reads see on top of the
+    disk's bytes (holes read as zeros, as in a file): every byte the library
+    wrote reads back as written, and memory grows with what is written
+    after the failure, not with the file. Writers bound that too by calling
+    ``stop_if_write_failed`` between pieces."""
 
     def __init__(self, path, mode=0o644):
         super().__init__()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      mode)
         self._file = io.FileIO(fd, "r+b", closefd=True)
-        self._io, self.path, self.error = self._file, path, None
+        self.path, self.error = path, None
+        # after a failure: the position, the file's size, the disk's bytes
+        # still valid ([0, _disk_end)), the overlay: sorted disjoint starts
+        # and {start: bytearray}
+        self._pos = self._size = self._disk_end = 0
+        self._starts, self._spans = [], {}
+
+    def __enter__(self):
+        if not hasattr(_OPEN, "files"):
+            _OPEN.files = []
+        _OPEN.files.append(self)
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            _OPEN.files.remove(self)
+        except (AttributeError, ValueError):
+            pass
+        super().__exit__(exc_type, exc, tb)
+        stopped = exc
+        while stopped is not None and not isinstance(stopped, _WriteStopped):
+            stopped = stopped.__context__  # (an error of closing HDF5's file after it)
+        if stopped is not None and self.error is not None:
+            raise self.error from None  # the write's failure, not the writer's stop
+        return False
 
     def readable(self):
         return True
@@ -335,26 +400,68 @@ class GuardedFile(io.RawIOBase):
     def seekable(self):
         return True
 
+    @property
+    def overlay_bytes(self):
+        """Bytes held in memory (the writes after a failure)."""
+        return sum(len(b) for b in self._spans.values())
+
     def readinto(self, buffer):
-        return self._io.readinto(buffer)
+        if self.error is None:
+            return self._file.readinto(buffer)
+        out = memoryview(buffer).cast("B")
+        pos, n = self._pos, max(0, min(len(out), self._size - self._pos))
+        end, got = pos + n, 0
+        if pos < self._disk_end:  # the bytes on disk below the failure
+            fd, stop = self._file.fileno(), min(end, self._disk_end)
+            while pos + got < stop:
+                k = os.preadv(fd, [out[got:stop - pos]], pos + got)
+                if k <= 0:
+                    break
+                got += k
+        out[got:n] = bytes(n - got)  # holes (and disk bytes cut away) read as zeros
+        i = max(0, bisect.bisect_right(self._starts, pos) - 1)
+        while i < len(self._starts) and self._starts[i] < end:  # the overlay on top
+            start = self._starts[i]
+            span = self._spans[start]
+            lo, hi = max(start, pos), min(start + len(span), end)
+            if lo < hi:
+                out[lo - pos:hi - pos] = span[lo - start:hi - start]
+            i += 1
+        self._pos += n
+        return n
 
     def seek(self, pos, whence=0):
-        return self._io.seek(pos, whence)
+        if self.error is None:
+            return self._file.seek(pos, whence)
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        if base + pos < 0:
+            raise OSError(errno.EINVAL, "negative seek position")
+        self._pos = base + pos
+        return self._pos
 
     def tell(self):
-        return self._io.tell()
+        return self._file.tell() if self.error is None else self._pos
 
     def truncate(self, size=None):
-        if self._io is self._file:
+        if self.error is None:
             try:
                 return self._file.truncate(size)
             except OSError as exc:
-                self._to_memory(exc)
-        return self._io.truncate(size)
+                self._fail(exc)
+        size = self._pos if size is None else size
+        self._disk_end = min(self._disk_end, size)  # grown again: zeros, not old bytes
+        for start in [s for s in self._starts if s + len(self._spans[s]) > size]:
+            if start >= size:
+                del self._spans[start]
+            else:
+                del self._spans[start][size - start:]
+        self._starts = [s for s in self._starts if s in self._spans]
+        self._size = size
+        return size
 
     def write(self, data):
         view = memoryview(data).cast("B")
-        if self._io is self._file:
+        if self.error is None:
             pos = self._file.tell()
             try:
                 done = 0
@@ -362,19 +469,47 @@ class GuardedFile(io.RawIOBase):
                     done += os.write(self._file.fileno(), view[done:])
                 return done
             except OSError as exc:
-                self._to_memory(exc)
-                self._io.seek(pos)
-        return self._io.write(view)
+                self._fail(exc)
+                self._pos = pos
+        self._put(self._pos, view)
+        self._pos += len(view)
+        self._size = max(self._size, self._pos)
+        return len(view)
 
-    def _to_memory(self, exc):
+    def _fail(self, exc):
+        """Remember ``exc``; from now on the disk's bytes are read, never
+        written (what a write cut short left there is overlaid)."""
         self.error = exc
-        pos = self._file.tell()
-        self._file.seek(0)
-        self._io = io.BytesIO(self._file.readall())
-        self._io.seek(pos)
+        self._pos = self._file.tell()
+        self._size = self._disk_end = os.fstat(self._file.fileno()).st_size
+
+    def _put(self, pos, view):
+        """Overlay ``view`` at ``pos``: the spans it overlaps or extends
+        become one (an append to a span extends it in place)."""
+        end = pos + len(view)
+        if not view:
+            return
+        i = bisect.bisect_right(self._starts, pos) - 1  # the last span starting at or before
+        touches = i >= 0 and self._starts[i] + len(self._spans[self._starts[i]]) >= pos
+        if touches and (i + 1 == len(self._starts) or self._starts[i + 1] >= end):
+            start = self._starts[i]
+            self._spans[start][pos - start:end - start] = view  # in place (or grown)
+            return
+        lo = i if touches else i + 1
+        hi = bisect.bisect_left(self._starts, end)  # the spans starting before ``end``
+        first = min(pos, self._starts[lo]) if lo < hi else pos
+        last = max([end] + [s + len(self._spans[s]) for s in self._starts[lo:hi]])
+        merged = bytearray(last - first)
+        for s in self._starts[lo:hi]:
+            span = self._spans.pop(s)
+            merged[s - first:s - first + len(span)] = span
+        merged[pos - first:end - first] = view
+        self._starts[lo:hi] = [first]
+        self._spans[first] = merged
 
     def close(self):
         self._file.close()
+        self._starts, self._spans = [], {}
         super().close()
 
     def check(self):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.progress_bar import progress
-from ..base.runfiles import HDF5_MODE, make_folder, write_hdf5_replacing
+from ..base.runfiles import HDF5_MODE, make_folder, stop_if_write_failed, write_hdf5_replacing
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -169,6 +169,7 @@ def _write_splits(out_path, splits, attrs, log=None):
                         dset[start:start + len(piece)] = piece
                         start += len(piece)
                         bar.update(len(piece))
+                        stop_if_write_failed()  # a full disk: the rest is not written
             if log:
                 log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
                     f"{'x'.join(map(str, sample))})")
@@ -207,6 +208,7 @@ def write_lmdb(splits, out_path, log=None, block=1024):
                         np.arange(start, min(n, start + block)))
                     dset[start:start + len(data)] = data
                     bar.update(len(data))
+                    stop_if_write_failed()  # a full disk: the rest is not read nor written
             group.create_dataset("label", data=labels)
             if log:
                 log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "

@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
-from ..base.runfiles import HDF5_MODE, make_folder, write_hdf5_replacing
+from ..base.runfiles import HDF5_MODE, make_folder, stop_if_write_failed, write_hdf5_replacing
 from .filecache import INFO_DIGEST_BYTES, per_file_version
 
 FORMAT = "purine_mpi.text"
@@ -211,9 +211,13 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
         for key, value in attrs.items():
             f.attrs[key] = value
         for split, tokens in splits.items():
-            f.create_group(split).create_dataset(
-                "tokens", data=tokens, chunks=(min(len(tokens), 1 << 16),),
-                compression="gzip", compression_opts=4)
+            dset = f.create_group(split).create_dataset(
+                "tokens", shape=tokens.shape, dtype=tokens.dtype,
+                chunks=(min(len(tokens), 1 << 16),), compression="gzip", compression_opts=4)
+            step = 64 << 16  # 64 chunks a write: a full disk stops the rest (not held in memory)
+            for i in range(0, len(tokens), step):
+                dset[i:i + step] = tokens[i:i + step]
+                stop_if_write_failed()
         f.create_dataset("files", data=[rel.encode("utf-8") for rel, _ in files],
                          dtype=h5py.string_dtype("utf-8"))
         f.create_dataset("file_bytes", data=np.array([len(p) for p in parts], np.int64))

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..base.backend import to_numpy
 from ..base.errors import UserError
-from ..base.runfiles import GuardedFile, disk_error
+from ..base.runfiles import GuardedFile, disk_error, write_failed
 from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
 from ..data.h5links import held_by, is_lock_error, refuse_outside
 
@@ -196,6 +196,8 @@ def _write_dict(group, values, where):
     if not isinstance(values, (dict, Streamed)):
         raise TypeError(f"checkpoint: {where} must be a dict, got {type(values).__name__}")
     for key, value in values.items():
+        if write_failed():  # a full disk: the rest is not written (a Streamed section is
+            continue        # still drained: the other ranks' gathers go on in their order)
         _write_value(group, key, value, f"{where}/{key}")
 
 
@@ -223,6 +225,8 @@ def _write_value(group, key, value, where):
         dset = group.create_dataset(name, shape=value.shape, dtype=value.dtype, fletcher32=True)
         rows = max(1, WRITE_SLAB_BYTES // max(1, value[:1].nbytes))
         for i in range(0, value.shape[0], rows):
+            if write_failed():  # a full disk: the rest of it is not written
+                break
             dset[i:i + rows] = value[i:i + rows]
     elif isinstance(value, np.generic):
         group.create_dataset(name, data=np.asarray(value)).attrs[KIND] = "scalar"

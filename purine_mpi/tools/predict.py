@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import make_folder, write_hdf5_replacing
+from ..base.runfiles import make_folder, stop_if_write_failed, write_hdf5_replacing
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
 from ..parallel.tensor_split import join_shards
@@ -229,6 +229,7 @@ def _write(path, rows, blobs, trainer, weights, split, n):
         group = f.create_group("outputs")
         for b in blobs:
             group.create_dataset(b.replace("/", "|"), data=rows[b], fletcher32=True)
+            stop_if_write_failed()  # a full disk: the other outputs are not written
         f.create_dataset("label", data=rows["label"].astype(np.int64))
         f.create_dataset("index", data=np.arange(n, dtype=np.int64))
         f.attrs["format"] = "purine_mpi.predictions"
