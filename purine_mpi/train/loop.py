@@ -5,6 +5,9 @@ dispatchers and a list of services; it runs iterations and asks the
 services, in list order, at fixed points (Lightning's ``Callback`` hooks,
 Caffe's ``Solver::Step``):
 
+    check_start(loop)                before on_start, before any file is written: a
+                                     refusal of the run's settings (exit 2) leaves
+                                     the run folder as it was
     on_start(loop)                   before the first iteration of this process
     after_step(loop, done)           after every iteration's step: the loss window
     on_display(loop, done)           at the display interval
@@ -43,6 +46,8 @@ from ..runtime.stop import StopSignal
 
 class Service:
     """A loop service: it overrides the hooks it needs (all no-ops here)."""
+
+    def check_start(self, loop): pass
 
     def on_start(self, loop): pass
 
@@ -211,6 +216,7 @@ class Loop:
             return {}
         st.early_stopped = None
         try:
+            self.emit("check_start")  # every refusal before the first write
             self.emit("on_start")
             if self.job.test_initially and st.start_iter == 0 < max_iter:
                 self.emit("on_test", 0)  # a test pass before training (Caffe's; the end's
