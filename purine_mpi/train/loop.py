@@ -239,11 +239,13 @@ class Loop:
                 self.emit("on_stop_request", done)
                 if st.stop_code == StopSignal.DIVERGED:
                     self.train.drain()
-                    # the loss of the run's first iteration is that of the
-                    # weights it started from, before any update: no rate made it
+                    # the loss of this process's first iteration is that of
+                    # the weights it started from: before any update where
+                    # it starts at 0 (a resumed run's came from updates)
                     return {"diverged_at": st.first_bad or done,
                             "last_checkpoint": st.last_finite,
-                            "initial_loss": st.first_bad == st.start_iter + 1}
+                            "initial_loss": st.first_bad == st.start_iter + 1,
+                            "start_iter": st.start_iter}
                 st.result = {}
                 if self.test_due(done) and done != max_iter:
                     self.emit("on_test", done)

@@ -333,7 +333,16 @@ def run_and_report(trainer, world, baseline=None):
     if "diverged_at" in result:
         if world.rank == 0:
             kept = _last_finite(result.get("last_checkpoint"), trainer.out_dir)
-            if result.get("initial_loss"):  # before any update: not the rate's doing
+            start = result.get("start_iter") or 0
+            if result.get("initial_loss") and start:  # a resumed run's weights came from
+                # updates at the rate: the advice on the rate stands
+                text = (f"error: the training diverged: a non-finite loss (NaN or inf) at "
+                        f"iteration {result['diverged_at']}, the first of this run, resumed "
+                        f"from {getattr(trainer, 'weights_from', 'a checkpoint')} (iteration "
+                        f"{start}: weights {start} updates made); {kept}. Lower "
+                        f"solver.base_lr (resuming from an earlier checkpoint) or check the "
+                        f"data.")
+            elif result.get("initial_loss"):  # before any update: not the rate's doing
                 text = (f"error: the loss is non-finite (NaN or inf) at the first iteration "
                         f"of the run (iteration {result['diverged_at']}), before any update: "
                         f"the initial weights (from "

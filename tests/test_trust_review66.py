@@ -1,4 +1,6 @@
-"""A run refused at start-up by the ``--profile-iters`` window or a watched
+"""Review of the merge of 'small' (session 66).
+
+A run refused at start-up by the ``--profile-iters`` window or a watched
 metric (``checkpoint.best`` / ``solver.early_stop`` naming no test figure)
 writes nothing into its run folder.
 
@@ -71,3 +73,40 @@ def test_a_refused_fresh_run_writes_no_run_file(digits_h5, tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert "solver.early_stop.metric" in res.stderr and "not a test figure" in res.stderr
     assert sorted(set(os.listdir(out)) - set(_MAY_CHANGE)) == []
+
+
+def test_first_iteration_nan_on_one_rank_blames_the_weights_on_rank_0(digits_h5, tmp_path):
+    """Two ranks of data parallelism, initial weights whose loss overflows
+    only on rank 1's batch (rank 0's is all zeros). Before: rank 0 looked
+    at its own (finite) loss and said "the training diverged ... Lower
+    solver.base_lr", the message of a rate; now the ranks agree on the
+    diverged iteration and rank 0 blames the initial weights, exit 3."""
+    import h5py
+    import numpy as np
+
+    from tests.conftest import run_mpi_cli
+    data = tmp_path / "half.h5"
+    data.write_bytes(open(digits_h5, "rb").read())
+    with h5py.File(data, "r+") as f:  # batches 0, 2, 4, ... of 16: zeros
+        d = f["train/data"]
+        a = d[...]
+        a[(np.arange(len(a)) // 16) % 2 == 0] = 0
+        d[...] = a
+    cfg = small_net_config(str(data), solver={"base_lr": 0.05, "max_iter": 2, "display": 0,
+                                              "test_interval": 0})
+    cfg["data"]["train"]["shuffle"] = False
+    cfg = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", cfg, "--out", tmp_path / "a")
+    assert res.returncode == 0, res.stderr
+    weights = tmp_path / "big.h5"
+    weights.write_bytes((tmp_path / "a" / "latest.h5").read_bytes())
+    with h5py.File(weights, "r+") as f:  # zero input: finite logits; else they overflow
+        f["params/conv1/bias"][...] = 0
+        w = f["params/fc1/weight"]
+        w[...] = np.where(np.arange(w.size).reshape(w.shape) % 2, 3e38, -3e38)
+    res = run_mpi_cli(2, "train", cfg, "--init", weights, "--out", tmp_path / "b")
+    assert res.returncode == 3, res.stdout + res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, res.stderr  # rank 0's alone
+    assert "at the first iteration of the run (iteration 1), before any update" in errors[0] \
+        and f"from --init {weights}" in errors[0], errors[0]
