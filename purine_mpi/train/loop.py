@@ -131,6 +131,9 @@ class RunState:
     # watch.py): the checkpoints carry them, a resume gives them back
     watch: dict = dataclasses.field(default_factory=dict)
     last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
+    # where the weights of this process's first iteration came from (--init,
+    # a checkpoint, the fillers): the divergence message names it (trainer.py)
+    weights_from: str = "the fillers of the net"
     # the resident high-water mark after the last iteration, before the end's
     # test pass and checkpoint (memory.json's ``loop_peak_rss_bytes``)
     loop_peak_rss: object = None
