@@ -112,12 +112,19 @@ def cmd_train(args):
     from .tools.plan import check_memory
     from .job.schema import AUTO_SCHEME
     limits = _memory_limits(args)  # a bad size: exit 2 before the run folder
+    profile = _profile(args)
+    if isinstance(profile, tuple) and not args.resume:
+        # a fresh run trains 0..max_iter-1: a window past them, exit 2 before
+        # the run folder is made (a resume's start is its checkpoint's:
+        # train/profiling.Traces.check_start, before any file is written)
+        from .train.profiling import check_window
+        check_window(profile, 0, job.solver.max_iter)
     out_dir, notes = _run_dir(args, job), ()
     if job.parallel.scheme == AUTO_SCHEME:
         job, notes = _resolve_auto(args, out_dir, limits)
     notes = tuple(notes) + _cpu_device_memory_note(args, job)
     return run_training(job, out_dir, resume=args.resume, init=args.init,
-                        profile=_profile(args), dispatcher=args.dispatcher,
+                        profile=profile, dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
                         memory=lambda *built, **restore: check_memory(*built, limits,
                                                                       args.dispatcher, **restore),

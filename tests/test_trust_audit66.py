@@ -131,9 +131,13 @@ def test_non_finite_loss_before_any_update_blames_the_weights(digits_h5, tmp_pat
     # before: "error: the training diverged: ... at iteration 1; ... Lower solver.base_lr ..."
     assert "before any update" in err and f"from --init {weights}" in err, err
     assert "Lower solver.base_lr" not in err, err
+    # a resume of iteration 2: its weights came from 2 updates at the rate, so
+    # the advice on the rate stands (review: it said "before any update")
     res = run_cli_args("train", cfg, "--resume", weights, "--iters", 4, "--out", tmp_path / "c")
     err = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 3 and f"from the checkpoint {weights}" in err, err
+    assert "before any update" not in err and "Lower solver.base_lr" in err, err
+    assert "at iteration 3, the first of this run" in err, err
     # a rate that blows up after updates keeps the advice on the rate
     res = run_cli_args("train", cfg, "--set", "solver.base_lr=1e30", "--iters", 6,
                        "--out", tmp_path / "d")

@@ -72,7 +72,9 @@ def test_case7_duplicate_nested_key_names_both_lines_and_the_path(write_config, 
 
 # ------------------------------------------------ YAML 1.1 number forms
 @pytest.mark.parametrize("written,yaml11,yaml12",
-                         [("1:20", "80", "'1:20'"), ("024", "20", "24")])
+                         [("1:20", "80", "'1:20'"), ("024", "20", "24"),
+                          # binary: before, max_iter 0b101 trained 5 iterations, exit 0
+                          ("0b101", "5", "'0b101'")])
 def test_yaml11_only_numbers_are_refused_naming_key_and_line(write_config, digits_h5,
                                                              written, yaml11, yaml12):
     """``max_iter: 1:20`` trained 80 iterations and ``max_iter: 024`` 20
@@ -97,14 +99,16 @@ def test_yaml_numbers_both_versions_agree_on_still_load(write_config, digits_h5)
     such text reloads (the dumper quotes it)."""
     from purine_mpi.job.config import dump_config, load_config
     from purine_mpi.job.yamlread import read_yaml
-    assert read_yaml("[0, 00, 0x14, 1_000, 1e3, '024', '1:20', a1:20]") == \
-        [0, 0, 20, 1000, 1000.0, "024", "1:20", "a1:20"]
+    assert read_yaml("[0, 00, 0x14, 1_000, 1e3, '024', '1:20', a1:20, '0b101']") == \
+        [0, 0, 20, 1000, 1000.0, "024", "1:20", "a1:20", "0b101"]
     cfg = small_net_config(digits_h5)
     cfg["net"][0]["name"] = "024"
     cfg["net"][1]["name"] = "1:20"
+    cfg["net"][2]["name"] = "0b101"
     path = write_config(yaml.safe_dump(cfg, sort_keys=False), "quoted.yaml")
     config = load_config(path)
     assert read_yaml(dump_config(config))["net"][0]["name"] == "024"
+    assert read_yaml(dump_config(config))["net"][2]["name"] == "0b101"
 
 
 def test_leading_zero_numbers_both_versions_read_alike_still_load(write_config, digits_h5):
@@ -120,6 +124,26 @@ def test_leading_zero_numbers_both_versions_read_alike_still_load(write_config, 
     with pytest.raises(YamlRefused, match=r"octal in YAML 1.1 \(8\) and decimal in YAML 1.2 "
                                           r"\(10\)"):
         read_yaml("a: 010")
+
+
+@pytest.mark.parametrize("written,why", [
+    ("08", "a leading 0 makes an octal number in YAML 1.1, the version this reader follows, "
+           "and 8 and 9 are no octal digits, so 08 reads as text: write 8"),
+    ("0o24", "0o24 is the octal number 20 in YAML 1.2 but text in YAML 1.1, the version this "
+             "reader follows: write 20")])
+def test_number_text_of_the_other_yaml_version_says_why(write_config, digits_h5, written, why):
+    """``max_iter: 08`` and ``max_iter: 0o24`` are text to YAML 1.1 (PyYAML)
+    and numbers (8, 20) to YAML 1.2: they were refused with "expected a
+    non-negative integer, got '08'" alone, which reads as nonsense (before
+    the fix: the assertion on ``why`` in the message failed)."""
+    text = _job(digits_h5).replace("max_iter: 20", f"max_iter: {written}")
+    path = write_config(text, "y12.yaml")
+    _user_error(run_cli_here("graph", path), "key 'solver.max_iter'",
+                f"expected a non-negative integer, got '{written}' ({why})")
+    # a number key (not an integer one), through --set
+    ok = write_config(_job(digits_h5), "ok.yaml")
+    _user_error(run_cli_here("graph", ok, "--set", f"solver.weight_decay={written}"),
+                "solver.weight_decay", why)
 
 
 # ------------------------------------------------------ empty path options

@@ -77,12 +77,35 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def _number_text_why(value):
+    """Why a plain number-like text is text here: ``08`` (YAML 1.1, which
+    this reader follows, reads a leading 0 as octal, where 8 and 9 are no
+    digits) and ``0o24`` (YAML 1.2's octal, text in 1.1); "" otherwise."""
+    if not isinstance(value, str):
+        return ""
+    text = value.strip().replace("_", "")
+    sign = "-" if text.startswith("-") else ""
+    digits = text.lstrip("+-")
+    if len(digits) > 1 and digits.isdigit() and digits[0] == "0" and (
+            "8" in digits or "9" in digits):
+        return (f" (a leading 0 makes an octal number in YAML 1.1, the version this reader "
+                f"follows, and 8 and 9 are no octal digits, so {value} reads as text: write "
+                f"{sign}{int(digits, 10)})")
+    if len(digits) > 2 and digits[:2] in ("0o", "0O") and all(c in "01234567"
+                                                               for c in digits[2:]):
+        return (f" ({value} is the octal number {sign}{int(digits[2:], 8)} in YAML 1.2 but "
+                f"text in YAML 1.1, the version this reader follows: write "
+                f"{sign}{int(digits[2:], 8)})")
+    return ""
+
+
 def check_seed(key, value, path):
     """A seed: an integer in [0, 2^63) (``seed``, ``data.*.seed``, ``--seed``)."""
     if _is_int(value) and 0 <= value < SEED_LIMIT:
         return int(value)
     raise ConfigError(path, key, f"expected a non-negative integer below 2^63 (it is stored "
-                                 f"as a 64-bit integer), got {excerpt(value)}")
+                                 f"as a 64-bit integer), got {excerpt(value)}"
+                                 f"{_number_text_why(value)}")
 
 
 def _check_int(key, value, path, minimum=None):
@@ -93,15 +116,16 @@ def _check_int(key, value, path, minimum=None):
     want = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
         minimum, f"an integer >= {minimum}")
     limit = " below 2^63" if ok and abs(value) >= SEED_LIMIT else ""
-    raise ConfigError(path, key, f"expected {want}{limit}, got {excerpt(value)}")
+    raise ConfigError(path, key, f"expected {want}{limit}, got {excerpt(value)}"
+                                 f"{_number_text_why(value)}")
 
 
 def _check_number(key, value, path, minimum=None, strict=False, below=None):
     number = value
     if isinstance(value, str):  # 1e-3 reads as a number (_Loader): this was quoted
+        why = _number_text_why(value) or " (a number is written without quotes)"
         raise ConfigError(path, key, f"expected {_number_range(minimum, strict, below, False)}"
-                                     f", got the string {excerpt(value)} (a number is written "
-                                     "without quotes)")
+                                     f", got the string {excerpt(value)}{why}")
     if isinstance(number, bool) or not isinstance(number, (int, float)) \
             or not math.isfinite(number):  # .nan and .inf are YAML numbers, never good ones
         number = None

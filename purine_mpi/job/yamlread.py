@@ -20,11 +20,12 @@ bounded:
   refused. A "billion laughs" file (a few lines of nested aliases that
   expand to 10^9 values) is refused in milliseconds, before anything is
   built;
-- the two YAML 1.1 number forms that YAML 1.2 reads otherwise are refused
+- the YAML 1.1 number forms that YAML 1.2 reads otherwise are refused
   naming the key and line: a base-60 number (``max_iter: 1:20`` is 80 in
   YAML 1.1, the text '1:20' in 1.2) and an integer with a leading zero
   (``024`` is octal 20 in YAML 1.1, 24 in 1.2; ``00`` to ``07`` read the
-  same in both and load). PyYAML reads them the 1.1
+  same in both and load), and a binary one (``0b101`` is 5 in YAML 1.1,
+  the text '0b101' in 1.2). PyYAML reads them the 1.1
   way without a word, so a job would train with a value its author never
   wrote; quoted, they stay text.
 
@@ -48,6 +49,8 @@ _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 #: YAML 1.1's octal integers with a leading 0 (024 is 20; 1.2 reads 24)
 _LEADING_ZERO = re.compile(r"^[-+]?0[0-7_]+$")
+#: YAML 1.1's binary integers (0b101 is 5; 1.2's core schema reads the text '0b101')
+_BINARY = re.compile(r"^[-+]?0b[0-1_]+$")
 #: a surrogate code point, which a "\ud800" escape makes and UTF-8 cannot encode
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -171,6 +174,10 @@ class StrictLoader(yaml.SafeLoader):
                 return
             why = (f"is octal in YAML 1.1 ({value}) and decimal in YAML 1.2 ({decimal}); "
                    "write it without the leading 0, or quote it where it is text")
+        elif _BINARY.match(text):
+            value = self.construct_object(node)
+            why = (f"is binary in YAML 1.1 ({value}) and the text {text!r} in YAML 1.2; "
+                   f"write {value} if you mean the number, or quote it where it is text")
         else:
             return
         dotted = ".".join(str(p) for p in path)

@@ -102,7 +102,7 @@ class TraceFile(Profiler):
     ``window``: (start, stop) iterations to keep, stop None for no end;
     None keeps all. ``chunk``: events buffered before a write."""
 
-    def __init__(self, path, rank=0, window=None, chunk=2048, epoch=None):
+    def __init__(self, path, rank=0, window=None, chunk=2048, epoch=None, open_now=True):
         super().__init__(rank, epoch)
         self.path, self.window, self.chunk = path, window, int(chunk)
         self.written = 0
@@ -110,14 +110,24 @@ class TraceFile(Profiler):
         self._lanes = {}  # tid: [(recent (start, end) spans, their last end)] per row
         self._last_row = (None, 0)  # the last op recorded and the index of its row
         self._io_lock = threading.Lock()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._fd = open_run_fd(path)  # never through a link (base/runfiles.py)
-        self._write('{"displayTimeUnit": "ms", "traceEvents": [\n')
-        self._first = True
+        self._fd, self._first = None, True
+        if open_now:
+            self.open()
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",
                     "args": {"name": f"rank {rank} ({socket.gethostname()}, pid {os.getpid()})"}})
         self._meta({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": "0",
                     "args": {"sort_index": rank}})
+
+    def open(self):
+        """Create (truncate) the file and write its head. ``open_now=False``
+        leaves it to the caller (train's Traces, once the start-up checks
+        passed: a refused run truncates no earlier trace of its folder)."""
+        with self._io_lock:
+            if self._fd is not None:
+                return
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._fd = open_run_fd(self.path)  # never through a link (base/runfiles.py)
+            self._write('{"displayTimeUnit": "ms", "traceEvents": [\n')
 
     def _meta(self, event):
         self.events.append(event)

@@ -100,10 +100,13 @@ def _intro():
         "`--set data.train.batch_size=64`); `--iters N` sets `solver.max_iter`.",
         "",
         "A number is written without quotes: `base_lr: \"0.05\"` is a string and is refused. "
-        "`1e-3` and `5E8` (no dot) read as numbers, as in YAML 1.2. The two YAML 1.1 "
+        "`1e-3` and `5E8` (no dot) read as numbers, as in YAML 1.2. The YAML 1.1 "
         "number forms that YAML 1.2 reads otherwise are refused, naming the key and line: "
-        "`1:20` (base 60: 80 in YAML 1.1, text in 1.2) and `024` (octal 20 in YAML 1.1, 24 "
-        "in 1.2); quoted, they are text. Seeds (`seed`, "
+        "`1:20` (base 60: 80 in YAML 1.1, text in 1.2), `024` (octal 20 in YAML 1.1, 24 "
+        "in 1.2) and `0b101` (binary 5 in YAML 1.1, text in 1.2); quoted, they are text. "
+        "The other way round, `08` and `0o24` are text (YAML 1.1 reads a leading 0 as "
+        "octal, and has no `0o`): where a number is expected the error says so; write 8 "
+        "or 20. Seeds (`seed`, "
         "`data.*.seed`, `--seed`) are integers in [0, 2^63), as checkpoints store them. "
         "`train` says in a note at start-up when a `batch_size` is larger than its split "
         "(each batch then holds samples several times over), and refuses a net whose blobs "

@@ -50,6 +50,16 @@ class DivergenceWatch(Service):
         checkpoint between the intervals has the loss and the weights
         checked first, on every rank."""
         code = loop.state.stop_code
+        if code == StopSignal.DIVERGED and not loop.graphs.deferred and loop.world.size > 1:
+            # each rank looked at its own loss: the iteration whose loss was
+            # non-finite on any rank is the run's (rank 0 says it; its own
+            # loss may be finite: the run stopped on another rank's NaN,
+            # its first iteration's message blames the initial weights)
+            bad = loop.world.allreduce(np.array([int(loop.state.first_bad is not None)],
+                                                np.int64), "max",
+                                       "the diverged loss of any rank (allreduce)")
+            loop.state.first_bad = done if int(bad[0]) else None
+            return
         if not loop.graphs.deferred or self.checked or not code or code == StopSignal.DIVERGED:
             return
         # the window's sum too: the checkpoint that follows holds it

@@ -5,6 +5,9 @@ dispatchers and a list of services; it runs iterations and asks the
 services, in list order, at fixed points (Lightning's ``Callback`` hooks,
 Caffe's ``Solver::Step``):
 
+    check_start(loop)                before on_start, before any file is written: a
+                                     refusal of the run's settings (exit 2) leaves
+                                     the run folder as it was
     on_start(loop)                   before the first iteration of this process
     after_step(loop, done)           after every iteration's step: the loss window
     on_display(loop, done)           at the display interval
@@ -43,6 +46,8 @@ from ..runtime.stop import StopSignal
 
 class Service:
     """A loop service: it overrides the hooks it needs (all no-ops here)."""
+
+    def check_start(self, loop): pass
 
     def on_start(self, loop): pass
 
@@ -126,6 +131,9 @@ class RunState:
     # watch.py): the checkpoints carry them, a resume gives them back
     watch: dict = dataclasses.field(default_factory=dict)
     last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
+    # where the weights of this process's first iteration came from (--init,
+    # a checkpoint, the fillers): the divergence message names it (trainer.py)
+    weights_from: str = "the fillers of the net"
     # the resident high-water mark after the last iteration, before the end's
     # test pass and checkpoint (memory.json's ``loop_peak_rss_bytes``)
     loop_peak_rss: object = None
@@ -211,6 +219,7 @@ class Loop:
             return {}
         st.early_stopped = None
         try:
+            self.emit("check_start")  # every refusal before the first write
             self.emit("on_start")
             if self.job.test_initially and st.start_iter == 0 < max_iter:
                 self.emit("on_test", 0)  # a test pass before training (Caffe's; the end's
@@ -233,11 +242,13 @@ class Loop:
                 self.emit("on_stop_request", done)
                 if st.stop_code == StopSignal.DIVERGED:
                     self.train.drain()
-                    # the loss of the run's first iteration is that of the
-                    # weights it started from, before any update: no rate made it
+                    # the loss of this process's first iteration is that of
+                    # the weights it started from: before any update where
+                    # it starts at 0 (a resumed run's came from updates)
                     return {"diverged_at": st.first_bad or done,
                             "last_checkpoint": st.last_finite,
-                            "initial_loss": st.first_bad == st.start_iter + 1}
+                            "initial_loss": st.first_bad == st.start_iter + 1,
+                            "start_iter": st.start_iter}
                 st.result = {}
                 if self.test_due(done) and done != max_iter:
                     self.emit("on_test", done)

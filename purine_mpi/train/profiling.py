@@ -20,26 +20,36 @@ class Traces(Service):
         if profile:
             self.profiler = TraceFile(os.path.join(out_dir, f"trace.rank{world.rank}.json"),
                                       world.rank, profile if isinstance(profile, tuple) else None,
-                                      epoch=trace_epoch(world))
+                                      epoch=trace_epoch(world), open_now=False)
 
     def on_start(self, loop):
+        """The trace file is made (truncated) here, after every check_start:
+        a refused --resume leaves the folder's earlier trace as it was."""
+        if self.profiler is not None:
+            self.profiler.open()
+
+    def check_start(self, loop):
         """A ``--profile-iters`` window outside the iterations this run
         trains would leave an empty trace, exit 0: exit 2 before the first
         iteration instead (every rank alike: the same window and range)."""
-        if self.window is None:
-            return
-        first, end = loop.state.start_iter, loop.job.solver.max_iter
-        start, stop = self.window
-        if start >= end or (stop is not None and stop <= first):
-            from ..base.errors import UserError
-            trains = f"{first} to {end - 1}" if end > first else "none"
-            raise UserError(f"--profile-iters {start}:{'' if stop is None else stop} traces "
-                            f"none of the iterations this run trains ({trains}): the trace "
-                            "would hold no op; give a window inside them")
+        if self.window is not None:
+            check_window(self.window, loop.state.start_iter, loop.job.solver.max_iter)
 
     def on_close(self, loop):
         if self.profiler is not None:
             self.profiler.close()
+
+
+def check_window(window, first, end):
+    """A UserError (exit 2) when the ``--profile-iters`` ``window`` (start,
+    stop) holds none of the iterations ``first`` .. ``end - 1`` a run trains."""
+    start, stop = window
+    if start >= end or (stop is not None and stop <= first):
+        from ..base.errors import UserError
+        trains = f"{first} to {end - 1}" if end > first else "none"
+        raise UserError(f"--profile-iters {start}:{'' if stop is None else stop} traces "
+                        f"none of the iterations this run trains ({trains}): the trace "
+                        "would hold no op; give a window inside them")
 
 
 def trace_epoch(world):

@@ -88,10 +88,9 @@ class Trainer(Loop):
                 for path in remove_stale_temp_files(out_dir):
                     self.log(f"removed {path}, left by a writer that was killed mid-write")
             self.checkpoints.restore(self, init, init_skip, resume)
-            #: where the weights of the first iteration came from (the divergence message)
-            self.weights_from = (f"--init {init}" if init is not None else
-                                 f"the checkpoint {getattr(resume, 'path', resume)}"
-                                 if resume is not None else "the fillers of the net")
+            if init is not None or resume is not None:  # the divergence message names it
+                self.state.weights_from = (f"--init {init}" if init is not None else
+                                           f"the checkpoint {getattr(resume, 'path', resume)}")
         except BaseException:  # a refused checkpoint, bad test data, ...
             self._settle_readers()
             raise
@@ -333,11 +332,20 @@ def run_and_report(trainer, world, baseline=None):
     if "diverged_at" in result:
         if world.rank == 0:
             kept = _last_finite(result.get("last_checkpoint"), trainer.out_dir)
-            if result.get("initial_loss"):  # before any update: not the rate's doing
+            start = result.get("start_iter") or 0
+            if result.get("initial_loss") and start:  # a resumed run's weights came from
+                # updates at the rate: the advice on the rate stands
+                text = (f"error: the training diverged: a non-finite loss (NaN or inf) at "
+                        f"iteration {result['diverged_at']}, the first of this run, resumed "
+                        f"from {trainer.state.weights_from} (iteration "
+                        f"{start}, its weights made by {start} updates); {kept}. Lower "
+                        f"solver.base_lr (resuming from an earlier checkpoint) or check the "
+                        f"data.")
+            elif result.get("initial_loss"):  # before any update: not the rate's doing
                 text = (f"error: the loss is non-finite (NaN or inf) at the first iteration "
                         f"of the run (iteration {result['diverged_at']}), before any update: "
                         f"the initial weights (from "
-                        f"{getattr(trainer, 'weights_from', 'the fillers of the net')}) give a "
+                        f"{trainer.state.weights_from}) give a "
                         f"non-finite loss on the data, which no lower solver.base_lr changes; "
                         f"{kept}. Check those weights (their scale) and the data.")
             else:

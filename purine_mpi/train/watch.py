@@ -80,8 +80,10 @@ class BestCheckpoints(Service):
         self.out_dir, self.write, self.say = out_dir, write, say
         self.kept = []  # [(figure, iteration, path)], best first
 
-    def on_start(self, loop):
+    def check_start(self, loop):
         check_watched_figure(loop, "checkpoint.best", self.metric)
+
+    def on_start(self, loop):
         saved = _restored(loop, "best", self.metric, self.mode)
         if saved is not None:  # [figure, iteration, file name in the run folder]
             self.kept = [(float(v), int(it), os.path.join(self.out_dir, name))
@@ -140,8 +142,10 @@ class EarlyStopping(Service):
         self.say = say
         self.best, self.best_iter, self.waited = None, None, 0
 
-    def on_start(self, loop):
+    def check_start(self, loop):
         check_watched_figure(loop, "solver.early_stop", self.metric)
+
+    def on_start(self, loop):
         saved = _restored(loop, "early_stop", self.metric, self.mode)
         if saved is not None:
             self.best, self.best_iter, self.waited = saved["best"], saved["best_iter"], \
