@@ -17,10 +17,13 @@ their cost on the link model (``link.py``):
 - pipeline / hybrid: every stage of one replica is simulated, its Send and
   Recv matched by tag (α + B/β each), a hybrid stage's buckets allreduced
   over the replicas;
-- parameter servers (``mode: async``/``ssp``): one worker is simulated; a
-  push of B bytes to a server shard shares that server's link with the
+- parameter servers (``mode: sync_ps``/``async``): one worker is simulated;
+  a push of B bytes to a server shard shares that server's link with the
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
-  the push and the server's update of that shard (its traced ``.update``);
+  the push and the server's update of that shard (its traced ``.update``)
+  and shares the link alike (u + α + W·B/β); each server is its own link
+  (transfers to two servers run at once: simulate.py); async is priced as
+  sync_ps (the staleness that lets a worker run ahead is not modelled);
 - scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
   each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
   with ``parallel.reduce_scatter: false`` the ReduceScatter (attr
