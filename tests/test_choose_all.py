@@ -226,7 +226,8 @@ def test_choose_all_cli_tries_every_count(jobs):
     assert len(every["candidates"]) == len(pruned["candidates"]) + len(pruned["not_tried"]) \
         == 10  # recompute none and full, each at 1, 2, 4, 8 and 16 micro-batches
     assert every["best"] == pruned["best"] == ["parallel.scheme=data", "recompute=none",
-                                               "parallel.micro_batches=4"]
+                                               "parallel.micro_batches=4",
+                                               "parallel.mode=sync"]
     res = run_cli_here(*base, "--choose-all")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("plan --choose-all: 1 rank, 10 settings tried (every "

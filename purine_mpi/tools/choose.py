@@ -26,7 +26,10 @@ at the micro-batch counts of the pipelines of p stages, the stages cut by
 the tensor shards' op times (``staged_settings`` with ``split_seconds``),
 priced by the same predictor (every rank simulated:
 each stage's tensor allreduces over its group, the transfers between the
-stages). A degree that does not divide a split layer's width (or an
+stages). Each of these says ``parallel.mode=sync`` (a job of mode sync_ps
+does not lend them its mode). Then parameter servers (``server_candidates``:
+mode sync_ps with 1 .. N/2 servers, at the micro-batch counts; not mode
+async). A degree that does not divide a split layer's width (or an
 attention layer's heads) is listed as "not possible" with the reason. Each
 is a list of ``--set`` overrides of the job; a candidate the config rules
 or the scheme's layout refuse (a UserError) is listed as "not possible"
@@ -104,6 +107,10 @@ CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micr
 #: how a candidate that would run as another one is listed (``recompute:
 #: selective`` where the attention keeps no tensor for it to recompute)
 NO_EFFECT = "no effect"
+#: the mode every synchronous candidate sets (a job's mode sync_ps or async
+#: is not inherited), and the parameter-server candidates'
+SYNC_MODE = "parallel.mode=sync"
+PS_MODE = "parallel.mode=sync_ps"
 #: the most micro-batches (``parallel.micro_batches``) data parallelism and
 #: scheme sharded are tried at (``micro_batch_counts``: powers of two)
 MAX_MICRO_BATCHES = 16
@@ -467,6 +474,33 @@ def candidates(job, n, durations, predictor=None):
                                       f"parallel.micro_batches={m}",
                                       f"parallel.tensor_parallel={t}"),
                                      f"pipeline {what} x tensor {t}-way"))
+    # every setting above is synchronous data/model parallelism: its mode
+    # said, so that a job of mode sync_ps or async does not lend it its own
+    for c in out:
+        c.sets += (SYNC_MODE,)
+    out += server_candidates(job, n, counts)
+    return out
+
+
+def server_candidates(job, n, counts):
+    """The parameter-server settings (``parallel.mode: sync_ps``) on ``n``
+    ranks: K = 1 .. n/2 servers (``ps_ranks``: the last K ranks hold the
+    weights, the other n - K compute; no more servers than workers), each at
+    the job's micro-batch count and at the others of ``counts``, recompute
+    none; a rule the parameter servers break (a solver other than SGD, early
+    stopping, clipping with more than one server: job/config.py) lists it as
+    not possible with the reason. Mode async is not offered: it trains with
+    stale weights (other maths than the synchronous settings), and the
+    predictor prices it as sync_ps (the staleness is not modelled): no
+    prediction tells when it would be faster."""
+    out = []
+    for k in range(1, n // 2 + 1):
+        plain = Candidate(("parallel.scheme=data", PS_MODE, f"parallel.ps_ranks={k}",
+                           "recompute=none"),
+                          f"parameter servers: {k} server{'s' if k > 1 else ''}, "
+                          f"{n - k} worker{'s' if n - k > 1 else ''}")
+        out.append(plain)
+        out += micro_batched(plain, counts)
     return out
 
 
