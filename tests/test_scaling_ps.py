@@ -7,7 +7,9 @@ A worker's iteration is its compute chain, then per parameter p the push
 of p's gradient (B bytes) to p's server, which shares that server's link
 with the other W - 1 workers' pushes (α + W·B/β), and the pull of the
 fresh p, which waits for the push and the server's update of p (u) and
-shares the same link with the other workers' pulls (u + α + W·B/β). Two
+the server's sum of the W gradients (W - 1 adds of B bytes at the host's
+add rate c) and shares the same link with the other workers' pulls
+(u + (W-1)·B·c + α + W·B/β). Two
 servers each hold their own link: a push to one does not wait for a
 push to the other.
 
@@ -17,6 +19,9 @@ on one outgoing and one incoming side of the worker's link, so with
 first (the first closed form below, 2 servers, came out one push too
 long: t1 + P + Q + (t2 + P - t1) instead of t1 + P + Q). Now each server
 is its own link (simulate.VirtualClock.post: the free times per peer).
+And the pull left out the server's sum of the W gradients (on the code
+before: the one-server form, W = 2, c = 1e-7, came out (W-1)·B·c = 0.1 ms
+short).
 """
 import pytest
 
@@ -47,34 +52,36 @@ def _job(tmp_path, layers, ps_ranks=1, transport="auto"):
     return load_job(write_config_file(tmp_path, cfg), check_files=False)
 
 
-def _predict(job, n, seconds, link):
+def _predict(job, n, seconds, link, add_rate=0.0):
     from purine_mpi.tools.scaling.model import predict_one
     from purine_mpi.tools.scaling.trace_reader import Durations
-    return predict_one(job, n, Durations({0: seconds}), link, "auto", 0.0, {})
+    return predict_one(job, n, Durations({0: seconds}), link, "auto", add_rate, {})
 
 
 @pytest.mark.parametrize("transport", ["two_sided", "one_sided"])
 @pytest.mark.parametrize("n", [3, 5])
 def test_one_server_shared_by_w_workers_is_the_closed_form(tmp_path, transport, n):
     """1 server, W = n - 1 workers, one parameter of B bytes: the iteration
-    is the compute chain + (α + W·B/β) + (u + α + W·B/β); one-sided at the
-    window's α_put and β_put."""
+    is the compute chain + (α + W·B/β) + (u + (W-1)·B·c + α + W·B/β);
+    one-sided at the window's α_put and β_put."""
     job = _job(tmp_path, 1, transport=transport)
     sec = {"data": 0.010, "fc0.fwd": 0.020, "loss.fwd": 0.003,
            "loss.bwd.softmax_loss_grad": 0.004, "fc0.bwd.inner_product_grad_weight": 0.030,
            "fc0/weight.update": 0.007}
     link = Link(2e-4, 1e7, 0.0, "test", alpha_put=5e-5, beta_put=4e7)
-    got = _predict(job, n, sec, link)
+    add = 1e-7  # the host's add rate c, seconds per byte
+    got = _predict(job, n, sec, link, add)
     w, b = n - 1, 4 * 16 * 16
+    update = sec["fc0/weight.update"] + (w - 1) * b * add
     a, beta = (link.alpha, link.beta) if transport == "two_sided" else \
         (link.alpha_put, link.beta_put)
     push = a + w * b / beta
     chain = sum(v for k, v in sec.items() if k != "fc0/weight.update")
     assert got["replicas"] == w and got["images"] == 8 * w
     assert got["comm_ops"] >= 2
-    assert got["comm_s"] == pytest.approx(2 * push + sec["fc0/weight.update"])
+    assert got["comm_s"] == pytest.approx(2 * push + update)
     assert got["compute_s"] == pytest.approx(chain)
-    assert got["iter_s"] == pytest.approx(chain + 2 * push + sec["fc0/weight.update"])
+    assert got["iter_s"] == pytest.approx(chain + 2 * push + update)
 
 
 @pytest.mark.parametrize("transport", ["two_sided", "one_sided"])
@@ -83,8 +90,8 @@ def test_two_servers_each_share_their_own_link(tmp_path, transport):
     each server (fc1's, the gradient ready first, on the first): the push
     of fc0's gradient, ready t1 - t2 after fc1's, does not wait for fc1's
     push (another server's link): the iteration ends at fc0's pull,
-    t1 + P + Q, with P = α + W·B/β and Q = u + P, t1 the time fc0's
-    gradient is ready."""
+    t1 + P + Q, with P = α + W·B/β and Q = u + (W-1)·B·c + P, t1 the time
+    fc0's gradient is ready."""
     job = _job(tmp_path, 2, ps_ranks=2, transport=transport)
     sec = {"data": 0.001, "fc0.fwd": 0.002, "fc1.fwd": 0.002, "loss.fwd": 0.001,
            "loss.bwd.softmax_loss_grad": 0.001,
@@ -95,10 +102,11 @@ def test_two_servers_each_share_their_own_link(tmp_path, transport):
     b0, b1 = 4 * 64 * 16, 4 * 16 * 64  # fc0: 16 -> 64, fc1: 64 -> 16: equal bytes
     assert b0 == b1
     link = Link(1e-4, 1e6, 0.0, "test")  # a slow link: a push (8.3 ms) > the ops after it
-    got = _predict(job, 4, sec, link)
+    add = 2e-7
+    got = _predict(job, 4, sec, link, add)
     w = 2
     p = link.alpha + w * b0 / link.beta
-    q = sec["fc0/weight.update"] + p
+    q = sec["fc0/weight.update"] + (w - 1) * b0 * add + p
     t1 = sum(v for k, v in sec.items() if not k.endswith(".update"))
     t2 = t1 - sec["fc1.bwd.inner_product_grad_data"] - sec["fc0.bwd.inner_product_grad_weight"]
     assert p > t1 - t2  # fc1's push still runs when fc0's is ready
