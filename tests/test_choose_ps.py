@@ -10,7 +10,12 @@ and written out as parameter servers under a data-parallel label.
 The parameter-server candidates: mode sync_ps with K = 1 .. N/2 servers
 (``tools/choose.server_candidates``), ranked with the others; a rule of
 the parameter servers (clipping with more than one server) lists the
-setting as not possible with its reason; mode async is never offered."""
+setting as not possible with its reason; mode async is never offered.
+Where they are the fastest (a constructed calibration of a host whose
+adds are slow: a 2-rank allreduce's reduction costs more than the worker's
+push and pull), they rank first, and ``parallel.scheme: auto`` trains
+them on 2 ranks (on the code before: no parameter-server candidate, the
+auto line named another setting)."""
 import pytest
 
 from purine_mpi.tools.choose import choose
@@ -80,3 +85,73 @@ def test_more_servers_are_offered_up_to_half_the_ranks_where_the_rules_allow(cal
         plain["parameter servers: 2 servers, 2 workers"]
     assert one.error is None and one.samples == 3 * 16
     assert two.error is not None and "clip_gradients" in two.error, two.error
+
+
+#: a net one fully connected layer wide (a 2-stage pipeline cuts it fc1 |
+#: loss) whose weight gradient (256 KiB) dominates what an iteration moves
+WIDE = """name: ps_wins
+seed: 3
+data:
+  train: {source: synthetic, shape: [1, 8, 8], classes: 10, num_samples: 256, batch_size: 16}
+net:
+  - {type: fc, name: fc1, bottom: data, top: fc1, num_output: 1024}
+  - {type: softmax_loss, name: loss, bottom: [fc1, label], top: loss}
+solver: {type: sgd, base_lr: 0.01, momentum: 0.9, max_iter: 100, display: 1}
+parallel: {scheme: SCHEME}
+"""
+
+
+def _slow_adds(path, cal):
+    """A constructed calibration of the job at ``path`` (every op 1 ms:
+    tests/test_choose._write_calibration) on a host whose adds run at
+    1 µs a byte: an allreduce's reduction (B/2 adds on 2 ranks) costs
+    0.13 s, while one worker and one server add nothing (W - 1 = 0)."""
+    import json
+
+    from purine_mpi.tools import choose as choose_mod
+    from tests.test_choose import _write_calibration
+    _write_calibration(path, cal)
+    data = json.loads(cal.read_text())
+    data[choose_mod.ADD_RATE_KEY] = 1e-6
+    cal.write_text(json.dumps(data))
+
+
+def test_parameter_servers_rank_first_where_reductions_are_slow(tmp_path):
+    path, cal = tmp_path / "job.yaml", tmp_path / "cal.json"
+    path.write_text(WIDE.replace("SCHEME", "data"))
+    _slow_adds(path, cal)
+    choice = choose(str(path), (), 2, MemoryLimits(check=False), calibration=str(cal))
+    best = choice.best
+    assert best.label == "parameter servers: 1 server, 1 worker", \
+        [(c.label, c.iter_s) for c in choice.ranked]
+    data = next(c for c in choice.ranked if c.label == "data, recompute none")
+    # per sample: 16 images an iteration against data parallelism's 32
+    assert best.iter_s / 16 < data.iter_s / 32
+
+
+@pytest.mark.mpi
+def test_scheme_auto_trains_the_parameter_servers_it_chooses(tmp_path):
+    """``parallel.scheme: auto`` on 2 ranks, the run folder's calibration
+    the slow-adds one above: rank 0 chooses 1 server and 1 worker, every
+    rank loads it, and the run trains (the worker's loss logged, the
+    run's config.yaml the chosen setting)."""
+    import json
+
+    import yaml
+
+    from tests.conftest import run_mpi_cli
+    path, run = tmp_path / "auto.yaml", tmp_path / "run"
+    path.write_text(WIDE.replace("SCHEME", "auto"))
+    run.mkdir()
+    _slow_adds(path, run / "calibration.json")
+    res = run_mpi_cli(2, "train", path, "--iters", 3, "--out", run, timeout=600)
+    assert res.returncode == 0, res.stderr
+    chosen = [line for line in res.stdout.splitlines() if line.startswith("parallel.scheme auto:")]
+    assert len(chosen) == 1 and "parameter servers: 1 server, 1 worker" in chosen[0], res.stdout
+    assert "calibration: timing" not in res.stdout + res.stderr  # the file's, not measured
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["parallel"]["scheme"] == "data" and cfg["parallel"]["mode"] == "sync_ps"
+    assert cfg["parallel"]["ps_ranks"] == 1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("phase") == "train"]
+    assert [r["iter"] for r in train][-1] == 3 and all(r["loss"] > 0 for r in train)
