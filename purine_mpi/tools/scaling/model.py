@@ -22,9 +22,10 @@ their cost on the link model (``link.py``):
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
   the push, the server's sum of the W gradients ((W-1)·B at the host's
   add rate, ``copy_cost``) and its update of that shard (its traced
-  ``.update``), and shares the link alike (u + (W-1)·B·c + α + W·B/β); each server is its own link
-  (transfers to two servers run at once: simulate.py); async is priced as
-  sync_ps (the staleness that lets a worker run ahead is not modelled);
+  ``.update``), and shares the link alike (u + (W-1)·B·c + α + W·B/β);
+  each server is its own link (transfers to two servers run at once:
+  simulate.py); async is priced as sync_ps (the staleness that lets a
+  worker run ahead is not modelled);
 - scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
   each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
   with ``parallel.reduce_scatter: false`` the ReduceScatter (attr

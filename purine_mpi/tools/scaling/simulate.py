@@ -123,7 +123,7 @@ class VirtualClock:
         self.link_free = 0.0       # collectives run one after another
         self.out_free = 0.0
         self.in_free = 0.0
-        self.remote_free = {}      # ("out" | "in", peer) -> when an unsimulated peer's side is free
+        self.remote_free = {}      # ("out" | "in", unsimulated peer) -> when that side is free
         self.iteration_end = {}    # iteration -> when its last op finished
         self.debt = 0.0            # transfer CPU not yet taken from a compute op
         self.start_of = {}         # (iteration, name) -> when it started
