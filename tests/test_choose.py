@@ -87,10 +87,14 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     assert all(not r["fits"] for r in cands if "error" not in r and
                not r["label"].startswith("pipeline"))
     assert tight["best"][0] == "parallel.scheme=pipeline"
-    # sorted: what fits first, by predicted throughput; then what does not; then refusals
-    fits = [r["fits"] for r in cands if "error" not in r]
+    # sorted: what fits first, by predicted throughput; then what does not;
+    # then the unranked (parameter servers: tools/choose.PS_NOT_VALIDATED); then refusals
+    possible = [r for r in cands if "error" not in r]
+    ranked = [r for r in possible if r["ranked"]]
+    assert possible[:len(ranked)] == ranked
+    fits = [r["fits"] for r in ranked]
     assert fits == sorted(fits, reverse=True)
-    rates = [r["samples_per_s"] for r in cands if r.get("fits")]
+    rates = [r["samples_per_s"] for r in ranked if r["fits"]]
     assert rates == sorted(rates, reverse=True)
     errors = [i for i, r in enumerate(cands) if "error" in r]
     assert errors == list(range(len(cands) - len(errors), len(cands)))

@@ -122,8 +122,9 @@ def _fits(c, limit):
 
 def _best_at(cands, limit):
     """The fastest per sample of ``cands`` that fit ``limit`` (``choose.
-    rank``'s first, re-ranked at that limit), or None."""
-    fit = [c for c in cands if _fits(c, limit)]
+    rank``'s first, re-ranked at that limit), or None; never an unranked
+    one (the parameter servers: ``choose.PS_NOT_VALIDATED``)."""
+    fit = [c for c in cands if _fits(c, limit) and c.unranked is None]
     return min(fit, key=_per_sample) if fit else None
 
 
