@@ -87,10 +87,14 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     assert all(not r["fits"] for r in cands if "error" not in r and
                not r["label"].startswith("pipeline"))
     assert tight["best"][0] == "parallel.scheme=pipeline"
-    # sorted: what fits first, by predicted throughput; then what does not; then refusals
-    fits = [r["fits"] for r in cands if "error" not in r]
+    # sorted: what fits first, by predicted throughput; then what does not;
+    # then the unranked (parameter servers: tools/choose.PS_NOT_VALIDATED); then refusals
+    possible = [r for r in cands if "error" not in r]
+    ranked = [r for r in possible if r["ranked"]]
+    assert possible[:len(ranked)] == ranked
+    fits = [r["fits"] for r in ranked]
     assert fits == sorted(fits, reverse=True)
-    rates = [r["samples_per_s"] for r in cands if r.get("fits")]
+    rates = [r["samples_per_s"] for r in ranked if r["fits"]]
     assert rates == sorted(rates, reverse=True)
     errors = [i for i, r in enumerate(cands) if "error" in r]
     assert errors == list(range(len(cands) - len(errors), len(cands)))
@@ -539,7 +543,8 @@ def test_choose_lists_tensor_x_pipeline_prices_it_and_its_best_trains(tmp_path):
     hybrid = cands[f"hybrid {cut}, 1 micro-batch"]
     tppp = cands[ours[0]]
     assert tppp.sets == ("parallel.scheme=pipeline", hybrid.sets[1],
-                         "parallel.micro_batches=1", "parallel.tensor_parallel=2")
+                         "parallel.micro_batches=1", "parallel.tensor_parallel=2",
+                         "parallel.mode=sync")
     link = make_link(None, None, None)
     predictor = Predictor(calib_job, durations, link, small=small)
     free = MemoryLimits(host=1 << 40)
@@ -778,8 +783,9 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
     for label, row in rows.items():
         assert row["iter_s"] > 0 and not row["fits"]
         if "micro" in label:
-            assert row["set"][-1] == \
-                f"parallel.micro_batches={label.split(', ')[-1].split()[0]}"
+            assert row["set"][-2:] == [
+                f"parallel.micro_batches={label.split(', ')[-1].split()[0]}",
+                "parallel.mode=sync"]
     need = {label: r["need_bytes"]["host"] for label, r in rows.items()}
     for mode in ("none", "full"):
         held = [need[f"data, recompute {mode}{m}"] for m in counts]
@@ -805,7 +811,7 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
     assert len(tight["candidates"]) == 4
     assert tight["candidates"][0]["label"] == "data, recompute none, 2 micro-batches"
     assert tight["best"] == ["parallel.scheme=data", "recompute=none",
-                             "parallel.micro_batches=2"]
+                             "parallel.micro_batches=2", "parallel.mode=sync"]
     for r in tight["candidates"]:  # the same figures as without a fitting one
         assert r["iter_s"] == rows[r["label"]]["iter_s"]
     text = run_cli_here("plan", path, "--np", 1, "--choose", "--calibration", cal,
@@ -827,7 +833,7 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
         (f"data, recompute {mode}", m, "smaller_fits") for mode in ("full", "none")
         for m in (4, 8, 16)]
     assert lines[-2] == ("best: --set parallel.scheme=data --set recompute=none "
-                         "--set parallel.micro_batches=2")
+                         "--set parallel.micro_batches=2 --set parallel.mode=sync")
     # the net has no Sum to price the micro-batches' gradient sums from:
     # said on the row and under the table, not priced as traced
     assert table[0].split()[-2].endswith("*") and not table[2].split()[-2].endswith("*")

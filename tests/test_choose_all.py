@@ -122,8 +122,9 @@ def _fits(c, limit):
 
 def _best_at(cands, limit):
     """The fastest per sample of ``cands`` that fit ``limit`` (``choose.
-    rank``'s first, re-ranked at that limit), or None."""
-    fit = [c for c in cands if _fits(c, limit)]
+    rank``'s first, re-ranked at that limit), or None; never an unranked
+    one (the parameter servers: ``choose.PS_NOT_VALIDATED``)."""
+    fit = [c for c in cands if _fits(c, limit) and c.unranked is None]
     return min(fit, key=_per_sample) if fit else None
 
 
@@ -226,7 +227,8 @@ def test_choose_all_cli_tries_every_count(jobs):
     assert len(every["candidates"]) == len(pruned["candidates"]) + len(pruned["not_tried"]) \
         == 10  # recompute none and full, each at 1, 2, 4, 8 and 16 micro-batches
     assert every["best"] == pruned["best"] == ["parallel.scheme=data", "recompute=none",
-                                               "parallel.micro_batches=4"]
+                                               "parallel.micro_batches=4",
+                                               "parallel.mode=sync"]
     res = run_cli_here(*base, "--choose-all")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("plan --choose-all: 1 rank, 10 settings tried (every "

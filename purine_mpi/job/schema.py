@@ -453,7 +453,9 @@ CHOICE_DOCS = {
                    "ranks ([parallel.md](parallel.md))",
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
                 "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "
-                "tensor, tensor within pipeline stages; `recompute`) predicted fastest among those whose bytes fit each "
+                "tensor, tensor within pipeline stages; `recompute`; never parameter servers, "
+                "whose model is not validated) predicted fastest among those whose bytes fit "
+                "each "
                 "rank's memory, timed from two short traced runs of the job on rank 0, at its "
                 "batch and at a quarter of it (cached "
                 "in the run folder's `calibration.json`); the start-up block names it and why "

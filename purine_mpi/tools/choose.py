@@ -26,7 +26,12 @@ at the micro-batch counts of the pipelines of p stages, the stages cut by
 the tensor shards' op times (``staged_settings`` with ``split_seconds``),
 priced by the same predictor (every rank simulated:
 each stage's tensor allreduces over its group, the transfers between the
-stages). A degree that does not divide a split layer's width (or an
+stages). Each of these says ``parallel.mode=sync`` (a job of mode sync_ps
+does not lend them its mode). Then parameter servers (``server_candidates``:
+mode sync_ps with 1 .. N/2 servers, at the micro-batch counts; not mode
+async): priced and listed, but not ranked with the others nor ever the
+best (``PS_NOT_VALIDATED``: their prediction is not validated against
+measurement). A degree that does not divide a split layer's width (or an
 attention layer's heads) is listed as "not possible" with the reason. Each
 is a list of ``--set`` overrides of the job; a candidate the config rules
 or the scheme's layout refuse (a UserError) is listed as "not possible"
@@ -104,6 +109,16 @@ CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micr
 #: how a candidate that would run as another one is listed (``recompute:
 #: selective`` where the attention keeps no tensor for it to recompute)
 NO_EFFECT = "no effect"
+#: the mode every synchronous candidate sets (a job's mode sync_ps or async
+#: is not inherited), and the parameter-server candidates'
+SYNC_MODE = "parallel.mode=sync"
+PS_MODE = "parallel.mode=sync_ps"
+#: why the parameter-server candidates are priced and listed but not ranked
+#: with the others, nor chosen by ``parallel.scheme: auto`` (``Candidate.
+#: unranked``): their prediction is far below the measured time (docs/scaling.md
+#: "Parameter servers": digits_lenet, 1 server + 1 worker, about 4x)
+PS_NOT_VALIDATED = ("the parameter-server model is not validated against measurement "
+                    "(a measured run took about 4x its prediction: docs/scaling.md)")
 #: the most micro-batches (``parallel.micro_batches``) data parallelism and
 #: scheme sharded are tried at (``micro_batch_counts``: powers of two)
 MAX_MICRO_BATCHES = 16
@@ -302,6 +317,7 @@ class Candidate:
     variant_of: object = None  # the plain setting this one is at other micro-batches of
     micro: int = None          # its micro-batch count (a variant's)
     not_tried: str = None      # a variant left out by ``variants_to_try``: a NOT_TRIED key
+    unranked: str = None       # why it is listed after the ranked ones, never the best
 
     @property
     def listed(self):
@@ -467,6 +483,35 @@ def candidates(job, n, durations, predictor=None):
                                       f"parallel.micro_batches={m}",
                                       f"parallel.tensor_parallel={t}"),
                                      f"pipeline {what} x tensor {t}-way"))
+    # every setting above is synchronous data/model parallelism: its mode
+    # said, so that a job of mode sync_ps or async does not lend it its own
+    for c in out:
+        c.sets += (SYNC_MODE,)
+    out += server_candidates(job, n, counts)
+    return out
+
+
+def server_candidates(job, n, counts):
+    """The parameter-server settings (``parallel.mode: sync_ps``) on ``n``
+    ranks: K = 1 .. n/2 servers (``ps_ranks``: the last K ranks hold the
+    weights, the other n - K compute; no more servers than workers), each at
+    the job's micro-batch count and at the others of ``counts``, recompute
+    none; a rule the parameter servers break (a solver other than SGD, early
+    stopping, clipping with more than one server: job/config.py) lists it as
+    not possible with the reason. Mode async is not offered: it trains with
+    stale weights (other maths than the synchronous settings), and the
+    predictor prices it as sync_ps (the staleness is not modelled): no
+    prediction tells when it would be faster. Each is ``unranked``
+    (``PS_NOT_VALIDATED``): priced and listed, never the best."""
+    out = []
+    for k in range(1, n // 2 + 1):
+        plain = Candidate(("parallel.scheme=data", PS_MODE, f"parallel.ps_ranks={k}",
+                           "recompute=none"),
+                          f"parameter servers: {k} server{'s' if k > 1 else ''}, "
+                          f"{n - k} worker{'s' if n - k > 1 else ''}",
+                          unranked=PS_NOT_VALIDATED)
+        out.append(plain)
+        out += micro_batched(plain, counts)
     return out
 
 
@@ -492,7 +537,8 @@ def micro_batched(plain, counts):
     (``Candidate.variant_of``: the table shows one of them)."""
     return [Candidate(plain.sets + (f"parallel.micro_batches={m}",),
                       f"{plain.label}, {m} micro-batch{'es' if m > 1 else ''}",
-                      after=plain, variant_of=plain, micro=m) for m in counts]
+                      after=plain, variant_of=plain, micro=m, unranked=plain.unranked)
+            for m in counts]
 
 
 #: why ``variants_to_try`` left a micro-batch count out: (key, words)
@@ -787,9 +833,12 @@ def samples_unit(job):
 
 def rank(cands):
     """Possible candidates that fit first, fastest first; then those that do
-    not fit (fastest first); then the refused ones, in order."""
+    not fit (fastest first); then the possible ones left unranked
+    (``Candidate.unranked``: the parameter servers, the same order among
+    them); then the refused ones, in order."""
     ok = [c for c in cands if c.error is None]
-    ok.sort(key=lambda c: (not c.fits, c.iter_s / max(c.samples, 1) if c.iter_s else 0.0))
+    ok.sort(key=lambda c: (c.unranked is not None, not c.fits,
+                           c.iter_s / max(c.samples, 1) if c.iter_s else 0.0))
     return ok + [c for c in cands if c.error is not None]
 
 
@@ -808,17 +857,21 @@ class Choice:
 
     @property
     def best(self):
+        """The first ranked candidate where it fits; never an unranked one
+        (``Candidate.unranked``: ``rank`` lists them after every ranked one)."""
         first = self.ranked[0] if self.ranked else None
-        return first if first is not None and first.fits else None
+        return first if first is not None and first.error is None and first.fits \
+            and first.unranked is None else None
 
     def why(self):
         """The start-up block's line for ``scheme: auto``."""
         b = self.best
         if b is None:
             return "no setting fits"
-        fit = [c for c in self.ranked if c.error is None and c.fits]
+        fit = [c for c in self.ranked if c.error is None and c.fits and c.unranked is None]
         others = len(fit) - 1
-        refused = sum(1 for c in self.ranked if c.error is None and not c.fits)
+        refused = sum(1 for c in self.ranked if c.error is None and not c.fits
+                      and c.unranked is None)
         return (f"{b.label}: the fastest predicted of {others + 1} setting(s) that fit "
                 f"({b.iter_s:.3g} s/iter, {human_bytes(b.need.get('host', 0))} per rank"
                 + (f"; {refused} did not fit" if refused else "") + ")")
@@ -912,19 +965,23 @@ def format_choice(choice):
     unit, per = choice.unit
     rows = [("#", "setting", "memory/rank", "fits", "s/iter", f"{unit}/s")]
     table = shown(choice.ranked)
-    for i, c in enumerate(table, 1):
+    i = 0
+    for c in table:
+        i += c.unranked is None or c.error is not None
         if c.error is not None:
             why = c.error if c.error.startswith(NO_EFFECT) else f"not possible: {c.error}"
             rows.append((str(i), c.label, "-", "-", "-", why))
             continue
+        # "-": listed, not ranked (``Candidate.unranked``, the note below the table)
         mem = ", ".join(f"{w} {human_bytes(c.need.get(w, 0))}" for w in c.need)
         fits = "yes" if c.fits else "NO: " + ", ".join(
             f"{w} over {human_bytes(lim)} ({why})" for w, (lim, why) in c.limits.items()
             if c.need.get(w, 0) > lim)
         rate = c.samples * per / c.iter_s if c.iter_s else float("nan")
         # "*": ops the calibration's trace does not time (``untraced``)
-        rows.append((str(i), c.label, mem, fits, f"{c.iter_s:.4g}" + ("*" if c.untraced else ""),
-                     f"{rate:,.0f}"))
+        rows.append(("-" if c.unranked else str(i), c.label, mem, fits,
+                     f"{c.iter_s:.4g}" + ("*" if c.untraced else "") +
+                     ("?" if c.unranked else ""), f"{rate:,.0f}"))
     widths = [max(len(r[k]) for r in rows if len(r[k]) < 60) for k in range(5)]
     tried = len(choice.ranked)
     lines = [f"plan --choose{'-all' if choice.every_count else ''}: {choice.n} "
@@ -943,6 +1000,8 @@ def format_choice(choice):
                      f"{len(marked)} setting(s): a micro-batch's gradient sum where the trace "
                      "has no Sum, ...): a sum or copy at the host's measured add rate, any "
                      "other op 0 s (--json: untraced_ops)")
+    for why in dict.fromkeys(c.unranked for c in table if c.error is None and c.unranked):
+        lines.append(f"? not ranked, never chosen by parallel.scheme auto: {why}")
     if tried > len(table):
         lines.append(f"({tried - len(table)} setting(s) at other micro-batch counts not "
                      "shown: of each data or sharded setting's counts (parallel.micro_batches) "
@@ -977,7 +1036,8 @@ def not_tried_words(left):
 def choice_json(choice):
     """``plan --choose --json``: {"np", "unit", "calibration", "candidates":
     [{"label", "set", "error" | "need_bytes", "limit_bytes", "fits", "iter_s",
-    "samples_per_s", "untraced_ops"}], "not_tried": [{"label", "set",
+    "samples_per_s", "untraced_ops", "ranked", "note" where not ranked}],
+    "not_tried": [{"label", "set",
     "micro_batches", "variant_of", "reason", "why"}], "best": the best's --set
     options or null} (``untraced_ops``: the setting's ops not in the
     calibration's trace; ``not_tried``: the micro-batch counts
@@ -994,7 +1054,9 @@ def choice_json(choice):
                                                        c.limits.items()},
                        fits=c.fits, iter_s=c.iter_s,
                        samples_per_s=c.samples * per / c.iter_s if c.iter_s else None,
-                       untraced_ops=c.untraced)
+                       untraced_ops=c.untraced, ranked=c.unranked is None)
+            if c.unranked is not None:
+                row["note"] = c.unranked
         rows.append(row)
     left = [{"label": c.label, "set": list(c.sets), "micro_batches": c.micro,
              "variant_of": c.variant_of.label if c.variant_of is not None else None,

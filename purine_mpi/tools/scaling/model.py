@@ -17,10 +17,15 @@ their cost on the link model (``link.py``):
 - pipeline / hybrid: every stage of one replica is simulated, its Send and
   Recv matched by tag (α + B/β each), a hybrid stage's buckets allreduced
   over the replicas;
-- parameter servers (``mode: async``/``ssp``): one worker is simulated; a
-  push of B bytes to a server shard shares that server's link with the
+- parameter servers (``mode: sync_ps``/``async``): one worker is simulated;
+  a push of B bytes to a server shard shares that server's link with the
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
-  the push and the server's update of that shard (its traced ``.update``);
+  the push, the server's sum of the W gradients ((W-1)·B at the host's
+  add rate, ``copy_cost``) and its update of that shard (its traced
+  ``.update``), and shares the link alike (u + (W-1)·B·c + α + W·B/β);
+  each server is its own link (transfers to two servers run at once:
+  simulate.py); async is priced as sync_ps (the staleness that lets a
+  worker run ahead is not modelled);
 - scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
   each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
   with ``parallel.reduce_scatter: false`` the ReduceScatter (attr
@@ -178,7 +183,8 @@ class Template:
         for name, op in g.ops.items():
             deps = tuple(sorted(self.deps[name]))
             if name in self.comm:
-                sim = self._comm_op(op, deps, durations, link, algorithm, scenario)
+                sim = self._comm_op(op, deps, durations, link, algorithm, scenario,
+                                    copy_cost)
                 traced = durations.lookup(name, self.rank) if traced_comm else None
                 if traced is not None:
                     sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
@@ -205,7 +211,7 @@ class Template:
                                           priority=(False, -1))
         return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
 
-    def _comm_op(self, op, deps, durations, link, algorithm, scenario):
+    def _comm_op(self, op, deps, durations, link, algorithm, scenario, copy_cost=0.0):
         g = self.graph
         # a collective's bytes at its wire dtype (a bucket reduced in
         # bfloat16, parallel.grad_dtype: bf16, moves 2 bytes an element)
@@ -265,6 +271,10 @@ class Template:
                 if push in g.ops:
                     deps = tuple(sorted(set(deps) | {push}))
                 seconds += durations.lookup(f"{param}.update", self.rank) or 0.0
+                # the server's Sum of the W gradients before it (sync_ps:
+                # param_server.build_server_graph): W - 1 adds of B bytes at
+                # the host's measured add rate
+                seconds += (scenario.workers - 1) * nbytes * copy_cost
         tag = op.attrs["region"] if one_sided else int(op.attrs.get("tag", 0))
         return SimOp(op.name, seconds, deps, kind="send" if send else "recv",
                      peer=int(op.attrs["peer"]), tag=tag,

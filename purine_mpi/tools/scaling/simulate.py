@@ -12,7 +12,8 @@ soon as they are ready: a Send and the Recv it matches (same source,
 destination, tag and iteration) transfer from when both are posted and the
 sender's outgoing and the receiver's incoming side of the link are free. An
 op whose peer is not simulated (a parameter server) takes its own
-``seconds`` on this rank's side. So the predictor cannot drift from the
+``seconds`` on that peer's side of the link (its outgoing or incoming
+side, one per peer: transfers to two servers run at once). So the predictor cannot drift from the
 dispatcher's rule: it is the same code.
 
 Iterations follow ``Dispatcher.run``: iteration i+1 starts when i's
@@ -122,6 +123,7 @@ class VirtualClock:
         self.link_free = 0.0       # collectives run one after another
         self.out_free = 0.0
         self.in_free = 0.0
+        self.remote_free = {}      # ("out" | "in", unsimulated peer) -> when that side is free
         self.iteration_end = {}    # iteration -> when its last op finished
         self.debt = 0.0            # transfer CPU not yet taken from a compute op
         self.start_of = {}         # (iteration, name) -> when it started
@@ -188,9 +190,12 @@ class VirtualClock:
             self.debt += op.cpu
             self.charge(it, name, begin, seconds)
         elif op.peer not in peers.ranks:  # the other side is not simulated
-            side = "out_free" if op.kind == "send" else "in_free"
-            begin = max(t, getattr(self, side))
-            setattr(self, side, begin + op.seconds)
+            # (a parameter server): the transfer runs on that peer's link,
+            # which the op's seconds price (shared with the other workers);
+            # transfers to two servers run at once
+            side = ("out" if op.kind == "send" else "in", op.peer)
+            begin = max(t, self.remote_free.get(side, 0.0))
+            self.remote_free[side] = begin + op.seconds
             self.debt += op.cpu
             self.charge(it, name, begin, op.seconds)
         else:
