@@ -138,3 +138,51 @@ def check_world_size(size, environ=os.environ):
                         f"MPI library mpi4py loads do not belong together (installed with pip "
                         f"--target, or another MPI's launcher); see docs/cluster.md, 'Using "
                         f"your cluster's MPI'")
+
+
+#: variables MPICH's Hydra (and Intel MPI's, its fork) sets for every rank it
+#: starts and Slurm's PMI-2 server does not: ``PMI_FD`` is then Hydra's socket
+HYDRA_VARS = ("MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
+def leave_hydra(environ=os.environ, wait_s=2.0):
+    """Tell MPICH's Hydra proxy that this rank is about to end on purpose:
+    the PMI-1 ``cmd=finalize`` on the rank's PMI socket (``PMI_FD``), then
+    its ``cmd=finalize_ack`` awaited up to ``wait_s`` seconds. Returns
+    whether the proxy acknowledged; False at once under any other launcher.
+
+    Why: the proxy takes a rank whose PMI socket closes before a PMI
+    finalize for a dead one and kills the ranks of the job still running
+    with SIGKILL; mpiexec's status is the OR of the ranks' wait statuses,
+    so one rank killed makes the job's status 9 whatever the others
+    returned (``2 | SIGKILL`` reads as "killed by signal 9"). MPICH sends
+    the PMI finalize only from its exit handler after MPI_Finalize, never
+    on ``os._exit``: ranks that all end with the same status by
+    ``os._exit`` (a user error found with threads of ours running, where
+    MPI_Finalize is not safe) raced each other, and the last ones were
+    killed. A rank acknowledged here is no longer watched for its PMI
+    socket: its exit is a plain exit with its own status. Only for a rank
+    that ends now, with every rank ending alike (after the ranks agreed):
+    a rank that dies without it still ends the whole job."""
+    fd = environ.get("PMI_FD")
+    if fd is None or not all(v in environ for v in HYDRA_VARS):
+        return False
+    import select
+    import time
+    try:
+        fd = int(fd)
+        message = b"cmd=finalize\n"
+        while message:
+            message = message[os.write(fd, message):]
+        answer, deadline = b"", time.monotonic() + wait_s
+        while b"\n" not in answer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return False
+            data = os.read(fd, 256)
+            if not data:
+                return False
+            answer += data
+    except (OSError, ValueError):
+        return False
+    return answer.startswith(b"cmd=finalize_ack")

@@ -27,7 +27,7 @@ import numpy as np
 from ..base import env
 from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
-from .launcher import check_launcher, check_world_size
+from .launcher import check_launcher, check_world_size, leave_hydra
 from .mpi_init import import_mpi
 from ..base.errors import write_line
 
@@ -402,6 +402,14 @@ def report_user_error(exc, agree_s=3.0):
         every = np.zeros(1, dtype=np.int32)
         if _wait_for(comm.Iallreduce(alone, every, op=MPI.MIN), agree_s) and every[0]:
             _finalize_and_exit(MPI, code)
+        # without MPI_Finalize, every rank ends by os._exit: Hydra's proxy
+        # took the first to go for a dead rank and SIGKILLed the others
+        # still running (the job's status 9 for 2 whenever a rank lagged:
+        # every run of 10 with the ranks leaving 0.3 s apart); every rank
+        # came through the barrier and ends now with this status, so each
+        # tells the launcher first (comm/launcher.py, leave_hydra)
+        _flush()
+        leave_hydra()
         _exit_unfinalized(code)
     write_line(f"error: rank {rank}: {exc}")
     logfile.note_error(f"error: rank {rank}: {exc}")
