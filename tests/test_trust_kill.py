@@ -1,0 +1,59 @@
+"""Fault audit of multi-rank training (session 66, trustkill): faults of
+scheme x role that tests/test_signals.py, test_ps_stop.py, test_rma_faults.py,
+test_stall.py and test_sharded_more.py leave out.
+
+A stop notice that comes again once the stop's checkpoint is written (a
+launcher or a batch system that repeats SIGTERM to every rank, as scancel
+after a --signal notice does) must not kill a rank on its way out: the job
+ends with the stop's status (143), not MPICH's "YOUR APPLICATION TERMINATED
+... (signal 15)" and 15. Before: Python's shutdown puts back the default
+action of the signals it caught, and MPI_Finalize (mpi4py's, at exit) runs
+after that, so a notice in that window killed the rank."""
+import os
+import signal
+import subprocess
+import time
+
+import h5py
+import pytest
+
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, small_net_config, write_config_file
+from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks
+
+pytestmark = [pytest.mark.mpi]
+
+
+def test_term_repeated_to_every_rank_after_the_stop_ends_143(tmp_path, digits_h5):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
+    cfg["checkpoint"] = {"interval": 0, "keep": 2}
+    cfg["parallel"] = {"scheme": "sharded", "shard": 3, "stall_timeout": 10}
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "run")
+    cmd = [MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        _wait_for_metrics(out, time.time() + 60)
+        pids = _rank_pids(out)
+        assert len(pids) == 2, pids
+        os.kill(max(pids), signal.SIGTERM)  # the notice, to one rank
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # then again and again, to every rank, until the job ends
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        kill_ranks(proc, pids)
+    assert "stopping at iter" in stdout, stderr[-2000:]
+    assert "TERMINATED" not in stdout, stdout[-600:]
+    assert proc.returncode == 143, (proc.returncode, stderr[-2000:])
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert int(f.attrs["iteration"]) > 0
