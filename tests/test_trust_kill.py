@@ -57,3 +57,34 @@ def test_term_repeated_to_every_rank_after_the_stop_ends_143(tmp_path, digits_h5
     assert proc.returncode == 143, (proc.returncode, stderr[-2000:])
     with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
         assert int(f.attrs["iteration"]) > 0
+
+
+def test_resume_auto_takes_the_complete_checkpoint_newer_than_latest(tmp_path, digits_h5):
+    """A rank killed between the rename of ckpt_<iter>.h5 and that of
+    latest.h5 (seen under kill -9 of 2-rank data and 3-rank sync_ps runs,
+    2 kills of about 60) left a complete checkpoint newer than latest.h5.
+    Before: --resume auto took latest.h5, redid the iterations between and
+    deleted the newer file as a replaced continuation ("resumed from
+    .../latest.h5 at iteration 2")."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=4, display=1)
+    cfg["checkpoint"] = {"interval": 2, "keep": 0}
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "run")
+    cmd = [PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
+    res = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    latest = os.path.join(out, "latest.h5")
+    os.remove(latest)  # as the writer left it: latest.h5 still ckpt_2.h5
+    os.link(os.path.join(out, "ckpt_2.h5"), latest)
+    with open(os.path.join(out, "ckpt_4.h5"), "rb") as f:
+        written = f.read()
+    res = subprocess.run(cmd + ["--resume", "auto", "--iters", "6"], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "at iteration 4" in res.stdout, res.stdout[-2000:]
+    assert "complete and newer than latest.h5 (iteration 2)" in res.stdout + res.stderr
+    with open(os.path.join(out, "ckpt_4.h5"), "rb") as f:
+        assert f.read() == written  # kept as it was, not written again
+    with h5py.File(latest, "r") as f:
+        assert int(f.attrs["iteration"]) == 6
