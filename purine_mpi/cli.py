@@ -547,6 +547,9 @@ def main(argv=None):
     _ALONE = launched_size() > 1 and rank0_only(args)
     if not _ALONE:
         status = _run(args)
+        if args.command == "train":  # the run is over: a late notice must not kill the exit
+            from .runtime.stop import StopSignal
+            StopSignal.ignore_late_notices()
         logfile.end_run(status)  # train.log's last line, where a run folder has one
         return status
     # what every rank finds alike (a PURINE_* variable) ends every rank at

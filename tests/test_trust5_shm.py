@@ -24,7 +24,8 @@ SCRIPT = os.path.join(REPO, "tests", "mpi_scripts", "shm_abort.py")
 
 
 def _mapped(pids):
-    """The MPI library's /dev/shm segments the processes ``pids`` map."""
+    """The MPI library's /dev/shm segments the processes ``pids`` map (their
+    names, also of those already unlinked)."""
     names = set()
     for pid in pids:
         try:
@@ -32,8 +33,10 @@ def _mapped(pids):
                 for line in f.read().splitlines():
                     fields = line.split(None, 5)
                     if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                        name = os.path.basename(fields[5])
-                        if name.startswith(MPI_SHM_PREFIXES) and "(deleted)" not in name:
+                        # a train's World unlinks its segment once every rank
+                        # mapped it (comm/world.py): "(deleted)", still the job's
+                        name = os.path.basename(fields[5]).replace(" (deleted)", "")
+                        if name.startswith(MPI_SHM_PREFIXES):
                             names.add(name)
         except OSError:
             pass

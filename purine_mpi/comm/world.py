@@ -135,6 +135,13 @@ class World:
         self.stall_timeout = 300.0
         self.hosts = HostTable(self.allgather_object(local_host_info(), "the host table "
                                                                          "exchange"))
+        if comm is None and self.size > 1:
+            # every rank has passed MPI_Init and a collective: each has mapped
+            # its node's MPICH segment, whose name can go now (as the shared
+            # windows' go once mapped), so a rank killed with kill -9 (or the
+            # OOM killer), whose job Hydra then kills with SIGKILL, leaves
+            # nothing in /dev/shm; MPI_Finalize does without the name
+            remove_mpi_shm()
         self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self.thread_level = check_thread_level(MPI)
         #: sub-communicators by their ranks (``split_groups``), for collectives

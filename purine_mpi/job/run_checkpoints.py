@@ -129,7 +129,9 @@ def find_latest(out_dir):
 
 def find_resumable(out_dir, log=None):
     """(path, Checkpoint) that ``--resume auto`` continues from: ``latest.h5``
-    if it loads, else the newest ``ckpt_<iter>.h5`` that loads (``log`` is
+    if it loads (or a newer ``ckpt_<iter>.h5`` of its run that loads: a
+    writer killed between the two renames, ``_newer_of_its_run``), else the
+    newest ``ckpt_<iter>.h5`` that loads (``log`` is
     told which file was skipped and why), else (None, None). Every rank that
     calls this on the same folder picks the same file."""
     candidates = [os.path.join(out_dir, LATEST)] * os.path.isfile(os.path.join(out_dir, LATEST))
@@ -147,10 +149,39 @@ def find_resumable(out_dir, log=None):
         if skipped and log:
             log(f"warning: {'; '.join(skipped)}; resuming from '{path}' (iteration "
                 f"{ck.iteration}), the newest checkpoint that loads")
+        if os.path.basename(path) == LATEST:
+            return _newer_of_its_run(out_dir, path, ck, log)
         return path, ck
     if skipped:
         raise UserError(f"--resume auto: no checkpoint in '{out_dir}' loads: {'; '.join(skipped)}")
     return None, None
+
+
+def _newer_of_its_run(out_dir, latest, ck, log=None):
+    """(path, Checkpoint): ``latest`` (``latest.h5``, read as ``ck``), or
+    the newest ``ckpt_<iter>.h5`` of its run past its iteration that loads:
+    a writer killed between the rename of the new checkpoint and that of
+    ``latest.h5`` (save_run_checkpoint) left the complete one beside the
+    older ``latest.h5``, which a resume would take, redoing the iterations
+    between and deleting the newer file as a replaced continuation."""
+    run_id = str(ck.attrs.get("run_id", ""))
+    for iteration, path in reversed(list_checkpoints(out_dir)):
+        if iteration <= ck.iteration or not run_id:
+            break
+        if checkpoint_run_id(path) != run_id:
+            continue
+        try:
+            newer = load_checkpoint(path)
+        except UserError:
+            continue
+        if newer.iteration != iteration:
+            continue
+        if log:
+            log(f"note: resuming from '{path}' (iteration {iteration}), complete and newer "
+                f"than {LATEST} (iteration {ck.iteration}): the run ended between the two "
+                "writes")
+        return path, newer
+    return latest, ck
 
 
 def resolve_resume(out_dir, resume, log=None, init=None):

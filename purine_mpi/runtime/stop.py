@@ -94,6 +94,23 @@ class StopSignal:
             cls.early = cls.early or name
 
     @classmethod
+    def ignore_late_notices(cls):
+        """Once ``train`` has ended (its last checkpoint written, its status
+        known), ignore the stop signals but Ctrl-C: a notice that comes
+        again then (a launcher or batch system repeating SIGTERM to every
+        rank) has nothing left to stop. Python's shutdown puts back the
+        default action of the signals it caught, and mpi4py's MPI_Finalize
+        runs after that, waiting for the other ranks: a notice in that
+        window killed the rank, and the job, its checkpoint written, ended
+        15 with MPICH's "YOUR APPLICATION TERMINATED" banner instead of the
+        stop's 143 (tests/test_trust_kill.py). Ctrl-C keeps its default
+        action there, and SIGKILL always ends a rank."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in cls.CAUGHT:
+                if sig != "SIGINT":
+                    signal.signal(getattr(signal, sig), signal.SIG_IGN)
+
+    @classmethod
     def exit_status(cls, name):
         return cls.EXIT_STATUS.get(name, 0)
 
