@@ -61,7 +61,7 @@ All of these are reported as ``untraced``.
 import time
 
 from ...base.errors import UserError
-from ...comm.ops import moved_bytes, posted_type
+from ...comm.ops import moved_bytes, posted_type, shard_range
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import shard_rows_key, split_chunk, split_shard, sum_alias
 
@@ -115,10 +115,76 @@ class Scenario:
             self.ranks, self.replicas, self.defer = [0], self.workers, False
         else:
             self.replicas = lay.replicas
-            self.ranks = lay.replica_ranks(0) if lay.staged else [0]
+            # one replica's ranks: a pipeline's stages; a tensor group's
+            # shard 0 (which adds the row-split layers' biases) and shard 1
+            # (the other shards' ops are shard 1's: tensor_split.
+            # SHARD0_BIAS_ATTR); one rank otherwise
+            self.ranks = (lay.replica_ranks(0) if lay.staged else
+                          [0, 1] if lay.tensor > 1 else [0])
             self.defer = defer_update_applies(job, lay.replicas, lay.staged)
+        #: ranks in one replica: replica q's rank of replica 0's rank r is r + q * per
+        self.per = 1 if self.ps else lay.stages * lay.tensor
         self.images = job.global_batch(self.replicas)
         self.key = ("dp",) if (not self.ps and not self.staged and n > 1) else (n,)
+
+    def class_ranks(self, graphs):
+        """The ranks of the other replicas to simulate beside ``self.ranks``
+        (whose composed graphs ``graphs`` gives: {rank: Graph}): one replica
+        of each class (``replica_classes``), each with all its ranks."""
+        reps = replica_classes(graphs, self.replicas)
+        return [r + q * self.per for q in reps for r in self.ranks]
+
+
+def replica_classes(graphs, replicas):
+    """The replicas other than 0 whose graphs may run other compute ops
+    than replica 0's: one replica of each class. Replicas differ only where
+    a ZeRO scheme shards a bucket over them (``parallel.scheme: sharded``;
+    data parallelism, parameter-server workers and tensor or pipeline
+    replicas run the same ops on every replica): replica q holds elements
+    ``shard_range(n, R, q)`` of each bucket of n elements, and runs an
+    update (and a clipping, an unscale) on each weight its range overlaps,
+    sized to the overlap. A replica's class is, for each ReduceScatter of
+    ``graphs`` (replica 0's ranks: a stage or tensor position's buckets),
+    the weights its range overlaps and the overlaps' sizes: replicas of one
+    class run the same ops on ranges of equal size, priced alike
+    (``Durations.lookup``). Classes change only where a range meets a
+    weight's bounds or the bucket's end, so there are at most
+    1 + sum over buckets of (2 k_b + 2) classes (k_b weights in bucket b),
+    min(R, that): bounded by the model, not the rank count; finding them
+    costs O(R * weights) arithmetic."""
+    layouts = []
+    for g in graphs.values():
+        for op in g.ops.values():
+            if op.op_type != "ReduceScatter" or int(op.attrs.get("shards") or 0) < 2:
+                continue
+            bucket = op.attrs.get("bucket")
+            total = g.blobs[bucket].size if bucket in g.blobs else None
+            spans, at = [], 0
+            for name in op.inputs:
+                blob = g.blobs[name]
+                off = blob.offset if blob.alias_of == bucket else at
+                spans.append((name, int(off or 0), blob.size))
+                at = max(at, int(off or 0) + blob.size)
+            layouts.append((total if total is not None else at, int(op.attrs["shards"]), spans))
+    if not layouts:
+        return []
+
+    def signature(q):
+        out = []
+        for total, shards, spans in layouts:
+            lo, hi = shard_range(total, shards, q) if q < shards else (0, 0)
+            out.append(tuple((name, min(hi, off + size) - max(lo, off))
+                             for name, off, size in spans
+                             if min(hi, off + size) > max(lo, off)))
+        return tuple(out)
+
+    seen, reps = {signature(0)}, []
+    for q in range(1, replicas):
+        sig = signature(q)
+        if sig not in seen:
+            seen.add(sig)
+            reps.append(q)
+    return reps
 
 
 def _nbytes(graph, names):
@@ -179,7 +245,10 @@ class Template:
             deps = tuple(sorted(self.deps[name]))
             if name in self.comm:
                 sim = self._comm_op(op, deps, durations, link, algorithm, scenario)
-                traced = durations.lookup(name, self.rank) if traced_comm else None
+                # the least over the traced ranks: the time the last rank to
+                # post it took (the others' also waited for that rank, which
+                # the slowest simulated rank's compute stands for)
+                traced = durations.least_rank(name) if traced_comm else None
                 if traced is not None:
                     sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
                 comm_s[name] = sim.seconds
@@ -297,6 +366,10 @@ def _templates(job, scenario, cache):
             cache["per_n"] = True
             cache[(scenario.n,)] = cache.pop(key)
             key = (scenario.n,)
+        # the other replicas' classes (a ZeRO shard's extra updates): the
+        # slowest rank ends the iteration (replica_classes)
+        more = scenario.class_ranks({t.rank: t.graph for t in cache[key]})
+        cache[key] = cache[key] + [Template(job, scenario, r) for r in more]
     return cache[key]
 
 
@@ -359,7 +432,11 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
                           per_iteration=per_iteration)
              for t in templates]
-    period = simulate([b[0] for b in built], ITERATIONS).period()
+    result = simulate([b[0] for b in built], ITERATIONS)
+    period = result.period()
+    # the rank whose iterations end last (rank 0 where several tie)
+    ends = result.iteration_end
+    slowest = max(sorted(ends), key=lambda r: ends[r][-1] - ends[r][0])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                          overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
     compute = simulate(bare, ITERATIONS).period()
@@ -367,6 +444,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
             "exposed_comm_s": max(0.0, period - compute), "images": scenario.images,
             "replicas": scenario.replicas, "simulated_ranks": len(templates),
+            "slowest_rank": slowest,
             "comm_ops": len(comm0),
             "comm_bytes": sum(graph0.ops[name].nbytes for name in comm0),
             "untraced": sorted({u for b in built for u in b[2]}),
