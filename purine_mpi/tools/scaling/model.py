@@ -6,14 +6,21 @@ N`` does (``graph.inspect.compose_for``), and turned into the simulator's
 their cost on the link model (``link.py``):
 
 - data parallel (``mode: sync``): each bucket's Allreduce over the N
-  replicas; one rank is simulated (the replicas are symmetric);
+  replicas; one rank is simulated (the replicas are symmetric; so are a
+  tensor group's shards but for shard 0's bias adds: rank 0);
+- the prediction is the slowest simulated rank's (a synchronous iteration
+  ends when its slowest rank does); the sharded scheme's replicas differ
+  (a replica's shards give it its own update ops: ``replica_classes``),
+  so one replica of each class is simulated beside replica 0, at most
+  1 + sum over buckets of (2 k_b + 2) classes whatever N;
 - a collective's bytes are counted at its wire dtype (``comm.ops.moved_bytes``,
   as bench counts them): ``parallel.grad_dtype: bf16`` halves a bucket's;
 - sharded (``scheme: sharded``): each bucket's ReduceScatter and Allgather
   over their ``shards`` ranks (``Link.reduce_scatter``, ``Link.allgather``:
   (N-1)/N of the bucket each on a ring, against the allreduce's 2(N-1)/N),
-  rank 0 simulated; its graph is composed for every N (the shards' sizes
-  and the updates on them follow N);
+  replica 0 and one replica of each other class simulated; their graphs
+  are composed for every N (the shards' sizes and the updates on them
+  follow N);
 - pipeline / hybrid: every stage of one replica is simulated, its Send and
   Recv matched by tag (α + B/β each), a hybrid stage's buckets allreduced
   over the replicas;
@@ -36,7 +43,9 @@ their cost on the link model (``link.py``):
   word) costs α_put, a WaitFree nothing.
 
 What the traced iterations took beyond the simulation of the traced rank
-count with its traced communication (``dispatch_overhead``) is the
+count with its traced communication (``dispatch_overhead``; each
+collective the least of the traced ranks' medians, ``Durations.
+least_rank``: the last rank to post it waited least) is the
 dispatcher's own cost per op, which each compute op takes (the busiest
 thread's measured idle between two of its ops inside an iteration:
 trace_reader.dispatch_gap), and a cost per iteration for the rest (the
@@ -115,12 +124,11 @@ class Scenario:
             self.ranks, self.replicas, self.defer = [0], self.workers, False
         else:
             self.replicas = lay.replicas
-            # one replica's ranks: a pipeline's stages; a tensor group's
-            # shard 0 (which adds the row-split layers' biases) and shard 1
-            # (the other shards' ops are shard 1's: tensor_split.
-            # SHARD0_BIAS_ATTR); one rank otherwise
-            self.ranks = (lay.replica_ranks(0) if lay.staged else
-                          [0, 1] if lay.tensor > 1 else [0])
+            # one replica's ranks: a pipeline's stages (and their tensor
+            # shards); else rank 0: a tensor group's shards run the same ops,
+            # shard 0 adding the row-split layers' biases (tensor_split.
+            # SHARD0_BIAS_ATTR), the others not: shard 0 is the slowest
+            self.ranks = lay.replica_ranks(0) if lay.staged else [0]
             self.defer = defer_update_applies(job, lay.replicas, lay.staged)
         #: ranks in one replica: replica q's rank of replica 0's rank r is r + q * per
         self.per = 1 if self.ps else lay.stages * lay.tensor
