@@ -724,7 +724,8 @@ class Predictor:
         templates = [Template(job, scenario, r, (built or {}).get(r)) for r in scenario.ranks]
         # a replica of each other class (a ZeRO shard's extra updates): the
         # slowest rank ends the iteration (scaling/model.replica_classes)
-        more = scenario.class_ranks({t.rank: t.graph for t in templates})
+        more = scenario.class_ranks({t.rank: t.graph for t in templates},
+                                    self.durations.per_rank)
         templates += [Template(job, scenario, r, (built or {}).get(r)) for r in more]
         for t in templates:
             g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,

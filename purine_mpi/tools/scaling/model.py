@@ -135,15 +135,24 @@ class Scenario:
         self.images = job.global_batch(self.replicas)
         self.key = ("dp",) if (not self.ps and not self.staged and n > 1) else (n,)
 
-    def class_ranks(self, graphs):
+    def class_ranks(self, graphs, traced=()):
         """The ranks of the other replicas to simulate beside ``self.ranks``
         (whose composed graphs ``graphs`` gives: {rank: Graph}): one replica
-        of each class (``replica_classes``), each with all its ranks."""
-        reps = replica_classes(graphs, self.replicas)
-        return [r + q * self.per for q in reps for r in self.ranks]
+        of each class (``replica_classes``), each with all its ranks.
+        ``traced``: the ranks the trace holds, each priced by its own
+        medians (``Durations.lookup``): a replica holding one is a class of
+        its own, and a traced rank at a place ``self.ranks`` does not
+        simulate (a tensor shard other than 0) is simulated alone."""
+        if self.ps:  # the workers are alike; rank 0 stands for them
+            return []
+        traced = sorted(r for r in traced if 0 < r < self.n)
+        reps = replica_classes(graphs, self.replicas, {r // self.per for r in traced})
+        ranks = [r + q * self.per for q in reps for r in self.ranks]
+        covered = set(self.ranks) | set(ranks)
+        return ranks + [r for r in traced if r not in covered]
 
 
-def replica_classes(graphs, replicas):
+def replica_classes(graphs, replicas, traced=()):
     """The replicas other than 0 whose graphs may run other compute ops
     than replica 0's: one replica of each class. Replicas differ only where
     a ZeRO scheme shards a bucket over them (``parallel.scheme: sharded``;
@@ -158,8 +167,9 @@ def replica_classes(graphs, replicas):
     (``Durations.lookup``). Classes change only where a range meets a
     weight's bounds or the bucket's end, so there are at most
     1 + sum over buckets of (2 k_b + 2) classes (k_b weights in bucket b),
-    min(R, that): bounded by the model, not the rank count; finding them
-    costs O(R * weights) arithmetic."""
+    min(R, that), plus one for each traced replica (``traced``: priced by
+    its own medians): bounded by the model and the trace, not the rank
+    count; finding them costs O(R * weights) arithmetic."""
     layouts = []
     for g in graphs.values():
         for op in g.ops.values():
@@ -174,9 +184,6 @@ def replica_classes(graphs, replicas):
                 spans.append((name, int(off or 0), blob.size))
                 at = max(at, int(off or 0) + blob.size)
             layouts.append((total if total is not None else at, int(op.attrs["shards"]), spans))
-    if not layouts:
-        return []
-
     def signature(q):
         out = []
         for total, shards, spans in layouts:
@@ -186,13 +193,15 @@ def replica_classes(graphs, replicas):
                              if min(hi, off + size) > max(lo, off)))
         return tuple(out)
 
-    seen, reps = {signature(0)}, []
-    for q in range(1, replicas):
-        sig = signature(q)
+    # a traced replica is priced by its own medians, the others by every
+    # traced rank's (Durations.lookup): a class of its own each
+    seen, reps = {(signature(0), 0)}, []
+    for q in range(1, replicas if layouts else 1):
+        sig = (signature(q), q if q in traced else None)
         if sig not in seen:
             seen.add(sig)
             reps.append(q)
-    return reps
+    return sorted(set(reps) | {q for q in traced if 0 < q < replicas})
 
 
 def _nbytes(graph, names):
@@ -359,11 +368,12 @@ def _shard_param(graph, op):
     return param if param in graph.blobs else None
 
 
-def _templates(job, scenario, cache):
+def _templates(job, scenario, cache, traced=()):
     """The rank graphs of ``scenario``, composed once per key: one data-
     parallel graph serves every N unless its collectives are cut by the
     rank count (ReduceScatter, Allgather: attr ``shards``), which is then
-    composed for each N."""
+    composed for each N. ``scenario.ranks`` first, then those of
+    ``Scenario.class_ranks`` (``traced``: the traced ranks)."""
     key = scenario.key
     if key == ("dp",) and cache.get("per_n"):
         key = (scenario.n,)
@@ -374,11 +384,14 @@ def _templates(job, scenario, cache):
             cache["per_n"] = True
             cache[(scenario.n,)] = cache.pop(key)
             key = (scenario.n,)
-        # the other replicas' classes (a ZeRO shard's extra updates): the
-        # slowest rank ends the iteration (replica_classes)
-        more = scenario.class_ranks({t.rank: t.graph for t in cache[key]})
-        cache[key] = cache[key] + [Template(job, scenario, r) for r in more]
-    return cache[key]
+    # the other replicas' classes (a ZeRO shard's extra updates, a traced
+    # rank's own medians): the slowest rank ends the iteration
+    base, extra = cache[key], []
+    for r in scenario.class_ranks({t.rank: t.graph for t in cache[key]}, traced):
+        if (key, r) not in cache:
+            cache[key, r] = Template(job, scenario, r)
+        extra.append(cache[key, r])
+    return base + extra
 
 
 def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
@@ -401,7 +414,7 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
         return 0.0, 0.0
     try:
         scenario = Scenario(job, len(durations.per_rank))
-        templates = _templates(job, scenario, cache)
+        templates = _templates(job, scenario, cache, durations.per_rank)
     except UserError:  # traced on ranks the scheme reads otherwise: no correction
         return 0.0, 0.0
 
@@ -436,7 +449,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
                 per_iteration=0.0):
     """The prediction at ``n`` ranks: a dict of seconds and counts."""
     scenario = Scenario(job, n)
-    templates = _templates(job, scenario, cache)
+    templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
                           per_iteration=per_iteration)
              for t in templates]
