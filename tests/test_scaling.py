@@ -460,21 +460,42 @@ def test_a_shards_ops_at_another_rank_count_take_their_elements_share():
         assert one.lookup("w.grad.shard[0:50].clip", 0) is None  # the whole's size unknown
 
 
+#: NET under ZeRO stage 3 with gradient clipping: at 2 ranks rank 1 holds
+#: the shards of conv1's and fc2's biases beside its shards of the weights
+#: (each bucket's second half), so it runs 4 more update and clipping ops
+STAGE3 = dict(NET, parallel={"scheme": "sharded", "shard": 3},
+              solver=dict(NET["solver"], clip_gradients=1.0))
+
+
+@pytest.fixture(scope="module")
+def stage3_traced(tmp_path_factory):
+    """{ranks: the run folder of STAGE3 traced on that many ranks}, each
+    trained once for the module (on first use)."""
+    runs = {}
+
+    def traced(ranks):
+        if ranks not in runs:
+            folder = tmp_path_factory.mktemp(f"stage3_{ranks}")
+            cfg = write_config_file(folder, STAGE3)
+            run = folder / "run"
+            args = ("train", cfg, "--out", run, "--profile-iters", "2:6", "--iters", 6)
+            res = run_cli_args(*args) if ranks == 1 else run_mpi_cli(ranks, *args)
+            assert res.returncode == 0, res.stderr
+            runs[ranks] = run
+        return runs[ranks]
+    return traced
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_predict_prices_a_stage_3_traces_clipping_at_every_rank_count(tmp_path, ranks):
+def test_predict_prices_a_stage_3_traces_clipping_at_every_rank_count(stage3_traced, tmp_path,
+                                                                      ranks):
     """A stage-3 run with gradient clipping traced on 1 or 2 ranks: at 1, 2
     and 4 ranks every compute op is priced from the trace (the shards'
     clipping and updates whose bounds the rank count moves: their elements'
     share). Before: 4 untraced ops (0 s) at 2 and 4 ranks from 1 rank; 6 at
     1 rank and 8 at 4 ranks from 2 ranks."""
-    net = dict(NET, parallel={"scheme": "sharded", "shard": 3},
-               solver=dict(NET["solver"], clip_gradients=1.0))
-    cfg = write_config_file(tmp_path, net)
-    run = tmp_path / "run"
-    args = ("train", cfg, "--out", run, "--profile-iters", "2:6", "--iters", 6)
-    res = run_cli_args(*args) if ranks == 1 else run_mpi_cli(2, *args)
-    assert res.returncode == 0, res.stderr
+    run = stage3_traced(ranks)
     link = tmp_path / "link.json"
     save_link(link, Link(2e-5, 1.25e8, 0.0, "test"))
     res = run_cli_args("predict", run, "--np", "1,2,4", "--link", link, "--json")
@@ -503,3 +524,116 @@ def test_a_layer_named_like_a_shard_is_no_shard_of_another_gradient():
     assert two.lookup(f"{w}.grad.shard[0:56].clip", 0) == pytest.approx(0.5)
     assert two.lookup(f"{w}.grad.shard[56:112].clip", 3) == pytest.approx(4.0 / 4)
     assert two.lookup("v.grad.shard[0:50]@unscale.clip", 0) == pytest.approx(2.0)
+
+
+def _normalized_ops(graph):
+    """A rank's ops, each as (name, type, thread) with a shard's or row
+    chunk's bounds [a:b] written as its size and a peer's rank left out
+    (``x.put@r3``): what ranks of one class share."""
+    import re
+    out = []
+    for op in graph.ops.values():
+        name = re.sub(r"\[(\d+):(\d+)\]", lambda m: f"[{int(m[2]) - int(m[1])}]", op.name)
+        out.append((re.sub(r"@r\d+", "@r", name), op.op_type, str(op.thread)))
+    return sorted(out)
+
+
+CHAIN = dict(NET, net=[{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
+                        "num_output": 32},
+                       {"type": "relu", "name": "relu1", "bottom": "fc1", "top": "fc1"},
+                       {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2",
+                        "num_output": 24},
+                       {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
+                        "top": "loss"}])
+
+
+@pytest.mark.parametrize("net,parallel,nps", [
+    (NET, {"scheme": "sharded", "shard": 1}, (2, 3, 5)),
+    (NET, {"scheme": "sharded", "shard": 2}, (3, 7)),
+    (NET, {"scheme": "sharded", "shard": 3}, (2, 4, 6, 16)),
+    (NET, {"scheme": "data", "bucket_mb": 0.01}, (3,)),
+    (CHAIN, {"scheme": "tensor", "tensor_parallel": 4}, (4, 8)),
+    (CHAIN, {"scheme": "sharded", "shard": 3, "tensor_parallel": 2}, (6,)),
+    (CHAIN, {"scheme": "sharded", "shard": 1, "stages": 2, "micro_batches": 2}, (6,)),
+    (CHAIN, {"scheme": "hybrid", "stages": 2, "micro_batches": 2}, (4,)),
+])
+def test_the_simulated_ranks_hold_every_ranks_ops(tmp_path, net, parallel, nps):
+    """Every rank runs the ops of one of the ranks ``predict`` simulates
+    (model._templates: rank 0's replica and one replica of each other class,
+    scaling/model.replica_classes), up to shard bounds of equal size: so the
+    slowest rank is among those simulated. Checked against every rank's
+    graph composed. Before, a ZeRO run simulated rank 0 alone: at 2 ranks
+    rank 1's update and clipping of conv1's and fc2's biases were simulated
+    on no rank (a tensor group's shards other than 0 neither)."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.model import Scenario, _templates
+    net = dict(net, parallel=parallel, solver=dict(NET["solver"], clip_gradients=1.0))
+    job = load_job(str(write_config_file(tmp_path, net)), check_files=False)
+    for n in nps:
+        simulated = {t.rank: _normalized_ops(t.graph)
+                     for t in _templates(job, Scenario(job, n), {})}
+        for r in range(n):
+            ops = _normalized_ops(compose_for(job, n, r))
+            assert any(ops == s for s in simulated.values()), (n, r, sorted(simulated))
+
+
+def test_the_rank_classes_stay_few_at_many_ranks(tmp_path):
+    """ZeRO's classes of ranks follow the weights' bounds in the buckets,
+    not the rank count: at most 1 + sum of (2 k + 2) over the buckets (k
+    weights in a bucket; model.replica_classes). NET has 4 buckets of 6
+    weights: at most 21 at any N."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.scaling.model import Scenario, _templates
+    job = load_job(str(write_config_file(tmp_path, STAGE3)), check_files=False)
+    for n in (64, 1024):
+        ranks = [t.rank for t in _templates(job, Scenario(job, n), {})]
+        assert ranks[0] == 0 and 2 <= len(ranks) <= 21, (n, ranks)
+
+
+@pytest.mark.mpi
+def test_predict_takes_the_slowest_rank_of_a_stage_3_run(stage3_traced, tmp_path):
+    """A synchronous iteration ends when its slowest rank ends. From a
+    2-rank trace of STAGE3 (rank 1 runs 4 more update and clipping ops than
+    rank 0), at 2 and 4 ranks, the predicted compute is at least every
+    rank's busiest lane: the sum of its ops' priced times, the dispatcher's
+    cost per op and the cost per iteration (as ``predict`` reported them),
+    each rank's graph composed; so the efficiency is at most the 1-rank
+    time over that lane's. Before, rank 0 alone was simulated: the
+    prediction was rank 0's (fewer ops), at 2 ranks below rank 1's lane,
+    and (the reviewer's trace) 108.7 % efficient at 2 ranks, 101.3 % at 4."""
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.model import Scenario, Template
+    from purine_mpi.tools.scaling.trace_reader import read_traces
+    run = stage3_traced(2)
+    link = tmp_path / "link.json"
+    save_link(link, Link(2e-5, 1.25e8, 0.0, "test"))
+    res = run_cli_args("predict", run, "--np", "1,2,4", "--link", link, "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    rows = {r["np"]: r for r in data["rows"]}
+    overhead = data["dispatch_overhead_us_per_op"] * 1e-6
+    per_iteration = data["per_iteration_ms"] * 1e-3
+    durations, job = read_traces(str(run))
+    for n in (2, 4):
+        scenario = Scenario(job, n)
+        lanes = {}
+        for r in range(n):  # every rank, composed apart
+            t = Template(job, scenario, r, compose_for(job, n, r))
+            sim, _, untraced = t.rank_graph(durations, load_link(link), "auto", scenario, 0.0,
+                                            no_comm=True, overhead=overhead,
+                                            per_iteration=per_iteration)
+            assert not untraced
+            busy = {}
+            for op in sim.ops.values():
+                if op.kind == "compute":
+                    busy[op.lane] = busy.get(op.lane, 0.0) + op.seconds
+            lanes[r] = 1000 * max(busy.values())
+        slowest = max(lanes.values())
+        row = rows[n]
+        assert row["compute_ms"] >= slowest - 2e-3, (n, row, lanes)
+        assert row["iter_ms"] >= slowest - 2e-3, (n, row, lanes)
+        assert row["efficiency"] <= data["one_rank_iter_ms"] / slowest + 1e-3, (n, row, lanes)
+        assert lanes[row["slowest_rank"]] == pytest.approx(slowest, rel=0.05), (n, row, lanes)
+    # traced on 2: rank 1's 4 more ops make it the slower at 2 ranks
+    assert rows[2]["simulated_ranks"] == 2

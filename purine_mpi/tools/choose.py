@@ -767,8 +767,13 @@ class Predictor:
         from .scaling.simulate import simulate
         scenario = Scenario(job, n)
         graphs, untraced = [], set()
-        for r in scenario.ranks:
-            t = Template(job, scenario, r, (built or {}).get(r))
+        templates = [Template(job, scenario, r, (built or {}).get(r)) for r in scenario.ranks]
+        # a replica of each other class (a ZeRO shard's extra updates): the
+        # slowest rank ends the iteration (scaling/model.replica_classes)
+        more = scenario.class_ranks({t.rank: t.graph for t in templates},
+                                    self.durations.per_rank)
+        templates += [Template(job, scenario, r, (built or {}).get(r)) for r in more]
+        for t in templates:
             g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,
                                                  self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,

@@ -6,14 +6,21 @@ N`` does (``graph.inspect.compose_for``), and turned into the simulator's
 their cost on the link model (``link.py``):
 
 - data parallel (``mode: sync``): each bucket's Allreduce over the N
-  replicas; one rank is simulated (the replicas are symmetric);
+  replicas; one rank is simulated (the replicas are symmetric; so are a
+  tensor group's shards but for shard 0's bias adds: rank 0);
+- the prediction is the slowest simulated rank's (a synchronous iteration
+  ends when its slowest rank does); the sharded scheme's replicas differ
+  (a replica's shards give it its own update ops: ``replica_classes``),
+  so one replica of each class is simulated beside replica 0, at most
+  1 + sum over buckets of (2 k_b + 2) classes whatever N;
 - a collective's bytes are counted at its wire dtype (``comm.ops.moved_bytes``,
   as bench counts them): ``parallel.grad_dtype: bf16`` halves a bucket's;
 - sharded (``scheme: sharded``): each bucket's ReduceScatter and Allgather
   over their ``shards`` ranks (``Link.reduce_scatter``, ``Link.allgather``:
   (N-1)/N of the bucket each on a ring, against the allreduce's 2(N-1)/N),
-  rank 0 simulated; its graph is composed for every N (the shards' sizes
-  and the updates on them follow N);
+  replica 0 and one replica of each other class simulated; their graphs
+  are composed for every N (the shards' sizes and the updates on them
+  follow N);
 - pipeline / hybrid: every stage of one replica is simulated, its Send and
   Recv matched by tag (α + B/β each), a hybrid stage's buckets allreduced
   over the replicas;
@@ -41,7 +48,9 @@ their cost on the link model (``link.py``):
   word) costs α_put, a WaitFree nothing.
 
 What the traced iterations took beyond the simulation of the traced rank
-count with its traced communication (``dispatch_overhead``) is the
+count with its traced communication (``dispatch_overhead``; each
+collective the least of the traced ranks' medians, ``Durations.
+least_rank``: the last rank to post it waited least) is the
 dispatcher's own cost per op, which each compute op takes (the busiest
 thread's measured idle between two of its ops inside an iteration:
 trace_reader.dispatch_gap), and a cost per iteration for the rest (the
@@ -66,7 +75,7 @@ All of these are reported as ``untraced``.
 import time
 
 from ...base.errors import UserError
-from ...comm.ops import moved_bytes, posted_type
+from ...comm.ops import moved_bytes, posted_type, shard_range
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import shard_rows_key, split_chunk, split_shard, sum_alias
 
@@ -120,10 +129,84 @@ class Scenario:
             self.ranks, self.replicas, self.defer = [0], self.workers, False
         else:
             self.replicas = lay.replicas
+            # one replica's ranks: a pipeline's stages (and their tensor
+            # shards); else rank 0: a tensor group's shards run the same ops,
+            # shard 0 adding the row-split layers' biases (tensor_split.
+            # SHARD0_BIAS_ATTR), the others not: shard 0 is the slowest
             self.ranks = lay.replica_ranks(0) if lay.staged else [0]
             self.defer = defer_update_applies(job, lay.replicas, lay.staged)
+        #: ranks in one replica: replica q's rank of replica 0's rank r is r + q * per
+        self.per = 1 if self.ps else lay.stages * lay.tensor
         self.images = job.global_batch(self.replicas)
         self.key = ("dp",) if (not self.ps and not self.staged and n > 1) else (n,)
+
+    def class_ranks(self, graphs, traced=()):
+        """The ranks of the other replicas to simulate beside ``self.ranks``
+        (whose composed graphs ``graphs`` gives: {rank: Graph}): one replica
+        of each class (``replica_classes``), each with all its ranks.
+        ``traced``: the ranks the trace holds, each priced by its own
+        medians (``Durations.lookup``): a replica holding one is a class of
+        its own, and a traced rank at a place ``self.ranks`` does not
+        simulate (a tensor shard other than 0) is simulated alone."""
+        if self.ps:  # the workers are alike; rank 0 stands for them
+            return []
+        traced = sorted(r for r in traced if 0 < r < self.n)
+        reps = replica_classes(graphs, self.replicas, {r // self.per for r in traced})
+        ranks = [r + q * self.per for q in reps for r in self.ranks]
+        covered = set(self.ranks) | set(ranks)
+        return ranks + [r for r in traced if r not in covered]
+
+
+def replica_classes(graphs, replicas, traced=()):
+    """The replicas other than 0 whose graphs may run other compute ops
+    than replica 0's: one replica of each class. Replicas differ only where
+    a ZeRO scheme shards a bucket over them (``parallel.scheme: sharded``;
+    data parallelism, parameter-server workers and tensor or pipeline
+    replicas run the same ops on every replica): replica q holds elements
+    ``shard_range(n, R, q)`` of each bucket of n elements, and runs an
+    update (and a clipping, an unscale) on each weight its range overlaps,
+    sized to the overlap. A replica's class is, for each ReduceScatter of
+    ``graphs`` (replica 0's ranks: a stage or tensor position's buckets),
+    the weights its range overlaps and the overlaps' sizes: replicas of one
+    class run the same ops on ranges of equal size, priced alike
+    (``Durations.lookup``). Classes change only where a range meets a
+    weight's bounds or the bucket's end, so there are at most
+    1 + sum over buckets of (2 k_b + 2) classes (k_b weights in bucket b),
+    min(R, that), plus one for each traced replica (``traced``: priced by
+    its own medians): bounded by the model and the trace, not the rank
+    count; finding them costs O(R * weights) arithmetic."""
+    layouts = []
+    for g in graphs.values():
+        for op in g.ops.values():
+            if op.op_type != "ReduceScatter" or int(op.attrs.get("shards") or 0) < 2:
+                continue
+            bucket = op.attrs.get("bucket")
+            total = g.blobs[bucket].size if bucket in g.blobs else None
+            spans, at = [], 0
+            for name in op.inputs:
+                blob = g.blobs[name]
+                off = blob.offset if blob.alias_of == bucket else at
+                spans.append((name, int(off or 0), blob.size))
+                at = max(at, int(off or 0) + blob.size)
+            layouts.append((total if total is not None else at, int(op.attrs["shards"]), spans))
+    def signature(q):
+        out = []
+        for total, shards, spans in layouts:
+            lo, hi = shard_range(total, shards, q) if q < shards else (0, 0)
+            out.append(tuple((name, min(hi, off + size) - max(lo, off))
+                             for name, off, size in spans
+                             if min(hi, off + size) > max(lo, off)))
+        return tuple(out)
+
+    # a traced replica is priced by its own medians, the others by every
+    # traced rank's (Durations.lookup): a class of its own each
+    seen, reps = {(signature(0), 0)}, []
+    for q in range(1, replicas if layouts else 1):
+        sig = (signature(q), q if q in traced else None)
+        if sig not in seen:
+            seen.add(sig)
+            reps.append(q)
+    return sorted(set(reps) | {q for q in traced if 0 < q < replicas})
 
 
 def _nbytes(graph, names):
@@ -185,7 +268,10 @@ class Template:
             if name in self.comm:
                 sim = self._comm_op(op, deps, durations, link, algorithm, scenario,
                                     copy_cost)
-                traced = durations.lookup(name, self.rank) if traced_comm else None
+                # the least over the traced ranks: the time the last rank to
+                # post it took (the others' also waited for that rank, which
+                # the slowest simulated rank's compute stands for)
+                traced = durations.least_rank(name) if traced_comm else None
                 if traced is not None:
                     sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
                 comm_s[name] = sim.seconds
@@ -292,11 +378,12 @@ def _shard_param(graph, op):
     return param if param in graph.blobs else None
 
 
-def _templates(job, scenario, cache):
+def _templates(job, scenario, cache, traced=()):
     """The rank graphs of ``scenario``, composed once per key: one data-
     parallel graph serves every N unless its collectives are cut by the
     rank count (ReduceScatter, Allgather: attr ``shards``), which is then
-    composed for each N."""
+    composed for each N. ``scenario.ranks`` first, then those of
+    ``Scenario.class_ranks`` (``traced``: the traced ranks)."""
     key = scenario.key
     if key == ("dp",) and cache.get("per_n"):
         key = (scenario.n,)
@@ -307,7 +394,14 @@ def _templates(job, scenario, cache):
             cache["per_n"] = True
             cache[(scenario.n,)] = cache.pop(key)
             key = (scenario.n,)
-    return cache[key]
+    # the other replicas' classes (a ZeRO shard's extra updates, a traced
+    # rank's own medians): the slowest rank ends the iteration
+    base, extra = cache[key], []
+    for r in scenario.class_ranks({t.rank: t.graph for t in cache[key]}, traced):
+        if (key, r) not in cache:
+            cache[key, r] = Template(job, scenario, r)
+        extra.append(cache[key, r])
+    return base + extra
 
 
 def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
@@ -330,7 +424,7 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
         return 0.0, 0.0
     try:
         scenario = Scenario(job, len(durations.per_rank))
-        templates = _templates(job, scenario, cache)
+        templates = _templates(job, scenario, cache, durations.per_rank)
     except UserError:  # traced on ranks the scheme reads otherwise: no correction
         return 0.0, 0.0
 
@@ -365,11 +459,15 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
                 per_iteration=0.0):
     """The prediction at ``n`` ranks: a dict of seconds and counts."""
     scenario = Scenario(job, n)
-    templates = _templates(job, scenario, cache)
+    templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
                           per_iteration=per_iteration)
              for t in templates]
-    period = simulate([b[0] for b in built], ITERATIONS).period()
+    result = simulate([b[0] for b in built], ITERATIONS)
+    period = result.period()
+    # the rank whose iterations end last (rank 0 where several tie)
+    ends = result.iteration_end
+    slowest = max(sorted(ends), key=lambda r: ends[r][-1] - ends[r][0])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                          overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
     compute = simulate(bare, ITERATIONS).period()
@@ -377,6 +475,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
             "exposed_comm_s": max(0.0, period - compute), "images": scenario.images,
             "replicas": scenario.replicas, "simulated_ranks": len(templates),
+            "slowest_rank": slowest,
             "comm_ops": len(comm0),
             "comm_bytes": sum(graph0.ops[name].nbytes for name in comm0),
             "untraced": sorted({u for b in built for u in b[2]}),

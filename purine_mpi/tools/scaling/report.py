@@ -52,7 +52,8 @@ def to_json(table, link, algorithm, folder, durations):
                      "images_per_s": None if r["images_per_s"] is None else
                      round(r["images_per_s"], 1),
                      "comm_ops": r["comm_ops"], "comm_bytes": r["comm_bytes"],
-                     "simulated_ranks": r["simulated_ranks"], "untraced_ops": len(r["untraced"])})
+                     "simulated_ranks": r["simulated_ranks"], "slowest_rank": r["slowest_rank"],
+                     "untraced_ops": len(r["untraced"])})
     one = table["one_rank"]
     traced = durations.iter_seconds
     return {"trace": os.path.abspath(folder), "traced_ranks": len(durations.per_rank),

@@ -114,6 +114,15 @@ class Durations:
             return seconds * (b - a) / rows
         return None
 
+    def least_rank(self, name):
+        """The least of the ranks' medians of op ``name`` (None when no rank
+        traced it): a collective's time on the rank that posted it last, the
+        others' medians holding their wait for that rank as well
+        (model.dispatch_overhead simulates every class of ranks, the slowest
+        one's compute making the wait)."""
+        found = [ops[name] for ops in self.per_rank.values() if name in ops]
+        return min(found) if found else self.lookup(name)
+
     def least(self, name, rank=0):
         """The least seconds of op ``name`` in one traced iteration of
         ``rank`` (``fastest``), else its median (``lookup``)."""
