@@ -114,6 +114,21 @@ def test_reads_see_every_write_after_a_failure(tmp_path, size_limit, seed):
             g.check()
 
 
+def test_an_empty_write_past_the_end_does_not_grow_it(tmp_path, size_limit):
+    """After a failure, a write of no bytes at a position past the end
+    leaves the size as it was, as a file's (and io.BytesIO's) does: before,
+    the size became that position (seek(0, 2) answered 5000, not 150)."""
+    size_limit[0] = 100
+    with runfiles.GuardedFile(str(tmp_path / "f.h5.tmp.1")) as g:
+        g.write(b"x" * 150)
+        assert g.error is not None
+        g.seek(5000)
+        assert g.write(b"") == 0
+        assert g.seek(0, 2) == 150
+        g.seek(0)
+        assert g.read() == b"x" * 150
+
+
 _WRITE = """
 import os, resource, sys
 import numpy as np

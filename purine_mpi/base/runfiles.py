@@ -471,6 +471,8 @@ class GuardedFile(io.RawIOBase):
             except OSError as exc:
                 self._fail(exc)
                 self._pos = pos
+        if not view:  # nothing written: a file does not grow (a position past its end)
+            return 0
         self._put(self._pos, view)
         self._pos += len(view)
         self._size = max(self._size, self._pos)
