@@ -114,6 +114,41 @@ def test_reads_see_every_write_after_a_failure(tmp_path, size_limit, seed):
             g.check()
 
 
+def test_an_empty_write_past_the_end_does_not_grow_it(tmp_path, size_limit):
+    """After a failure, a write of no bytes at a position past the end
+    leaves the size as it was, as a file's (and io.BytesIO's) does: before,
+    the size became that position (seek(0, 2) answered 5000, not 150)."""
+    size_limit[0] = 100
+    with runfiles.GuardedFile(str(tmp_path / "f.h5.tmp.1")) as g:
+        g.write(b"x" * 150)
+        assert g.error is not None
+        g.seek(5000)
+        assert g.write(b"") == 0
+        assert g.seek(0, 2) == 150
+        g.seek(0)
+        assert g.read() == b"x" * 150
+
+
+def test_a_checkpoint_inside_a_failed_files_with_is_written_whole(tmp_path, size_limit):
+    """A checkpoint saved inside the ``with`` of another GuardedFile whose
+    write failed: its own writes succeed, so its ``check()`` passes and the
+    file is kept, and it holds every parameter. Before, ``write_failed``
+    answered for any file of the thread, the checkpoint skipped its values
+    and was kept half-written (no parameter in it: KeyError: 'w0')."""
+    from purine_mpi.job.checkpoint_file import load_params, save_checkpoint
+    size_limit[0] = 100
+    params = {f"w{i}": np.full(8, i, np.float32) for i in range(3)}
+    with runfiles.GuardedFile(str(tmp_path / "other.h5.tmp.1")) as other:
+        other.write(b"x" * 150)
+        assert other.error is not None
+        size_limit[0] = 1 << 62
+        save_checkpoint(str(tmp_path / "c.h5"), params)
+        other.truncate(0)
+    got = load_params(str(tmp_path / "c.h5"))
+    for key, value in params.items():
+        np.testing.assert_array_equal(got[key], value)
+
+
 _WRITE = """
 import os, resource, sys
 import numpy as np

@@ -327,9 +327,13 @@ _OPEN = threading.local()  # .files: the GuardedFiles this thread has entered
 
 
 def write_failed():
-    """Whether a write of a ``GuardedFile`` this thread is inside the
-    ``with`` of has failed (a full disk): a writer then writes no more."""
-    return any(f.error is not None for f in getattr(_OPEN, "files", ()))
+    """Whether a write of the ``GuardedFile`` whose ``with`` this thread
+    entered last (the file the writer writes now) has failed (a full disk):
+    a writer then writes no more. Only that file's: a file written inside
+    the ``with`` of another that failed (a checkpoint, whose ``check()``
+    passes when its own writes did) is written whole."""
+    files = getattr(_OPEN, "files", ())
+    return bool(files) and files[-1].error is not None
 
 
 def stop_if_write_failed():
@@ -471,6 +475,8 @@ class GuardedFile(io.RawIOBase):
             except OSError as exc:
                 self._fail(exc)
                 self._pos = pos
+        if not view:  # nothing written: a file does not grow (a position past its end)
+            return 0
         self._put(self._pos, view)
         self._pos += len(view)
         self._size = max(self._size, self._pos)
