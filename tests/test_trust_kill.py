@@ -124,3 +124,26 @@ def test_kill_9_of_a_rank_leaves_nothing_in_dev_shm(tmp_path, digits_h5):
     assert proc.returncode != 0
     assert segments, "the ranks map no MPICH segment: nothing to check"
     assert not [p for p in segments if os.path.exists(p)]
+
+
+def test_resume_auto_never_takes_back_a_replaced_continuation(tmp_path):
+    """A run resumed on purpose from an earlier checkpoint (``--resume
+    ckpt_1000.h5``) and killed after its first checkpoint became latest.h5
+    but before the rotation deleted the continuation it replaced
+    (save_run_checkpoint: write, link latest.h5, rotate) leaves that
+    continuation's ckpt_2000/3000.h5, of the same run and newer in
+    iteration than latest.h5 (1500), but written before it. --resume auto
+    must continue from latest.h5, not bring the replaced continuation back."""
+    import numpy as np
+    from purine_mpi.job.checkpoint_file import save_checkpoint
+    from purine_mpi.job.run_checkpoints import find_resumable, save_run_checkpoint, write_latest
+    out = str(tmp_path)
+    params = {"w": np.arange(4, dtype=np.float32)}
+    for it in (1000, 2000, 3000):
+        save_run_checkpoint(out, it, keep=0, params=params, run_id="r1")
+    time.sleep(0.05)  # the resumed run writes later (file times of a coarse file system)
+    path = os.path.join(out, "ckpt_1500.h5")
+    save_checkpoint(path, params, iteration=1500, run_id="r1")
+    write_latest(out, path)  # killed here, before rotate_checkpoints
+    found, ck = find_resumable(out)
+    assert ck.iteration == 1500, found

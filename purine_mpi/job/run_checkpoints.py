@@ -163,11 +163,25 @@ def _newer_of_its_run(out_dir, latest, ck, log=None):
     a writer killed between the rename of the new checkpoint and that of
     ``latest.h5`` (save_run_checkpoint) left the complete one beside the
     older ``latest.h5``, which a resume would take, redoing the iterations
-    between and deleting the newer file as a replaced continuation."""
+    between and deleting the newer file as a replaced continuation. Only a
+    file written after ``latest.h5``: a run resumed on purpose from an
+    earlier checkpoint and killed before its rotation deleted the
+    continuation it replaced left that continuation's files, of the same
+    run and higher iterations but older than ``latest.h5``, which must not
+    come back."""
     run_id = str(ck.attrs.get("run_id", ""))
+    try:
+        latest_written = os.stat(latest).st_mtime_ns
+    except OSError:
+        return latest, ck
     for iteration, path in reversed(list_checkpoints(out_dir)):
         if iteration <= ck.iteration or not run_id:
             break
+        try:
+            if os.stat(path).st_mtime_ns < latest_written:
+                continue  # written before latest.h5: a replaced continuation's
+        except OSError:
+            continue
         if checkpoint_run_id(path) != run_id:
             continue
         try:
