@@ -72,6 +72,10 @@ def test_leave_hydra_says_nothing_to_another_launcher():
         # Slurm's PMI-2 server sets PMI_FD too, but not Hydra's variables
         slurm = {"PMI_FD": str(rank_end.fileno()), "PMI_RANK": "0", "PMI_SIZE": "2"}
         assert leave_hydra(slurm) is False and leave_hydra({}) is False
+        # Hydra's variables, but MPICH or Intel MPI told to speak PMI-2
+        fd = {"PMI_FD": str(rank_end.fileno())}
+        assert leave_hydra(dict(HYDRA, MPIR_CVAR_PMI_VERSION="2", **fd), wait_s=0.2) is False
+        assert leave_hydra(dict(HYDRA, I_MPI_PMI="pmi2", **fd), wait_s=0.2) is False
         with pytest.raises(BlockingIOError):
             proxy_end.recv(64)  # nothing was written
     finally:

@@ -167,6 +167,9 @@ def leave_hydra(environ=os.environ, wait_s=2.0):
     fd = environ.get("PMI_FD")
     if fd is None or not all(v in environ for v in HYDRA_VARS):
         return False
+    if (environ.get("MPIR_CVAR_PMI_VERSION", "1") not in ("", "1")
+            or environ.get("I_MPI_PMI", "").lower() in ("pmi2", "pmix")):
+        return False  # a PMI-2 (or PMIx) wire: a PMI-1 line there is not ours to send
     import select
     import time
     try:
