@@ -279,6 +279,26 @@ def test_an_infinitely_fast_link_loses_nothing(traced, tmp_path):
     assert rows[0]["iter_ms"] == pytest.approx(rows[1]["iter_ms"], abs=1e-3)
 
 
+
+def test_a_slower_traced_rank_is_no_scaling_loss(traced):
+    """A 2-rank data-parallel trace whose rank 1 ran every op 3 times
+    slower than rank 0 (made from the 1-rank trace): at N > 1 rank 1 is
+    simulated with its own medians (model.Scenario.class_ranks) and is the
+    slowest, so the 1-rank reference is priced by the slowest traced rank
+    too, and on an infinitely fast link data parallelism loses nothing.
+    Before, one rank was priced by rank 0's medians alone: efficiency 0.62
+    at 2 ranks, the traced ranks' difference read as a scaling loss."""
+    from purine_mpi.tools.scaling.model import predict_table
+    from purine_mpi.tools.scaling.trace_reader import Durations, read_traces
+    one, job = read_traces(str(traced))
+    ops = one.per_rank[0]
+    durations = Durations({0: dict(ops), 1: {n: 3 * s for n, s in ops.items()}},
+                          {0: one.iter_seconds[0], 1: 3 * one.iter_seconds[0]},
+                          one.iterations, {0: one.gaps[0], 1: 3 * one.gaps[0]})
+    table = predict_table(job, durations, [2, 4], Link(0.0, 1e30, 0.0, "ideal"))
+    for row in table["rows"]:
+        assert row["slowest_rank"] == 1, row
+        assert row["efficiency"] == pytest.approx(1.0, abs=1e-3), row
 @pytest.mark.parametrize("args,message", [
     (["--np", "2", "--out", "p.h5"], "takes no --out"),
     (["--bandwidth", "1gbit"], "needs --np"),

@@ -72,6 +72,7 @@ or a Sum (a micro-batch's gradient sum) its bytes written at the host's
 measured add rate (``link.reduce_cost_per_byte``); other ops count as 0.
 All of these are reported as ``untraced``.
 """
+import copy
 import time
 
 from ...base.errors import UserError
@@ -228,6 +229,9 @@ class Template:
         if graph is None:
             graph = compose_for(job, scenario.n, rank)
         self.graph, self.rank = graph, rank
+        #: the traced rank whose medians price the ops (``Durations.lookup``):
+        #: its own; at N = 1 each traced rank's in turn (``predict_one``)
+        self.prices = rank
         self.kernels = {n: make_kernel(op) for n, op in graph.ops.items()}
         self.deps = graph.dependencies()
         order = graph.topo_order(self.deps)
@@ -278,10 +282,10 @@ class Template:
                 if no_comm:
                     sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
             else:
-                seconds = durations.lookup(name, self.rank, self.rows.get(shard_rows_key(name)))
+                seconds = durations.lookup(name, self.prices, self.rows.get(shard_rows_key(name)))
                 alias = sum_alias(name) if seconds is None else None
                 if alias:  # the op on the gradient, traced at another rank count
-                    seconds = durations.lookup(alias, self.rank)
+                    seconds = durations.lookup(alias, self.prices)
                 if seconds is None:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost
@@ -356,7 +360,7 @@ class Template:
                 push = f"{param}.push"
                 if push in g.ops:
                     deps = tuple(sorted(set(deps) | {push}))
-                seconds += durations.lookup(f"{param}.update", self.rank) or 0.0
+                seconds += durations.lookup(f"{param}.update", self.prices) or 0.0
                 # the server's Sum of the W gradients before it (sync_ps:
                 # param_server.build_server_graph): W - 1 adds of B bytes at
                 # the host's measured add rate
@@ -471,6 +475,23 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                          overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
     compute = simulate(bare, ITERATIONS).period()
+    if n == 1:
+        # the reference of the efficiency: at N > 1 each traced rank is
+        # simulated with its own medians (class_ranks) and may be the
+        # slowest, so one rank is too: the slowest of the traced ranks'
+        # pricings of the one rank's graph (else a traced rank's slower
+        # medians read as a scaling loss, on an infinitely fast link too)
+        for r in sorted(durations.per_rank):
+            if r == templates[0].prices:
+                continue
+            alt = copy.copy(templates[0])
+            alt.prices = r
+            g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost,
+                               overhead=overhead, per_iteration=per_iteration)[0]
+            period = max(period, simulate([g], ITERATIONS).period())
+            g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
+                               overhead=overhead, per_iteration=per_iteration)[0]
+            compute = max(compute, simulate([g], ITERATIONS).period())
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
             "exposed_comm_s": max(0.0, period - compute), "images": scenario.images,
