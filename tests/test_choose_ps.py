@@ -180,3 +180,25 @@ def test_scheme_auto_never_chooses_parameter_servers(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("phase") == "train"]
     assert [r["iter"] for r in train][-1] == 3 and all(r["loss"] > 0 for r in train)
+
+
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_scheme_auto_refuses_a_mode_it_would_not_keep(tmp_path, mode):
+    """``parallel.scheme: auto`` with ``mode: sync_ps`` or ``async``: exit 2
+    naming parallel.mode. Auto's choice is a synchronous setting, which says
+    ``parallel.mode=sync`` (``choose.SYNC_MODE``): on the code before, the
+    job loaded and auto would have replaced the mode without a word (a
+    parameter-server or async run trained as mode sync)."""
+    from tests.conftest import run_cli_here
+    path = tmp_path / "auto.yaml"
+    path.write_text(NET.replace("CLIP", "").replace(
+        "{scheme: data, mode: sync_ps, ps_ranks: 1}", f"{{scheme: auto, mode: {mode}}}"))
+    res = run_cli_here("plan", path, "--np", 2)
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "parallel.mode" in res.stderr and "scheme auto" in res.stderr, res.stderr
+    assert f"mode '{mode}'" in res.stderr or f"mode {mode}" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    path.write_text(NET.replace("CLIP", "").replace(
+        "{scheme: data, mode: sync_ps, ps_ranks: 1}", "{scheme: auto, mode: sync}"))
+    ok = run_cli_here("plan", path, "--np", 2)
+    assert "parallel.mode" not in ok.stderr, ok.stderr
