@@ -202,3 +202,35 @@ def test_scheme_auto_refuses_a_mode_it_would_not_keep(tmp_path, mode):
         "{scheme: data, mode: sync_ps, ps_ranks: 1}", "{scheme: auto, mode: sync}"))
     ok = run_cli_here("plan", path, "--np", 2)
     assert "parallel.mode" not in ok.stderr, ok.stderr
+
+
+def test_choose_vs_real_measures_the_ranked_settings_only(monkeypatch, tmp_path):
+    """benchmarks/choose_vs_real.py runs and ranks ``plan --choose --json``'s
+    settings that fit: the ranked ones only. On the code before it took the
+    unranked parameter servers too (``"ranked": false``, listed after the
+    ranked ones whatever their prediction): numbered as predicted ranks
+    after them, they entered its Spearman correlation and its fastest
+    measured setting."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks")
+    monkeypatch.syspath_prepend(here)
+    spec = importlib.util.spec_from_file_location("choose_vs_real_t",
+                                                  os.path.join(here, "choose_vs_real.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"label": "data", "set": ["parallel.scheme=data"], "fits": True, "ranked": True},
+            {"label": "big", "set": ["parallel.scheme=data"], "fits": False, "ranked": True},
+            {"label": "ps", "set": ["parallel.mode=sync_ps"], "fits": True, "ranked": False,
+             "note": PS_NOT_VALIDATED},
+            {"label": "refused", "set": ["parallel.scheme=tensor"], "error": "no"}]
+    out = json.dumps({"candidates": rows, "unit": "images", "best": rows[0]["set"]})
+    monkeypatch.setattr(mod.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, out, ""))
+    got, unit = mod.ranked("job.yaml", [], 2, str(tmp_path))
+    assert [c["label"] for c in got] == ["data"] and unit == "images"
+    assert sys.modules.get("choose_vs_real_t") is None
