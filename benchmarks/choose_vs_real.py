@@ -49,7 +49,9 @@ DEFAULT_CONFIGS = [os.path.join("benchmarks", "cifar10_quick_wide.yaml"),
 
 
 def ranked(config, sets, ranks, folder):
-    """``plan --choose --json``'s candidates that fit, best first."""
+    """``plan --choose --json``'s ranked candidates that fit, best first
+    (not the unranked parameter servers, ``"ranked": false``: listed after
+    every ranked setting whatever their prediction, never the choice)."""
     name = os.path.splitext(os.path.basename(config))[0]
     args = ["plan", config, "--np", str(ranks), "--choose", "--json",
             "--calibration", os.path.join(folder, f"calibration_{name}.json")]
@@ -61,7 +63,8 @@ def ranked(config, sets, ranks, folder):
         sys.exit(f"plan --choose {config} failed ({res.returncode}): "
                  f"{res.stderr.strip()[-600:]}")
     plan = json.loads(res.stdout)
-    return [c for c in plan["candidates"] if c.get("fits")], plan.get("unit", "images")
+    return ([c for c in plan["candidates"] if c.get("fits") and c.get("ranked", True)],
+            plan.get("unit", "images"))
 
 
 def spearman(a, b):

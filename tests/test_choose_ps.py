@@ -180,3 +180,60 @@ def test_scheme_auto_never_chooses_parameter_servers(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("phase") == "train"]
     assert [r["iter"] for r in train][-1] == 3 and all(r["loss"] > 0 for r in train)
+
+
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_scheme_auto_refuses_a_mode_it_would_not_keep(tmp_path, mode):
+    """``parallel.scheme: auto`` with ``mode: sync_ps`` or ``async``: exit 2
+    naming parallel.mode. Auto's choice is a synchronous setting, which says
+    ``parallel.mode=sync`` (``choose.SYNC_MODE``): on the code before, the
+    job loaded and auto would have replaced the mode without a word (a
+    parameter-server or async run trained as mode sync)."""
+    from tests.conftest import run_cli_here
+    path = tmp_path / "auto.yaml"
+    path.write_text(NET.replace("CLIP", "").replace(
+        "{scheme: data, mode: sync_ps, ps_ranks: 1}", f"{{scheme: auto, mode: {mode}}}"))
+    res = run_cli_here("plan", path, "--np", 2)
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "parallel.mode" in res.stderr and "scheme auto" in res.stderr, res.stderr
+    assert f"mode '{mode}'" in res.stderr or f"mode {mode}" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    path.write_text(NET.replace("CLIP", "").replace(
+        "{scheme: data, mode: sync_ps, ps_ranks: 1}", "{scheme: auto, mode: sync}"))
+    ok = run_cli_here("plan", path, "--np", 2)
+    assert "parallel.mode" not in ok.stderr, ok.stderr
+
+
+def test_choose_vs_real_measures_the_ranked_settings_only(monkeypatch, tmp_path):
+    """benchmarks/choose_vs_real.py runs and ranks ``plan --choose --json``'s
+    settings that fit: the ranked ones only. On the code before it took the
+    unranked parameter servers too (``"ranked": false``, listed after the
+    ranked ones whatever their prediction): numbered as predicted ranks
+    after them, they entered its Spearman correlation and its fastest
+    measured setting."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks")
+
+    def load(name, file):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, file))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    # its ``import sharded`` (benchmarks/sharded.py), taken out of sys.modules after
+    monkeypatch.setitem(sys.modules, "sharded", load("sharded", "sharded.py"))
+    mod = load("choose_vs_real_t", "choose_vs_real.py")
+    rows = [{"label": "data", "set": ["parallel.scheme=data"], "fits": True, "ranked": True},
+            {"label": "big", "set": ["parallel.scheme=data"], "fits": False, "ranked": True},
+            {"label": "ps", "set": ["parallel.mode=sync_ps"], "fits": True, "ranked": False,
+             "note": PS_NOT_VALIDATED},
+            {"label": "refused", "set": ["parallel.scheme=tensor"], "error": "no"}]
+    out = json.dumps({"candidates": rows, "unit": "images", "best": rows[0]["set"]})
+    monkeypatch.setattr(mod.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, out, ""))
+    got, unit = mod.ranked("job.yaml", [], 2, str(tmp_path))
+    assert [c["label"] for c in got] == ["data"] and unit == "images"

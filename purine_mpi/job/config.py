@@ -604,6 +604,15 @@ def _watch_rules(out, path):
 
 def _parallel_rules(out, parallel, path):
     """The parallel keys against the solver's and the data's."""
+    if out["parallel"]["scheme"] == AUTO_SCHEME and out["parallel"]["mode"] != "sync":
+        # auto's choice (tools/choose.py) is one of the synchronous settings,
+        # each of which says parallel.mode=sync: the job's mode would be
+        # replaced without a word (parameter servers are never chosen)
+        raise ConfigError(path, "parallel.mode", "parallel.scheme auto chooses among the "
+                          "synchronous settings (mode sync), never parameter servers, so "
+                          f"mode {excerpt(out['parallel']['mode'])} would not be kept; set "
+                          "parallel.mode: sync, or set the scheme yourself (plan --choose "
+                          "lists the parameter-server settings, unranked)")
     if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
         raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
                           f"(parameter servers) supports solver type 'sgd' only, got "

@@ -454,7 +454,7 @@ CHOICE_DOCS = {
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
                 "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "
                 "tensor, tensor within pipeline stages; `recompute`; never parameter servers, "
-                "whose model is not validated) predicted fastest among those whose bytes fit "
+                "whose model is not validated, so `parallel.mode` must be sync) predicted fastest among those whose bytes fit "
                 "each "
                 "rank's memory, timed from two short traced runs of the job on rank 0, at its "
                 "batch and at a quarter of it (cached "
