@@ -170,7 +170,9 @@ def _layer_norm_grad_inputs(rng):
      lambda rng: [rng.standard_normal((2, 3000, 40)).astype(F32)],
      ["sum_rows", "bias_grad_finish"]),
     ("LayerNormGrad", {"outputs": ["dg", "db"]}, _layer_norm_grad_inputs,
-     ["layernorm_backward", "sum_rows", "bias_grad_finish", "sum_rows", "bias_grad_finish"]),
+     # db's column sums of dy first, then the backward kernel, then dg's
+     # (a bits copy of dx may take dy's bytes: the sums read dy before it)
+     ["sum_rows", "bias_grad_finish", "layernorm_backward", "sum_rows", "bias_grad_finish"]),
     ("PositionEmbeddingGrad", {"max_length": 5},
      lambda rng: [rng.standard_normal((3000, 4, 10)).astype(F32)],
      ["sum_rows", "bias_grad_finish"]),

@@ -106,7 +106,10 @@ def test_bench_json_shows_the_reduced_bytes_halved(tmp_path, digits_h5):
 
 # ---------------------------------------------------- the scaling predictor
 class _NoDurations:
-    """Traced durations of none of the ops: the prediction is its communication."""
+    """Traced durations of none of the ops, on no traced rank: the
+    prediction is its communication."""
+
+    per_rank = {}
 
     def lookup(self, name, rank=0, rows=None):
         return None

@@ -35,7 +35,7 @@ from .job import Job, job_of
 from .keys import check_section
 from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
-from .schema import (AUTO_SCHEME, RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
+from .schema import (AUTO_SCHEME, RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, SOLVER, TOP,
                      TOP_KEYS)
 from ..layers import check_layer, layer_key, layer_spec
 from ..ops.batchnorm import REPLICA_SUM
@@ -828,3 +828,46 @@ _SECTION_RULES = {"solver": _solver_rules, "parallel": _parallel_rules}
 #: the sections with declared keys: name -> ({key: default}, {key: checker})
 SECTIONS = {name: ({key.name: key.default for key in keys}, {key.name: key.check for key in keys})
             for name, keys in SECTION_KEYS.items()}
+
+
+#: the rate keys some lr_policy reads and another not (_POLICY_KEYS); max_iter
+#: is the run's length whatever the policy
+_POLICY_ONLY_KEYS = ("gamma", "stepsize", "stepvalues", "power", "min_lr")
+#: the update keys some solver type reads and another not (UPDATE_KEYS)
+_TYPE_ONLY_KEYS = ("momentum", "momentum2", "delta", "rms_decay")
+
+
+def solver_notes(job):
+    """One start-up line for each solver key set (to something else than
+    its default, docs/config.md) that the solver type or the lr_policy does
+    not read, naming the file, the key and why: accepted (Caffe-converted
+    configs carry every key of their solver), but a user who set it believes
+    it acts. ``momentum: 0`` under adagrad or rmsprop (which take none) is
+    what their error asks for, not noted."""
+    from ..graph.solver_graph import UPDATE_KEYS
+    solver = job.solver
+    defaults = {key.name: key.default for key in SOLVER}
+    where = f"{job.path}: " if job.path and not str(job.path).startswith("<") else ""
+    notes = []
+
+    def note(key, why):
+        value = getattr(solver, key)
+        if value is None or value == defaults[key] or (
+                isinstance(value, (list, tuple)) and list(value) == list(defaults[key])):
+            return
+        notes.append(f"note: {where}solver.{key} {excerpt(value)} is not used: {why}")
+
+    policy = solver.lr_policy
+    reads = _POLICY_KEYS.get(policy, ())
+    for key in _POLICY_ONLY_KEYS:
+        if key not in reads:
+            what = f"reads {', '.join(reads)}" if reads else "reads none of gamma, stepsize, " \
+                "stepvalues, power, min_lr"
+            note(key, f"lr_policy {policy} {what}")
+    kind = solver.type or "sgd"
+    used = UPDATE_KEYS.get(kind, ())
+    for key in _TYPE_ONLY_KEYS:
+        if key in used or (key == "momentum" and not getattr(solver, key)):
+            continue
+        note(key, f"solver type {kind} reads {', '.join(used)}")
+    return notes

@@ -28,7 +28,7 @@ from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
 from ..job.job import job_of, precision_notes
-from ..graph.solver_graph import solver_notes
+from ..job.config import solver_notes
 from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
