@@ -102,6 +102,20 @@ def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
     assert "before_save" in vars(Service) and "before_save" in vars(WorkerStopAgreement)
 
 
+def _refused_run(cfg, out):
+    """A one-rank Trainer of ``cfg`` (as file job.yaml) into ``out`` whose
+    run() raises a UserError: (the trainer, pytest's info on the error)."""
+    from purine_mpi.base.errors import UserError
+    t = Trainer(make_job(cfg, path="job.yaml"), str(out), world=FakeWorld(),
+                log=lambda m: None)
+    try:
+        with pytest.raises(UserError) as info:
+            t.run()
+    finally:
+        t.close()
+    return t, info
+
+
 def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path, digits_h5):
     """``solver.early_stop: {metric: acuracy}`` (or checkpoint.best's) trained
     until the first test pass, then exited 2 (a long job's whole first test
@@ -110,19 +124,12 @@ def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path
     naming the file, the key and the figures, with a did-you-mean; a figure the net
     has trains."""
     import json
-    from purine_mpi.base.errors import UserError
     for section, key in (("solver", "early_stop"), ("checkpoint", "best")):
         cfg = small_net_config(str(digits_h5))
         cfg["solver"].update(max_iter=6, display=1, test_interval=6)
         cfg[section][key] = {"metric": "acuracy"}
         out = tmp_path / key
-        t = Trainer(make_job(cfg, path="job.yaml"), str(out), world=FakeWorld(),
-                    log=lambda m: None)
-        try:
-            with pytest.raises(UserError) as info:
-                t.run()
-        finally:
-            t.close()
+        t, info = _refused_run(cfg, out)
         metrics = out / "metrics.jsonl"
         rows = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
         assert not [r for r in rows if r.get("phase") == "train"], rows
@@ -171,17 +178,10 @@ def test_a_watched_metric_named_by_the_accuracy_top_says_the_figure_name(tmp_pat
     at start-up, as the figure is named 'accuracy' (metrics.jsonl); the message
     said only "it has loss, accuracy" (before the fix: ``assert "the test figure
     of blob 'acc' is named 'accuracy'" in text`` failed)."""
-    from purine_mpi.base.errors import UserError
     cfg = small_net_config(str(digits_h5))
     cfg["solver"].update(max_iter=2, test_interval=0)
     cfg["checkpoint"]["best"] = {"metric": "acc"}
-    t = Trainer(make_job(cfg, path="job.yaml"), str(tmp_path / "run"), world=FakeWorld(),
-                log=lambda m: None)
-    try:
-        with pytest.raises(UserError) as info:
-            t.run()
-    finally:
-        t.close()
+    t, info = _refused_run(cfg, tmp_path / "run")
     text = str(info.value)
     assert "key 'checkpoint.best.metric': metric 'acc'" in text
     assert "the test figure of blob 'acc' is named 'accuracy'" in text

@@ -23,13 +23,15 @@ from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks
 pytestmark = [pytest.mark.mpi]
 
 
-def test_term_repeated_to_every_rank_after_the_stop_ends_143(tmp_path, digits_h5):
+def _two_ranks_training(tmp_path, digits_h5, **sections):
+    """A long 2-rank run of the small net (``sections`` replace its config
+    sections) under mpiexec, started and past its first metrics row:
+    (mpiexec's Popen, the run folder, the ranks' pids)."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     cfg = small_net_config(digits_h5)
     cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
-    cfg["checkpoint"] = {"interval": 0, "keep": 2}
-    cfg["parallel"] = {"scheme": "sharded", "shard": 3, "stall_timeout": 10}
+    cfg.update(sections)
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "run")
     cmd = [MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
@@ -40,6 +42,17 @@ def test_term_repeated_to_every_rank_after_the_stop_ends_143(tmp_path, digits_h5
         _wait_for_metrics(out, time.time() + 60)
         pids = _rank_pids(out)
         assert len(pids) == 2, pids
+    except BaseException:
+        kill_ranks(proc, pids)
+        raise
+    return proc, out, pids
+
+
+def test_term_repeated_to_every_rank_after_the_stop_ends_143(tmp_path, digits_h5):
+    proc, out, pids = _two_ranks_training(
+        tmp_path, digits_h5, checkpoint={"interval": 0, "keep": 2},
+        parallel={"scheme": "sharded", "shard": 3, "stall_timeout": 10})
+    try:
         os.kill(max(pids), signal.SIGTERM)  # the notice, to one rank
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
@@ -102,20 +115,8 @@ def test_kill_9_of_a_rank_leaves_nothing_in_dev_shm(tmp_path, digits_h5):
     code of ours runs) left the job's MPICH segment /dev/shm/mpich_shm_*
     (2-4 MiB) for good, one a killed job and node. Now its name goes once
     every rank has mapped it (World's first collective)."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    cfg = small_net_config(digits_h5)
-    cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
-    path = write_config_file(tmp_path, cfg)
-    out = str(tmp_path / "run")
-    cmd = [MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    pids = []
+    proc, out, pids = _two_ranks_training(tmp_path, digits_h5)
     try:
-        _wait_for_metrics(out, time.time() + 60)
-        pids = _rank_pids(out)
-        assert len(pids) == 2, pids
         segments = set().union(*(_mpich_segments(pid) for pid in pids))
         os.kill(max(pids), signal.SIGKILL)
         proc.communicate(timeout=30)
