@@ -46,11 +46,15 @@ class InitMismatch(UserError):
 
 
 class ConfigError(UserError):
-    """Bad configuration: ``ConfigError(path, key, message)``."""
+    """Bad configuration: ``ConfigError(path, key, message)``. ``also``:
+    the other keys a rule between keys read (``solver.base_lr`` for the
+    refused ``solver.min_lr`` above it), so that a refusal a ``--set`` of
+    one of them caused names that ``--set`` (job/config.py)."""
 
-    def __init__(self, path, key, message):
+    def __init__(self, path, key, message, also=()):
         message = _yaml_bool_hint(key, message)
         self.path, self.key, self.problem = path, key, message
+        self.also = tuple(also)
         where = f"{path}: " if path else ""
         keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
         super().__init__(f"{where}{keytxt}{message}")
