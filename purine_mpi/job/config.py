@@ -60,8 +60,11 @@ def load_job(path, overrides=(), iters=None, check_files=True):
 
 def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
     """``resolve_config`` as a ``Job``: the one place a config becomes a job
-    (the CLI, the converters, the tests' ``make_job``)."""
-    return job_of(resolve_config(raw, path, overrides, iters, check_files))
+    (the CLI, the converters, the tests' ``make_job``); it keeps the
+    ``overrides`` (``Job.overrides``: what a start-up note names)."""
+    job = job_of(resolve_config(raw, path, overrides, iters, check_files))
+    sets = tuple(str(text) for text in overrides or ())
+    return job.replace(overrides=sets) if sets else job
 
 
 def load_job_of_checkpoint(path, overrides=(), check_files=False):
@@ -139,10 +142,7 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
             raise ConfigError(path, "solver", f"expected a mapping, got {_kind(config['solver'])}")
         config["solver"]["max_iter"] = _check_int("--iters", iters, path, minimum=0)
     try:
-        out = validate_config(config, path, check_files)
-        if overrides:  # what a start-up note on a key names (solver_notes)
-            out["_overrides"] = [str(text) for text in overrides]
-        return out
+        return validate_config(config, path, check_files)
     except ConfigError as exc:
         source = _blamed_override(exc, overrides, raw)
         if source is None:

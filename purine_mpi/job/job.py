@@ -209,17 +209,18 @@ class Job:
     #: the file's key of each layer of ``net`` when the file has a ``repeat``
     #: (``net.4``, ``net.3.block.2``: job/repeat.py), else None
     net_keys: Optional[tuple] = None
-    #: the ``--set`` texts it was loaded with, in order (job/config.py: a
-    #: start-up note on a key one of them wrote names it, not the file), else None
-    overrides: Optional[tuple] = None
+    #: the ``--set`` texts it was loaded with, in order (job/config.py's
+    #: resolve_job: a start-up note on a key one of them wrote names it, not
+    #: the file), else None; where the values came from, not what they are:
+    #: no part of the job's equality, nor of its config
+    overrides: Optional[tuple] = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, config):
         """A job from a validated config dict (a missing section takes the
         schema's defaults)."""
-        keys, sets = config.get("_net_keys"), config.get("_overrides")
-        return cls(path=config.get("_path"), net_keys=tuple(keys) if keys else None,
-                   overrides=tuple(sets) if sets else None, **{
+        keys = config.get("_net_keys")
+        return cls(path=config.get("_path"), net_keys=tuple(keys) if keys else None, **{
             key.name: key.job_value(config.get(key.name, key.default)) for key in cls.KEYS})
 
     def to_config(self):
@@ -234,8 +235,6 @@ class Job:
         out["_path"] = self.path
         if self.net_keys:
             out["_net_keys"] = list(self.net_keys)
-        if self.overrides:
-            out["_overrides"] = list(self.overrides)
         return out
 
     def replace(self, **changes):
