@@ -432,7 +432,8 @@ def _recompute_rules(out, path):
                           f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none, "
                           "or scheme: data, or sharded without parallel.stages or "
                           "parallel.tensor_parallel (parallel.micro_batches combine with "
-                          "recompute there)", also=("parallel.scheme", "parallel.tensor_parallel", "parallel.stages"))
+                          "recompute there)",
+                          also=("parallel.scheme", "parallel.tensor_parallel", "parallel.stages"))
     import fnmatch
     names = [layer["name"] for layer in out["net"]]
     for p in patterns or ():
@@ -468,7 +469,8 @@ def _precision_rules(out, given, path):
         raise ConfigError(path, "precision", f"precision: fp16 scales the loss dynamically, "
                           f"which is built for parallel.scheme {' or '.join(FP16_SCHEMES)} with "
                           f"mode sync, not scheme {par['scheme']} with mode {par['mode']}; use "
-                          "precision: bf16 (float32's range, no scaling needed)", also=("parallel.scheme", "parallel.mode"))
+                          "precision: bf16 (float32's range, no scaling needed)",
+                          also=("parallel.scheme", "parallel.mode"))
     _grad_dtype_rules(out, path)
 
 
@@ -561,7 +563,8 @@ def _check_net(net, path):
                                                    "checkpoint)")
         if layer["name"] in seen:
             raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
-                                                   f"(also {keys[seen[layer['name']]]})", also=(keys[seen[layer["name"]]],))
+                                                   f"(also {keys[seen[layer['name']]]})",
+                                                   also=(keys[seen[layer["name"]]],))
         seen[layer["name"]] = i
         check_layer(layer, i, path, where=layer_key(keys, i))  # known type, declared keys (purine_mpi/layers)
     return copy.deepcopy(net), keys
@@ -595,21 +598,25 @@ def _solver_rules(out, solver, path):
     policy = out["lr_policy"]
     if policy == "step" and out["stepsize"] is None:
         raise ConfigError(path, "solver.stepsize", "lr_policy 'step' needs a stepsize "
-                                                   "(a positive integer number of iterations)", also=("solver.lr_policy",))
+                                                   "(a positive integer number of iterations)",
+                                                   also=("solver.lr_policy",))
     if policy == "multistep" and not out["stepvalues"]:
         raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
-                                                     "(an increasing list of iterations)", also=("solver.lr_policy",))
+                                                     "(an increasing list of iterations)",
+                                                     also=("solver.lr_policy",))
     if policy in _FLOOR_POLICIES and out["min_lr"] > out["base_lr"]:
         # a floor above the start: the rate would rise over the run, the
         # opposite of the decay the policy is chosen for (a swapped pair)
         raise ConfigError(path, "solver.min_lr", f"{out['min_lr']!r} is above solver.base_lr "
                           f"{out['base_lr']!r}: lr_policy {policy} decays the rate from "
                           "base_lr down to min_lr, so it would rise over the run; expected a "
-                          f"number <= base_lr ({out['base_lr']!r})", also=("solver.base_lr", "solver.lr_policy"))
+                          f"number <= base_lr ({out['base_lr']!r})",
+                          also=("solver.base_lr", "solver.lr_policy"))
     given = solver if isinstance(solver, dict) else {}
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
         raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
-                          "momentum (as in Caffe); remove the key or set it to 0", also=("solver.type",))
+                          "momentum (as in Caffe); remove the key or set it to 0",
+                          also=("solver.type",))
 
 
 def _watch_rules(out, path):
@@ -638,11 +645,13 @@ def _parallel_rules(out, parallel, path):
                           "synchronous settings (mode sync), never parameter servers, so "
                           f"mode {excerpt(out['parallel']['mode'])} would not be kept; set "
                           "parallel.mode: sync, or set the scheme yourself (plan --choose "
-                          "lists the parameter-server settings, unranked)", also=("parallel.scheme",))
+                          "lists the parameter-server settings, unranked)",
+                          also=("parallel.scheme",))
     if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
         raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
                           f"(parameter servers) supports solver type 'sgd' only, got "
-                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync", also=("parallel.mode",))
+                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync",
+                          also=("parallel.mode",))
     if out["solver"]["early_stop"] is not None and out["parallel"]["mode"] in ("async",
                                                                                "sync_ps"):
         # the workers' test passes decide it after the iteration's stop
@@ -652,7 +661,8 @@ def _parallel_rules(out, parallel, path):
                           "parallel.mode sync (any scheme), not with "
                           f"{excerpt(out['parallel']['mode'])} (parameter servers: they take "
                           "no part in the test passes that decide it); use "
-                          "checkpoint.best to keep the best test passes instead", also=("parallel.mode",))
+                          "checkpoint.best to keep the best test passes instead",
+                          also=("parallel.mode",))
     _check_pipeline(out, path)
     _check_sharded(out, path)
     _check_sync_batch_norm(out, path)
@@ -663,7 +673,8 @@ def _parallel_rules(out, parallel, path):
                           "every gradient of an iteration in one place: it works with "
                           "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
                           f"with mode {excerpt(out['parallel']['mode'])} and "
-                          f"ps_ranks {out['parallel']['ps_ranks']}", also=("parallel.mode", "parallel.ps_ranks"))
+                          f"ps_ranks {out['parallel']['ps_ranks']}",
+                          also=("parallel.mode", "parallel.ps_ranks"))
 
 
 def _check_sync_batch_norm(out, path):
@@ -699,7 +710,8 @@ def _check_sync_batch_norm(out, path):
         else:
             continue
         raise ConfigError(path, key, f"{who} (statistics of the global batch) is refused: "
-                                     f"{why}, or {instead}", also=("parallel.mode", "parallel.scheme"))
+                                     f"{why}, or {instead}",
+                                     also=("parallel.mode", "parallel.scheme"))
 
 
 def _check_sharded(out, path):
@@ -745,7 +757,8 @@ def _check_sharded(out, path):
         if bad:
             hint = " (parameter servers run under scheme data)" if key == "parallel.mode" \
                 else ""
-            raise ConfigError(path, key, f"{what} is refused: {why}; change this key{hint}", also=also)
+            raise ConfigError(path, key, f"{what} is refused: {why}; change this key{hint}",
+            also=also)
 
 
 def _check_pipeline(out, path):
@@ -757,7 +770,8 @@ def _check_pipeline(out, path):
         batch = train.get("batch_size")
         if batch is not None and batch % micro:
             raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
-                              f"divide data.train.batch_size {batch}; choose a divisor", also=("data.train.batch_size",))
+                              f"divide data.train.batch_size {batch}; choose a divisor",
+                              also=("data.train.batch_size",))
         for i, layer in enumerate(out.get("net") or ()):
             # a train-phase metric is not copied per micro-batch (parallel/micro_batch.py)
             if layer_spec(layer["type"]).type == "accuracy" and layer.get("phase") != "test":
@@ -777,23 +791,27 @@ def _check_pipeline(out, path):
                               "workers)", also=("parallel.scheme", "parallel.tensor_parallel"))
         if micro > 1 and not par["stages"]:  # with stages: the pipeline's micro-batches
             raise ConfigError(path, "parallel.micro_batches", f"{what} takes no "
-                              f"micro-batches (got {micro}); use 1", also=("parallel.scheme", "parallel.tensor_parallel"))
+                              f"micro-batches (got {micro}); use 1",
+                              also=("parallel.scheme", "parallel.tensor_parallel"))
     if par["tensor_parallel"] > 1 and scheme == "tensor" and par["stages"]:
         key = "parallel.stages"
         raise ConfigError(path, key, f"scheme {scheme} with {key} is refused: tensor "
                           "parallelism within pipeline stages (parallel.stages and "
                           "parallel.tensor_parallel) is scheme pipeline's (one replica of p "
                           "stages x t tensor shards) and scheme hybrid's (R replicas of it); "
-                          f"use scheme: pipeline or hybrid, or drop {key}", also=("parallel.scheme", "parallel.tensor_parallel"))
+                          f"use scheme: pipeline or hybrid, or drop {key}",
+                          also=("parallel.scheme", "parallel.tensor_parallel"))
     count = par["stages"] if _is_int(par["stages"]) else None
     if scheme not in ("pipeline", "hybrid") and not (scheme == "sharded" and par["stages"]):
         if count is not None:
             raise ConfigError(path, "parallel.stages", f"scheme {scheme} takes no stages (got "
-                              f"{count}); the schemes pipeline, hybrid and sharded do", also=("parallel.scheme",))
+                              f"{count}); the schemes pipeline, hybrid and sharded do",
+                              also=("parallel.scheme",))
         return
     if par["mode"] != "sync":
         raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
-                          f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)", also=("parallel.scheme", "parallel.stages"))
+                          f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)",
+                          also=("parallel.scheme", "parallel.stages"))
     if out.get("net") is None:
         if count is not None:
             raise ConfigError(path, "parallel.stages", f"{count} stages cut a 'net' (its "
@@ -803,11 +821,13 @@ def _check_pipeline(out, path):
         layers = len(out["net"])
         if count > layers:
             raise ConfigError(path, "parallel.stages", f"{count} stages for a net of {layers} "
-                              f"layers; give at most {layers} (each stage holds a layer)", also=("net",))
+                              f"layers; give at most {layers} (each stage holds a layer)",
+                              also=("net",))
         return  # validate_config resolves it into the map (job/stage_cut.py), checked again
     if not par["stages"]:
         raise ConfigError(path, "parallel.stages", f"scheme {scheme} needs a mapping layer -> "
-                          "stage for every layer, e.g. {conv1: 0, fc1: 1}", also=("parallel.scheme",))
+                          "stage for every layer, e.g. {conv1: 0, fc1: 1}",
+                          also=("parallel.scheme",))
     names = [layer.get("name") for layer in out["net"]]
     unknown = sorted(set(par["stages"]) - set(names))
     if unknown:

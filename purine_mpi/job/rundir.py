@@ -23,6 +23,10 @@
   The lock is taken before the folder's files are looked at, so ``--force``
   into a folder whose run is still going deletes nothing.
 
+- A run refused at start-up (exit 2) before it wrote anything but its lock
+  and train.log, in a folder it made (a new numbered one, an ``--out`` that
+  was not there), removes that folder and the parents it made
+  (``release_run_dirs``); a folder that was there keeps every file.
 - ``--force`` deletes only what a run of ours wrote, recognised by content
   (``rundir_force.py``); a folder holding anything else of a run's names is
   refused (exit 2) and nothing is deleted.
