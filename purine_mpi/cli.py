@@ -51,7 +51,7 @@ from .base import env, logfile
 from .cli_args import build_parser
 from .comm.launcher import launched_rank, launched_size
 from .base.errors import InitMismatch, OpError, UserError
-from .job.outputs import check_out, refuse_replacing, refuse_under_a_file
+from .job.outputs import check_out, refuse_other_kind, refuse_replacing, refuse_under_a_file
 
 
 def _load(args, check_files=True):
@@ -277,7 +277,7 @@ def cmd_predict(args):
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
     check_out(args.out, args.config, args.weights, job)
-    _refuse_non_hdf5_out(args.out, "the predictions")  # as data's --out
+    refuse_other_kind(args.out, "predictions", "the predictions", args.force)  # as data's
     _check_written_by_rank0(args.out)
     res = predict_split(job, args.out, args.weights, args.blobs, args.split,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -391,23 +391,12 @@ def cmd_inspect(args):
     return 0
 
 
-def _refuse_non_hdf5_out(out, what):
-    """An ``--out`` file that is there and is not HDF5 is refused: an HDF5
-    file is remade in place (atomically), another (a config, a script, a
-    typo's victim) would be replaced by ``what`` without a word."""
-    if out and os.path.isfile(out):
-        import h5py
-        if not h5py.is_hdf5(out):
-            raise UserError(f"--out {out} exists and is not an HDF5 file: writing "
-                            f"{what} there would replace it; remove it or give another --out")
-
-
 def cmd_data(args):
     from .data import datasets
     check_out(args.out, more=[("--from", args.source), ("--tokenizer", args.tokenizer)])
     src = os.path.realpath(args.source) + os.sep if args.source else None
     if not (args.out and src and os.path.realpath(args.out).startswith(src)):
-        _refuse_non_hdf5_out(args.out, "the data")  # (an input: refused below)
+        refuse_other_kind(args.out, "data", "the data", args.force)  # (an input: below)
     if args.dataset != "text" and (args.glob is not None or args.val_fraction != 0.1 or
                                    args.tokenizer is not None or args.bpe_vocab is not None):
         raise UserError(f"data {args.dataset}: --glob, --val-fraction, --tokenizer and "

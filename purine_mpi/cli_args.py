@@ -292,6 +292,10 @@ def build_parser():
     p.add_argument("--out", type=path_arg, required=True, metavar="PATH.h5",
                    help="the HDF5 data file to write (groups train and test; text: train and "
                         "val)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an --out file that holds something else than a data file "
+                        "(predictions, HDF5 of another kind, a file that is not HDF5; never a "
+                        "checkpoint): refused otherwise")
     p.add_argument("--from", type=path_arg, dest="source", metavar="PATH",
                    help="cifar10: cifar-10-python.tar.gz, its folder, or the folder of the "
                         "python-pickle batches (with --download: where the archive is fetched "
@@ -340,6 +344,10 @@ def build_parser():
     p.add_argument("--out", type=path_arg, metavar="PREDS.h5",
                    help="outputs: the HDF5 file to write: /outputs/<blob>, /label, /index "
                         "(docs/formats.md)")
+    p.add_argument("--force", action="store_true",
+                   help="outputs: replace an --out file that holds something else than "
+                        "predictions (a data file, HDF5 of another kind, a file that is not "
+                        "HDF5; never a checkpoint): refused otherwise")
     p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
                    help="outputs: a blob to write per sample (repeatable; default: the net's "
                         "last output, the scores its loss reads)")

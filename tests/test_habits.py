@@ -93,6 +93,7 @@ def test_train_log_holds_the_terminal_lines_across_resumes_and_rank_errors(tmp_p
 
 def test_a_log_alone_does_not_hold_the_folder(tmp_path, digits_h5):
     out = tmp_path / "run"
+    out.mkdir()  # a folder that was there: a fresh one the refusal made is removed (rundir.py)
     bad = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", out, "--iters", "10",
                        "--init", str(tmp_path / "nonesuch.h5"), *_sets(digits_h5))
     assert bad.returncode == 2 and (out / "train.log").exists()

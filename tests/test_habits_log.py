@@ -25,9 +25,15 @@ def _log_lines(out):
         return f.read().splitlines()
 
 
-def _train(tmp_path, cfg, *more, ranks=1):
+def _train(tmp_path, cfg, *more, ranks=1, made=False):
+    """``train`` into ``tmp_path/run``; ``made``: a folder there already (a
+    fresh one that a start-up refusal leaves empty but for its log is
+    removed, job/rundir.release_run_dirs: the log of such a refusal is
+    read in a folder that was there)."""
     path = write_config_file(tmp_path, cfg)
     out = tmp_path / "run"
+    if made:
+        out.mkdir()
     args = ("train", path, "--out", out, *more)
     res = run_mpi_cli(ranks, *args) if ranks > 1 else run_cli_args(*args)
     return res, out, path
@@ -80,7 +86,8 @@ def test_case2_divergence_in_train_log_two_ranks(digits_h5, tmp_path):
 def test_case2_user_error_after_run_folder(digits_h5, tmp_path):
     """Case 2: a user error once the run folder's log is open (--init of a
     file that is no checkpoint): the error, then ``run ended: user error (exit 2)``."""
-    res, out, _ = _train(tmp_path, small_net_config(digits_h5), "--init", digits_h5)
+    res, out, _ = _train(tmp_path, small_net_config(digits_h5), "--init", digits_h5,
+                         made=True)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr
     lines = _log_lines(out)
@@ -90,7 +97,8 @@ def test_case2_user_error_after_run_folder(digits_h5, tmp_path):
 
 def test_case2_user_error_two_ranks(digits_h5, tmp_path):
     """Case 2: the same user error on 2 ranks reaches train.log once."""
-    res, out, _ = _train(tmp_path, small_net_config(digits_h5), "--init", digits_h5, ranks=2)
+    res, out, _ = _train(tmp_path, small_net_config(digits_h5), "--init", digits_h5, ranks=2,
+                         made=True)
     assert res.returncode == 2, res.stderr
     lines = _log_lines(out)
     assert sum(ln.startswith("error: ") for ln in lines) == 1, lines

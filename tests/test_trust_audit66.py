@@ -183,7 +183,7 @@ def test_predict_refuses_to_replace_a_file_that_is_not_hdf5(digits_h5, tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: --out {notes} exists and is not an HDF5 file: writing the predictions there "
-        "would replace it; remove it or give another --out"), res.stderr
+        "would replace it; give another --out, or --force to replace it"), res.stderr
     # data says the same of its own (the rule predict now shares)
     res = run_cli_here("data", "digits", "--out", notes)
     assert res.returncode == 2 and "writing the data there would replace it" in res.stderr

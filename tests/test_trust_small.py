@@ -169,8 +169,8 @@ def test_data_does_not_replace_a_file_that_is_not_hdf5(tmp_path):
     res = run_cli_here("data", "digits", "--out", notes)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert res.stderr.strip() == (f"error: --out {notes} exists and is not an HDF5 file: "
-                                  "writing the data there would replace it; remove it or give "
-                                  "another --out"), res.stderr
+                                  "writing the data there would replace it; give another --out, "
+                                  "or --force to replace it"), res.stderr
     assert notes.read_text() == "my notes\n"
     data = tmp_path / "digits.h5"
     for _ in range(2):

@@ -46,18 +46,26 @@ class InitMismatch(UserError):
 
 
 class ConfigError(UserError):
-    """Bad configuration: ``ConfigError(path, key, message)``."""
+    """Bad configuration: ``ConfigError(path, key, message)``. ``also``:
+    the other keys a rule between keys read (``solver.base_lr`` for the
+    refused ``solver.min_lr`` above it), so that a refusal a ``--set`` of
+    one of them caused names that ``--set`` (job/config.py)."""
 
-    def __init__(self, path, key, message):
+    def __init__(self, path, key, message, also=()):
         message = _yaml_bool_hint(key, message)
         self.path, self.key, self.problem = path, key, message
+        self.also = tuple(also)
         where = f"{path}: " if path else ""
         keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
         super().__init__(f"{where}{keytxt}{message}")
 
 
 #: "got False" / "got bool True" in a message: a YAML boolean where the key wants another type
-_GOT_BOOL = re.compile(r"\bgot (?:bool )?(True|False)\b(?! \(YAML)")
+_GOT_BOOL = re.compile(r"\bgot (?:bool )?((True|False))\b(?! \(YAML)")
+#: "got [True, 'label']": a YAML boolean in a list the message shows (group
+#: 1: the list, one level; a mapping's booleans may be its values: numbers)
+_GOT_BOOL_INSIDE = re.compile(r"\bgot (\[[^\[\]{}]*?(?<![\w'\"])(True|False)(?![\w'\"])"
+                              r"[^\[\]{}]*\])(?! \(YAML)")
 #: the plain words YAML (1.1, PyYAML's) reads as each boolean
 _BOOL_WORDS = {"True": ("yes", "on", "true"), "False": ("no", "off", "false")}
 
@@ -68,14 +76,18 @@ def _yaml_bool_hint(key, message):
     (``name: no``, ``pool: off``), and "got False" alone leaves the user
     wondering where False came from."""
     found = _GOT_BOOL.search(str(message)) if key else None
+    end = found.end() if found is not None else None
+    if found is None and key:  # in a list: [True, 'label']
+        found = _GOT_BOOL_INSIDE.search(str(message))
+        end = found.end(1) if found is not None else None
     if found is None or re.search(r"\b(number|integer)", message[:found.start()]):
         return message  # a boolean where a number is expected: no text to quote
-    words = _BOOL_WORDS[found.group(1)]
+    words = _BOOL_WORDS[found.group(2)]
     name = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")[-1]
     hint = (f" (YAML read an unquoted `{words[0]}`, `{words[1]}` or `{words[2]}` as the "
-            f"boolean {found.group(1)}: quote the text you mean, e.g. {name}: '{words[0]}' "
+            f"boolean {found.group(2)}: quote the text you mean, e.g. {name}: '{words[0]}' "
             f"or {name}: '{words[1]}')")
-    return message[:found.end()] + hint + message[found.end():]
+    return message[:end] + hint + message[end:]
 
 
 class MemoryTooSmall(UserError):

@@ -34,6 +34,13 @@ _path = None
 _rank = 0
 _outcome = None  # what the training loop returned, in words (set_outcome)
 _end_hooks = []  # called once the run ends (at_end)
+_end_status = None  # the exit status end_run was given
+
+
+def end_status():
+    """The exit status the run ended with (``end_run``), or None before:
+    what the ``at_end`` hooks read."""
+    return _end_status
 
 
 def open_run_log(out_dir, rank=0):
@@ -135,6 +142,8 @@ def end_run(status, rank=None):
     """The log's last line, ``run ended: ... (exit STATUS)``, once; rank 0
     writes it (``rank``: the rank that ends the job on its own, an abort).
     Then the ``at_end`` hooks, on any rank."""
+    global _end_status
+    _end_status = int(status)
     try:
         _last_line(status, rank)
     finally:

@@ -60,8 +60,11 @@ def load_job(path, overrides=(), iters=None, check_files=True):
 
 def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
     """``resolve_config`` as a ``Job``: the one place a config becomes a job
-    (the CLI, the converters, the tests' ``make_job``)."""
-    return job_of(resolve_config(raw, path, overrides, iters, check_files))
+    (the CLI, the converters, the tests' ``make_job``); it keeps the
+    ``overrides`` (``Job.overrides``: what a start-up note names)."""
+    job = job_of(resolve_config(raw, path, overrides, iters, check_files))
+    sets = tuple(str(text) for text in overrides or ())
+    return job.replace(overrides=sets) if sets else job
 
 
 def load_job_of_checkpoint(path, overrides=(), check_files=False):
@@ -141,10 +144,11 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
     try:
         return validate_config(config, path, check_files)
     except ConfigError as exc:
-        source = _override_at(exc.key, overrides, raw)
+        source = _blamed_override(exc, overrides, raw)
         if source is None:
             raise
-        raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem) from None
+        raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem,
+                          exc.also) from None
 
 
 def blame_override(exc, path, overrides):
@@ -160,10 +164,27 @@ def blame_override(exc, path, overrides):
         raw = _read(path)
     except ConfigError:
         return exc
-    source = _override_at(exc.key, overrides, raw)
+    source = _blamed_override(exc, overrides, raw)
     if source is None:
         return exc
-    return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem)
+    return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem, exc.also)
+
+
+def _blamed_override(exc, overrides, raw):
+    """The ``--set`` text a ConfigError is to name: the one that wrote its
+    key, else (a rule between keys: ``exc.also``, the other keys it read)
+    the last one on the command line that wrote one of those: ``--set
+    solver.base_lr=1e-4`` under the file's cosine ``min_lr: 0.001`` made
+    the refusal of min_lr, which the file holds as it always did. None when
+    the file is at fault."""
+    source = _override_at(exc.key, overrides, raw)
+    if source is not None or not getattr(exc, "also", ()):
+        return source
+    found = {_override_at(key, overrides, raw) for key in exc.also} - {None}
+    for text in reversed(list(overrides or ())):
+        if text in found:
+            return text
+    return None
 
 
 def _override_at(key, overrides, raw):
@@ -347,7 +368,7 @@ def _graph_solver_rules(out, given, path):
                               f"{why}: a complete graph runs its own solver ops, whatever the "
                               "solver section says; give both the same value (--set "
                               f"graph.{i}.attrs.{attr or key}=...), or write the graph again "
-                              "with graph --format yaml")
+                              "with graph --format yaml", also=(f"graph.{i}.attrs.{attr or key}",))
 
     first_i, first = updates[0]
     kind = kinds[first["op_type"]]
@@ -396,7 +417,7 @@ def _recompute_rules(out, path):
         return
     if out.get("net") is None:
         raise ConfigError(path, "recompute", f"recompute: {mode} needs a 'net' (its layers), "
-                          "not a 'graph'")
+                          "not a 'graph'", also=("graph", "net"))
     par = out.get("parallel", {})
     stages = par.get("stages")
     # sharded with stages is a pipeline (or hybrid) whose stages' replicas
@@ -411,13 +432,14 @@ def _recompute_rules(out, path):
                           f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none, "
                           "or scheme: data, or sharded without parallel.stages or "
                           "parallel.tensor_parallel (parallel.micro_batches combine with "
-                          "recompute there)")
+                          "recompute there)",
+                          also=("parallel.scheme", "parallel.tensor_parallel", "parallel.stages"))
     import fnmatch
     names = [layer["name"] for layer in out["net"]]
     for p in patterns or ():
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
             raise ConfigError(path, "recompute_layers", f"pattern {excerpt(p)} matches no "
-                              "layer of the net")
+                              "layer of the net", also=("net",))
 
 
 #: the schemes fp16's loss scaling is built for (graph/loss_scale.py)
@@ -433,7 +455,7 @@ def _precision_rules(out, given, path):
     if tf32 is not None and precision is not None and bool(tf32) != (precision == "tf32"):
         raise ConfigError(path, "precision", f"precision: {precision} contradicts tf32: "
                           f"{str(bool(tf32)).lower()}; give one of the two keys (precision "
-                          "takes tf32 over: precision: tf32 is tf32: true)")
+                          "takes tf32 over: precision: tf32 is tf32: true)", also=("tf32",))
     if precision is None and out["tf32"]:
         out["precision"] = "tf32"
     out["tf32"] = out["precision"] == "tf32"
@@ -441,13 +463,14 @@ def _precision_rules(out, given, path):
             out.get("backend") != "cupy":
         raise ConfigError(path, "precision", f"precision: {out['precision']} is a GPU setting "
                           "(the GEMMs of a GPU's tensor cores); the CPU computes in fp32: set "
-                          "device: 0 (a GPU) or precision: fp32")
+                          "device: 0 (a GPU) or precision: fp32", also=("device", "backend"))
     par = out["parallel"]
     if out["precision"] == "fp16" and (par["scheme"] not in FP16_SCHEMES or par["mode"] != "sync"):
         raise ConfigError(path, "precision", f"precision: fp16 scales the loss dynamically, "
                           f"which is built for parallel.scheme {' or '.join(FP16_SCHEMES)} with "
                           f"mode sync, not scheme {par['scheme']} with mode {par['mode']}; use "
-                          "precision: bf16 (float32's range, no scaling needed)")
+                          "precision: bf16 (float32's range, no scaling needed)",
+                          also=("parallel.scheme", "parallel.mode"))
     _grad_dtype_rules(out, path)
 
 
@@ -476,27 +499,32 @@ def _grad_dtype_rules(out, path):
         return
     gpu = out.get("device", -1) >= 0 or out.get("backend") == "cupy"
     scheme = par["scheme"]
+    # (key, refused, in words, the other keys the refusal read)
     refused = [("parallel.scheme", scheme not in GRAD_DTYPE_SCHEMES + GRAD_DTYPE_NO_EFFECT,
-                f"scheme {scheme}"),
+                f"scheme {scheme}", ()),
                ("parallel.mode", par["mode"] != "sync",
-                f"mode {par['mode']} (parameter servers)"),
+                f"mode {par['mode']} (parameter servers)", ()),
                # hybrid's and pipeline's windows carry activations, not the buckets
                # (sharded with stages too: its windows carry the stage transfers)
                ("parallel.transport", par["transport"] == "one_sided" and
                 (scheme == "data" or scheme == "sharded" and not par["stages"]),
-                "transport one_sided (its windows sum float32)"),
+                "transport one_sided (its windows sum float32)",
+                ("parallel.scheme", "parallel.stages")),
                ("parallel.scheme", gpu and scheme in GRAD_DTYPE_MPI_ONLY, f"scheme {scheme} "
                 "on a GPU (its buckets are reduced over rank groups on MPI, whose host staging "
-                "moves float32; NCCL reduces those of schemes data and sharded)"),
+                "moves float32; NCCL reduces those of schemes data and sharded)",
+                ("device", "backend")),
                ("parallel.backend", gpu and par["backend"] == "mpi",
-                "backend mpi on a GPU (its host staging moves float32; use backend nccl)")]
-    for key, bad, what in refused:
+                "backend mpi on a GPU (its host staging moves float32; use backend nccl)",
+                ("device", "backend"))]
+    for key, bad, what, also in refused:
+        also = ("parallel.grad_dtype",) + also
         if bad:
             raise ConfigError(path, key, f"grad_dtype: {par['grad_dtype']} with {what} is "
                               f"refused: the gradient buckets are reduced in bfloat16 by "
                               f"scheme {', '.join(GRAD_DTYPE_SCHEMES)} (mode sync), through "
                               "MPI's two-sided collectives on the CPU or NCCL on GPUs; use "
-                              "grad_dtype: fp32")
+                              "grad_dtype: fp32", also=also)
 
 
 def _check_net(net, path):
@@ -535,7 +563,8 @@ def _check_net(net, path):
                                                    "checkpoint)")
         if layer["name"] in seen:
             raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
-                                                   f"(also {keys[seen[layer['name']]]})")
+                                                   f"(also {keys[seen[layer['name']]]})",
+                                                   also=(keys[seen[layer["name"]]],))
         seen[layer["name"]] = i
         check_layer(layer, i, path, where=layer_key(keys, i))  # known type, declared keys (purine_mpi/layers)
     return copy.deepcopy(net), keys
@@ -569,21 +598,25 @@ def _solver_rules(out, solver, path):
     policy = out["lr_policy"]
     if policy == "step" and out["stepsize"] is None:
         raise ConfigError(path, "solver.stepsize", "lr_policy 'step' needs a stepsize "
-                                                   "(a positive integer number of iterations)")
+                                                   "(a positive integer number of iterations)",
+                                                   also=("solver.lr_policy",))
     if policy == "multistep" and not out["stepvalues"]:
         raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
-                                                     "(an increasing list of iterations)")
+                                                     "(an increasing list of iterations)",
+                                                     also=("solver.lr_policy",))
     if policy in _FLOOR_POLICIES and out["min_lr"] > out["base_lr"]:
         # a floor above the start: the rate would rise over the run, the
         # opposite of the decay the policy is chosen for (a swapped pair)
         raise ConfigError(path, "solver.min_lr", f"{out['min_lr']!r} is above solver.base_lr "
                           f"{out['base_lr']!r}: lr_policy {policy} decays the rate from "
                           "base_lr down to min_lr, so it would rise over the run; expected a "
-                          f"number <= base_lr ({out['base_lr']!r})")
+                          f"number <= base_lr ({out['base_lr']!r})",
+                          also=("solver.base_lr", "solver.lr_policy"))
     given = solver if isinstance(solver, dict) else {}
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
         raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
-                          "momentum (as in Caffe); remove the key or set it to 0")
+                          "momentum (as in Caffe); remove the key or set it to 0",
+                          also=("solver.type",))
 
 
 def _watch_rules(out, path):
@@ -599,7 +632,7 @@ def _watch_rules(out, path):
         if spec is not None:
             raise ConfigError(path, key, f"watches the test figure {excerpt(spec['metric'])}, "
                               f"but the job has no data.test, so no test pass gives it and "
-                              f"it {what}; add data.test or remove {key}")
+                              f"it {what}; add data.test or remove {key}", also=("data.test",))
 
 
 def _parallel_rules(out, parallel, path):
@@ -612,11 +645,13 @@ def _parallel_rules(out, parallel, path):
                           "synchronous settings (mode sync), never parameter servers, so "
                           f"mode {excerpt(out['parallel']['mode'])} would not be kept; set "
                           "parallel.mode: sync, or set the scheme yourself (plan --choose "
-                          "lists the parameter-server settings, unranked)")
+                          "lists the parameter-server settings, unranked)",
+                          also=("parallel.scheme",))
     if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
         raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
                           f"(parameter servers) supports solver type 'sgd' only, got "
-                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
+                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync",
+                          also=("parallel.mode",))
     if out["solver"]["early_stop"] is not None and out["parallel"]["mode"] in ("async",
                                                                                "sync_ps"):
         # the workers' test passes decide it after the iteration's stop
@@ -626,7 +661,8 @@ def _parallel_rules(out, parallel, path):
                           "parallel.mode sync (any scheme), not with "
                           f"{excerpt(out['parallel']['mode'])} (parameter servers: they take "
                           "no part in the test passes that decide it); use "
-                          "checkpoint.best to keep the best test passes instead")
+                          "checkpoint.best to keep the best test passes instead",
+                          also=("parallel.mode",))
     _check_pipeline(out, path)
     _check_sharded(out, path)
     _check_sync_batch_norm(out, path)
@@ -637,7 +673,8 @@ def _parallel_rules(out, parallel, path):
                           "every gradient of an iteration in one place: it works with "
                           "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
                           f"with mode {excerpt(out['parallel']['mode'])} and "
-                          f"ps_ranks {out['parallel']['ps_ranks']}")
+                          f"ps_ranks {out['parallel']['ps_ranks']}",
+                          also=("parallel.mode", "parallel.ps_ranks"))
 
 
 def _check_sync_batch_norm(out, path):
@@ -673,7 +710,8 @@ def _check_sync_batch_norm(out, path):
         else:
             continue
         raise ConfigError(path, key, f"{who} (statistics of the global batch) is refused: "
-                                     f"{why}, or {instead}")
+                                     f"{why}, or {instead}",
+                                     also=("parallel.mode", "parallel.scheme"))
 
 
 def _check_sharded(out, path):
@@ -692,30 +730,35 @@ def _check_sharded(out, path):
            "parallel.stages) stages 1-3 on MPI on the CPU")
     nccl = par["backend"] == "nccl"
     tensor = par["tensor_parallel"] > 1
+    # (key, refused, in words, the other keys the refusal read)
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
-                "parameter servers"),
+                "parameter servers", ()),
                # with parallel.stages the world decides (the scheme's compose): one
                # replica runs as scheme pipeline, its transfers through windows; several
                # take it at shards 1 and 2 (the stage transfers through windows)
                ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3
                 and not par["stages"], f"transport one_sided with shard {par['shard']} "
                 "(built for shard 3: one shared copy of the weights per node; and for "
-                "parallel.stages, whose stage transfers go through windows)"),
+                "parallel.stages, whose stage transfers go through windows)",
+                ("parallel.shard", "parallel.stages")),
                ("parallel.transport", par["transport"] == "one_sided" and nccl,
-                "transport one_sided with backend nccl"),
+                "transport one_sided with backend nccl", ("parallel.backend",)),
                ("solver.clip_gradients", nccl and out["solver"]["clip_gradients"] is not None,
                 "clip_gradients with backend nccl (its allreduce of the shards' norms runs "
-                "on MPI)"),
+                "on MPI)", ("parallel.backend",)),
                ("parallel.backend", nccl and bool(par["stages"]), "backend nccl with "
-                "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)"),
+                "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)",
+                ("parallel.stages",)),
                ("parallel.backend", nccl and tensor, "backend nccl with "
                 "parallel.tensor_parallel (each tensor shard's reduce-scatters run on MPI "
-                "sub-communicators)")]
-    for key, bad, what in refused:
+                "sub-communicators)", ("parallel.tensor_parallel",))]
+    for key, bad, what, also in refused:
+        also = ("parallel.scheme",) + also
         if bad:
             hint = " (parameter servers run under scheme data)" if key == "parallel.mode" \
                 else ""
-            raise ConfigError(path, key, f"{what} is refused: {why}; change this key{hint}")
+            raise ConfigError(path, key, f"{what} is refused: {why}; change this key{hint}",
+            also=also)
 
 
 def _check_pipeline(out, path):
@@ -727,7 +770,8 @@ def _check_pipeline(out, path):
         batch = train.get("batch_size")
         if batch is not None and batch % micro:
             raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
-                              f"divide data.train.batch_size {batch}; choose a divisor")
+                              f"divide data.train.batch_size {batch}; choose a divisor",
+                              also=("data.train.batch_size",))
         for i, layer in enumerate(out.get("net") or ()):
             # a train-phase metric is not copied per micro-batch (parallel/micro_batch.py)
             if layer_spec(layer["type"]).type == "accuracy" and layer.get("phase") != "test":
@@ -736,7 +780,7 @@ def _check_pipeline(out, path):
                                   "(accuracy) runs in the train phase, which parallel."
                                   f"micro_batches {micro} does not build (each micro-batch "
                                   "would need its own accuracy); give it phase: test, or use "
-                                  "micro_batches: 1")
+                                  "micro_batches: 1", also=("parallel.micro_batches",))
     scheme = par["scheme"]
     if scheme == "tensor" or (scheme == "sharded" and par["tensor_parallel"] > 1):
         what = "scheme tensor" if scheme == "tensor" else \
@@ -744,49 +788,55 @@ def _check_pipeline(out, path):
         if par["mode"] != "sync":
             raise ConfigError(path, "parallel.mode", f"{what} runs with mode: sync, not "
                               f"{excerpt(par['mode'])} (parameter servers serve data-parallel "
-                              "workers)")
+                              "workers)", also=("parallel.scheme", "parallel.tensor_parallel"))
         if micro > 1 and not par["stages"]:  # with stages: the pipeline's micro-batches
             raise ConfigError(path, "parallel.micro_batches", f"{what} takes no "
-                              f"micro-batches (got {micro}); use 1")
+                              f"micro-batches (got {micro}); use 1",
+                              also=("parallel.scheme", "parallel.tensor_parallel"))
     if par["tensor_parallel"] > 1 and scheme == "tensor" and par["stages"]:
         key = "parallel.stages"
         raise ConfigError(path, key, f"scheme {scheme} with {key} is refused: tensor "
                           "parallelism within pipeline stages (parallel.stages and "
                           "parallel.tensor_parallel) is scheme pipeline's (one replica of p "
                           "stages x t tensor shards) and scheme hybrid's (R replicas of it); "
-                          f"use scheme: pipeline or hybrid, or drop {key}")
+                          f"use scheme: pipeline or hybrid, or drop {key}",
+                          also=("parallel.scheme", "parallel.tensor_parallel"))
     count = par["stages"] if _is_int(par["stages"]) else None
     if scheme not in ("pipeline", "hybrid") and not (scheme == "sharded" and par["stages"]):
         if count is not None:
             raise ConfigError(path, "parallel.stages", f"scheme {scheme} takes no stages (got "
-                              f"{count}); the schemes pipeline, hybrid and sharded do")
+                              f"{count}); the schemes pipeline, hybrid and sharded do",
+                              also=("parallel.scheme",))
         return
     if par["mode"] != "sync":
         raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
-                          f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)")
+                          f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)",
+                          also=("parallel.scheme", "parallel.stages"))
     if out.get("net") is None:
         if count is not None:
             raise ConfigError(path, "parallel.stages", f"{count} stages cut a 'net' (its "
-                              "layers); with a 'graph' give no parallel.stages")
+                              "layers); with a 'graph' give no parallel.stages", also=("graph",))
         return
     if count is not None:
         layers = len(out["net"])
         if count > layers:
             raise ConfigError(path, "parallel.stages", f"{count} stages for a net of {layers} "
-                              f"layers; give at most {layers} (each stage holds a layer)")
+                              f"layers; give at most {layers} (each stage holds a layer)",
+                              also=("net",))
         return  # validate_config resolves it into the map (job/stage_cut.py), checked again
     if not par["stages"]:
         raise ConfigError(path, "parallel.stages", f"scheme {scheme} needs a mapping layer -> "
-                          "stage for every layer, e.g. {conv1: 0, fc1: 1}")
+                          "stage for every layer, e.g. {conv1: 0, fc1: 1}",
+                          also=("parallel.scheme",))
     names = [layer.get("name") for layer in out["net"]]
     unknown = sorted(set(par["stages"]) - set(names))
     if unknown:
         raise ConfigError(path, "parallel.stages", f"no layer named {', '.join(unknown)} in "
-                          "the net")
+                          "the net", also=("net",))
     missing = [n for n in names if n not in par["stages"]]
     if missing:
         raise ConfigError(path, "parallel.stages", f"layer(s) {', '.join(missing)} have no "
-                          "stage; give every layer of the net a stage")
+                          "stage; give every layer of the net a stage", also=("net",))
     count = max(par["stages"].values()) + 1
     empty = [s for s in range(count) if s not in par["stages"].values()]
     if empty:
@@ -797,7 +847,7 @@ def _check_pipeline(out, path):
         alone = "use scheme: data" if scheme == "hybrid" else "drop parallel.stages"
         raise ConfigError(path, "parallel.stages", f"scheme {scheme} with stages needs at least "
                           "2 stages (replicas x stages), but every layer is on stage 0; with "
-                          f"one stage {alone}")
+                          f"one stage {alone}", also=("parallel.scheme",))
 
 
 def _check_stage_order(net, stages, path):
@@ -813,7 +863,7 @@ def _check_stage_order(net, stages, path):
                 raise ConfigError(path, "parallel.stages", f"layer {layer['name']} on stage "
                                   f"{stage} reads '{blob}' of layer {before} on stage {at}: "
                                   "the stages run in order; give each layer a stage at least "
-                                  "that of the layers it reads")
+                                  "that of the layers it reads", also=("net",))
         for blob in _blob_names(layer.get("top", layer["name"])):
             writer[blob] = (layer["name"], stage)
 
@@ -842,12 +892,13 @@ def solver_notes(job):
     its default, docs/config.md) that the solver type or the lr_policy does
     not read, naming the file, the key and why: accepted (Caffe-converted
     configs carry every key of their solver), but a user who set it believes
-    it acts. ``momentum: 0`` under adagrad or rmsprop (which take none) is
-    what their error asks for, not noted."""
+    it acts (a key a ``--set`` wrote: that ``--set``). ``momentum: 0`` under
+    adagrad or rmsprop (which take none) is what their error asks for, not
+    noted."""
     from ..graph.solver_graph import UPDATE_KEYS
     solver = job.solver
     defaults = {key.name: key.default for key in SOLVER}
-    where = f"{job.path}: " if job.path and not str(job.path).startswith("<") else ""
+    in_file = f"{job.path}: " if job.path and not str(job.path).startswith("<") else ""
     notes = []
 
     def note(key, why):
@@ -855,6 +906,8 @@ def solver_notes(job):
         if value is None or value == defaults[key] or (
                 isinstance(value, (list, tuple)) and list(value) == list(defaults[key])):
             return
+        source = _override_at(f"solver.{key}", job.overrides, None)  # the --set that wrote it
+        where = f"--set {excerpt(source, quote=False)}: " if source is not None else in_file
         notes.append(f"note: {where}solver.{key} {excerpt(value)} is not used: {why}")
 
     policy = solver.lr_policy

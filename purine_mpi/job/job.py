@@ -209,6 +209,11 @@ class Job:
     #: the file's key of each layer of ``net`` when the file has a ``repeat``
     #: (``net.4``, ``net.3.block.2``: job/repeat.py), else None
     net_keys: Optional[tuple] = None
+    #: the ``--set`` texts it was loaded with, in order (job/config.py's
+    #: resolve_job: a start-up note on a key one of them wrote names it, not
+    #: the file), else None; where the values came from, not what they are:
+    #: no part of the job's equality, nor of its config
+    overrides: Optional[tuple] = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, config):

@@ -4,7 +4,11 @@
 of our checkpoints. ``refuse_replacing`` says so before anything is
 computed or written (a UserError naming both, exit 2). ``check_out`` also
 refuses an ``--out`` that is an existing folder: each of these commands
-writes one file.
+writes one file. ``refuse_other_kind`` (``predict`` and ``data``, which
+write HDF5 by a rename over ``--out``) refuses an existing ``--out`` that
+holds something else than what the command writes (a data file for
+``predict``, predictions for ``data``, a file that is not HDF5 or an HDF5
+file of another program), unless ``--force``.
 """
 import os
 
@@ -78,3 +82,69 @@ def check_out(out, config=None, weights=None, job=None, more=()):
     refuse_under_a_file(out)
     inputs = [("the config", config), ("the --weights file", weights), *more]
     refuse_replacing(out, "--out", inputs + job_inputs(job))
+
+
+#: what ``refuse_other_kind`` tells apart: the root attribute ``format`` of
+#: the HDF5 files our commands write (docs/formats.md), as a kind
+_FORMAT_KINDS = {"purine_mpi.predictions": "predictions", "purine_mpi.text": "data"}
+#: each kind in words, for the refusal
+KIND_WORDS = {"predictions": "the predictions of predict", "data": "a data file",
+              "checkpoint": "a purine_mpi checkpoint", "other": "HDF5 data of another kind"}
+
+
+def hdf5_kind(path):
+    """(kind, detail) of the existing regular file ``path``: ``checkpoint``,
+    ``predictions`` (``predict``'s), ``data`` (``data text``'s, or ``data``
+    and ``label`` datasets at the top or in a top-level group: the layout
+    ``source: hdf5`` reads, docs/formats.md), ``empty`` (an HDF5 file
+    holding nothing), ``other`` (HDF5 of another kind) or ``not-hdf5``;
+    ``detail``: what it holds, in a few words (its top-level names)."""
+    import h5py
+    if is_our_checkpoint(path):
+        return "checkpoint", ""
+    try:
+        if not h5py.is_hdf5(path):
+            return "not-hdf5", ""
+        with h5py.File(path, "r") as f:
+            names = sorted(f)
+            fmt = f.attrs.get("format")
+            fmt = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else fmt
+            if isinstance(fmt, str) and fmt in _FORMAT_KINDS:
+                return _FORMAT_KINDS[fmt], ""
+            groups = [f] + [f[n] for n in names if f.get(n, getclass=True) is h5py.Group]
+            if any(g.get(k, getclass=True) is h5py.Dataset
+                   for g in groups for k in ("data", "label")):
+                return "data", _names(names)
+            if not names and not len(f.attrs):
+                return "empty", ""
+            return "other", _names(names) or "no objects, root attributes " + \
+                ", ".join(sorted(f.attrs))[:80]
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return "other", "unreadable as HDF5"
+
+
+def _names(names):
+    shown = ", ".join(str(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    return f"top level: {shown}" if names else ""
+
+
+def refuse_other_kind(out, kind, what, force=False, option="--out"):
+    """A UserError when the existing file ``out`` holds something else than
+    the ``kind`` of file the command writes (``what``, in words): writing
+    there (by a rename over the name, base/runfiles.write_hdf5_replacing)
+    would replace it without a word. A file of the same kind, an empty HDF5
+    file and a missing one may be replaced; ``force`` replaces any other but
+    a checkpoint of ours (``refuse_replacing`` keeps that one, as it keeps
+    the command's inputs)."""
+    if not out or not os.path.isfile(out):
+        return
+    have, detail = hdf5_kind(out)
+    if have in (kind, "empty") or (force and have != "checkpoint"):
+        return
+    if have == "checkpoint":  # refuse_replacing's words
+        raise UserError(f"{option} {out} is a purine_mpi checkpoint: writing the output there "
+                        f"would replace it; give another {option}")
+    held = "is not an HDF5 file" if have == "not-hdf5" else \
+        "holds " + KIND_WORDS[have] + (f" ({detail})" if detail else "")
+    raise UserError(f"{option} {out} exists and {held}: writing {what} there would "
+                    f"replace it; give another {option}, or --force to replace it")

@@ -564,6 +564,13 @@ def init_params(loaded, params, job, path, skip=()):
                             f"non-numeric values (dtype {loaded[p].dtype}), expected numbers "
                             "(float32, as a checkpoint writes them); it was written by another "
                             "tool or edited")
+        if kind in "iu":  # every parameter is a float blob: cast, they trained as integers
+            raise UserError(f"weights file '{path}': dataset '/params/{p}' holds integers "
+                            f"(dtype {loaded[p].dtype}), but the parameter is a float blob: "
+                            "trained weights are floating-point (float32, as a checkpoint "
+                            "writes them), so this is not a file of trained weights (quantized "
+                            "weights, indices, or a file edited by another tool?); convert it "
+                            "to float yourself if you mean those values")
     if not str(path).endswith((".caffemodel", ".safetensors")):  # ours: saved with its config
         from .checkpoint_check import check_same_meaning
         from .checkpoint_file import saved_config_text

@@ -23,6 +23,10 @@
   The lock is taken before the folder's files are looked at, so ``--force``
   into a folder whose run is still going deletes nothing.
 
+- A run refused at start-up (exit 2) before it wrote anything but its lock
+  and train.log, in a folder it made (a new numbered one, an ``--out`` that
+  was not there), removes that folder and the parents it made
+  (``release_run_dirs``); a folder that was there keeps every file.
 - ``--force`` deletes only what a run of ours wrote, recognised by content
   (``rundir_force.py``); a folder holding anything else of a run's names is
   refused (exit 2) and nothing is deleted.
@@ -58,7 +62,28 @@ _RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d
 #: files a run writes by a rename over the name (``write_text_replacing``), which
 #: are no run of their own (``run_files`` leaves them out, ``--force`` keeps them)
 _REPLACED_FILES = ("memory.json", "calibration.json")
-_held = []  # (open lock file, its text) of this process (closing one releases its lock)
+_held = []  # (open lock file, its text, folder) of this process (closing one releases its lock)
+#: realpath of each run folder this process made -> the folders it made for
+#: it (the run folder first, then the parents it made): a fresh run refused
+#: at start-up removes them (``release_run_dirs``)
+_made = {}
+
+
+def _missing_dirs(path):
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing, head = [], os.path.abspath(path)
+    while head and not os.path.lexists(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    return missing
+
+
+def _note_made(path, made):
+    if made:
+        _made[os.path.realpath(path)] = made
 
 
 def run_files(folder):
@@ -81,12 +106,14 @@ def numbered_runs(base):
 
 
 def _new_numbered(base):
+    parents = _missing_dirs(base)
     os.makedirs(base, exist_ok=True)
     n = (numbered_runs(base) or [(0, None)])[-1][0] + 1
     while True:
         path = os.path.join(base, str(n))
         try:
             os.mkdir(path)  # atomic: two runs starting together get two folders
+            _note_made(path, [os.path.abspath(path)] + parents)
             return path
         except FileExistsError:
             n += 1
@@ -101,7 +128,9 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
     from (``resume`` FILE, ``init``) are read, and ``job``'s graphs built on
     its data, before ``--force`` deletes anything. Returns (path, note or None)."""
     if out:
+        made = _missing_dirs(out)
         os.makedirs(out, exist_ok=True)
+        _note_made(out, made)
         if lock is not None:
             lock(out)
         held = run_files(out)
@@ -210,7 +239,7 @@ def lock_run_dir(folder):
     f.flush()
     if not _held:
         logfile.at_end(release_run_dirs)  # every end, also the abort paths' os._exit
-    _held.append((f, holder))
+    _held.append((f, holder, folder))
     return path
 
 
@@ -219,9 +248,21 @@ def release_run_dirs():
     free (``free: <what it said>, ended <date>``) and release the lock, so a
     finished run's folder does not read as held by a dead pid. A killed run
     cannot do this; its file keeps ``pid ...``, but the lock went with the
-    process, so the next run takes it all the same."""
+    process, so the next run takes it all the same.
+
+    A run folder this process made, for a run refused at start-up (exit 2,
+    ``logfile.end_status``) before it wrote anything but its lock and
+    train.log (the watched-metric check, the memory check, data a graph
+    does not build on: all after the folder is chosen), is removed with
+    the folders made for it, as the refusals before the folder leave
+    nothing behind: a run of refusals left a trail of empty numbered runs.
+    A folder that was there (a resumed run, an ``--out`` given) keeps its
+    files."""
     while _held:
-        f, holder = _held.pop()
+        f, holder, folder = _held.pop()
+        if _remove_refused(folder):
+            f.close()
+            continue
         try:
             f.seek(0)
             f.truncate()
@@ -231,6 +272,26 @@ def release_run_dirs():
             pass  # a full disk: the lock is released all the same
         finally:
             f.close()  # closing the file releases its flock
+
+
+def _remove_refused(folder):
+    """Remove ``folder`` (and the folders made for it) when this process
+    made it and a start-up refusal left only its lock and train.log there;
+    whether it did. Called holding the folder's lock."""
+    made = _made.pop(os.path.realpath(folder), None)
+    if not made or logfile.end_status() != 2:
+        return False
+    try:
+        if not set(os.listdir(folder)) <= {LOCK_FILE, logfile.LOG_NAME}:
+            return False
+        for name in (logfile.LOG_NAME, LOCK_FILE):
+            if os.path.lexists(os.path.join(folder, name)):
+                os.unlink(os.path.join(folder, name))
+        for path in made:  # the run folder, then the parents made for it, while empty
+            os.rmdir(path)
+    except OSError:
+        pass  # another process's file there now: what is left stays
+    return True
 
 
 atexit.register(release_run_dirs)  # a process that ends before its run's end_run

@@ -97,7 +97,15 @@ def _intro():
         "Keys starting with `_` are no exception: they are rejected like any unknown key. "
         "Any key can be overridden on the command line with `--set DOTTED.KEY=VALUE`, the "
         "value read as YAML (`--set solver.base_lr=0.05`, `--set net.0.num_output=8`, "
-        "`--set data.train.batch_size=64`); `--iters N` sets `solver.max_iter`.",
+        "`--set data.train.batch_size=64`); `--iters N` sets `solver.max_iter`. An error "
+        "a `--set` value caused names that `--set`, not the file: also a rule between keys "
+        "that a `--set` of one of them broke (`--set solver.base_lr=0.0001` under the "
+        "file's cosine `min_lr: 0.001`: `error: --set solver.base_lr=0.0001: key "
+        "'solver.min_lr': 0.001 is above solver.base_lr 0.0001 ...`), and a start-up note "
+        "on a solver key it wrote that the solver does not read. A YAML boolean where text "
+        "is expected (an unquoted `no`, `off`, `yes` or `on`: `name: no`, `bottom: [on, "
+        "label]`) is refused with a word to quote it; no key that takes text or a number "
+        "takes a boolean.",
         "",
         "A number is written without quotes: `base_lr: \"0.05\"` is a string and is refused. "
         "`1e-3` and `5E8` (no dot) read as numbers, as in YAML 1.2. The YAML 1.1 "
