@@ -497,6 +497,9 @@ def finalize_mpi(code, grace_s=None):
     read, write = os.pipe()
     os.set_blocking(write, False)
     numbers = {int(getattr(signal, name)) for name in FINALIZE_NOTICES}
+    # Ctrl-C ends a rank in MPI_Finalize at once, as it did in mpi4py's
+    # (after Python's shutdown had put its default action back)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
         signal.signal(n, lambda *_: None)
     old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
