@@ -56,6 +56,13 @@ def launched_size(environ=os.environ):
     return 1
 
 
+def size_untold(environ=os.environ):
+    """Whether a launcher started this process without saying how many
+    ranks (Hydra's ``mpiexec -pmi-port``: PMI_PORT and PMI_ID only)."""
+    return launcher_protocol(environ) is not None and not any(
+        environ.get(v, "").strip().isdigit() for v in SIZE_VARS)
+
+
 def launched_rank(environ=os.environ):
     """This process's rank as the launcher set it (0 without one), before MPI."""
     for var in RANK_VARS:
