@@ -540,6 +540,11 @@ def main(argv=None):
             from .runtime.stop import StopSignal
             StopSignal.ignore_late_notices()
         logfile.end_run(status)  # train.log's last line, where a run folder has one
+        if args.command == "train":
+            # MPI_Finalize now, where a stop notice still ends a rank whose
+            # peer never finalizes (with this status; every file is written)
+            from .comm.world import finalize_mpi
+            finalize_mpi(status)
         return status
     # what every rank finds alike (a PURINE_* variable) ends every rank at
     # once, rank 0 saying why

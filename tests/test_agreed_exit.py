@@ -38,6 +38,61 @@ def test_a_rank_dying_without_agreement_still_ends_the_job_at_once():
     assert took < 20, took
 
 
+@pytest.mark.mpi
+def test_an_agreed_user_error_ends_2_under_mpiexec_pmi_port():
+    """``mpiexec -pmi-port``: the ranks get PMI_PORT (host:port) and PMI_ID,
+    no PMI_FD (nor PMI_RANK, PMI_SIZE); MPI_Init connects to the proxy
+    itself. leave_hydra finds that connection (pmi_port_socket). Before: it
+    said nothing there, and 4 ranks leaving 0.3 s apart ended 9 (4 runs of
+    4; 2 and 3 ranks ended 2 in 5 runs: the last rank left before the
+    proxy's SIGKILL came). A rank dying without agreement still ends the
+    job at once."""
+    from tests.mpi_scripts.launch import _flavour, find_mpiexec, run_mpi
+    if "hydra" not in _flavour(find_mpiexec() or ""):
+        pytest.skip("-pmi-port is an option of MPICH's mpiexec (Hydra)")
+    for _ in range(2):
+        proc, _ = run_mpi("agreed_exit.py", 4, "all", expect_ok=False,
+                          launcher_args=["-pmi-port"])
+        assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+        assert proc.stderr == "error: a user error on every rank, on purpose\n", proc.stderr
+        assert "BAD TERMINATION" not in proc.stdout, proc.stdout
+    proc, took = run_mpi("agreed_exit.py", 2, "dies", expect_ok=False, timeout=60,
+                         launcher_args=["-pmi-port"])
+    assert proc.returncode != 0 and "DONE" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert took < 20, took
+
+
+def test_pmi_port_socket_is_the_connection_to_that_port():
+    from purine_mpi.comm.launcher import pmi_port_socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(2)
+    port = server.getsockname()[1]
+    rank_end = socket.create_connection(("127.0.0.1", port))
+    proxy_end, _ = server.accept()
+    other = socket.socket()  # unconnected: no peer to ask
+    try:
+        assert pmi_port_socket(f"localhost:{port}") == rank_end.fileno()
+        assert pmi_port_socket(f"localhost:{port + 1 if port < 65535 else 1}") is None
+        assert pmi_port_socket(None) is None and pmi_port_socket("localhost:x") is None
+        rank_end.sendall(b"")  # the duplicate it asked was closed, not this one
+        # under a launcher of -pmi-port, leave_hydra speaks on that connection
+        env = {"PMI_ID": "0", "PMI_PORT": f"localhost:{port}", "MPI_LOCALNRANKS": "2",
+               "MPI_LOCALRANKID": "0"}
+        seen = []
+        proxy_end.settimeout(5.0)  # a rank that says nothing: the proxy's recv ends
+        proxy = threading.Thread(target=_proxy, args=(proxy_end, b"cmd=finalize_ack\n", seen))
+        proxy.start()
+        try:
+            assert leave_hydra(env, wait_s=2.0) is True
+        finally:
+            proxy.join()
+        assert seen == [b"cmd=finalize\n"]
+    finally:
+        for s in (server, rank_end, proxy_end, other):
+            s.close()
+
+
 def _proxy(sock, reply, seen):
     """One PMI exchange as Hydra's proxy answers it (or does not)."""
     seen.append(sock.recv(64))

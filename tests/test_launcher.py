@@ -27,6 +27,18 @@ def test_the_launcher_is_read_from_its_environment(environ, protocol, size):
     assert launcher.launched_size(environ) == size
 
 
+def test_mpiexec_pmi_port_gives_the_rank_but_not_the_size():
+    """Hydra's ``mpiexec -pmi-port`` sets PMI_PORT and PMI_ID only (no
+    PMI_FD, PMI_RANK, PMI_SIZE): its ranks are read as such, the size as
+    unknown (1: the checks that need it are skipped, docs/cluster.md)."""
+    pmi_port = {"PMI_PORT": "vm:43799", "PMI_ID": "1", "MPI_LOCALNRANKS": "2",
+                "MPI_LOCALRANKID": "1"}
+    assert launcher.launcher_protocol(pmi_port) == "pmi"
+    assert launcher.launched_rank(pmi_port) == 1
+    assert launcher.launched_size(pmi_port) == 1
+    launcher.check_world_size(2, pmi_port)  # not refused: the launcher gave no count
+
+
 def test_mpich_under_a_pmix_launcher_is_named_with_the_fix():
     message = launcher.mismatch(OPEN_MPI_ENV, library="mpich")
     assert "PMIx launcher" in message and "MPICH" in message and "mpiexec" in message

@@ -17,7 +17,7 @@ import os
 import sys
 import traceback
 
-from .launcher import launched_rank, launched_size
+from .launcher import launched_rank, launched_size, size_untold
 
 
 def _handle(exc_type, exc, tb):
@@ -56,9 +56,13 @@ def abort(code):
 
 
 def install(environ=os.environ):
-    """Installs the hook under a launcher with several ranks, unless a hook
-    other than Python's own is in place already; returns whether it did."""
-    if launched_size(environ) < 2 or sys.excepthook is not sys.__excepthook__:
+    """Installs the hook under a launcher with several ranks (or one that
+    does not say how many: ``mpiexec -pmi-port``, where a job of one rank
+    ends 1 through MPI_Abort as it would without), unless a hook other than
+    Python's own is in place already; returns whether it did."""
+    if launched_size(environ) < 2 and not size_untold(environ):
+        return False
+    if sys.excepthook is not sys.__excepthook__:
         return False
     sys.excepthook = _handle
     return True

@@ -27,8 +27,9 @@ PMIX_VARS = ("PMIX_RANK", "PMIX_NAMESPACE")
 PMI_VARS = ("PMI_FD", "PMI_PORT", "PMI_RANK")
 #: where the launcher says how many ranks it started
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
-#: where it says this process's rank
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+#: where it says this process's rank (``PMI_ID``: Hydra's ``mpiexec
+#: -pmi-port``, which sets neither PMI_RANK nor PMI_SIZE)
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_ID")
 
 
 def launcher_protocol(environ=os.environ):
@@ -53,6 +54,13 @@ def launched_size(environ=os.environ):
         if n > 0:
             return n
     return 1
+
+
+def size_untold(environ=os.environ):
+    """Whether a launcher started this process without saying how many
+    ranks (Hydra's ``mpiexec -pmi-port``: PMI_PORT and PMI_ID only)."""
+    return launcher_protocol(environ) is not None and not any(
+        environ.get(v, "").strip().isdigit() for v in SIZE_VARS)
 
 
 def launched_rank(environ=os.environ):
@@ -147,7 +155,9 @@ HYDRA_VARS = ("MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 def leave_hydra(environ=os.environ, wait_s=2.0):
     """Tell MPICH's Hydra proxy that this rank is about to end on purpose:
-    the PMI-1 ``cmd=finalize`` on the rank's PMI socket (``PMI_FD``), then
+    the PMI-1 ``cmd=finalize`` on the rank's PMI socket (``PMI_FD``; under
+    ``mpiexec -pmi-port``, the socket MPI_Init connected to ``PMI_PORT``:
+    ``pmi_port_socket``), then
     its ``cmd=finalize_ack`` awaited up to ``wait_s`` seconds. Returns
     whether the proxy acknowledged; False at once under any other launcher.
 
@@ -164,12 +174,16 @@ def leave_hydra(environ=os.environ, wait_s=2.0):
     socket: its exit is a plain exit with its own status. Only for a rank
     that ends now, with every rank ending alike (after the ranks agreed):
     a rank that dies without it still ends the whole job."""
-    fd = environ.get("PMI_FD")
-    if fd is None or not all(v in environ for v in HYDRA_VARS):
+    if not all(v in environ for v in HYDRA_VARS):
         return False
     if (environ.get("MPIR_CVAR_PMI_VERSION", "1") not in ("", "1")
             or environ.get("I_MPI_PMI", "").lower() in ("pmi2", "pmix")):
         return False  # a PMI-2 (or PMIx) wire: a PMI-1 line there is not ours to send
+    fd = environ.get("PMI_FD")
+    if fd is None:  # mpiexec -pmi-port: the rank connected to the proxy itself
+        fd = pmi_port_socket(environ.get("PMI_PORT"))
+        if fd is None:
+            return False
     import select
     import time
     try:
@@ -189,3 +203,46 @@ def leave_hydra(environ=os.environ, wait_s=2.0):
     except (OSError, ValueError):
         return False
     return answer.startswith(b"cmd=finalize_ack")
+
+
+def pmi_port_socket(port, fds_dir="/proc/self/fd"):
+    """The file descriptor of this process's connection to ``port``
+    (``PMI_PORT``, ``host:port``: Hydra's ``mpiexec -pmi-port`` gives the
+    ranks that instead of an inherited ``PMI_FD``; MPICH's MPI_Init
+    connects to it and keeps the socket open until the process exits), or
+    None: no such port, no such connection, or more than one a name check
+    cannot tell apart. Read from ``fds_dir``: each socket's peer, asked on
+    a duplicate of its descriptor (closed after)."""
+    import socket
+    host, _, port = (port or "").rpartition(":")
+    try:
+        port = int(port)
+    except ValueError:
+        return None
+    found = []
+    try:
+        names = os.listdir(fds_dir)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            fd = int(name)
+            if not os.readlink(os.path.join(fds_dir, name)).startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) \
+                        or sock.type != socket.SOCK_STREAM:
+                    continue
+                peer = sock.getpeername()
+        except (OSError, ValueError):
+            continue  # not ours to ask, not connected, gone meanwhile
+        if peer[1] == port:
+            found.append((fd, peer[0]))
+    if len(found) > 1 and host:  # the same port of another host: the proxy's name decides
+        try:
+            mine = {info[4][0] for info in socket.getaddrinfo(host, port,
+                                                              type=socket.SOCK_STREAM)}
+        except OSError:
+            return None
+        found = [(fd, addr) for fd, addr in found if addr in mine]
+    return found[0][0] if len(found) == 1 else None

@@ -451,6 +451,101 @@ def _finalize_and_exit(MPI, code):
     _exit_unfinalized(code)
 
 
+#: the stop notices a rank in ``finalize_mpi`` answers by ending with its
+#: status (SIGINT keeps its default action: Ctrl-C ends a rank anywhere)
+FINALIZE_NOTICES = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
+#: seconds ``finalize_mpi`` lets MPI_Finalize go on after a notice (a
+#: finalize of ranks that all came takes milliseconds): a notice repeated
+#: to every rank of a job ending normally (scancel after --signal) leaves
+#: the ends clean; a rank whose peer never finalizes ends this long after
+FINALIZE_GRACE_S = 2.0
+
+
+def finalize_mpi(code, grace_s=None):
+    """MPI_Finalize now, while Python still runs, with the stop notices
+    (``FINALIZE_NOTICES``: SIGTERM, as Slurm sends before its SIGKILL, or a
+    user's ``kill PID``) ending this rank with ``code`` -- its status, its
+    files written -- when MPI_Finalize has not returned ``grace_s``
+    seconds after one (default ``FINALIZE_GRACE_S``). Returns whether MPI
+    was finalized here (False: never initialised, finalized already, or a
+    single rank, whose finalize waits for nobody: mpi4py's at exit).
+
+    Why: MPI_Finalize waits for every rank (MPICH: a PMI barrier, a read
+    on the rank's PMI socket), so a rank whose peer never comes (stopped,
+    wedged in a driver, gone without the launcher noticing) waits for
+    ever. mpi4py's own MPI_Finalize runs at the very end of the
+    interpreter's shutdown, where no Python code runs any more: the
+    notices, ignored there (``StopSignal.ignore_late_notices``: a default
+    action killed a rank of a job ending well), left such a rank to
+    SIGKILL. Here MPI_Finalize is called through ctypes, which lets go of
+    the GIL (mpi4py's ``MPI.Finalize`` holds it), so a thread of ours,
+    woken by the signal's byte on Python's wakeup fd, can end the rank.
+    It ends by ``os._exit(code)`` without a word to the launcher: the
+    proxy then takes it for a dead rank and kills the peers that never
+    came with SIGKILL, which ends the job."""
+    import ctypes
+    import signal
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return False
+    if MPI.COMM_WORLD.Get_size() < 2 or threading.current_thread() is not \
+            threading.main_thread():
+        return False
+    grace_s = FINALIZE_GRACE_S if grace_s is None else grace_s
+    for hook in FINALIZE_HOOKS:  # collective: every rank ends its train here alike
+        hook()
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    numbers = {int(getattr(signal, name)) for name in FINALIZE_NOTICES}
+    # Ctrl-C ends a rank in MPI_Finalize at once, as it did in mpi4py's
+    # (after Python's shutdown had put its default action back)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
+        signal.signal(n, lambda *_: None)
+    old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
+
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            try:
+                got = os.read(read, 64)
+            except OSError:
+                return
+            if not got:  # the write end closed: MPI_Finalize returned
+                return
+            if numbers.intersection(got) and not done.wait(grace_s):
+                _flush()  # MPI_Finalize did not return within the grace
+                remove_mpi_shm()
+                os._exit(code)
+
+    watcher = threading.Thread(target=watch, name="finalize-notices", daemon=True)
+    watcher.start()
+    try:
+        finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize  # libmpi, mpi4py's own
+        finalize.restype = ctypes.c_int
+        # no thread of ours in MPI meanwhile (a thread that keeps the lock
+        # longer than a deferred transfer's test is wedged: go on without)
+        locked = MPI_LOCK.acquire(timeout=10.0)
+        try:
+            finalize()
+        finally:
+            if locked:
+                MPI_LOCK.release()
+    finally:
+        done.set()
+        # finalized: a notice from now on has nothing to stop (the stop
+        # notices ignored, as before; Python's shutdown keeps SIG_IGN)
+        for n in numbers:
+            signal.signal(n, signal.SIG_IGN)
+        signal.set_wakeup_fd(old_fd)
+        os.close(write)
+        watcher.join(1.0)
+        if not watcher.is_alive():
+            os.close(read)
+    return True
+
+
 #: the names the MPI library gives its shared-memory segments in /dev/shm
 #: (MPICH: mpich_shm_<hex>_<n>, one per node and job, 2-4 MiB)
 MPI_SHM_PREFIXES = ("mpich_shm_",)

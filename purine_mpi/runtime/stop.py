@@ -104,7 +104,9 @@ class StopSignal:
         window killed the rank, and the job, its checkpoint written, ended
         15 with MPICH's "YOUR APPLICATION TERMINATED" banner instead of the
         stop's 143 (tests/test_trust_kill.py). Ctrl-C keeps its default
-        action there, and SIGKILL always ends a rank."""
+        action there, and SIGKILL always ends a rank. ``train`` then
+        finalizes MPI itself (comm/world.py, ``finalize_mpi``), where a
+        notice ends a rank that MPI_Finalize holds for more than 2 s."""
         if threading.current_thread() is threading.main_thread():
             for sig in cls.CAUGHT:
                 if sig != "SIGINT":

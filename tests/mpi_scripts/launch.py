@@ -40,18 +40,20 @@ def _flavour(exe):
         return ""
 
 
-def run_mpi(script, n, *args, timeout=60, expect_ok=True, env=None):
+def run_mpi(script, n, *args, timeout=60, expect_ok=True, env=None, launcher_args=()):
     """Run ``tests/mpi_scripts/<script>`` on ``n`` ranks; returns
     (CompletedProcess, seconds). With ``expect_ok`` a non-zero exit fails
-    the test with the combined output."""
+    the test with the combined output. ``launcher_args``: mpiexec's own
+    options (before the program)."""
     return run_python(n, [os.path.join(HERE, script)] + [str(a) for a in args], timeout,
-                      expect_ok, env, script)
+                      expect_ok, env, script, launcher_args)
 
 
-def run_python(n, python_args, timeout=60, expect_ok=True, env=None, script=None):
+def run_python(n, python_args, timeout=60, expect_ok=True, env=None, script=None,
+               launcher_args=()):
     """``mpiexec -n n python <python_args>`` (e.g. ["-m", "purine_mpi", "train", ...])."""
     script = script or " ".join(python_args[:3])
-    cmd = mpiexec_args(n) + [sys.executable] + [str(a) for a in python_args]
+    cmd = mpiexec_args(n) + list(launcher_args) + [sys.executable] + [str(a) for a in python_args]
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("OMP_NUM_THREADS", "1")
