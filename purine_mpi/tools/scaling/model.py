@@ -56,7 +56,18 @@ thread's measured idle between two of its ops inside an iteration:
 trace_reader.dispatch_gap), and a cost per iteration for the rest (the
 trainer's loop; one op, ``ITERATION_OP``, first on the busiest lane):
 M micro-batches pay the first for each of their M times as many ops, the
-second once.
+second once. Each comm op pays the cost per op too (``rank_graph``'s
+``comm_overhead``): the thread that readies it posts, tests and completes
+it between its compute ops, so its transfer starts that much later and
+the rank's next compute op starts that much later (``SimOp.cpu``); the
+fit counts it (a cost per op that would simulate the traced run past its
+traced iteration is lowered until it meets it). Before, comm ops paid
+none: a ZeRO rank running fewer or smaller ops than one rank came out
+more than 100 % efficient.
+
+The simulated ranks' collectives are coupled (simulate.py): one starts on
+every simulated rank of its communicator when the last of them has
+reached it, so the slowest rank's phases make every rank wait.
 
 An op on a gradient that the rank count renames (``w.grad.sum.clip`` on N
 ranks, ``w.grad.clip`` on one: trace_reader.sum_alias) takes the traced
@@ -258,13 +269,15 @@ class Template:
                                   b if whole is None else graph.blobs[whole].size)
 
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
-                   overhead=0.0, traced_comm=False, per_iteration=0.0):
+                   overhead=0.0, traced_comm=False, per_iteration=0.0, comm_overhead=0.0):
         """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
         ``overhead``: seconds added to every compute op (the dispatcher's own
         cost per op); ``per_iteration``: seconds the busiest lane spends once
         an iteration, before its ops (``ITERATION_OP``: the trainer's loop,
         ``dispatch_overhead``); ``traced_comm``: comm ops take their traced
-        durations."""
+        durations; ``comm_overhead``: the dispatcher's own cost per comm
+        op (``overhead``, ``dispatch_overhead``'s fit): it delays the op's
+        transfer and takes CPU from the rank's next compute op."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
@@ -278,7 +291,17 @@ class Template:
                 traced = durations.least_rank(name) if traced_comm else None
                 if traced is not None:
                     sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
-                comm_s[name] = sim.seconds
+                if sim.kind == "collective" and op.attrs.get("group"):
+                    sim.group = tuple(int(r) for r in op.attrs["group"])
+                comm_s[name] = sim.seconds  # the transfer, as the link model gives it
+                # the dispatcher's cost per op: the thread that readies a
+                # comm op posts it (and tests and completes it) between its
+                # compute ops, so the post waits for it and the rank's next
+                # compute op pays it (the transfer's CPU, ``SimOp.cpu``)
+                sim.seconds += comm_overhead
+                sim.cpu += comm_overhead
+                if sim.busy_seconds is not None:
+                    sim.busy_seconds += comm_overhead
                 if no_comm:
                     sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
             else:
@@ -433,21 +456,31 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
         return 0.0, 0.0
 
     def period(overhead, per_iteration=0.0):
+        # a comm op pays the cost per op as a compute op does (rank_graph's
+        # comm_overhead): the traced gaps hold the posting of comm ops too
         graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
                                overhead=overhead, traced_comm=True,
-                               per_iteration=per_iteration)[0] for t in templates]
+                               per_iteration=per_iteration, comm_overhead=overhead)[0]
+                  for t in templates]
         return simulate(graphs, ITERATIONS).period(), graphs
 
     target = sorted(traced)[len(traced) // 2]
-    simulated, graphs = period(0.0)
-    ops = max(compute_lanes(graphs[0].ops.values()).values(), default=0)
-    if not ops or target <= simulated:
+    bare, graphs = period(0.0)
+    lane = max(compute_lanes(graphs[0].ops.values()).values(), default=0)
+    if not lane or target <= bare:
         return 0.0, 0.0
-    overhead = (target - simulated) / ops
+    # the comm ops' cost per op lands on the compute lanes too
+    ops = lane + sum(1 for op in graphs[0].ops.values() if op.kind != "compute")
+    overhead = (target - bare) / ops
     gaps = sorted(durations.gaps.values())
     if gaps:
         overhead = min(overhead, gaps[len(gaps) // 2])
         simulated, _ = period(overhead)
+        for _ in range(3):  # past the traced iteration: the cost per op that meets it
+            if simulated <= target * (1 + 1e-6):
+                break
+            overhead *= (target - bare) / (simulated - bare)
+            simulated, _ = period(overhead)
         per_iteration = max(0.0, target - simulated)
         if per_iteration > 0:  # it need not lengthen the iteration by all of itself
             simulated, _ = period(overhead, per_iteration)
@@ -460,18 +493,20 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
 
 
 def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0,
-                per_iteration=0.0):
+                per_iteration=0.0, comm_overhead=0.0):
     """The prediction at ``n`` ranks: a dict of seconds and counts."""
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
-                          per_iteration=per_iteration)
+                          per_iteration=per_iteration, comm_overhead=comm_overhead)
              for t in templates]
     result = simulate([b[0] for b in built], ITERATIONS)
     period = result.period()
-    # the rank whose iterations end last (rank 0 where several tie)
+    # the rank whose iterations end last (rank 0 where several tie): the
+    # coupled collectives give every rank the same period, the slowest
+    # rank's, and the slowest ends its iterations last
     ends = result.iteration_end
-    slowest = max(sorted(ends), key=lambda r: ends[r][-1] - ends[r][0])
+    slowest = max(sorted(ends), key=lambda r: ends[r][-1])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                          overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
     compute = simulate(bare, ITERATIONS).period()
@@ -487,7 +522,8 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             alt = copy.copy(templates[0])
             alt.prices = r
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost,
-                               overhead=overhead, per_iteration=per_iteration)[0]
+                               overhead=overhead, per_iteration=per_iteration,
+                               comm_overhead=comm_overhead)[0]
             period = max(period, simulate([g], ITERATIONS).period())
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                                overhead=overhead, per_iteration=per_iteration)[0]
@@ -543,15 +579,16 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
     cache = {}
     overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
                                                 cache)
+    comm_overhead = overhead  # every comm op pays the dispatcher's cost per op too
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
-                      per_iteration)
+                      per_iteration, comm_overhead)
     check_traces_match(job, one, durations)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
             row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead,
-                              per_iteration)
+                              per_iteration, comm_overhead)
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue
