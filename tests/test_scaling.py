@@ -664,7 +664,7 @@ def test_predict_takes_the_slowest_rank_of_a_stage_3_run(stage3_traced, tmp_path
     prediction was rank 0's (fewer ops), at 2 ranks below rank 1's lane,
     and (the reviewer's trace) 108.7 % efficient at 2 ranks, 101.3 % at 4."""
     from purine_mpi.tools.graph import compose_for
-    from purine_mpi.tools.scaling.model import Scenario, Template
+    from purine_mpi.tools.scaling.model import Scenario, Template, traced_reads
     from purine_mpi.tools.scaling.trace_reader import read_traces
     run = stage3_traced(2)
     link = tmp_path / "link.json"
@@ -676,6 +676,7 @@ def test_predict_takes_the_slowest_rank_of_a_stage_3_run(stage3_traced, tmp_path
     overhead = data["dispatch_overhead_us_per_op"] * 1e-6
     per_iteration = data["per_iteration_ms"] * 1e-3
     durations, job = read_traces(str(run))
+    reads = traced_reads(job, durations)  # clip.norm at its elements' share
     for n in (2, 4):
         scenario = Scenario(job, n)
         lanes = {}
@@ -683,7 +684,7 @@ def test_predict_takes_the_slowest_rank_of_a_stage_3_run(stage3_traced, tmp_path
             t = Template(job, scenario, r, compose_for(job, n, r))
             sim, _, untraced = t.rank_graph(durations, load_link(link), "auto", scenario, 0.0,
                                             no_comm=True, overhead=overhead,
-                                            per_iteration=per_iteration)
+                                            per_iteration=per_iteration, reads=reads)
             assert not untraced
             busy = {}
             for op in sim.ops.values():
@@ -719,3 +720,31 @@ def test_comm_ops_pay_the_dispatchers_cost_per_op(stage3_traced):
     for row in table["rows"]:
         assert row["comm_ops"] > 0 and not row["untraced"], row
         assert row["efficiency"] <= 1.0, row
+
+
+def test_the_clipping_norm_takes_its_traced_time_at_the_elements_it_reads(tmp_path):
+    """``clip.norm`` (gradient clipping's norm, graph/clip.py) keeps its name
+    at every rank count, but under ZeRO it reads the rank's shards: 16,853
+    elements on each of 2 ranks, 8,427 at 4, 33,706 on one. A trace of 2
+    ranks that times it at 1 ms prices it at its elements' share of that
+    (0.5 ms at 4 ranks, 2 ms on one). Before, 1 ms at every rank count."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.model import Scenario, Template, traced_reads
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    job = load_job(str(write_config_file(tmp_path, STAGE3)), check_files=False)
+    per_rank = {}
+    for r in range(2):
+        graph = compose_for(job, 2, r)
+        per_rank[r] = {n: 1e-5 for n in graph.ops}
+        per_rank[r]["clip.norm"] = 1e-3
+    durations = Durations(per_rank)
+    reads = traced_reads(job, durations)
+    assert reads == {0: {"clip.norm": 16853}, 1: {"clip.norm": 16853}}
+    link = Link(0.0, 1e30, 0.0, "ideal")
+    for n, want in ((1, 2e-3), (2, 1e-3), (4, 1e-3 * 8427 / 16853)):
+        scenario = Scenario(job, n)
+        for r in range(min(n, 2)):
+            sim = Template(job, scenario, r).rank_graph(durations, link, "auto", scenario,
+                                                        0.0, reads=reads)[0]
+            assert sim.ops["clip.norm"].seconds == pytest.approx(want), (n, r)

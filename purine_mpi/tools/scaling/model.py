@@ -69,6 +69,11 @@ The simulated ranks' collectives are coupled (simulate.py): one starts on
 every simulated rank of its communicator when the last of them has
 reached it, so the slowest rank's phases make every rank wait.
 
+Gradient clipping's norm (``clip.norm``, READS_SCALE_TYPES) keeps its name
+at every rank count, but under ZeRO it reads the rank's shards: it takes
+its traced time at the elements it reads over those it read in the traced
+run (``traced_reads``: the traced rank count's graphs composed again).
+
 An op on a gradient that the rank count renames (``w.grad.sum.clip`` on N
 ranks, ``w.grad.clip`` on one: trace_reader.sum_alias) takes the traced
 time of its other name; an op on a ZeRO shard of a gradient, named after
@@ -102,6 +107,11 @@ _HALVES = {"ReduceScatter": "reduce_scatter", "Allgather": "allgather"}
 #: measured add rate (``copy_cost``: ``link.reduce_cost_per_byte``)
 HOST_RATE_TYPES = ("Copy", "Sum")
 
+#: the compute ops named alike at every rank count whose work follows the
+#: rank count: gradient clipping's norm (``clip.norm``, graph/clip.py) reads
+#: the rank's gradients, under ZeRO its shards (1/N of them)
+READS_SCALE_TYPES = ("GradNormSq",)
+
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
 
@@ -109,6 +119,25 @@ ITERATIONS = 6
 #: rank_graph``'s ``per_iteration``: what the traced iteration took beyond its
 #: ops and the dispatcher's gaps between them), first on the busiest lane
 ITERATION_OP = "(iteration)"
+
+
+def scaled_reads(graph):
+    """{op name: elements it reads} of ``graph``'s ops of READS_SCALE_TYPES."""
+    return {name: sum(graph.blobs[b].size for b in op.inputs
+                      if graph.blobs[b].shape is not None)
+            for name, op in graph.ops.items() if op.op_type in READS_SCALE_TYPES}
+
+
+def traced_reads(job, durations):
+    """{traced rank: ``scaled_reads`` of its graph at the traced rank count}
+    (the work the traced times of those ops were for); {} where the job
+    does not compose at that count as traced (another scheme's ranks)."""
+    from ..graph import compose_for
+    n = len(durations.per_rank)
+    try:
+        return {r: scaled_reads(compose_for(job, n, r)) for r in durations.per_rank if r < n}
+    except UserError:
+        return {}
 
 
 def compute_lanes(ops):
@@ -250,6 +279,7 @@ class Template:
         # the dispatcher's ready order (runtime/scheduler)
         self.priority = ready_priority([op.name for op in order], feeds_comm(graph, order, comm))
         self.comm = comm
+        self.reads = scaled_reads(graph)
         self.tail, self.cross = (deferred_tail(graph, self.kernels, self.deps)
                                  if scenario.defer else (frozenset(), {}))
         self.rows = {}
@@ -269,7 +299,8 @@ class Template:
                                   b if whole is None else graph.blobs[whole].size)
 
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
-                   overhead=0.0, traced_comm=False, per_iteration=0.0, comm_overhead=0.0):
+                   overhead=0.0, traced_comm=False, per_iteration=0.0, comm_overhead=0.0,
+                   reads=None):
         """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
         ``overhead``: seconds added to every compute op (the dispatcher's own
         cost per op); ``per_iteration``: seconds the busiest lane spends once
@@ -277,7 +308,10 @@ class Template:
         ``dispatch_overhead``); ``traced_comm``: comm ops take their traced
         durations; ``comm_overhead``: the dispatcher's own cost per comm
         op (``overhead``, ``dispatch_overhead``'s fit): it delays the op's
-        transfer and takes CPU from the rank's next compute op."""
+        transfer and takes CPU from the rank's next compute op; ``reads``:
+        ``traced_reads``, an op of READS_SCALE_TYPES then takes its traced
+        time at the elements it reads here (the norm of a ZeRO rank's
+        shards, half as many at twice the ranks)."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
@@ -309,6 +343,8 @@ class Template:
                 alias = sum_alias(name) if seconds is None else None
                 if alias:  # the op on the gradient, traced at another rank count
                     seconds = durations.lookup(alias, self.prices)
+                if seconds is not None and name in self.reads and reads:
+                    seconds *= self._reads_share(name, reads)
                 if seconds is None:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost
@@ -323,6 +359,16 @@ class Template:
                 ops[ITERATION_OP] = SimOp(ITERATION_OP, per_iteration, (), lane=busiest,
                                           priority=(False, -1))
         return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
+
+    def _reads_share(self, name, reads):
+        """This graph's elements read by op ``name`` over the traced ones
+        (``reads``: ``traced_reads``; the pricing rank's, else the median
+        over the traced ranks that ran it); 1 where not known."""
+        mine = reads.get(self.prices, {}).get(name)
+        if not mine:
+            known = sorted(r[name] for r in reads.values() if r.get(name))
+            mine = known[len(known) // 2] if known else None
+        return self.reads[name] / mine if mine else 1.0
 
     def _comm_op(self, op, deps, durations, link, algorithm, scenario, copy_cost=0.0):
         g = self.graph
@@ -493,12 +539,14 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
 
 
 def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0,
-                per_iteration=0.0, comm_overhead=0.0):
-    """The prediction at ``n`` ranks: a dict of seconds and counts."""
+                per_iteration=0.0, comm_overhead=0.0, reads=None):
+    """The prediction at ``n`` ranks: a dict of seconds and counts
+    (``reads``: ``traced_reads``)."""
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
-                          per_iteration=per_iteration, comm_overhead=comm_overhead)
+                          per_iteration=per_iteration, comm_overhead=comm_overhead,
+                          reads=reads)
              for t in templates]
     result = simulate([b[0] for b in built], ITERATIONS)
     period = result.period()
@@ -508,7 +556,8 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     ends = result.iteration_end
     slowest = max(sorted(ends), key=lambda r: ends[r][-1])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                         overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
+                         overhead=overhead, per_iteration=per_iteration, reads=reads)[0]
+            for t in templates]
     compute = simulate(bare, ITERATIONS).period()
     if n == 1:
         # the reference of the efficiency: at N > 1 each traced rank is
@@ -523,10 +572,10 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             alt.prices = r
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost,
                                overhead=overhead, per_iteration=per_iteration,
-                               comm_overhead=comm_overhead)[0]
+                               comm_overhead=comm_overhead, reads=reads)[0]
             period = max(period, simulate([g], ITERATIONS).period())
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                               overhead=overhead, per_iteration=per_iteration)[0]
+                               overhead=overhead, per_iteration=per_iteration, reads=reads)[0]
             compute = max(compute, simulate([g], ITERATIONS).period())
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
@@ -580,15 +629,16 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
     overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
                                                 cache)
     comm_overhead = overhead  # every comm op pays the dispatcher's cost per op too
+    reads = traced_reads(job, durations)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
-                      per_iteration, comm_overhead)
+                      per_iteration, comm_overhead, reads)
     check_traces_match(job, one, durations)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
             row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead,
-                              per_iteration, comm_overhead)
+                              per_iteration, comm_overhead, reads)
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue
