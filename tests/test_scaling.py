@@ -748,3 +748,33 @@ def test_the_clipping_norm_takes_its_traced_time_at_the_elements_it_reads(tmp_pa
             sim = Template(job, scenario, r).rank_graph(durations, link, "auto", scenario,
                                                         0.0, reads=reads)[0]
             assert sim.ops["clip.norm"].seconds == pytest.approx(want), (n, r)
+
+
+def test_a_shards_update_pays_its_fixed_cost_once(tmp_path):
+    """A 1-rank trace of STAGE3 whose updates take 3 µs + 1 ns an element:
+    the fit of the update ops (model.fixed_costs) finds the 3 µs each call
+    pays, and a ZeRO shard's update at 4 ranks costs 3 µs + 1 ns for each
+    of its elements, not its elements' share of the whole update (fc2's
+    weight: 163 of 640 elements, 0.93 µs before: the call's cost divided
+    too). The other way, a whole update traced as 2 shards is their sum
+    less one call's cost."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.model import Scenario, Template, fixed_costs
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    job = load_job(str(write_config_file(tmp_path, STAGE3)), check_files=False)
+    graph = compose_for(job, 1, 0)
+    ops = {name: (3e-6 + 1e-9 * graph.blobs[op.inputs[0]].size
+                  if op.op_type == "SGDUpdate" else 1e-5)
+           for name, op in graph.ops.items()}
+    durations = Durations({0: ops})
+    fixed = fixed_costs(durations, {0: graph})
+    assert fixed["SGDUpdate"] == pytest.approx(3e-6)
+    scenario = Scenario(job, 4)
+    sim = Template(job, scenario, 0).rank_graph(durations, Link(0.0, 1e30, 0.0, "ideal"),
+                                                "auto", scenario, 0.0, fixed=fixed)[0]
+    assert sim.ops["fc2/weight.update[0:163]"].seconds == pytest.approx(3e-6 + 163e-9)
+    assert sim.ops["fc1/weight.update[0:8192]"].seconds == pytest.approx(3e-6 + 8192e-9)
+    two = Durations({0: {"w.update[0:5]": 4.0}, 1: {"w.update[5:10]": 4.0}})
+    assert two.lookup("w.update", 0, fixed=3.0) == pytest.approx(5.0)
+    assert two.lookup("w.update[0:2]", 0, fixed=3.0) == pytest.approx(3.0 + 1.0 * 2 / 5)

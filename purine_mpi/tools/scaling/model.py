@@ -83,7 +83,9 @@ the op on the whole gradient (``w.grad.clip``: trace_reader.Durations.
 lookup). A compute op absent from the trace otherwise (a
 row chunk of a split weight, a shard's update, a copy into a bucket) is
 estimated: a chunk takes its
-rows' share of the whole op, a shard's update its elements' share; a Copy
+rows' share of the whole op, a shard's update its elements' share (an
+update op's fixed cost per call, ``fixed_costs``, paid once, not shared:
+``Durations.lookup``'s ``fixed``); a Copy
 or a Sum (a micro-batch's gradient sum) its bytes written at the host's
 measured add rate (``link.reduce_cost_per_byte``); other ops count as 0.
 All of these are reported as ``untraced``.
@@ -128,16 +130,57 @@ def scaled_reads(graph):
             for name, op in graph.ops.items() if op.op_type in READS_SCALE_TYPES}
 
 
-def traced_reads(job, durations):
-    """{traced rank: ``scaled_reads`` of its graph at the traced rank count}
-    (the work the traced times of those ops were for); {} where the job
-    does not compose at that count as traced (another scheme's ranks)."""
+def traced_graphs(job, durations):
+    """{traced rank: its graph composed at the traced rank count}; {} where
+    the job does not compose so (another scheme's ranks)."""
     from ..graph import compose_for
     n = len(durations.per_rank)
     try:
-        return {r: scaled_reads(compose_for(job, n, r)) for r in durations.per_rank if r < n}
+        return {r: compose_for(job, n, r) for r in durations.per_rank if r < n}
     except UserError:
         return {}
+
+
+def traced_reads(job, durations, graphs=None):
+    """{traced rank: ``scaled_reads`` of its graph at the traced rank count}
+    (the work the traced times of those ops were for); {} where the job
+    does not compose at that count as traced (another scheme's ranks).
+    ``graphs``: ``traced_graphs``' where the caller has them."""
+    graphs = traced_graphs(job, durations) if graphs is None else graphs
+    return {r: scaled_reads(g) for r, g in graphs.items()}
+
+
+def fixed_costs(durations, graphs):
+    """{op type: its fixed seconds per call} of the update ops (kernel
+    category ``update``: an update, a clipping, an unscale, whose work is
+    its first input's elements), fitted from the traced ops of
+    that type (``graphs``: ``traced_graphs``), each a point (elements of its
+    first input, traced median): the intercept of the least-squares line
+    through them, at least 0 and at most the least of their times; a type
+    with fewer than two sizes or a falling line has none. A chunk or shard
+    of an op priced by its share of a traced op pays it once, not its share
+    (``Durations.lookup``'s ``fixed``): an update of 10 elements costs the
+    call, not 10/32,768 of a 32,768-element update."""
+    from ...ops.registry import get_kernel_class
+    points = {}
+    for r, g in graphs.items():
+        traced = durations.per_rank.get(r, {})
+        for name, op in g.ops.items():
+            if name not in traced or not op.inputs or g.blobs[op.inputs[0]].shape is None \
+                    or get_kernel_class(op.op_type, name).category != "update":
+                continue
+            points.setdefault(op.op_type, []).append((g.blobs[op.inputs[0]].size, traced[name]))
+    out = {}
+    for kind, pts in points.items():
+        xs = [x for x, _ in pts]
+        if len(set(xs)) < 2:
+            continue
+        mx, my = sum(xs) / len(pts), sum(t for _, t in pts) / len(pts)
+        slope = sum((x - mx) * (t - my) for x, t in pts) / sum((x - mx) ** 2 for x in xs)
+        if slope < 0:
+            continue
+        out[kind] = min(max(0.0, my - slope * mx), min(t for _, t in pts))
+    return out
 
 
 def compute_lanes(ops):
@@ -300,7 +343,7 @@ class Template:
 
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
                    overhead=0.0, traced_comm=False, per_iteration=0.0, comm_overhead=0.0,
-                   reads=None):
+                   reads=None, fixed=None):
         """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
         ``overhead``: seconds added to every compute op (the dispatcher's own
         cost per op); ``per_iteration``: seconds the busiest lane spends once
@@ -311,7 +354,9 @@ class Template:
         transfer and takes CPU from the rank's next compute op; ``reads``:
         ``traced_reads``, an op of READS_SCALE_TYPES then takes its traced
         time at the elements it reads here (the norm of a ZeRO rank's
-        shards, half as many at twice the ranks)."""
+        shards, half as many at twice the ranks); ``fixed``:
+        ``fixed_costs``, a chunk or shard priced by its share of a traced op
+        then pays its type's fixed cost once (``Durations.lookup``)."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
@@ -339,7 +384,9 @@ class Template:
                 if no_comm:
                     sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
             else:
-                seconds = durations.lookup(name, self.prices, self.rows.get(shard_rows_key(name)))
+                rows = self.rows.get(shard_rows_key(name))
+                seconds = durations.lookup(name, self.prices, rows, fixed[op.op_type]) \
+                    if fixed and op.op_type in fixed else durations.lookup(name, self.prices, rows)
                 alias = sum_alias(name) if seconds is None else None
                 if alias:  # the op on the gradient, traced at another rank count
                     seconds = durations.lookup(alias, self.prices)
@@ -539,14 +586,14 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
 
 
 def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0,
-                per_iteration=0.0, comm_overhead=0.0, reads=None):
+                per_iteration=0.0, comm_overhead=0.0, reads=None, fixed=None):
     """The prediction at ``n`` ranks: a dict of seconds and counts
-    (``reads``: ``traced_reads``)."""
+    (``reads``: ``traced_reads``; ``fixed``: ``fixed_costs``)."""
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
                           per_iteration=per_iteration, comm_overhead=comm_overhead,
-                          reads=reads)
+                          reads=reads, fixed=fixed)
              for t in templates]
     result = simulate([b[0] for b in built], ITERATIONS)
     period = result.period()
@@ -556,7 +603,8 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     ends = result.iteration_end
     slowest = max(sorted(ends), key=lambda r: ends[r][-1])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                         overhead=overhead, per_iteration=per_iteration, reads=reads)[0]
+                         overhead=overhead, per_iteration=per_iteration, reads=reads,
+                         fixed=fixed)[0]
             for t in templates]
     compute = simulate(bare, ITERATIONS).period()
     if n == 1:
@@ -572,10 +620,11 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             alt.prices = r
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost,
                                overhead=overhead, per_iteration=per_iteration,
-                               comm_overhead=comm_overhead, reads=reads)[0]
+                               comm_overhead=comm_overhead, reads=reads, fixed=fixed)[0]
             period = max(period, simulate([g], ITERATIONS).period())
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                               overhead=overhead, per_iteration=per_iteration, reads=reads)[0]
+                               overhead=overhead, per_iteration=per_iteration, reads=reads,
+                               fixed=fixed)[0]
             compute = max(compute, simulate([g], ITERATIONS).period())
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
@@ -629,16 +678,17 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
     overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
                                                 cache)
     comm_overhead = overhead  # every comm op pays the dispatcher's cost per op too
-    reads = traced_reads(job, durations)
+    graphs = traced_graphs(job, durations)
+    reads, fixed = traced_reads(job, durations, graphs), fixed_costs(durations, graphs)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
-                      per_iteration, comm_overhead, reads)
+                      per_iteration, comm_overhead, reads, fixed)
     check_traces_match(job, one, durations)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
             row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead,
-                              per_iteration, comm_overhead, reads)
+                              per_iteration, comm_overhead, reads, fixed)
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue
