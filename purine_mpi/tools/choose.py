@@ -778,7 +778,8 @@ class Predictor:
                                                  self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,
                                          overhead=self.overhead,
-                                         per_iteration=self.per_iteration)
+                                         per_iteration=self.per_iteration,
+                                         comm_overhead=self.overhead)
             graphs.append(g)
             untraced.update(missing)
         return simulate(graphs, ITERATIONS).period(), scenario.images, len(untraced)

@@ -56,7 +56,23 @@ thread's measured idle between two of its ops inside an iteration:
 trace_reader.dispatch_gap), and a cost per iteration for the rest (the
 trainer's loop; one op, ``ITERATION_OP``, first on the busiest lane):
 M micro-batches pay the first for each of their M times as many ops, the
-second once.
+second once. Each comm op pays the cost per op too (``rank_graph``'s
+``comm_overhead``): the thread that readies it posts, tests and completes
+it between its compute ops, so its transfer starts that much later and
+the rank's next compute op starts that much later (``SimOp.cpu``); the
+fit counts it (a cost per op that would simulate the traced run past its
+traced iteration is lowered until it meets it). Before, comm ops paid
+none: a ZeRO rank running fewer or smaller ops than one rank came out
+more than 100 % efficient.
+
+The simulated ranks' collectives are coupled (simulate.py): one starts on
+every simulated rank of its communicator when the last of them has
+reached it, so the slowest rank's phases make every rank wait.
+
+Gradient clipping's norm (``clip.norm``, READS_SCALE_TYPES) keeps its name
+at every rank count, but under ZeRO it reads the rank's shards: it takes
+its traced time at the elements it reads over those it read in the traced
+run (``traced_reads``: the traced rank count's graphs composed again).
 
 An op on a gradient that the rank count renames (``w.grad.sum.clip`` on N
 ranks, ``w.grad.clip`` on one: trace_reader.sum_alias) takes the traced
@@ -67,7 +83,9 @@ the op on the whole gradient (``w.grad.clip``: trace_reader.Durations.
 lookup). A compute op absent from the trace otherwise (a
 row chunk of a split weight, a shard's update, a copy into a bucket) is
 estimated: a chunk takes its
-rows' share of the whole op, a shard's update its elements' share; a Copy
+rows' share of the whole op, a shard's update its elements' share (an
+update op's fixed cost per call, ``fixed_costs``, paid once, not shared:
+``Durations.lookup``'s ``fixed``); a Copy
 or a Sum (a micro-batch's gradient sum) its bytes written at the host's
 measured add rate (``link.reduce_cost_per_byte``); other ops count as 0.
 All of these are reported as ``untraced``.
@@ -91,6 +109,11 @@ _HALVES = {"ReduceScatter": "reduce_scatter", "Allgather": "allgather"}
 #: measured add rate (``copy_cost``: ``link.reduce_cost_per_byte``)
 HOST_RATE_TYPES = ("Copy", "Sum")
 
+#: the compute ops named alike at every rank count whose work follows the
+#: rank count: gradient clipping's norm (``clip.norm``, graph/clip.py) reads
+#: the rank's gradients, under ZeRO its shards (1/N of them)
+READS_SCALE_TYPES = ("GradNormSq",)
+
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
 
@@ -98,6 +121,66 @@ ITERATIONS = 6
 #: rank_graph``'s ``per_iteration``: what the traced iteration took beyond its
 #: ops and the dispatcher's gaps between them), first on the busiest lane
 ITERATION_OP = "(iteration)"
+
+
+def scaled_reads(graph):
+    """{op name: elements it reads} of ``graph``'s ops of READS_SCALE_TYPES."""
+    return {name: sum(graph.blobs[b].size for b in op.inputs
+                      if graph.blobs[b].shape is not None)
+            for name, op in graph.ops.items() if op.op_type in READS_SCALE_TYPES}
+
+
+def traced_graphs(job, durations):
+    """{traced rank: its graph composed at the traced rank count}; {} where
+    the job does not compose so (another scheme's ranks)."""
+    from ..graph import compose_for
+    n = len(durations.per_rank)
+    try:
+        return {r: compose_for(job, n, r) for r in durations.per_rank if r < n}
+    except UserError:
+        return {}
+
+
+def traced_reads(job, durations, graphs=None):
+    """{traced rank: ``scaled_reads`` of its graph at the traced rank count}
+    (the work the traced times of those ops were for); {} where the job
+    does not compose at that count as traced (another scheme's ranks).
+    ``graphs``: ``traced_graphs``' where the caller has them."""
+    graphs = traced_graphs(job, durations) if graphs is None else graphs
+    return {r: scaled_reads(g) for r, g in graphs.items()}
+
+
+def fixed_costs(durations, graphs):
+    """{op type: its fixed seconds per call} of the update ops (kernel
+    category ``update``: an update, a clipping, an unscale, whose work is
+    its first input's elements), fitted from the traced ops of
+    that type (``graphs``: ``traced_graphs``), each a point (elements of its
+    first input, traced median): the intercept of the least-squares line
+    through them, at least 0 and at most the least of their times; a type
+    with fewer than two sizes or a falling line has none. A chunk or shard
+    of an op priced by its share of a traced op pays it once, not its share
+    (``Durations.lookup``'s ``fixed``): an update of 10 elements costs the
+    call, not 10/32,768 of a 32,768-element update."""
+    from ...ops.registry import get_kernel_class
+    points = {}
+    for r, g in graphs.items():
+        traced = durations.per_rank.get(r, {})
+        for name, op in g.ops.items():
+            if name not in traced or not op.inputs or g.blobs[op.inputs[0]].shape is None \
+                    or get_kernel_class(op.op_type, name).category != "update":
+                continue
+            points.setdefault(op.op_type, []).append((g.blobs[op.inputs[0]].size, traced[name]))
+    out = {}
+    for kind, pts in points.items():
+        xs = [x for x, _ in pts]
+        if len(set(xs)) < 2:
+            continue
+        mx, my = sum(xs) / len(pts), sum(t for _, t in pts) / len(pts)
+        slope = sum((x - mx) * (t - my) for x, t in pts) / sum((x - mx) ** 2 for x in xs)
+        if slope < 0:
+            continue
+        out[kind] = min(max(0.0, my - slope * mx), min(t for _, t in pts))
+    return out
 
 
 def compute_lanes(ops):
@@ -239,6 +322,7 @@ class Template:
         # the dispatcher's ready order (runtime/scheduler)
         self.priority = ready_priority([op.name for op in order], feeds_comm(graph, order, comm))
         self.comm = comm
+        self.reads = scaled_reads(graph)
         self.tail, self.cross = (deferred_tail(graph, self.kernels, self.deps)
                                  if scenario.defer else (frozenset(), {}))
         self.rows = {}
@@ -258,13 +342,21 @@ class Template:
                                   b if whole is None else graph.blobs[whole].size)
 
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
-                   overhead=0.0, traced_comm=False, per_iteration=0.0):
+                   overhead=0.0, traced_comm=False, per_iteration=0.0, comm_overhead=0.0,
+                   reads=None, fixed=None):
         """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
         ``overhead``: seconds added to every compute op (the dispatcher's own
         cost per op); ``per_iteration``: seconds the busiest lane spends once
         an iteration, before its ops (``ITERATION_OP``: the trainer's loop,
         ``dispatch_overhead``); ``traced_comm``: comm ops take their traced
-        durations."""
+        durations; ``comm_overhead``: the dispatcher's own cost per comm
+        op (``overhead``, ``dispatch_overhead``'s fit): it delays the op's
+        transfer and takes CPU from the rank's next compute op; ``reads``:
+        ``traced_reads``, an op of READS_SCALE_TYPES then takes its traced
+        time at the elements it reads here (the norm of a ZeRO rank's
+        shards, half as many at twice the ranks); ``fixed``:
+        ``fixed_costs``, a chunk or shard priced by its share of a traced op
+        then pays its type's fixed cost once (``Durations.lookup``)."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
@@ -278,14 +370,28 @@ class Template:
                 traced = durations.least_rank(name) if traced_comm else None
                 if traced is not None:
                     sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
-                comm_s[name] = sim.seconds
+                if sim.kind == "collective" and op.attrs.get("group"):
+                    sim.group = tuple(int(r) for r in op.attrs["group"])
+                comm_s[name] = sim.seconds  # the transfer, as the link model gives it
+                # the dispatcher's cost per op: the thread that readies a
+                # comm op posts it (and tests and completes it) between its
+                # compute ops, so the post waits for it and the rank's next
+                # compute op pays it (the transfer's CPU, ``SimOp.cpu``)
+                sim.seconds += comm_overhead
+                sim.cpu += comm_overhead
+                if sim.busy_seconds is not None:
+                    sim.busy_seconds += comm_overhead
                 if no_comm:
                     sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
             else:
-                seconds = durations.lookup(name, self.prices, self.rows.get(shard_rows_key(name)))
+                rows = self.rows.get(shard_rows_key(name))
+                seconds = durations.lookup(name, self.prices, rows, fixed[op.op_type]) \
+                    if fixed and op.op_type in fixed else durations.lookup(name, self.prices, rows)
                 alias = sum_alias(name) if seconds is None else None
                 if alias:  # the op on the gradient, traced at another rank count
                     seconds = durations.lookup(alias, self.prices)
+                if seconds is not None and name in self.reads and reads:
+                    seconds *= self._reads_share(name, reads)
                 if seconds is None:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost
@@ -300,6 +406,16 @@ class Template:
                 ops[ITERATION_OP] = SimOp(ITERATION_OP, per_iteration, (), lane=busiest,
                                           priority=(False, -1))
         return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
+
+    def _reads_share(self, name, reads):
+        """This graph's elements read by op ``name`` over the traced ones
+        (``reads``: ``traced_reads``; the pricing rank's, else the median
+        over the traced ranks that ran it); 1 where not known."""
+        mine = reads.get(self.prices, {}).get(name)
+        if not mine:
+            known = sorted(r[name] for r in reads.values() if r.get(name))
+            mine = known[len(known) // 2] if known else None
+        return self.reads[name] / mine if mine else 1.0
 
     def _comm_op(self, op, deps, durations, link, algorithm, scenario, copy_cost=0.0):
         g = self.graph
@@ -433,21 +549,31 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
         return 0.0, 0.0
 
     def period(overhead, per_iteration=0.0):
+        # a comm op pays the cost per op as a compute op does (rank_graph's
+        # comm_overhead): the traced gaps hold the posting of comm ops too
         graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
                                overhead=overhead, traced_comm=True,
-                               per_iteration=per_iteration)[0] for t in templates]
+                               per_iteration=per_iteration, comm_overhead=overhead)[0]
+                  for t in templates]
         return simulate(graphs, ITERATIONS).period(), graphs
 
     target = sorted(traced)[len(traced) // 2]
-    simulated, graphs = period(0.0)
-    ops = max(compute_lanes(graphs[0].ops.values()).values(), default=0)
-    if not ops or target <= simulated:
+    bare, graphs = period(0.0)
+    lane = max(compute_lanes(graphs[0].ops.values()).values(), default=0)
+    if not lane or target <= bare:
         return 0.0, 0.0
-    overhead = (target - simulated) / ops
+    # the comm ops' cost per op lands on the compute lanes too
+    ops = lane + sum(1 for op in graphs[0].ops.values() if op.kind != "compute")
+    overhead = (target - bare) / ops
     gaps = sorted(durations.gaps.values())
     if gaps:
         overhead = min(overhead, gaps[len(gaps) // 2])
         simulated, _ = period(overhead)
+        for _ in range(3):  # past the traced iteration: the cost per op that meets it
+            if simulated <= target * (1 + 1e-6):
+                break
+            overhead *= (target - bare) / (simulated - bare)
+            simulated, _ = period(overhead)
         per_iteration = max(0.0, target - simulated)
         if per_iteration > 0:  # it need not lengthen the iteration by all of itself
             simulated, _ = period(overhead, per_iteration)
@@ -460,20 +586,26 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
 
 
 def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0,
-                per_iteration=0.0):
-    """The prediction at ``n`` ranks: a dict of seconds and counts."""
+                per_iteration=0.0, comm_overhead=0.0, reads=None, fixed=None):
+    """The prediction at ``n`` ranks: a dict of seconds and counts
+    (``reads``: ``traced_reads``; ``fixed``: ``fixed_costs``)."""
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
-                          per_iteration=per_iteration)
+                          per_iteration=per_iteration, comm_overhead=comm_overhead,
+                          reads=reads, fixed=fixed)
              for t in templates]
     result = simulate([b[0] for b in built], ITERATIONS)
     period = result.period()
-    # the rank whose iterations end last (rank 0 where several tie)
+    # the rank whose iterations end last (rank 0 where several tie): the
+    # coupled collectives give every rank the same period, the slowest
+    # rank's, and the slowest ends its iterations last
     ends = result.iteration_end
-    slowest = max(sorted(ends), key=lambda r: ends[r][-1] - ends[r][0])
+    slowest = max(sorted(ends), key=lambda r: ends[r][-1])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                         overhead=overhead, per_iteration=per_iteration)[0] for t in templates]
+                         overhead=overhead, per_iteration=per_iteration, reads=reads,
+                         fixed=fixed)[0]
+            for t in templates]
     compute = simulate(bare, ITERATIONS).period()
     if n == 1:
         # the reference of the efficiency: at N > 1 each traced rank is
@@ -487,10 +619,12 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             alt = copy.copy(templates[0])
             alt.prices = r
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost,
-                               overhead=overhead, per_iteration=per_iteration)[0]
+                               overhead=overhead, per_iteration=per_iteration,
+                               comm_overhead=comm_overhead, reads=reads, fixed=fixed)[0]
             period = max(period, simulate([g], ITERATIONS).period())
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
-                               overhead=overhead, per_iteration=per_iteration)[0]
+                               overhead=overhead, per_iteration=per_iteration, reads=reads,
+                               fixed=fixed)[0]
             compute = max(compute, simulate([g], ITERATIONS).period())
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
@@ -543,15 +677,18 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
     cache = {}
     overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
                                                 cache)
+    comm_overhead = overhead  # every comm op pays the dispatcher's cost per op too
+    graphs = traced_graphs(job, durations)
+    reads, fixed = traced_reads(job, durations, graphs), fixed_costs(durations, graphs)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
-                      per_iteration)
+                      per_iteration, comm_overhead, reads, fixed)
     check_traces_match(job, one, durations)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
             row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead,
-                              per_iteration)
+                              per_iteration, comm_overhead, reads, fixed)
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue

@@ -7,7 +7,8 @@ executor (``VirtualClock``) that charges each op its duration instead of
 running it: compute ops on worker lanes (one op at a time per lane, the
 ready op with the best ``priority`` first, as the dispatcher's worker
 threads take them), collectives posted strictly in ``seq`` order and run
-one after another on the rank's link, and point-to-point ops posted as
+one after another on the rank's link, each coupled across the simulated
+ranks of its communicator (below), and point-to-point ops posted as
 soon as they are ready: a Send and the Recv it matches (same source,
 destination, tag and iteration) transfer from when both are posted and the
 sender's outgoing and the receiver's incoming side of the link are free. An
@@ -22,15 +23,33 @@ i-1 is done and every collective of i is posted; a next-iteration op waits
 for the tail ops that list it in ``RankGraph.cross`` (runtime/tail.py).
 Without a tail an iteration starts when the last one has finished.
 
+A collective cannot finish on any rank before every rank of its
+communicator has posted it. The simulated ranks that hold collectives of
+one communicator (``SimOp.group``: the ranks of its attr ``group``; None:
+the world) run them together: MPI matches a communicator's collectives by
+call order, so a rank's k-th collective on it in an iteration is every
+member's k-th; it reaches the rank's link when posted and the rank's last
+collective is done, and starts on every member when the last member's has
+reached it (the latest of those times), taking the slowest member's
+transfer time: each member's ends at max over members of its post time +
+the transfer time (``_Ranks.arrive``). So a rank that reaches a collective
+early waits for the slower one, and the slower phases of different ranks
+add up; before, each rank ran its collectives on its own clock, a lower
+bound. Collectives of other communicators (a pipeline stage's replicas
+apart from another stage's) do not wait for each other; the order of the
+collectives stays the fixed, rank-independent ``seq`` order.
+
 A transfer's CPU (``SimOp.cpu``: the wall time it takes from the compute on
-a host without a free core) delays the next compute op to start on the
+a host without a free core, and the dispatcher's cost of posting, testing
+and completing a comm op) delays the next compute op to start on the
 rank; a collective that starts while a lane computes takes
 ``busy_seconds`` (the link's rate while computing) when given.
 
-What the model leaves out: the time to post an op and to test requests,
-contention among ranks for a shared switch or bisection, stragglers (every
-rank of a collective is assumed to post it when this one does: the
-replicas are symmetric), and the topology of the network.
+What the model leaves out: contention among ranks for a shared switch or
+bisection, or for the cores of a shared host, stragglers among the ranks
+not simulated (an unsimulated rank of a collective is taken to post it
+when the simulated rank of its class does), and the topology of the
+network.
 """
 import heapq
 import math
@@ -41,6 +60,11 @@ from dataclasses import dataclass, field
 from ...runtime.scheduler import PostingOrder, Schedule
 
 KINDS = ("compute", "collective", "send", "recv")
+
+
+def group_key(op):
+    """A collective's communicator: its ranks, sorted (None: the world)."""
+    return None if op.group is None else tuple(sorted(op.group))
 
 
 class SimulationStalled(RuntimeError):
@@ -66,6 +90,9 @@ class SimOp:
     nbytes: int = 0
     busy_seconds: float = None  # collectives: the duration when it starts while a lane computes
     cpu: float = 0.0            # comm ops: wall seconds the transfer takes from the compute
+    #: collectives: the world ranks of its communicator (attr ``group``), or
+    #: None for every rank: the simulated ranks among them run it together
+    group: tuple = None
 
 
 @dataclass
@@ -121,6 +148,9 @@ class VirtualClock:
         self.lanes = []            # lanes in the order they first had a ready op
         self.lane_busy = {}        # lane -> when its op ends
         self.link_free = 0.0       # collectives run one after another
+        self.link_queue = []       # posted collectives not started: (iteration, name, posted)
+        self.link_held = False     # the head of link_queue waits for the other ranks
+        self.arrivals = defaultdict(int)  # (iteration, communicator) -> collectives reached
         self.out_free = 0.0
         self.in_free = 0.0
         self.remote_free = {}      # ("out" | "in", unsimulated peer) -> when that side is free
@@ -165,6 +195,37 @@ class VirtualClock:
             self.posting.post_ready(lambda n: self.post(n, t, peers))
 
     # --------------------------------------------------- the virtual clock
+    def next_collective(self, peers):
+        """The link is free for the next posted collective: it reaches the
+        link when posted and the last one is done, and waits there for the
+        other simulated ranks of its communicator."""
+        if self.link_held or not self.link_queue:
+            return
+        it, name, posted = self.link_queue.pop(0)
+        group = group_key(self.g.ops[name])
+        # MPI matches a communicator's collectives by call order: the k-th
+        # this rank posts on it in an iteration is every member's k-th
+        k = self.arrivals[it, group]
+        self.arrivals[it, group] += 1
+        self.link_held = True
+        peers.arrive((it, group, k), self.g.rank, name, max(posted, self.link_free))
+
+    def run_collective(self, it, name, begin, seconds):
+        """Start collective ``name`` at ``begin`` for ``seconds`` (the
+        slowest member's transfer) on this rank."""
+        op = self.g.ops[name]
+        self.link_free = begin + seconds
+        self.link_held = False
+        self.debt += op.cpu
+        self.charge(it, name, begin, seconds)
+
+    def transfer_seconds(self, name, begin):
+        """A collective's seconds on this rank when it starts at ``begin``:
+        its ``busy_seconds`` while a lane computes."""
+        op = self.g.ops[name]
+        computing = any(end > begin for end in self.lane_busy.values())
+        return op.busy_seconds if computing and op.busy_seconds is not None else op.seconds
+
     def charge(self, it, name, begin, seconds):
         self.start_of[(it, name)] = begin
         self.finish(begin + seconds, self.g.rank, it, name)
@@ -182,13 +243,11 @@ class VirtualClock:
     def post(self, name, t, peers):
         op, it = self.g.ops[name], self.schedule.label(name)
         if op.kind == "collective":
-            begin = max(t, self.link_free)
-            computing = any(end > begin for end in self.lane_busy.values())
-            seconds = op.busy_seconds if computing and op.busy_seconds is not None \
-                else op.seconds
-            self.link_free = begin + seconds
-            self.debt += op.cpu
-            self.charge(it, name, begin, seconds)
+            # the rank's link takes its collectives one after another, in
+            # posting order; one starts once every simulated rank of its
+            # communicator has reached it (``_Ranks.arrive``)
+            self.link_queue.append((it, name, t))
+            self.next_collective(peers)
         elif op.peer not in peers.ranks:  # the other side is not simulated
             # (a parameter server): the transfer runs on that peer's link,
             # which the op's seconds price (shared with the other workers);
@@ -211,6 +270,38 @@ class _Ranks:
         self.events, self.counter = [], 0
         self.ranks = {g.rank: VirtualClock(g, self.push) for g in graphs}
         self.pending_p2p = {}  # (src, dst, tag, it) -> (rank, name, posted time)
+        # (iteration, communicator, k) -> {rank: (op name, when it reached the link)}
+        self.pending_collectives = defaultdict(dict)
+        #: communicator (``group_key``) -> the simulated ranks that post
+        #: collectives on it: those whose graphs hold one
+        self.communicators = defaultdict(list)
+        for g in graphs:
+            for key in sorted({group_key(op) for op in g.collectives}, key=str):
+                self.communicators[key].append(g.rank)
+
+    def members(self, group):
+        """The simulated ranks of a communicator (``group_key``)."""
+        return self.communicators.get(group, [])
+
+    def arrive(self, key, rank, name, begin):
+        """Rank ``rank`` reached collective ``key`` on its link at ``begin``.
+        When every simulated member has, it starts on each at the latest of
+        their times (no rank's collective completes before every rank has
+        posted it) and takes the slowest member's transfer time: each
+        ends at max over members of its post time + the transfer time."""
+        waiting = self.pending_collectives[key]
+        waiting[rank] = (name, begin)
+        members = self.members(key[1])
+        if any(m not in waiting for m in members):
+            return
+        del self.pending_collectives[key]
+        start = max(b for _, b in waiting.values())
+        seconds = max(self.ranks[m].transfer_seconds(waiting[m][0], start) for m in members)
+        it = key[0]
+        for m in members:
+            self.ranks[m].run_collective(it, waiting[m][0], start, seconds)
+        for m in members:
+            self.ranks[m].next_collective(self)
 
     def push(self, t, rank, it, name):
         self.counter += 1
@@ -271,8 +362,13 @@ def simulate(graphs, iterations=6):
         if len(rk.iteration_end) < iterations:
             stuck = sorted(rk.schedule.waiting())[:5]
             first = min(set(range(iterations)) - set(rk.iteration_end))
+            held = sorted(f"{w[r][0]} (waiting for rank(s) "
+                          f"{', '.join(str(m) for m in sim.members(key[1]) if m not in w)})"
+                          for key, w in sim.pending_collectives.items() if r in w)
             raise SimulationStalled(
                 f"simulation of rank {r} stalled in iteration {first}: {', '.join(stuck)} "
-                "never ran (a Send or Recv without its match, or a dependency cycle)")
+                "never ran (a Send or Recv without its match, or a dependency cycle"
+                + (f"; collective {', '.join(held[:3])} never posted by the other ranks of "
+                   "its communicator" if held else "") + ")")
     return SimResult({r: [rk.iteration_end[i] for i in range(iterations)]
                       for r, rk in ranks.items()}, dict(spans))

@@ -68,7 +68,7 @@ class Durations:
                     self._shards[grad, suffix].append((r, ops[name], b - a))
                     self._chunks[grad + suffix].add(name)
 
-    def lookup(self, name, rank=0, rows=None):
+    def lookup(self, name, rank=0, rows=None, fixed=0.0):
         """Seconds of op ``name`` on ``rank``: that rank's median, else the
         median over the ranks that ran it; None when no rank traced it.
         A row chunk ``op[a:b]`` of an op traced whole takes its share of the
@@ -81,29 +81,35 @@ class Durations:
         the gradient's elements), a bytes-bound op; a row chunk traced
         neither whole nor under its name (a shard's update ``w.update[a:b]``
         at another rank count), its rows' share of the traced chunks of the
-        op; the op on a whole gradient traced as shards, their sum."""
+        op; the op on a whole gradient traced as shards, their sum.
+        ``fixed``: the op's fixed cost per call (``model.fixed_costs``),
+        which a share does not divide: a chunk or shard then takes
+        ``fixed`` plus its share of the rest of the traced time (of each
+        traced chunk's), a whole op traced as k chunks their sum less
+        (k - 1) ``fixed``."""
         found = self._exact(name, rank)
         if found is not None:
             return found
         shard = split_shard(name)
         if shard is not None:
-            return self._shard_share(rank, rows, *shard)
+            return self._shard_share(rank, rows, *shard, fixed=fixed)
         base, a, b = split_chunk(name)
         if base is not None:
             whole = self._exact(base, rank)
             rows = self._rows.get(base) or rows
             if whole is not None and rows:
-                return whole * (b - a) / rows
+                f = min(fixed, whole)
+                return f + (whole - f) * (b - a) / rows
             # traced as other chunks (a ZeRO shard's update ``w.update[a:b]``,
             # its bounds set by the rank count): their rows' rate
-            return _share(self._chunk_rows.get(base, ()), rank, b - a)
+            return _share(self._chunk_rows.get(base, ()), rank, b - a, fixed)
         parts = [self._exact(n, rank) for n in self._chunks_of(name)]
         if parts and all(p is not None for p in parts):
-            return sum(parts)
+            return sum(parts) - (len(parts) - 1) * min([fixed] + parts)
         return None
 
-    def _shard_share(self, rank, rows, grad, a, b, suffix):
-        found = _share(self._shards.get((grad, suffix), ()), rank, b - a)
+    def _shard_share(self, rank, rows, grad, a, b, suffix, fixed=0.0):
+        found = _share(self._shards.get((grad, suffix), ()), rank, b - a, fixed)
         if found is not None:
             return found
         whole = grad + suffix
@@ -111,7 +117,8 @@ class Durations:
         if seconds is None and sum_alias(whole):
             seconds = self._exact(sum_alias(whole), rank)
         if seconds is not None and rows:
-            return seconds * (b - a) / rows
+            f = min(fixed, seconds)
+            return f + (seconds - f) * (b - a) / rows
         return None
 
     def least_rank(self, name):
@@ -140,14 +147,16 @@ class Durations:
         return sorted(self._chunks.get(name, ()))
 
 
-def _share(traced, rank, count):
+def _share(traced, rank, count, fixed=0.0):
     """Seconds of ``count`` rows or elements at the rate of ``traced``
     [(rank, seconds, rows)]: ``rank``'s own entries, else every rank's;
-    None when there are none."""
+    None when there are none. ``fixed``: each call's fixed cost, paid once
+    by the op priced and left out of the traced entries' rate."""
     use = [t for t in traced if t[0] == rank] or traced
     if not use:
         return None
-    return sum(t[1] for t in use) * count / sum(t[2] for t in use)
+    f = min([fixed] + [t[1] for t in use])
+    return f + sum(t[1] - f for t in use) * count / sum(t[2] for t in use)
 
 
 def sum_alias(name):
