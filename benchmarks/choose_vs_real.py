@@ -4,7 +4,7 @@
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/choose_vs_real.py \\
         [--configs benchmarks/cifar10_quick_wide.yaml jobs/gpt_small.yaml] [--ranks 2] \\
-        [--rounds 3] [--top K] [--iters 10] [--warmup 3] [--set KEY=VALUE ...]
+        [--rounds 3] [--top K] [--iters 10] [--warmup 3] [--set KEY=VALUE ...] [--with-ps]
 
 Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
 ``--set``):
@@ -19,7 +19,10 @@ Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
 3. a setting's measured throughput is the median over the rounds of
    ``bench``'s images/s (global batch over the median iteration), or its
    tokens/s for a text job (``plan``'s unit: the sequences times their
-   length).
+   length);
+4. ``--with-ps``: the settings ``plan`` lists unranked (parameter servers)
+   run in the same rounds too; their predicted and measured figures come
+   under ``not_ranked``, out of every ranking figure below.
 
 Prints one JSON object: per config, each setting's predicted and measured
 time per iteration and throughput, its predicted and measured rank, the
@@ -63,8 +66,9 @@ def ranked(config, sets, ranks, folder):
         sys.exit(f"plan --choose {config} failed ({res.returncode}): "
                  f"{res.stderr.strip()[-600:]}")
     plan = json.loads(res.stdout)
-    return ([c for c in plan["candidates"] if c.get("fits") and c.get("ranked", True)],
-            plan.get("unit", "images"))
+    fits = [c for c in plan["candidates"] if c.get("fits")]
+    return ([c for c in fits if c.get("ranked", True)], plan.get("unit", "images"),
+            [c for c in fits if not c.get("ranked", True)])
 
 
 def spearman(a, b):
@@ -102,13 +106,15 @@ def config_figures(config, a, folder):
         config = os.path.join(sharded.ROOT, config)
     config = os.path.abspath(config)
     base = sharded.base_sets(config, a.set, folder)
-    candidates, unit = ranked(config, base, a.ranks, folder)
+    candidates, unit, unranked = ranked(config, base, a.ranks, folder)
     if a.top:
         candidates = candidates[:a.top]
     if len(candidates) < 2:
         sys.exit(f"plan --choose ranked {len(candidates)} fitting settings of {config}")
-    print(f"{config}: {len(candidates)} settings, {a.rounds} rounds", file=sys.stderr)
-    runs = measure(config, base, candidates, a)
+    extra = unranked if a.with_ps else []
+    print(f"{config}: {len(candidates)} settings (+{len(extra)} unranked), {a.rounds} rounds",
+          file=sys.stderr)
+    runs = measure(config, base, candidates + extra, a)
     key = "tokens_per_s" if unit == "tokens" else "images_per_s"   # plan's unit
     rows = []
     for rank, c in enumerate(candidates, 1):
@@ -123,6 +129,20 @@ def config_figures(config, a, folder):
             "measured_samples_per_s_rounds": [round(g[key], 2) for g in got],
             "predicted_over_measured": round(c["samples_per_s"] / per_s, 3),
         })
+    # --with-ps: the unranked settings, measured in the same rounds (each
+    # predicted figure against its measurement), out of every ranking figure
+    not_ranked = []
+    for c in extra:
+        got = runs[c["label"]]
+        per_s = statistics.median(g[key] for g in got)
+        not_ranked.append({
+            "label": c["label"], "set": c["set"],
+            "predicted_iter_s": round(c["iter_s"], 5),
+            "predicted_samples_per_s": round(c["samples_per_s"], 2),
+            "measured_iter_s": round(statistics.median(g["iter_ms_median"] for g in got) / 1e3, 5),
+            "measured_samples_per_s": round(per_s, 2),
+            "measured_samples_per_s_rounds": [round(g[key], 2) for g in got],
+            "predicted_over_measured": round(c["samples_per_s"] / per_s, 3)})
     by_speed = sorted(rows, key=lambda r: -r["measured_samples_per_s"])
     for i, r in enumerate(by_speed, 1):
         r["measured_rank"] = i
@@ -134,7 +154,7 @@ def config_figures(config, a, folder):
                  for r in range(a.rounds)]
     return {
         "unit": unit, "ranks": a.ranks, "sets": base, "rounds": a.rounds, "iters": a.iters,
-        "settings": rows,
+        "settings": rows, "not_ranked": not_ranked,
         "first_ranked": first["label"], "fastest_measured": fastest["label"],
         "first_vs_fastest": round(first["measured_samples_per_s"]
                                   / fastest["measured_samples_per_s"], 3),
@@ -157,6 +177,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--with-ps", action="store_true",
+                   help="also run the unranked settings (parameter servers) in every round: "
+                        "their predicted and measured figures, under not_ranked")
     a = p.parse_args(argv)
     out = {}
     with tempfile.TemporaryDirectory(prefix="choose_vs_real_") as folder:

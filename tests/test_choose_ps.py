@@ -235,5 +235,47 @@ def test_choose_vs_real_measures_the_ranked_settings_only(monkeypatch, tmp_path)
     out = json.dumps({"candidates": rows, "unit": "images", "best": rows[0]["set"]})
     monkeypatch.setattr(mod.subprocess, "run",
                         lambda *a, **k: subprocess.CompletedProcess(a, 0, out, ""))
-    got, unit = mod.ranked("job.yaml", [], 2, str(tmp_path))
+    got, unit, unranked = mod.ranked("job.yaml", [], 2, str(tmp_path))
     assert [c["label"] for c in got] == ["data"] and unit == "images"
+    # --with-ps measures the unranked ones apart (not_ranked), out of the ranking
+    assert [c["label"] for c in unranked] == ["ps"]
+
+
+def test_choose_vs_real_with_ps_measures_them_out_of_the_ranking(monkeypatch, tmp_path):
+    """``--with-ps``: the unranked parameter servers run in the same rounds
+    and come under ``not_ranked`` with their predicted and measured
+    figures; measured the fastest, they still are neither the fastest
+    measured setting nor in the rank correlation."""
+    import importlib.util
+    import os
+    import sys
+    from types import SimpleNamespace
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks")
+
+    def load(name, file):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, file))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    monkeypatch.setitem(sys.modules, "sharded", load("sharded", "sharded.py"))
+    mod = load("choose_vs_real_ps", "choose_vs_real.py")
+
+    def row(label, iter_s, ranked=True):
+        return {"label": label, "set": [f"x={label}"], "iter_s": iter_s,
+                "samples_per_s": 32 / iter_s, "fits": True, "ranked": ranked}
+    cands = [row("a", 0.1), row("b", 0.2)]
+    monkeypatch.setattr(mod, "ranked", lambda *a: (cands, "images", [row("ps", 0.05, False)]))
+    monkeypatch.setattr(mod.sharded, "base_sets", lambda *a: [])
+    measured = {"x=a": 100.0, "x=b": 200.0, "x=ps": 50.0}  # ms/iter; ps the fastest
+    monkeypatch.setattr(mod.sharded, "bench_once", lambda config, sets, *a: {
+        "images_per_s": 32e3 / measured[sets[-1]], "iter_ms_median": measured[sets[-1]]})
+    args = SimpleNamespace(top=0, with_ps=True, rounds=2, ranks=2, iters=1, warmup=0, set=[])
+    got = mod.config_figures(str(tmp_path / "job.yaml"), args, str(tmp_path))
+    assert [r["label"] for r in got["settings"]] == ["a", "b"]
+    assert got["fastest_measured"] == "a" and got["spearman"] == 1.0
+    (ps,) = got["not_ranked"]
+    assert ps["label"] == "ps" and ps["measured_iter_s"] == 0.05
+    assert ps["predicted_over_measured"] == 1.0 and len(ps["measured_samples_per_s_rounds"]) == 2
+    args.with_ps = False
+    assert mod.config_figures(str(tmp_path / "job.yaml"), args, str(tmp_path))["not_ranked"] == []

@@ -29,6 +29,10 @@ from ..base.errors import UserError
 from ..base.runfiles import open_run_fd, write_all
 
 
+#: the role of a parameter server's trace (``process_labels``)
+SERVER_ROLE = "parameter server"
+
+
 class Profiler:
     """Collects Chrome trace events (docs/formats.md, "Traces")."""
 
@@ -100,9 +104,13 @@ class TraceFile(Profiler):
     """A Profiler that streams to ``path`` (see the module docstring).
 
     ``window``: (start, stop) iterations to keep, stop None for no end;
-    None keeps all. ``chunk``: events buffered before a write."""
+    None keeps all. ``chunk``: events buffered before a write. ``role``:
+    what the rank is, where it is not a replica of the net (``SERVER_ROLE``:
+    a parameter server), in its ``process_name`` and a ``process_labels``
+    metadata event."""
 
-    def __init__(self, path, rank=0, window=None, chunk=2048, epoch=None, open_now=True):
+    def __init__(self, path, rank=0, window=None, chunk=2048, epoch=None, open_now=True,
+                 role=None):
         super().__init__(rank, epoch)
         self.path, self.window, self.chunk = path, window, int(chunk)
         self.written = 0
@@ -113,8 +121,12 @@ class TraceFile(Profiler):
         self._fd, self._first = None, True
         if open_now:
             self.open()
+        what = f"rank {rank}" + (f", {role}" if role else "")
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",
-                    "args": {"name": f"rank {rank} ({socket.gethostname()}, pid {os.getpid()})"}})
+                    "args": {"name": f"{what} ({socket.gethostname()}, pid {os.getpid()})"}})
+        if role:  # a parameter server's: predict leaves its trace out
+            self._meta({"name": "process_labels", "ph": "M", "pid": rank, "tid": "0",
+                        "args": {"labels": role}})
         self._meta({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": "0",
                     "args": {"sort_index": rank}})
 

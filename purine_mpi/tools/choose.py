@@ -118,7 +118,7 @@ PS_MODE = "parallel.mode=sync_ps"
 #: unranked``): their prediction is far below the measured time (docs/scaling.md
 #: "Parameter servers": digits_lenet, 1 server + 1 worker, about 4x)
 PS_NOT_VALIDATED = ("the parameter-server model is not validated against measurement "
-                    "(a measured run took about 4x its prediction: docs/scaling.md)")
+                    "(measured runs took 4x and 0.57x their predictions: docs/scaling.md)")
 #: the most micro-batches (``parallel.micro_batches``) data parallelism and
 #: scheme sharded are tried at (``micro_batch_counts``: powers of two)
 MAX_MICRO_BATCHES = 16

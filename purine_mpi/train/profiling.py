@@ -14,13 +14,20 @@ from .loop import Service
 
 
 class Traces(Service):
-    def __init__(self, profile, out_dir, world):
+    """``epoch``: the time origin when the caller agreed on it already (a
+    parameter-server run: over every rank, servers too, ``trace_epoch`` of
+    the global world); else ``trace_epoch(world)``. ``rank``: the trace's
+    rank (the global rank; default ``world.rank``); ``role``: TraceFile's."""
+
+    def __init__(self, profile, out_dir, world, epoch=None, rank=None, role=None):
         self.profiler = None  # the dispatchers record into it
         self.window = profile if isinstance(profile, tuple) else None
         if profile:
-            self.profiler = TraceFile(os.path.join(out_dir, f"trace.rank{world.rank}.json"),
-                                      world.rank, profile if isinstance(profile, tuple) else None,
-                                      epoch=trace_epoch(world), open_now=False)
+            rank = world.rank if rank is None else rank
+            self.profiler = TraceFile(os.path.join(out_dir, f"trace.rank{rank}.json"),
+                                      rank, profile if isinstance(profile, tuple) else None,
+                                      epoch=trace_epoch(world) if epoch is None else epoch,
+                                      open_now=False, role=role)
 
     def on_start(self, loop):
         """The trace file is made (truncated) here, after every check_start:

@@ -125,7 +125,7 @@ class ServerRank:
 
 
 def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None,
-               profile_from=None, dispatcher=None, memory=None):
+               profile_from=None, dispatcher=None, memory=None, profiler=None):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "plan",
     "planned" (the footprint train's start-up check counted, or None), "stop_code",
@@ -133,7 +133,10 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     agreement (the ``train`` command); None when workers that make no
     agreement drive the server (tests). ``dispatcher``: the kind that runs
     a sync_ps server's graph (runtime/factory.make_dispatcher; default
-    event). ``memory(server)``: train's start-up memory check of this rank
+    event). ``profiler``: a sync_ps server's dispatcher records its ops
+    into it from the first iteration (train's TraceFile, which keeps its
+    window's; opened then, once its window is checked as the workers'
+    Traces check it). ``memory(server)``: train's start-up memory check of this rank
     (a ``ServerRank``), before the server's arrays are allocated."""
     from ..layers.fillers import fill
     if world is None:
@@ -212,8 +215,14 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     if lockstep(mode):
         from ..runtime.factory import make_dispatcher
         d = make_dispatcher(server.server_graph, dispatcher, rank=world.rank,
-                            stall_timeout=float(par.stall_timeout))
+                            stall_timeout=float(par.stall_timeout), profiler=profiler)
         try:
+            if getattr(profiler, "open", None) is not None:  # train's TraceFile
+                window = getattr(profiler, "window", None)
+                if window is not None:  # refused as the workers refuse it, file untouched
+                    from .profiling import check_window
+                    check_window(window, start, max_iter)
+                profiler.open()
             for p in owned:
                 w, m = starting(p)
                 d.workspace.set(p, w)
@@ -319,7 +328,8 @@ def recv_state(world, servers):
 
 
 def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
-                    dispatcher=None, memory=None, baseline=None):
+                    dispatcher=None, memory=None, baseline=None, profile=False,
+                    trace_epoch=None):
     """``train`` on a server rank: serve (``dispatcher``: as the workers'),
     take part in the stop agreement, send rank 0 this rank's resident bytes
     for its OUT/memory.json (MEMORY_TAG: ``baseline``, its resident bytes
@@ -327,15 +337,33 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     trainer.write_memory) and return the stop agreement's exit status (what
     the workers alone find at the end, a non-finite last test pass, comes
     in trainer.agreed_status, after this). ``memory``: train's start-up
-    check (tools/plan.py check_memory), given this rank's ``ServerRank``."""
+    check (tools/plan.py check_memory), given this rank's ``ServerRank``.
+    ``profile`` (train's ``--profile``/``--profile-iters``): a sync_ps
+    server writes ``OUT/trace.rank<R>.json`` as a worker does (its server
+    graph's ops: WaitWrite, the sum, the update, Publish, Release), on the
+    workers' time axis (``trace_epoch``: rank 0's start, agreed over every
+    rank); an async server runs no graph and writes none."""
     from ..base.rss import peak_rss_bytes
     from ..runtime.footprint import planned_figures
     # the same checkpoint the workers' Trainer resumes from
     resumed = resolve_resume(out_dir, resume)
-    res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
-                     stop=StopSignal(), dispatcher=dispatcher,
-                     memory=None if memory is None else
-                     lambda server: memory(job, server, None, world, init=init, resume=resumed))
+    traces = None
+    if profile and trace_epoch is None:
+        raise ValueError("a traced server rank needs the run's time origin (trace_epoch)")
+    if profile and lockstep(job.parallel.mode):
+        from ..runtime.trace import SERVER_ROLE
+        from .profiling import Traces
+        traces = Traces(profile, out_dir, world, epoch=trace_epoch, role=SERVER_ROLE)
+    try:
+        res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
+                         stop=StopSignal(), dispatcher=dispatcher,
+                         memory=None if memory is None else
+                         lambda server: memory(job, server, None, world, init=init,
+                                               resume=resumed),
+                         profiler=None if traces is None else traces.profiler)
+    finally:
+        if traces is not None:
+            traces.profiler.close()
     peak = peak_rss_bytes()
     world.send_object({"rank": world.rank, "server": True, "baseline_rss_bytes": baseline,
                        "peak_rss_bytes": peak,

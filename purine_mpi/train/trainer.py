@@ -52,7 +52,7 @@ class Trainer(Loop):
 
     def __init__(self, job, out_dir, world=None, resume=None, init=None, profile=False,
                  log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False,
-                 agreement=None, memory=None, test_reads=None):
+                 agreement=None, memory=None, test_reads=None, trace_epoch=None):
         created = time.perf_counter()  # the start-up block reports the set-up time
         world = world or get_world()
         # collectives outside the graph wait no longer than graph ops do
@@ -76,7 +76,8 @@ class Trainer(Loop):
             self.planned = None
             if memory is not None:  # resume: the Checkpoint read, held until restored
                 self.planned = memory(job, graphs, plans, world, init=init, resume=resume)
-            traces = Traces(profile, out_dir, world)
+            # a parameter-server run's workers: the time origin of every rank
+            traces = Traces(profile, out_dir, world, epoch=trace_epoch)
             runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
                                    lambda m: log(m) if world.rank == 0 else None, plans)
             self.checkpoints, self.evaluation = Checkpoints(), Evaluation()
@@ -238,17 +239,22 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
     from ..parallel.param_server import WorkerScheme, split_workers
     from .ps_server import run_server_rank
     from .ps_worker import WorkerStopAgreement
+    from .profiling import trace_epoch
     job, sub = split_workers(job, world)
+    # traced runs: one time origin for workers and servers (one allreduce of
+    # the whole world, on every rank: ``profile`` is every rank's)
+    epoch = trace_epoch(world) if profile else None
     if sub is None:
         status = run_server_rank(job, out_dir, world, resume=resume, init=init,
                                  init_skip=init_skip, dispatcher=dispatcher, memory=memory,
-                                 baseline=baseline)
+                                 baseline=baseline, profile=profile, trace_epoch=epoch)
     else:
         status = run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
                                         profile=profile, log=log, dispatcher=dispatcher,
                                         init_skip=init_skip, scheme=WorkerScheme(job, world),
                                         agreement=WorkerStopAgreement(job, world),
-                                        tensorboard=tensorboard, memory=memory),
+                                        tensorboard=tensorboard, memory=memory,
+                                        trace_epoch=epoch),
                                 world, baseline)
     return agreed_status(world, status)
 

@@ -15,6 +15,7 @@ import statistics
 from collections import defaultdict
 
 from ...base.errors import UserError
+from ...runtime.trace import SERVER_ROLE
 
 _RANK = re.compile(r"trace\.rank(\d+)\.json$")
 # an op on a ZeRO shard of a gradient: ``<param>.grad.shard[a:b]`` then the
@@ -225,6 +226,12 @@ def trace_files(folder):
 def load_events(path):
     """The op events (``"ph": "X"``) of one trace file; a file of a killed
     run lacks the closing ``]}`` and is read without it."""
+    return load_trace(path)[0]
+
+
+def load_trace(path):
+    """(the op events, whether it is a parameter server's trace: a
+    ``process_labels`` metadata event naming runtime/trace.SERVER_ROLE)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -246,7 +253,10 @@ def load_events(path):
     ops = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
     for i, e in enumerate(ops):
         _check_event(path, i, e)
-    return ops
+    server = any(isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "process_labels"
+                 and isinstance(e.get("args"), dict) and e["args"].get("labels") == SERVER_ROLE
+                 for e in events)
+    return ops, server
 
 
 def _is_time(value):
@@ -357,7 +367,9 @@ def read_traces(folder):
     files = trace_files(folder)
     per_rank, iter_s, counts, gaps, fastest, replayed = {}, {}, [], {}, {}, set()
     for rank, path in files.items():
-        events = load_events(path)
+        events, server = load_trace(path)
+        if server:  # a parameter server's graph: not a replica of the net the model prices
+            continue
         grouped = _per_iteration(events, True)   # grouped once for both readers
         medians, period, n = median_durations(events, grouped=grouped)
         gap = dispatch_gap(events)
@@ -370,6 +382,9 @@ def read_traces(folder):
         per_rank[rank], iter_s[rank] = medians, period
         counts.append(n)
         replayed |= replayed_ops(events)
+    if not per_rank:
+        raise UserError(f"predict {folder}: its traces are all parameter servers' (a worker's "
+                        "trace.rank<R>.json holds the net's ops)")
     cfg_path = os.path.join(folder, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise UserError(f"predict {folder}: no config.yaml there (the run folder of train "
