@@ -18,6 +18,9 @@
 // as float32 (a bias gradient) and, as bits, by the products
 // (ops/dropout.py DropoutRedrawGrad with bits_copy,
 // parallel/precision.fold_copies). copy is no input's bytes.
+// dropout_backward_copy_f32 (float32 only): dropout_backward's dx from a kept
+// mask and its bfloat16 bits into `copy`, one pass (ops/dropout.py
+// DropoutGrad with bits_copy); dx may be dy, copy is no input's bytes.
 //
 // Compiled at run time by purine_mpi.gpu.load_kernel("dropout"); one
 // extern "C" entry point per dtype: <name>_f32, <name>_f64.
@@ -101,6 +104,16 @@ extern "C" __global__ void dropout_apply_copy_f32(long long blocks, long long to
                                                   float scale, float* y, unsigned short* copy) {
   dropout_forward_impl<float, true>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,
                                     key1, ctr1, threshold, scale, y, nullptr, copy);
+}
+
+extern "C" __global__ void dropout_backward_copy_f32(long long total, const float* dy,
+                                                     const float* mask, float scale, float* dx,
+                                                     unsigned short* copy) {
+  CUDA_KERNEL_LOOP(i, total) {
+    const float v = (dy[i] * mask[i]) * scale;
+    dx[i] = v;
+    copy[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
+  }
 }
 
 // The raw Philox words of counters (c0 + b, c1, c2, c3), b in [0, blocks):

@@ -434,6 +434,45 @@ def test_a_gradient_sum_writes_its_bits_beside_its_float32_sum(device, terms):
         Sum.infer({"bits_copy": [0]}, [((2, 3), "float64")] * 2)
 
 
+@pytest.mark.parametrize("terms", [2, 3])
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_sum_written_over_one_of_its_terms_equals_its_sum_beside_them(device, terms, copy):
+    """Sum with ``bits_copy`` declares y over a term (``in_place_of``
+    (0, 0), (1, 0): the memory plan puts a residual gradient's sum on the
+    bytes of a term that dies there; a sum without the copy none): y
+    written over term 0 or term 1 has the float32 bits of the sum into a
+    buffer of its own, and its copy NumPy's bfloat16 bits of them (the
+    device's add_copy_f32 and its add then to_bf16_bits, the host's), with
+    NaN and infinities among the terms; without the copy the same sum."""
+    from purine_mpi.ops.basic import Sum
+    assert Sum.in_place_of({"bits_copy": [0]}) == ((0, 0), (1, 0))
+    assert Sum.in_place_of({}) == ()
+    rng = np.random.default_rng(23)
+    shape = (7, 33)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(terms)]
+    xs[0][0, :4] = [np.nan, np.inf, -np.inf, 3e38]
+    xs[1][0, :4] = [1.0, -np.inf, 2.0, 3e38]
+    names = [f"x{i}" for i in range(terms)]
+    attrs = {"bits_copy": [0], "bits_out": [1]} if copy else {}
+    outs_names = ["y", "y@bf16"] if copy else ["y"]
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        with np.errstate(all="ignore"):
+            want = np.sum(xs, axis=0, dtype=np.float32) if terms == 2 else \
+                (xs[0] + xs[1]) + xs[2]
+        for over in (0, 1):
+            ins = [put(x) for x in xs]
+            outs = [ins[over]] + ([put(np.zeros(shape, np.uint16))] if copy else [])
+            k = make_kernel(Op("s", "Sum", names, outs_names, dict(attrs)))
+            k.setup(ins, outs)
+            with np.errstate(all="ignore"):
+                k.run(ins, outs)
+            np.testing.assert_array_equal(get(outs[0]).view(np.uint32), want.view(np.uint32))
+            if copy:
+                np.testing.assert_array_equal(get(outs[1]), _numpy_bits(want))
+
+
 def _ln_grad_inputs(rng, rows, cols):
     """x, g, mean and rstd of a layer norm over (rows, cols) (x's own row
     statistics)."""
@@ -634,6 +673,84 @@ def test_the_redrawn_dropout_gradient_writes_dx_and_its_bits_in_one_pass(device,
         ((2, 3), "float32"), ((2, 3), "uint16")]
     with pytest.raises(ShapeError, match="bits_copy"):
         DropoutRedrawGrad.infer(dict(attrs, bits_copy=[0]), [((2, 3), "float64"), ((), "int64")])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("n", [1003, 4096])
+def test_the_kept_mask_dropout_gradient_writes_dx_and_its_bits_in_one_pass(device, n, packed):
+    """DropoutGrad (a kept mask, float or bit-packed) with ``bits_copy: [0]``
+    (parallel/precision.fold_copies, as DropoutRedrawGrad's): dx the same
+    float32 bits as without the copy, and its second output the bits the
+    Cast after it wrote (the Cast op on that dx); on the device one
+    ``dropout_backward_copy_f32`` launch and no to_bf16_bits, on the host
+    the product then to_bf16_bits in its declared scratch; dx over dy
+    (its ``in_place``) the same. The kernel against dropout_backward +
+    to_bf16_bits_device on adversarial values (kept ones scaled, dropped
+    ones 0 or NaN). The op infers a float32 dx and a bits copy; a copy of
+    a float64 dx is refused."""
+    from purine_mpi.base.errors import ShapeError
+    from purine_mpi.gpu import kernels
+    from purine_mpi.ops.dropout import DropoutGrad, pack_mask
+    rng = np.random.default_rng(43)
+    dy = rng.standard_normal((n,)).astype(np.float32) * 3
+    keep = rng.random(n) >= 0.3
+    mask = pack_mask(keep) if packed else keep.astype(np.float32)
+    attrs = {"ratio": 0.3, **({"packed_mask": True} if packed else {})}
+    for dev, put, get in _places(device):
+        plain = make_kernel(Op("dg", "DropoutGrad", ["dy", "mask"], ["dx"], attrs))
+        want = put(np.full(dy.shape, np.nan, np.float32))
+        plain.setup([put(dy), put(mask)], [want])
+        plain.run([put(dy), put(mask)], [want])
+        cast, bits = _cast(), put(np.zeros(dy.shape, np.uint16))
+        cast.setup([want], [bits])
+        cast.run([want], [bits])
+        k = make_kernel(Op("dg", "DropoutGrad", ["dy", "mask"], ["dx", "dx@bf16"],
+                           dict(attrs, bits_copy=[0], bits_out=[1])))
+        for over in (False, True):
+            ins = [put(dy), put(mask)]
+            outs = [ins[0] if over else put(np.full(dy.shape, np.nan, np.float32)),
+                    put(np.zeros(dy.shape, np.uint16))]
+            k.setup(ins, outs)
+            if dev:
+                device.launched.clear()
+            else:
+                assert k.host_temporaries(ins, outs) == \
+                    plain.host_temporaries(ins, [want]) + [((3, n), np.uint32)]
+            k.run(ins, outs)
+            if dev:
+                assert "dropout_backward_copy_f32" in device.launched
+                assert "to_bf16_bits" not in device.launched
+                assert "dropout_backward" not in device.launched
+            np.testing.assert_array_equal(get(outs[0]).view(np.uint32),
+                                          get(want).view(np.uint32))
+            np.testing.assert_array_equal(get(outs[1]), get(bits))
+            np.testing.assert_array_equal(get(outs[1]), _numpy_bits(get(want)))
+        assert 0 < np.count_nonzero(get(want)) < n   # some dropped, some kept
+    # the kernel on adversarial values, at an odd length
+    put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
+    v = _adversarial()
+    v = v[:v.size // 2 * 2 - 1]
+    m = (np.arange(v.size) % 3 != 0).astype(np.float32)
+    for ratio in (0.0, 0.3):
+        want = put(np.zeros(v.size, np.float32))
+        with np.errstate(all="ignore"):
+            kernels.dropout_backward(put(v), put(m), ratio, out=want)
+        bits = put(np.zeros(v.size, np.uint16))
+        kernels.to_bf16_bits_device(want, bits)
+        out, copy = put(np.zeros(v.size, np.float32)), put(np.zeros(v.size, np.uint16))
+        with np.errstate(all="ignore"):
+            kernels.dropout_backward(put(v), put(m), ratio, out=out, copy=copy)
+        np.testing.assert_array_equal(get(out).view(np.uint32), get(want).view(np.uint32))
+        np.testing.assert_array_equal(get(copy), get(bits), err_msg=str(ratio))
+    with pytest.raises(ValueError, match="copy"):
+        kernels.dropout_backward(put(v), put(m), 0.3, out=None,
+                                 copy=put(np.zeros(v.size, np.uint16)))
+    assert DropoutGrad.bits_copies(attrs) == (0,)
+    specs = [((2, 3), "float32"), ((2, 3), "float32")]
+    assert DropoutGrad.infer({"ratio": 0.3, "bits_copy": [0]}, specs) == [
+        ((2, 3), "float32"), ((2, 3), "uint16")]
+    with pytest.raises(ShapeError, match="bits_copy"):
+        DropoutGrad.infer({"ratio": 0.3, "bits_copy": [0]}, [((2, 3), "float64")] * 2)
 
 
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
@@ -1399,6 +1516,43 @@ def test_the_gradients_copies_take_no_more_device_memory_than_their_casts(host_b
     assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
 
 
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_gradient_sums_copy_holds_no_more_live_bytes_than_its_cast(host_build_dir,
+                                                                     monkeypatch, blocks):
+    """A residual gradient's Sum with its bits copy (``fold_copies``) writes
+    y over a term that dies there (``Sum.in_place_of``), so the live bytes of
+    the GPT's device plan at each such sum are fewer than at that sum when
+    the Cast wrote the bits after it and y took bytes of its own (the former
+    Sum, no ``in_place``): 4 + 4 + 2 bytes an element against 4 + 4 + 4
+    (with the copy beside y of its own, 4 + 4 + 4 + 2: in gpt_tiny 2 MiB
+    more at each residual sum). The arena is no larger."""
+    from purine_mpi.parallel import precision
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.footprint import live_bytes
+    from purine_mpi.runtime.memory_plan import batch_blobs
+
+    def plan(former):
+        with monkeypatch.context() as m:
+            if former:
+                m.setattr(precision, "fold_copies", lambda graph: [])
+            g = _gpt(m, host_build_dir, blocks=blocks)
+            _, devices = memory_plans(g, keep=batch_blobs(g))
+        p = devices[0]
+        live = dict(zip(p.order, live_bytes(p)))
+        return g, p, {op.outputs[0]: live[op.name] for op in g.ops.values()
+                      if op.op_type == "Sum" and op.outputs[0].endswith(".grad")}
+
+    (g, now, at_now), (g0, before, at_before) = plan(False), plan(True)
+    assert not any(op.op_type == "Sum" and x in before.in_place for op in g0.ops.values()
+                   for x in op.outputs)
+    sums = [op for op in g.ops.values() if op.attrs.get("bits_copy") and op.op_type == "Sum"]
+    assert len(sums) == 2 * blocks - 1, [op.name for op in sums]
+    for op in sums:
+        assert now.in_place.get(op.outputs[0]) in ((x, op.name) for x in op.inputs), op.name
+        assert at_now[op.outputs[0]] < at_before[op.outputs[0]], (op.name, at_now, at_before)
+    assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
+
+
 def test_the_layer_norm_gradients_copy_takes_no_more_device_memory_than_its_cast(
         host_build_dir, monkeypatch):
     """The layer norm gradient's dx copy (``fold_copies``) takes the bytes of
@@ -1703,6 +1857,48 @@ def test_a_bf16_gpt_with_dropout_writes_the_dropout_gradients_bits_and_trains_th
                                       err_msg=name)
     assert on[2][0]["dropout_apply_copy_f32"] == 2 * len(copied)   # eager and captured
     assert off[2][0].get("dropout_apply_copy_f32", 0) == 0
+
+
+def test_a_bf16_gpt_with_kept_dropout_masks_writes_the_dropout_gradients_bits(
+        host_build_dir, monkeypatch):
+    """The 2-block GPT with dropout 0.1 and its masks kept (no redraw: what
+    activation recompute's packed masks or a tensor-parallel shard leave):
+    each ``DropoutGrad`` read by a bias gradient and, through a Cast, by
+    products writes dx's bits itself (``bits_copy``): no Cast of a gradient
+    is left, and the device plan is no larger than with those Casts."""
+    import functools
+
+    import tests.gpt_oracle as oracle
+    from purine_mpi.parallel import placement, precision
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+    monkeypatch.setattr(oracle, "gpt_net", functools.partial(oracle.gpt_net, dropout=0.1))
+    monkeypatch.setattr(placement, "redraw_dropout_masks", lambda graph: [])
+
+    def plan(fold):
+        with monkeypatch.context() as m:
+            if not fold:
+                m.setattr(precision, "fold_copies", lambda graph: [])
+            g = _gpt(m, host_build_dir)
+            _, devices = memory_plans(g, keep=batch_blobs(g))
+        return g, devices[0]
+
+    (g, now), (g0, before) = plan(True), plan(False)
+    cons = g.consumers()
+    grads = [op for op in g.ops.values() if op.op_type == "DropoutGrad"]
+    assert grads and not any(op.op_type == "DropoutRedrawGrad" for op in g.ops.values())
+    assert not any(op.op_type == "Cast" and ".grad" in op.inputs[0] for op in g.ops.values())
+    assert any(op.op_type == "Cast" and ".grad" in op.inputs[0] for op in g0.ops.values())
+    copied = [op for op in grads if op.attrs.get("bits_copy")]
+    assert len(copied) == 4   # the two blocks' attention and MLP residual dropouts
+    for op in copied:
+        dx, copy = op.outputs
+        assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
+        assert g.blobs[dx].dtype == "float32" and g.blobs[copy].dtype == "uint16"
+        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
+        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
+                                                         "InnerProductGradWeight"]
+    assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
 
 
 @pytest.mark.parametrize("way", ["micro_batches", "recompute"])

@@ -48,6 +48,19 @@ class Sum(OpKernel):
     op_type = "Sum"
 
     @classmethod
+    def in_place_of(cls, attrs):
+        """With ``bits_copy``, y over a term that dies at the sum (the memory
+        plan's rule; every kernel reads x_i[j] before it writes y[j]:
+        add_copy_f32, "y may be a or b"; NumPy's and CuPy's add with out= a
+        term, += the further terms): a residual gradient's sum with its
+        bits copy holds 4 + 4 + 2 bytes an element, where y of its own made
+        it 4 + 4 + 4 + 2 beside the terms (the Cast's design, 4 + 4 + 4 at
+        the sum, 4 + 2 at the Cast). A sum without the copy keeps bytes of
+        its own (the micro-batches' running sums are views instead:
+        parallel/micro_batch._sum_in_place)."""
+        return ((0, 0), (1, 0)) if attrs.get("bits_copy") else ()
+
+    @classmethod
     def bits_copies(cls, attrs):
         return (0,)
 

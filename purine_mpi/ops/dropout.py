@@ -163,15 +163,20 @@ def dropout_apply(x, it, ratio, keys, y, split=None, copy=None, scratch=None):
     k.dropout_apply(x, it, ratio, key0, key1, ctr1, out=y, copy=copy)
 
 
-def dropout_backward(dy, mask, ratio, out):
+def dropout_backward(dy, mask, ratio, out, copy=None, scratch=None):
     """out = dy * mask / (1 - ratio) (Dropout's gradient; out may be dy):
-    on a GPU the raw kernel, else NumPy in the same order."""
+    on a GPU the raw kernel, else NumPy in the same order. ``copy`` (uint16,
+    out's size; float32 out): out's bfloat16 bits too -- on a GPU in the
+    same kernel (``dropout_backward_copy_f32``), on the host
+    ``to_bf16_bits`` of out after (``scratch``: its ``wire_scratch``)."""
     k = raw_kernels(get_xp(dy), dy, mask)
     if k is not None:
-        k.dropout_backward(dy, mask, ratio, out=out)
+        k.dropout_backward(dy, mask, ratio, out=out, copy=copy)
         return
     get_xp(dy).multiply(dy, mask, out=out)
     out *= 1.0 / (1.0 - ratio)
+    if copy is not None:
+        to_bf16_bits(out, copy, scratch)
 
 
 class PhiloxStream:
@@ -328,10 +333,21 @@ class DropoutReplay(OpKernel):
 class DropoutGrad(OpKernel):
     """[dy, mask] -> [dx]: dx = dy * mask / (1 - ratio). With the attr
     ``packed_mask``, mask is the bit-packed uint8 blob of a Dropout with
-    that attr (unpacked here)."""
+    that attr (unpacked here).
+
+    With attr ``bits_copy: [0]`` (bf16 storage, parallel/precision.
+    fold_copies: a dropout's dx read as float32 by a bias gradient and, as
+    bits, by products) a second output, dx's bfloat16 bits (uint16: the
+    bits a Cast of dx wrote): on a GPU in the product's pass
+    (``dropout_backward_copy_f32``), on the host ``to_bf16_bits`` of dx
+    after it. As ``DropoutRedrawGrad``'s, from the kept mask."""
 
     op_type = "DropoutGrad"
     in_place = ((0, 0),)  # dx over dy
+
+    @classmethod
+    def bits_copies(cls, attrs):
+        return (0,)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -340,21 +356,33 @@ class DropoutGrad(OpKernel):
         elif tuple(ins[0][0]) != tuple(ins[1][0]):
             raise ShapeError(f"DropoutGrad: dy {list(ins[0][0])} and mask "
                              f"{list(ins[1][0])} differ")
-        return [ins[0]]
+        copy = list(attrs.get("bits_copy", ()))
+        if copy not in ([], [0]) or (copy and np.dtype(ins[0][1]) != np.float32):
+            raise ShapeError(f"DropoutGrad: bits_copy takes [0] of a float32 dx, got "
+                             f"{copy} ({ins[0][1]})")
+        return [ins[0]] + [(ins[0][0], BITS)] * len(copy)
 
     def host_temporaries(self, ins, outs):
         """With ``packed_mask`` the mask unpacked (its bytes and dy's dtype
-        copy); else none (dy * mask is written into dx)."""
+        copy); else none (dy * mask is written into dx); for dx's bits copy
+        (``bits_copy``) to_bf16_bits's scratch."""
+        specs = []
         if self.attrs.get("packed_mask"):
-            return unpack_temporaries(ins[0].shape, ins[0].dtype)
-        return []
+            specs = list(unpack_temporaries(ins[0].shape, ins[0].dtype))
+        if len(outs) > 1:
+            specs.append((wire_scratch(outs[0].size).shape, np.uint32))
+        return specs
 
     def run(self, ins, outs):
         dy, mask = ins
         ratio = _ratio(self.attrs)
         if self.attrs.get("packed_mask"):
             mask = unpack_mask(mask, dy.shape, dy.dtype)
-        dropout_backward(dy, mask, ratio, outs[0])
+        copy = outs[1] if len(outs) > 1 else None
+        scratch = None
+        if copy is not None and get_xp(outs[0]) is np:
+            (scratch,) = self.temporaries(outs[0], self.host_temporaries(ins, outs)[-1])
+        dropout_backward(dy, mask, ratio, outs[0], copy, scratch)
 
 
 @register

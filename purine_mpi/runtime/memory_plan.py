@@ -54,7 +54,8 @@ In place: an op whose kernel declares it (``in_place``, or for its attrs
 their gradients, element-wise; the softmax loss's probabilities over the
 logits and its gradient over the probabilities; the precision pass's
 ``Cast``, whose low-precision copy of a blob dead after it takes the
-blob's bytes; a gradient's bits copy over a dy stored as bits) writes
+blob's bytes; a gradient's bits copy over a dy stored as bits; a
+gradient sum with its bits copy over a term) writes
 its output over its input's bytes when it is the last op to touch the
 input (every other op touching it is its ancestor) and both are
 transient roots of one size; ReLU's gradient reads the ReLU's output, so a
@@ -66,7 +67,9 @@ aligned offset (``HOST_ALIGN`` bytes on the host, ``ARENA_ALIGN`` on a GPU)
 where they overlap no unit already placed that
 they may not share with (the lowest such offset, or the tightest gap);
 three orders (largest first, first used first, longest lived first) times
-the two placements are tried and the smallest arena kept. Which units may
+the two placements are tried and the smallest arena kept (where it is
+above the units' live peak, a fourth order too: the units live at the
+peak first, longest lived first). Which units may
 not share is found once for the six (``_interference``): lifetimes that
 overlap in the schedule, an interval query, and of the others only the
 neighbours in the schedule, tested on windows of their bit sets; so the
@@ -286,18 +289,50 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
 def _best_colouring(units, n_ops, link, align):
     """The colouring of ``units`` the plan takes: of three orders, first
     fit and best fit each, the fewest bytes, then the fewest edges
-    (``_colour``'s ({unit: offset}, total, edges))."""
+    (``_colour``'s ({unit: offset}, total, edges)). Where the fewest bytes
+    are more than the units live at once at their peak (``_live_peak``,
+    each aligned: no colouring takes fewer), a fourth order too: the units
+    live at the peak first, longest lived first, then the others so (a
+    unit born after the peak, placed before a shorter one live at it, may
+    take the bytes the peak's units would have packed into: GPT-2 at two
+    micro-batches, the final layer norm's dx born as the logits die)."""
     pairs = _interference(units, n_ops, link)
     best = None
-    for order in (lambda u: (-units[u][4], units[u][2], u),           # largest first
-                  lambda u: (units[u][2], -units[u][4], u),           # first used first
-                  lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
-        for best_fit in (False, True):
-            offsets, total, edges = _colour(units, sorted(units, key=order), pairs, best_fit,
-                                            align)
-            if best is None or (total, len(edges)) < (best[1], len(best[2])):
-                best = (offsets, total, edges)
+
+    def longest(u):
+        return units[u][2] - units[u][3], -units[u][4], u
+
+    def take(orders):
+        nonlocal best
+        for order in orders:
+            for best_fit in (False, True):
+                offsets, total, edges = _colour(units, sorted(units, key=order), pairs,
+                                                best_fit, align)
+                if best is None or (total, len(edges)) < (best[1], len(best[2])):
+                    best = (offsets, total, edges)
+
+    take((lambda u: (-units[u][4], units[u][2], u),           # largest first
+          lambda u: (units[u][2], -units[u][4], u),           # first used first
+          longest))                                           # longest first
+    peak, at = _live_peak(units, n_ops, align)
+    if best[1] > peak:   # the units live at the peak first
+        take((lambda u: (not units[u][2] <= at <= units[u][3],) + longest(u),))
     return best
+
+
+def _live_peak(units, n_ops, align):
+    """(bytes, schedule position): the most bytes of ``units`` (each
+    aligned) live at once, from each unit's first to its last op, and the
+    first position where that falls; (0, 0) for none."""
+    live = np.zeros(n_ops + 1, dtype=np.int64)
+    for u in units.values():
+        live[u[2]] += _aligned(u[4], align)
+        live[u[3] + 1] -= _aligned(u[4], align)
+    if not units:
+        return 0, 0
+    live = np.cumsum(live[:-1])
+    at = int(np.argmax(live))
+    return int(live[at]), at
 
 
 def _colouring_key(units, n_ops, link, align):

@@ -40,7 +40,7 @@ PLAIN_ENTRY_POINTS = {
                    "bias_bits_f32", "add_bits_f32", "add_copy_f32"),
     "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32",
                   "layernorm_backward_copy_f32", "layernorm_backward_bdy_copy_f32"),
-    "dropout": ("philox_words", "dropout_apply_copy_f32"),
+    "dropout": ("philox_words", "dropout_apply_copy_f32", "dropout_backward_copy_f32"),
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",
                   "to_bf16_bits", "from_bf16_bits"),

@@ -73,17 +73,33 @@ def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None, copy=None):
     return _finish(y, target)
 
 
-def dropout_backward(dy, mask, ratio, out=None):
-    """dx = (dy * mask) / (1 - ratio), one kernel."""
+def dropout_backward(dy, mask, ratio, out=None, copy=None):
+    """dx = (dy * mask) / (1 - ratio), one kernel. ``copy`` (uint16,
+    C-contiguous, dy's size, no input's bytes; dy, mask and a C-contiguous
+    ``out`` float32): also the bits of the bfloat16 nearest each dx, in the
+    same pass (``dropout_backward_copy_f32``: ``to_bf16_bits_device`` of dx
+    bit for bit)."""
     cupy = import_cupy()
     if not 0.0 <= float(ratio) < 1.0:
         raise ValueError(f"dropout_backward: ratio must be in [0, 1), got {ratio}")
     dy = _input(cupy, dy, "dropout_backward: dy")
     mask = _input(cupy, mask, "dropout_backward: mask")
     _same_as("dropout_backward", "dy", dy, mask=mask)
+    if copy is not None:
+        if out is None or np.dtype(dy.dtype) != np.dtype(np.float32):
+            raise ValueError(f"dropout_backward: a copy takes a float32 dy and out, got dy "
+                             f"{dy.dtype} and out {None if out is None else out.dtype}")
+        _bits_array(out, np.float32, "dropout_backward: out")
+        _bits_array(copy, np.uint16, "dropout_backward: copy")
+        if copy.size != dy.size:
+            raise ValueError(f"dropout_backward: copy has {copy.size} elements, dy {dy.size}")
     dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward")
-    _base._launch("dropout", "dropout_backward", dy.dtype, dy.size,
-            (dy, mask, dy.dtype.type(1.0 / (1.0 - float(ratio))), dx))
+    scale = dy.dtype.type(1.0 / (1.0 - float(ratio)))
+    if copy is not None:
+        _base._launch("dropout", "dropout_backward_copy_f32", None, dy.size,
+                      (dy, mask, scale, dx, copy))
+    else:
+        _base._launch("dropout", "dropout_backward", dy.dtype, dy.size, (dy, mask, scale, dx))
     return _finish(dx, target)
 
 
