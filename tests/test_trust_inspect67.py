@@ -85,6 +85,21 @@ def test_a_long_attribute_is_one_cut_line(tmp_path):
     assert report["attrs"]["big"] == "x" * (1 << 20)
 
 
+def test_an_attribute_over_the_read_limit_is_not_read(tmp_path, monkeypatch):
+    """An attribute larger than the most inspect reads at a time
+    (BLOCK_BYTES, lowered here to 1,000 bytes) is shown by its size,
+    unread. Before: ``== "<8,000 bytes, not read>"`` failed (all of it)."""
+    from purine_mpi.tools import inspect
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["big"] = np.arange(1000.0)
+        f.attrs["small"] = np.arange(3.0)
+    monkeypatch.setattr(inspect, "BLOCK_BYTES", 1000)
+    report = json.loads(_ok(run_cli_here("inspect", path, "--json")))
+    assert report["attrs"]["big"] == "<8,000 bytes, not read>"
+    assert report["attrs"]["small"] == [0.0, 1.0, 2.0]
+
+
 def _exotic(path, target="a", region=slice(2, 5)):
     with h5py.File(path, "w") as f:
         f["a"] = np.arange(10.0)
@@ -294,8 +309,8 @@ def test_links_out_of_the_file_are_never_followed(tmp_path):
 
 
 def test_files_that_cannot_be_inspected(tmp_path, monkeypatch):
-    """Not HDF5, empty, a folder, missing, unreadable: one line each, exit
-    2. The unreadable file is simulated (the tests may run as root, who
+    """Not HDF5, empty, a folder, missing, a named pipe, unreadable: one
+    line each, exit 2 (before, the pipe hung: TimeoutExpired). The unreadable file is simulated (the tests may run as root, who
     reads any file): Python's open raising PermissionError, which inspect
     now tries before HDF5. Before: exit 0 (HDF5 was the first to open the
     file; for another user HDF5's failed open was left to its "not HDF5" /
@@ -306,6 +321,10 @@ def test_files_that_cannot_be_inspected(tmp_path, monkeypatch):
     for name, words in (("text.h5", "is not an HDF5 file"), ("empty.h5", "is not an HDF5 file"),
                         ("dir.h5", "is a directory"), ("missing.h5", "not found")):
         _refused(run_cli_here("inspect", tmp_path / name), str(tmp_path / name), words)
+    os.mkfifo(tmp_path / "fifo.h5")  # no writer: opening it would wait for ever
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "inspect", str(tmp_path / "fifo.h5")],
+                         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=60)
+    _refused(res, str(tmp_path / "fifo.h5"), "is a pipe or socket")
     good = tmp_path / "good.h5"
     with h5py.File(good, "w") as f:
         f["a"] = np.ones(2)
