@@ -18,9 +18,15 @@ def inspect_checkpoint(path, diff=None, as_json=False):
     per common dataset the max abs difference and the relative L2 difference
     ``||a - b|| / max(||a||, ||b||)``, and the datasets only one file has.
     Returns text, or a JSON string with the same content when ``as_json``."""
-    report = _describe(path)
-    if diff is not None:
-        report["diff"] = _diff(path, diff)
+    links = {}
+    with open_h5(path, "file", links) as f, _read_errors(path):
+        sets = _datasets(f, links)  # one walk of the file for both
+        try:
+            report = _describe(path, f, sets)
+            if diff is not None:
+                report["diff"] = _diff(path, diff, f, sets)
+        finally:
+            sets.clear()  # each dataset closed here, not looked for by the file's close
     if as_json:
         return json.dumps(_jsonable(report))
     return _format_text(report)
@@ -363,17 +369,14 @@ def _read_whole(dset):
     return out
 
 
-def _describe(path):
-    links = {}
-    with open_h5(path, "file", links) as f, _read_errors(path):
-        datasets = []
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
-            found = _datasets(f, links)
-            for name, dset in found.items():
-                with _read_errors(path, name):
-                    datasets.append(_stats(_text(name), dset))
-            found.clear()  # each dataset closed here, not looked for by the file's close
-        return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
+def _describe(path, f, sets):
+    """The report of the open file ``f`` (``path``), its datasets ``sets``."""
+    datasets = []
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
+        for name, dset in sets.items():
+            with _read_errors(path, name):
+                datasets.append(_stats(_text(name), dset))
+    return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
 
 
 def _stats(name, dset):
@@ -436,12 +439,13 @@ def _diff_pair(a, b, row, paths):
     sums = np.zeros(3)  # ||x||^2, ||y||^2, ||x - y||^2
     biggest = 0.0
     parts, fill = _diff_parts(a, b)
+    whole = len(parts) == 1 and max(a.nbytes, b.nbytes) <= BLOCK_BYTES  # one read each
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
             with _read_errors(paths[0], row["name"]):
-                x = a[index]
+                x = _read_whole(a) if whole else a[index]
             with _read_errors(paths[1], row["name"]):
-                y = b[index]
+                y = _read_whole(b) if whole else b[index]
             part_sums, part_max = _diff_sums(x, y)
             sums += part_sums
             biggest = np.maximum(biggest, part_max)
@@ -492,49 +496,19 @@ def _difference(raw_x, raw_y, x, y):
     return np.where(same, 0.0, d)
 
 
-def _diff(path, other):
-    a_links, b_links = {}, {}
-    with open_h5(path, "file", a_links) as fa, open_h5(other, "file", b_links) as fb, \
-            _read_errors(path):
-        a_sets, b_sets = _datasets(fa, a_links), _datasets(fb, b_links)
+def _diff(path, other, fa, a_sets):
+    """The diff of the open file ``fa`` (``path``, its datasets ``a_sets``)
+    against the file ``other``."""
+    b_links = {}
+    with open_h5(other, "file", b_links) as fb, _read_errors(path):
+        b_sets = _datasets(fb, b_links)
+        try:
+            rows = _diff_rows(path, other, a_sets, b_sets)
+            only = ([_text(n) for n in a_sets if n not in b_sets],
+                    [_text(n) for n in b_sets if n not in a_sets])
+        finally:
+            b_sets.clear()  # each dataset closed here, not looked for by the file's close
         a_attrs, b_attrs = _shown_attrs(fa), _shown_attrs(fb)
-        rows = []
-        for name in a_sets:
-            if name not in b_sets:
-                continue
-            a, b = a_sets[name], b_sets[name]
-            row = {"name": _text(name)}
-            if a.shape is None or b.shape is None:  # null dataspaces: no values to compare
-                row["equal"] = a.shape is None and b.shape is None and a.dtype == b.dtype
-                rows.append(row)
-                continue
-            if _ref_kind(a.dtype) or _ref_kind(b.dtype):
-                row.update(_diff_refs(a, b, (path, other)))
-                rows.append(row)
-                continue
-            missing = _missing_filter(a) or _missing_filter(b)
-            if missing:
-                row.update(equal=None, not_compared=f"HDF5 filter {missing} missing here")
-                rows.append(row)
-                continue
-            numeric = all(_numeric(d) and _kind(d) != "json" for d in (a, b))
-            if numeric and a.shape != b.shape:
-                row["shapes"] = [list(a.shape), list(b.shape)]
-            elif numeric and a.size:
-                _diff_pair(a, b, row, (path, other))
-            elif numeric:
-                row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
-            else:
-                with _read_errors(path, name):
-                    x = _small_value(a)
-                with _read_errors(other, name):
-                    y = _small_value(b)
-                # values of other kinds (a record array beside floats) are not equal
-                try:
-                    row["equal"] = x is not None and y is not None and _same(x, y)
-                except _NotCompared as e:
-                    row.update(equal=None, not_compared=str(e))
-            rows.append(row)
     attrs, unchecked = {}, []
     for k in list(a_attrs) + [k for k in b_attrs if k not in a_attrs]:
         try:
@@ -543,12 +517,54 @@ def _diff(path, other):
         except _NotCompared:  # references inside records
             unchecked.append(k)
     report = {"other": str(other), "datasets": rows,
-              "only_in_first": [_text(n) for n in a_sets if n not in b_sets],
-              "only_in_second": [_text(n) for n in b_sets if n not in a_sets],
+              "only_in_first": only[0], "only_in_second": only[1],
               "attrs": attrs}
     if unchecked:
         report["attrs_not_compared"] = unchecked
     return report
+
+
+def _diff_rows(path, other, a_sets, b_sets):
+    """The diff's row of each dataset both files have (``a_sets`` of
+    ``path``, ``b_sets`` of ``other``)."""
+    rows = []
+    for name in a_sets:
+        if name not in b_sets:
+            continue
+        a, b = a_sets[name], b_sets[name]
+        row = {"name": _text(name)}
+        if a.shape is None or b.shape is None:  # null dataspaces: no values to compare
+            row["equal"] = a.shape is None and b.shape is None and a.dtype == b.dtype
+            rows.append(row)
+            continue
+        if _ref_kind(a.dtype) or _ref_kind(b.dtype):
+            row.update(_diff_refs(a, b, (path, other)))
+            rows.append(row)
+            continue
+        missing = _missing_filter(a) or _missing_filter(b)
+        if missing:
+            row.update(equal=None, not_compared=f"HDF5 filter {missing} missing here")
+            rows.append(row)
+            continue
+        numeric = all(_numeric(d) and _kind(d) != "json" for d in (a, b))
+        if numeric and a.shape != b.shape:
+            row["shapes"] = [list(a.shape), list(b.shape)]
+        elif numeric and a.size:
+            _diff_pair(a, b, row, (path, other))
+        elif numeric:
+            row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
+        else:
+            with _read_errors(path, name):
+                x = _small_value(a)
+            with _read_errors(other, name):
+                y = _small_value(b)
+            # values of other kinds (a record array beside floats) are not equal
+            try:
+                row["equal"] = x is not None and y is not None and _same(x, y)
+            except _NotCompared as e:
+                row.update(equal=None, not_compared=str(e))
+        rows.append(row)
+    return rows
 
 
 class _NotCompared(Exception):
