@@ -310,8 +310,9 @@ def test_links_out_of_the_file_are_never_followed(tmp_path):
 
 def test_files_that_cannot_be_inspected(tmp_path, monkeypatch):
     """Not HDF5, empty, a folder, missing, a named pipe, unreadable: one
-    line each, exit 2 (before, the pipe hung: TimeoutExpired). The unreadable file is simulated (the tests may run as root, who
-    reads any file): Python's open raising PermissionError, which inspect
+    line each, exit 2 (before, the pipe hung: TimeoutExpired). The
+    unreadable file is simulated (the tests may run as root, who reads any
+    file): Python's open raising PermissionError, which inspect
     now tries before HDF5. Before: exit 0 (HDF5 was the first to open the
     file; for another user HDF5's failed open was left to its "not HDF5" /
     "corrupt" messages, not verified here as root)."""

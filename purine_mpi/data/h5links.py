@@ -160,8 +160,8 @@ def refuse_outside(f, path, what, found=None):
     bad = outside_reference(f, found=found)
     if bad:
         name, why = bad
-        raise UserError(f"{what} '{path}': '{one_line(name)}' is {one_line(why)}; checkpoint and weights "
-                        "files must hold their own data (external storage, external links and "
+        raise UserError(f"{what} '{path}': '{one_line(name)}' is {one_line(why)}; checkpoint "
+                        "and weights files must hold their own data (external storage, external links and "
                         "virtual datasets are refused): write the values into the file itself")
 
 
