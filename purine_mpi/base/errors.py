@@ -2,8 +2,11 @@
 shape mismatch): the CLI prints its message as one paragraph and exits 2,
 with no traceback. Anything else is a bug or a runtime failure. ``excerpt(value)`` is how a
 message quotes a value the user gave: its repr, cut to a short excerpt with
-the whole size when it is long. ``write_line(text)`` writes one whole
-line to stderr in one write (several ranks' lines never glue).
+the whole size when it is long. ``one_line(text)`` is how text a file
+holds (an HDF5 name or attribute) is shown: control characters escaped, so
+a crafted file writes neither terminal escapes nor lines of its own.
+``write_line(text)`` writes one whole line to stderr in one write (several
+ranks' lines never glue).
 """
 import re
 import os
@@ -124,6 +127,30 @@ class OpError(RuntimeError):
 
 #: how many characters of a value a message quotes at most
 EXCERPT_CHARS = 120
+
+#: characters a terminal acts on rather than prints, as their escapes: C0
+#: and C1 controls (ESC, CSI \x9b, \r, \n, NUL...), DEL, the Unicode line
+#: and paragraph separators and the bidirectional overrides and isolates
+#: (text that shows in another order than it reads)
+_CONTROL = {c: repr(chr(c))[1:-1] if c < 0x100 else f"\\u{c:04x}"
+            for c in (*range(0x20), *range(0x7f, 0xa0), 0x2028, 0x2029,
+                      *range(0x202a, 0x202f), *range(0x2066, 0x206a))}
+
+
+def one_line(text):
+    """``text`` (a name or value read from a file) as one printable line:
+    control characters as escapes (``\\n``, ``\\x1b``, ``\\u202e``),
+    everything else as it is; the bytes of a name that is not UTF-8 (h5py's
+    surrogate escapes) as ``\\xe9``."""
+    text = str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate no bytes stand for
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.translate(_CONTROL)
 
 
 def excerpt(value, limit=EXCERPT_CHARS, quote=True):

@@ -21,7 +21,7 @@ import posixpath
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import UserError, one_line
 
 #: how many soft links in a row are followed when checking where one leads
 _MAX_SOFT_DEPTH = 16
@@ -85,75 +85,83 @@ def _resolve_soft(f, parent, target, depth=0, shown=None):
 
 def link_outside(f, name):
     """What the link ``name`` (a full path of the open file ``f``, its
-    parents hard links) points to outside the file, or None."""
+    parents hard links; text, or bytes for a name that is not UTF-8) points
+    to outside the file, or None."""
     import h5py
-    parent, _, base = name.rstrip("/").rpartition("/")
-    parent = parent or "/"
+    sep = b"/" if isinstance(name, bytes) else "/"
+    parent, _, base = name.rstrip(sep).rpartition(sep)
+    parent = parent or sep
     link = f[parent].get(base, getlink=True)
     if isinstance(link, h5py.ExternalLink):
         return f"an external link to '{link.path}' in file '{link.filename}'"
     if isinstance(link, h5py.SoftLink):
-        return _resolve_soft(f, parent, link.path)
+        return _resolve_soft(f, _name(parent), _name(link.path))
     if link is None:
         return None
     obj = f[name]
     return _dataset_outside(obj) if isinstance(obj, h5py.Dataset) else None
 
 
-def outside_reference(f, group="/"):
+def _name(name):
+    """An HDF5 name as text: bytes that are not UTF-8 as surrogate escapes."""
+    return name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name
+
+
+def _reads_outside(dcpl):
+    """Whether a dataset (its creation properties) may read from another
+    file (virtual, or with external storage): a cheap check, with no h5py
+    objects built."""
+    import h5py
+    return dcpl.get_layout() == h5py.h5d.VIRTUAL or dcpl.get_external_count() > 0
+
+
+def outside_reference(f, group="/", found=None):
     """(name, what) of the first object under ``group`` of the open h5py
     file ``f`` that reads from outside the file or does not resolve (an
     external link, a dangling soft link or one through an external link, a
     dataset with external storage, a virtual dataset), or None. Follows hard
-    links only: no other file is opened."""
+    links only: no other file is opened. Walks the links with HDF5's own
+    visit (each group once, every link), so that a file of many small
+    datasets costs a cheap look at each. ``found``, a dict, receives the
+    walk's by-product (inspect's listing, without a second walk): each hard
+    link to a dataset, its name (bytes, below ``group``) and (opened
+    DatasetID, its creation property list), and each soft link's name with
+    None."""
+    import h5py
     start = f[group]
-    prefix = start.name.rstrip("/")
-    found = []
+    prefix = start.name.rstrip("/").encode("utf-8", "surrogateescape")
+    bad = []
 
-    def visit(name, _link):
-        full = f"{prefix}/{name}"
+    def visit(name, info):
+        full = prefix + b"/" + name
+        if info.type == h5py.h5l.TYPE_HARD:
+            oid = h5py.h5o.open(start.id, name)
+            if not isinstance(oid, h5py.h5d.DatasetID):
+                return None
+            dcpl = oid.get_create_plist()
+            if found is not None:
+                found[name] = oid, dcpl
+            if not _reads_outside(dcpl):
+                return None
+        elif info.type == h5py.h5l.TYPE_SOFT and found is not None:
+            found[name] = None
         why = link_outside(f, full)
         if why:
-            found.append((full, why))
+            bad.append((_name(full), why))
             return True
         return None
-    if hasattr(start, "visititems_links"):
-        start.visititems_links(visit)
-    else:  # h5py before 3.11
-        _visit_links(start, visit)
-    return found[0] if found else None
+    start.id.links.visit(visit, info=True)
+    return bad[0] if bad else None
 
 
-def _visit_links(group, visit):
-    """``Group.visititems_links`` for older h5py: every link under ``group``
-    (names relative to it), descending through hard links only, each group
-    once; stops when ``visit`` returns a true value."""
-    import h5py
-    seen = {hash(group.id)}
-
-    def walk(g, prefix):
-        for name in list(g):
-            link = g.get(name, getlink=True)
-            if visit(prefix + name, link):
-                return True
-            if isinstance(link, h5py.HardLink):
-                obj = g[name]
-                if isinstance(obj, h5py.Group) and hash(obj.id) not in seen:
-                    seen.add(hash(obj.id))
-                    if walk(obj, f"{prefix}{name}/"):
-                        return True
-        return False
-    walk(group, "")
-
-
-def refuse_outside(f, path, what):
+def refuse_outside(f, path, what, found=None):
     """Raise a UserError naming the first object of ``f`` that reads from
-    outside the file (see ``outside_reference``)."""
-    bad = outside_reference(f)
+    outside the file (see ``outside_reference``, which fills ``found``)."""
+    bad = outside_reference(f, found=found)
     if bad:
         name, why = bad
-        raise UserError(f"{what} '{path}': '{name}' is {why}; checkpoint and weights "
-                        "files must hold their own data (external storage, external links and "
+        raise UserError(f"{what} '{path}': '{one_line(name)}' is {one_line(why)}; checkpoint "
+                        "and weights files must hold their own data (external storage, external links and "
                         "virtual datasets are refused): write the values into the file itself")
 
 

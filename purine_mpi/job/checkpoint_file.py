@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -301,17 +302,25 @@ class FileHeld(UserError):
     """The file is held open by another process (HDF5's file lock): not damaged."""
 
 
-def open_h5(path, what="checkpoint"):
+def open_h5(path, what="checkpoint", links=None):
     """Open an HDF5 file for reading, or raise a UserError that says why not:
     missing, not HDF5, held by another process (``FileHeld``), truncated or
     corrupt, or not self-contained (a dataset or link that reads from
-    another file: data/h5links.py)."""
+    another file: data/h5links.py; ``links``, a dict, receives that walk's
+    datasets and soft links: ``outside_reference``)."""
     import h5py
     path = str(path)
     if not os.path.exists(path):
         raise UserError(f"{what} '{path}' not found")
     if os.path.isdir(path):
         raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
+    if stat.S_ISFIFO(os.stat(path).st_mode) or stat.S_ISSOCK(os.stat(path).st_mode):
+        raise UserError(f"{what} '{path}' is a pipe or socket, not an HDF5 file")  # (open waits)
+    try:  # HDF5 calls a file it may not read "not HDF5" or a failed read
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise UserError(f"{what} '{path}' cannot be read: {e.strerror or e}") from None
     try:
         f = h5py.File(path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
     except OSError as e:
@@ -332,7 +341,7 @@ def open_h5(path, what="checkpoint"):
                         f"({e})") from None
     try:
         small_metadata_cache(f)
-        refuse_outside(f, path, what)
+        refuse_outside(f, path, what, links)
     except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged links or headers
         f.close()
         raise UserError(f"{what} '{path}' is corrupt: {type(e).__name__}: {e}") from None

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import UserError, one_line
 from ..job.checkpoint_file import KIND, open_h5, plain_attr
 
 
@@ -18,9 +18,15 @@ def inspect_checkpoint(path, diff=None, as_json=False):
     per common dataset the max abs difference and the relative L2 difference
     ``||a - b|| / max(||a||, ||b||)``, and the datasets only one file has.
     Returns text, or a JSON string with the same content when ``as_json``."""
-    report = _describe(path)
-    if diff is not None:
-        report["diff"] = _diff(path, diff)
+    links = {}
+    with open_h5(path, "file", links) as f, _read_errors(path):
+        sets = _datasets(f, links)  # one walk of the file for both
+        try:
+            report = _describe(path, f, sets)
+            if diff is not None:
+                report["diff"] = _diff(path, diff, f, sets)
+        finally:
+            sets.clear()  # each dataset closed here, not looked for by the file's close
     if as_json:
         return json.dumps(_jsonable(report))
     return _format_text(report)
@@ -33,42 +39,139 @@ BLOCK_BYTES = 64 << 20
 def _read_errors(path, name=None):
     """HDF5's errors on a damaged file, and memory, as one UserError naming
     the file (and ``name``, the dataset being read, when given)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def guard():
-        try:
-            yield
-        except UserError:
-            raise
-        except (OSError, KeyError, ValueError, RuntimeError) as e:
-            at = f" (dataset '{name}')" if name else ""
-            raise UserError(f"'{path}' is corrupt{at}: {type(e).__name__}: {e}") from None
-        except MemoryError:
-            raise UserError(f"'{path}': a dataset does not fit in memory ({BLOCK_BYTES >> 20} "
-                            "MiB at a time is read)") from None
-    return guard()
+    return _ReadErrors(path, name)
 
 
-def _datasets(f):
-    """{"/name": h5py.Dataset} of every dataset of an open file (hard links)."""
+class _ReadErrors:
+    """The context manager of ``_read_errors`` (a class: one per dataset of
+    a file of many costs less than a generator's)."""
+
+    def __init__(self, path, name):
+        self.path, self.name = path, name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is None or issubclass(kind, UserError):
+            return False
+        if issubclass(kind, (OSError, KeyError, ValueError, RuntimeError)):
+            at = f" (dataset '{one_line(self.name)}')" if self.name else ""
+            raise UserError(f"'{self.path}' is corrupt{at}: {kind.__name__}: {one_line(e)}") \
+                from None
+        if issubclass(kind, MemoryError):
+            raise UserError(f"'{self.path}': a dataset does not fit in memory "
+                            f"({BLOCK_BYTES >> 20} MiB at a time is read)") from None
+        return False
+
+
+def _datasets(f, links):
+    """{"/name": dataset} of every name of an open file that is a dataset,
+    from ``links``, what open_h5's walk found (every link, HDF5's own visit):
+    each hard link (a dataset with two names is listed under both) and each
+    soft link to a dataset of the file (open_h5 has refused the dangling
+    ones and the external links, which are never followed). A name that is
+    not UTF-8 is a key with surrogate escapes (``_text`` shows it)."""
     import h5py
     found = {}
-
-    def visit(name, obj):  # returning anything but None would end the walk
-        if isinstance(obj, h5py.Dataset):
-            found["/" + name] = obj
-    f.visititems(visit)
+    for name, ids in links.items():
+        if ids is None:  # a soft link, to somewhere in this file
+            oid = h5py.h5o.open(f.id, name)
+            if not isinstance(oid, h5py.h5d.DatasetID):
+                continue
+            ids = oid, oid.get_create_plist()
+        found["/" + name.decode("utf-8", "surrogateescape")] = _Dataset(*ids)
+    links.clear()
     return found
+
+
+class _Dataset:
+    """A dataset (its DatasetID) whose shape, dtype, sizes and chunks are
+    looked up once, straight from HDF5 (h5py's Dataset asks again at each
+    use, and building one costs more than reading a small dataset: a file
+    of 20,000 of them); anything else is h5py.Dataset's, built on first use."""
+
+    def __init__(self, oid, dcpl):
+        import h5py
+        self.id, self._dset = oid, None
+        self.shape, self.dtype = oid.shape, oid.dtype
+        self.chunks = dcpl.get_chunk() if dcpl.get_layout() == h5py.h5d.CHUNKED else None
+        self.ndim = 0 if self.shape is None else len(self.shape)
+        self.size = 0 if self.shape is None else math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def __getattr__(self, key):
+        if key.startswith("__") or key == "_dset":
+            raise AttributeError(key)
+        return getattr(self._h5(), key)
+
+    def __getitem__(self, index):
+        return self._h5()[index]
+
+    def _h5(self):
+        if self._dset is None:
+            import h5py
+            self._dset = h5py.Dataset(self.id)
+        return self._dset
 
 
 def _shown_attrs(obj):
     """An object's attributes as plain Python (job/checkpoint_file.read_attrs),
-    text as it is shown: bytes that are not UTF-8 (an
-    ASCII string attribute holding \xe9) as escapes, not replaced by U+FFFD
-    nor as lone surrogates (which no terminal prints)."""
-    return {k: _text(v) if isinstance(v, (bytes, str, np.ndarray)) else plain_attr(v)
-            for k, v in obj.attrs.items()}
+    text as it is shown: bytes that are not UTF-8 (an ASCII string
+    attribute holding \xe9, a name that is not UTF-8) as escapes, not
+    replaced by U+FFFD nor as lone surrogates (which no terminal prints); a
+    reference as ``<reference to /path>`` (what it points to); one larger
+    than BLOCK_BYTES by its size, unread."""
+    import h5py
+    shown = {}
+    for key in obj.attrs:  # h5py's names: text, or bytes that are not UTF-8
+        raw = key if isinstance(key, bytes) else key.encode("utf-8")
+        try:
+            size = h5py.h5a.open(obj.id, raw).get_storage_size()
+        except RuntimeError:  # HDF5 says 0 as an error: an empty (h5py.Empty) attribute
+            size = 0
+        if size > BLOCK_BYTES:
+            shown[_text(key)] = f"<{size:,} bytes, not read>"
+            continue
+        value = _no_refs(obj.attrs[key], obj.file)
+        shown[_text(key)] = _text(value) if isinstance(value, (bytes, str, np.ndarray)) \
+            else plain_attr(value)
+    return shown
+
+
+def _ref_text(ref, f):
+    """What an HDF5 reference points to: ``<reference to /path>`` (a region
+    reference adds its selection), ``<null reference>`` for none."""
+    import h5py
+    if not ref:
+        return "<null reference>"
+    name = h5py.h5r.get_name(ref, f.id)
+    where = "?" if name is None else name.decode("utf-8", "surrogateescape")
+    if isinstance(ref, h5py.RegionReference):
+        space = h5py.h5r.get_region(ref, f.id)
+        kind = space.get_select_type()
+        if kind == h5py.h5s.SEL_HYPERSLABS:
+            where += f" blocks {space.get_select_hyper_blocklist().tolist()}"
+        elif kind == h5py.h5s.SEL_POINTS:
+            where += f" points {space.get_select_elem_pointlist().tolist()}"
+        else:
+            where += " all" if kind == h5py.h5s.SEL_ALL else " none"
+        return f"<region reference to {where}>"
+    return f"<reference to {where}>"
+
+
+def _no_refs(value, f):
+    """``value`` with every HDF5 reference in it (a scalar, an array of
+    them) as the text of what it points to (``_ref_text``): two files'
+    references compare by their targets, not by their addresses."""
+    import h5py
+    if isinstance(value, h5py.Reference):
+        return _ref_text(value, f)
+    if isinstance(value, np.ndarray) and value.dtype == object and value.size and \
+            any(isinstance(v, h5py.Reference) for v in value.flat):
+        return np.array([_ref_text(v, f) if isinstance(v, h5py.Reference) else v
+                         for v in value.flat], dtype=object).reshape(value.shape)
+    return value
 
 
 def _text(value):
@@ -90,12 +193,48 @@ def _is_text(dset):
     one of variable-length sequences of numbers (dtype object too), which
     reads as an array of arrays."""
     import h5py
-    return h5py.check_string_dtype(dset.dtype) is not None or \
-        plain_attr(dset.attrs.get(KIND)) == "json"
+    return h5py.check_string_dtype(dset.dtype) is not None or _kind(dset) == "json"
+
+
+def _kind(dset):
+    """A dataset's purine_kind attribute ("json" for JSON text), or None:
+    looked up without reading the attributes of every dataset."""
+    import h5py
+    if not h5py.h5a.exists(dset.id, KIND.encode()):
+        return None
+    return plain_attr(dset.attrs.get(KIND))
 
 
 def _numeric(dset):
     return dset.dtype.kind in "biuf"
+
+
+#: the dtype shown for a dataset of HDF5 references, by h5py's check_ref_dtype
+def _ref_kind(dtype):
+    import h5py
+    ref = h5py.check_ref_dtype(dtype)
+    if ref is None:
+        return None
+    return "region reference" if ref is h5py.RegionReference else "object reference"
+
+
+#: the most references --diff compares (each is looked up in its file)
+MAX_REFS = 100_000
+
+
+def _missing_filter(dset):
+    """The name of a filter (compression) a dataset needs that this HDF5
+    lacks, or None: its values cannot be read here, which is no damage."""
+    import h5py
+    if dset.chunks is None:  # filters apply to chunked datasets only
+        return None
+    dcpl = dset.id.get_create_plist()
+    for i in range(dcpl.get_nfilters()):
+        code, _, _, name = dcpl.get_filter(i)
+        if not h5py.h5z.filter_avail(code):
+            name = one_line(name.decode("utf-8", "backslashreplace"))[:20]
+            return f"{code} ({name})" if name else str(code)
+    return None
 
 
 def _small_value(dset):
@@ -139,8 +278,9 @@ class _Stats:
         x = np.asarray(raw, dtype=np.float64).reshape(-1)  # no copy of float64
         if not x.size:
             return
-        self.nan += int(np.count_nonzero(np.isnan(x)))
-        self.inf += int(np.count_nonzero(np.isinf(x)))
+        if not np.isfinite(x).all():  # (one pass where every value is finite, the rule)
+            self.nan += int(np.count_nonzero(np.isnan(x)))
+            self.inf += int(np.count_nonzero(np.isinf(x)))
         mean = x.mean()
         exact = raw.dtype.kind in "iu"
         part = (x.size, int(raw.min()) if exact else x.min(), int(raw.max()) if exact else x.max(),
@@ -195,15 +335,15 @@ def _numeric_stats(dset, name):
     costs neither the memory nor the time of its declared size."""
     acc = _Stats()
     if dset.nbytes <= BLOCK_BYTES:
-        acc.add(dset[...])
+        acc.add(_read_whole(dset))
         return acc.result()
     chunks = dset.chunks
     offsets = _allocated_chunks(dset) if chunks else None
     if offsets is not None:
         chunk_bytes = int(np.prod(chunks, dtype=np.int64)) * dset.dtype.itemsize
         if chunk_bytes > BLOCK_BYTES:
-            raise UserError(f"dataset '{name}' has chunks of {chunk_bytes} bytes; inspect reads "
-                            f"at most {BLOCK_BYTES} bytes at a time")
+            raise UserError(f"dataset '{one_line(name)}' has chunks of {chunk_bytes} bytes; "
+                            f"inspect reads at most {BLOCK_BYTES} bytes at a time")
         covered = 0
         for offset in offsets:
             part = dset[tuple(slice(o, min(o + c, s))
@@ -220,14 +360,23 @@ def _numeric_stats(dset, name):
     return acc.result()
 
 
-def _describe(path):
-    with open_h5(path, "file") as f, _read_errors(path):
-        datasets = []
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
-            for name, dset in _datasets(f).items():
-                with _read_errors(path, name):
-                    datasets.append(_stats(name, dset))
-        return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
+def _read_whole(dset):
+    """A numeric dataset's values in one read (HDF5's own, without h5py's
+    selection machinery: a file of many small datasets)."""
+    import h5py
+    out = np.empty(dset.shape, dtype=dset.dtype)
+    dset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+    return out
+
+
+def _describe(path, f, sets):
+    """The report of the open file ``f`` (``path``), its datasets ``sets``."""
+    datasets = []
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
+        for name, dset in sets.items():
+            with _read_errors(path, name):
+                datasets.append(_stats(_text(name), dset))
+    return {"path": str(path), "attrs": _shown_attrs(f), "datasets": datasets}
 
 
 def _stats(name, dset):
@@ -235,7 +384,16 @@ def _stats(name, dset):
     if dset.shape is None:  # a null dataspace (h5py.Empty): a dtype, no value at all
         entry.update(shape=None, dtype=str(dset.dtype), value="<null dataspace: no value>")
         return entry
-    if plain_attr(dset.attrs.get(KIND)) != "json" and _numeric(dset):
+    ref = _ref_kind(dset.dtype)
+    if ref:  # what references point to is no statistic (--diff compares the targets)
+        entry.update(shape=list(dset.shape), dtype=ref)
+        return entry
+    missing = _missing_filter(dset)
+    if missing:  # no damage: this HDF5 cannot decompress it
+        entry.update(shape=list(dset.shape), dtype=str(dset.dtype),
+                     value=f"<not read: HDF5 filter {missing} missing>")
+        return entry
+    if _kind(dset) != "json" and _numeric(dset):
         entry.update(shape=list(dset.shape), dtype=str(dset.dtype))
         if dset.size:
             entry.update(_numeric_stats(dset, name))
@@ -255,16 +413,6 @@ def _stats(name, dset):
     else:
         entry.update(shape=[], dtype="string", value=str(value))
     return entry
-
-
-#: control characters as their escapes (a name with a newline keeps its table row)
-_CONTROL = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
-
-
-def _one_line(name):
-    """A dataset's name as the table shows it: one line, control characters
-    escaped (``\\n``); the JSON keeps it as it is."""
-    return name.translate(_CONTROL)
 
 
 def _diff_parts(a, b):
@@ -291,12 +439,13 @@ def _diff_pair(a, b, row, paths):
     sums = np.zeros(3)  # ||x||^2, ||y||^2, ||x - y||^2
     biggest = 0.0
     parts, fill = _diff_parts(a, b)
+    whole = len(parts) == 1 and max(a.nbytes, b.nbytes) <= BLOCK_BYTES  # one read each
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
             with _read_errors(paths[0], row["name"]):
-                x = a[index]
+                x = _read_whole(a) if whole else a[index]
             with _read_errors(paths[1], row["name"]):
-                y = b[index]
+                y = _read_whole(b) if whole else b[index]
             part_sums, part_max = _diff_sums(x, y)
             sums += part_sums
             biggest = np.maximum(biggest, part_max)
@@ -347,46 +496,113 @@ def _difference(raw_x, raw_y, x, y):
     return np.where(same, 0.0, d)
 
 
-def _diff(path, other):
-    with open_h5(path, "file") as fa, open_h5(other, "file") as fb, _read_errors(path):
-        a_sets, b_sets = _datasets(fa), _datasets(fb)
+def _diff(path, other, fa, a_sets):
+    """The diff of the open file ``fa`` (``path``, its datasets ``a_sets``)
+    against the file ``other``."""
+    b_links = {}
+    with open_h5(other, "file", b_links) as fb, _read_errors(path):
+        b_sets = _datasets(fb, b_links)
+        try:
+            rows = _diff_rows(path, other, a_sets, b_sets)
+            only = ([_text(n) for n in a_sets if n not in b_sets],
+                    [_text(n) for n in b_sets if n not in a_sets])
+        finally:
+            b_sets.clear()  # each dataset closed here, not looked for by the file's close
         a_attrs, b_attrs = _shown_attrs(fa), _shown_attrs(fb)
-        rows = []
-        for name in a_sets:
-            if name not in b_sets:
-                continue
-            a, b = a_sets[name], b_sets[name]
-            row = {"name": name}
-            if a.shape is None or b.shape is None:  # null dataspaces: no values to compare
-                row["equal"] = a.shape is None and b.shape is None and a.dtype == b.dtype
-                rows.append(row)
-                continue
-            numeric = all(_numeric(d) and plain_attr(d.attrs.get(KIND)) != "json" for d in (a, b))
-            if numeric and a.shape != b.shape:
-                row["shapes"] = [list(a.shape), list(b.shape)]
-            elif numeric and a.size:
-                _diff_pair(a, b, row, (path, other))
-            elif numeric:
-                row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
-            else:
-                with _read_errors(path, name):
-                    x = _small_value(a)
-                with _read_errors(other, name):
-                    y = _small_value(b)
-                # values of other kinds (a record array beside floats) are not equal
-                row["equal"] = x is not None and y is not None and _same(x, y)
+    attrs, unchecked = {}, []
+    for k in list(a_attrs) + [k for k in b_attrs if k not in a_attrs]:
+        try:
+            if not _same(a_attrs.get(k), b_attrs.get(k)):
+                attrs[k] = [a_attrs.get(k), b_attrs.get(k)]
+        except _NotCompared:  # references inside records
+            unchecked.append(k)
+    report = {"other": str(other), "datasets": rows,
+              "only_in_first": only[0], "only_in_second": only[1],
+              "attrs": attrs}
+    if unchecked:
+        report["attrs_not_compared"] = unchecked
+    return report
+
+
+def _diff_rows(path, other, a_sets, b_sets):
+    """The diff's row of each dataset both files have (``a_sets`` of
+    ``path``, ``b_sets`` of ``other``)."""
+    rows = []
+    for name in a_sets:
+        if name not in b_sets:
+            continue
+        a, b = a_sets[name], b_sets[name]
+        row = {"name": _text(name)}
+        if a.shape is None or b.shape is None:  # null dataspaces: no values to compare
+            row["equal"] = a.shape is None and b.shape is None and a.dtype == b.dtype
             rows.append(row)
-    attrs = {k: [a_attrs.get(k), b_attrs.get(k)] for k in list(a_attrs) + [
-        k for k in b_attrs if k not in a_attrs] if not _same(a_attrs.get(k), b_attrs.get(k))}
-    return {"other": str(other), "datasets": rows,
-            "only_in_first": [n for n in a_sets if n not in b_sets],
-            "only_in_second": [n for n in b_sets if n not in a_sets],
-            "attrs": attrs}
+            continue
+        if _ref_kind(a.dtype) or _ref_kind(b.dtype):
+            row.update(_diff_refs(a, b, (path, other)))
+            rows.append(row)
+            continue
+        missing = _missing_filter(a) or _missing_filter(b)
+        if missing:
+            row.update(equal=None, not_compared=f"HDF5 filter {missing} missing here")
+            rows.append(row)
+            continue
+        numeric = all(_numeric(d) and _kind(d) != "json" for d in (a, b))
+        if numeric and a.shape != b.shape:
+            row["shapes"] = [list(a.shape), list(b.shape)]
+        elif numeric and a.size:
+            _diff_pair(a, b, row, (path, other))
+        elif numeric:
+            row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
+        else:
+            with _read_errors(path, name):
+                x = _small_value(a)
+            with _read_errors(other, name):
+                y = _small_value(b)
+            # values of other kinds (a record array beside floats) are not equal
+            try:
+                row["equal"] = x is not None and y is not None and _same(x, y)
+            except _NotCompared as e:
+                row.update(equal=None, not_compared=str(e))
+        rows.append(row)
+    return rows
+
+
+class _NotCompared(Exception):
+    """Two values inspect does not compare (the text says why)."""
+
+
+def _diff_refs(a, b, paths):
+    """A --diff row's verdict on datasets of HDF5 references: equal when
+    both point, element by element, to the same paths (a region reference
+    to the same selection too) in their own files; not compared beyond
+    MAX_REFS references; a null reference equals only a null one."""
+    if _ref_kind(a.dtype) != _ref_kind(b.dtype) or a.shape != b.shape:
+        return {"equal": False}
+    if a.size > MAX_REFS:
+        return {"equal": None, "not_compared": f"{a.size:,} references; at most {MAX_REFS:,} "
+                                               "are compared"}
+    targets = []
+    for dset, path in zip((a, b), paths):
+        with _read_errors(path, dset.name):
+            values = np.asarray(dset[()], dtype=object).reshape(-1)
+            targets.append([_ref_text(v, dset.file) for v in values])
+    return {"equal": targets[0] == targets[1]}
 
 
 def _same(a, b):
     """Whether two values (arrays, strings, numbers) are equal; values that
-    cannot be compared (a record array and floats) are not."""
+    cannot be compared (a record array and floats) are not. Records compare
+    field by field (NaN in the same place is no difference); an HDF5
+    reference in a record or sequence raises _NotCompared (its target is
+    not looked up there)."""
+    import h5py
+    if isinstance(a, h5py.Reference) or isinstance(b, h5py.Reference):
+        raise _NotCompared("holds HDF5 references")
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and (a.dtype.names or
+                                                                   b.dtype.names):
+        if a.dtype.names != b.dtype.names or a.shape != b.shape:
+            return False
+        return all(_same(np.asarray(a[n]), np.asarray(b[n])) for n in a.dtype.names)
     try:
         if any(isinstance(v, np.ndarray) and v.dtype == object for v in (a, b)):
             # variable-length sequences: an array of arrays, compared element by element
@@ -400,6 +616,8 @@ def _same(a, b):
         if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
             return True
         return bool(a == b)
+    except _NotCompared:
+        raise
     except Exception:
         return False
 
@@ -426,30 +644,50 @@ def _fmt(value):
     return f"{value:.6g}" if isinstance(value, (float, np.floating)) else str(value)
 
 
+#: the most characters of an attribute's value the text form shows
+ATTR_CHARS = 200
+
+
+def _attr_line(value):
+    """An attribute's value as the text form shows it: one line (an array
+    without NumPy's line breaks, control characters escaped), at most
+    ATTR_CHARS characters (a longer one cut, with its length); multi-line
+    text as ``<N lines of text>``."""
+    if isinstance(value, str) and "\n" in value:
+        return f"<{len(value.splitlines())} lines of text>"
+    if isinstance(value, np.ndarray):
+        text = np.array2string(value, max_line_width=1 << 30)  # summarised beyond 1000 values
+        text = text.replace("\n", "")
+    else:
+        text = _fmt(value)
+    text = one_line(text)
+    if len(text) > ATTR_CHARS:
+        text = f"{text[:ATTR_CHARS - 3]}... ({len(text):,} characters)"
+    return text
+
+
 def _format_text(report):
-    lines = [f"file {report['path']}"]
+    lines = [f"file {one_line(report['path'])}"]
     for key, value in report["attrs"].items():
-        if isinstance(value, str) and "\n" in value:
-            value = f"<{len(value.splitlines())} lines of text>"
-        lines.append(f"  @{key} = {_fmt(value)}")
-    width = max([len(_one_line(d["name"])) for d in report["datasets"]] + [7])
+        lines.append(f"  @{one_line(key)} = {_attr_line(value)}")
+    width = max([len(one_line(d["name"])) for d in report["datasets"]] + [7])
     lines.append(f"{'dataset':<{width}}  {'shape':<16} {'dtype':<8} {'min':>11} {'max':>11} "
                  f"{'mean':>11} {'std':>11} {'l2':>11}")
     for d in report["datasets"]:
         shape = "null" if d["shape"] is None else "x".join(str(s) for s in d["shape"]) or "scalar"
-        line = f"{_one_line(d['name']):<{width}}  {shape:<16} {d['dtype']:<8}"
+        line = f"{one_line(d['name']):<{width}}  {shape:<16} {d['dtype']:<8}"
         if "min" in d:
             line += "".join(f" {_fmt(d[k]):>11}" for k in ("min", "max", "mean", "std", "l2"))
             bad = [f"{d[k]:,} {k}" for k in ("nan", "inf") if d.get(k)]
             if bad:  # how many of the values make the figures nan or inf
                 line += f"  ({', '.join(bad)} of {math.prod(d['shape']):,})"
         elif "value" in d:
-            text = d["value"]
+            text = one_line(d["value"])
             line += " " + (text if len(text) <= 60 else text[:57] + "...")
         lines.append(line)
     diff = report.get("diff")
     if diff:
-        lines.append(f"diff against {diff['other']}")
+        lines.append(f"diff against {one_line(diff['other'])}")
         lines.append(f"{'dataset':<{width}}  {'max_abs_diff':>13} {'rel_l2_diff':>13}")
         for row in diff["datasets"]:
             if "max_abs_diff" in row:
@@ -459,16 +697,20 @@ def _format_text(report):
                              "compared as their fill values)")
             elif "shapes" in row:
                 tail = f"shapes differ: {row['shapes'][0]} vs {row['shapes'][1]}"
+            elif row["equal"] is None:
+                tail = f"not compared ({row['not_compared']})"
             else:
                 tail = "equal" if row["equal"] else "differs"
-            lines.append(f"{_one_line(row['name']):<{width}}  {tail}")
+            lines.append(f"{one_line(row['name']):<{width}}  {tail}")
         for label, names in (("only in first", diff["only_in_first"]),
                              ("only in second", diff["only_in_second"])):
             if names:
-                lines.append(f"{label}: {', '.join(map(_one_line, names))}")
+                lines.append(f"{label}: {', '.join(map(one_line, names))}")
         for key, (a, b) in diff["attrs"].items():
             if isinstance(a, str) and "\n" in a or isinstance(b, str) and "\n" in b:
-                lines.append(f"attribute @{key} differs")
+                lines.append(f"attribute @{one_line(key)} differs")
             else:
-                lines.append(f"attribute @{key}: {_fmt(a)} vs {_fmt(b)}")
+                lines.append(f"attribute @{one_line(key)}: {_attr_line(a)} vs {_attr_line(b)}")
+        for key in diff.get("attrs_not_compared", ()):
+            lines.append(f"attribute @{one_line(key)} not compared (holds HDF5 references)")
     return "\n".join(lines)
