@@ -147,7 +147,7 @@ def build_parser():
                         "a changed layer); repeat it or give a comma list for several")
     p.add_argument("--profile", action="store_true",
                    help="write a Chrome trace per rank (OUT/trace.rank<R>.json, streamed as "
-                        "the run goes; open it in Perfetto; parameter servers write none)")
+                        "the run goes; open it in Perfetto; async parameter servers write none)")
     p.add_argument("--profile-iters", metavar="A:B",
                    help="trace only iterations A to B-1 (implies --profile), e.g. 100:110")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,

@@ -53,3 +53,32 @@ def test_sync_ps_server_is_traced_on_the_workers_time_axis(tmp_path):
         assert pulls[key][1] >= publishes[key][0], (key, pulls[key], publishes[key])
     durations, _job = read_traces(str(out))
     assert sorted(durations.per_rank) == [0]  # the server's graph is not a replica's
+
+
+@pytest.mark.mpi
+def test_resumed_sync_ps_run_keeps_its_traces_when_it_trains_nothing(tmp_path):
+    """A resume of a finished sync_ps run with ``--profile-iters``: the
+    workers say "already finished" and exit 0 (as data parallelism does),
+    so the server must too, leaving every earlier trace as it was (before,
+    the server alone checked its window against no iteration to train:
+    exit 2, "rank 1: --profile-iters ... (none)"). A window outside the
+    iterations a resume trains is refused on every rank (exit 2), the
+    earlier traces untouched."""
+    cfg = mlp_config(solver={"max_iter": 4, "display": 2},
+                     parallel={"mode": "sync_ps", "ps_ranks": 1})
+    path, out = tmp_path / "mlp.yaml", tmp_path / "run"
+    path.write_text(dump_config(cfg))
+    train = ["-m", "purine_mpi", "train", str(path), "--out", str(out), "--profile-iters", "1:3"]
+    proc, _ = run_python(2, train, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    before = {r: (out / f"trace.rank{r}.json").read_bytes() for r in (0, 1)}
+    proc, _ = run_python(2, train + ["--resume", "auto"], timeout=300, expect_ok=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "already finished at iteration 4" in proc.stdout, proc.stdout
+    assert {r: (out / f"trace.rank{r}.json").read_bytes() for r in (0, 1)} == before
+    proc, _ = run_python(2, train + ["--resume", "auto", "--iters", "6"], timeout=300,
+                         expect_ok=False)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "--profile-iters 1:3 traces none of the iterations this run trains (4 to 5)" \
+        in proc.stderr, proc.stderr
+    assert {r: (out / f"trace.rank{r}.json").read_bytes() for r in (0, 1)} == before

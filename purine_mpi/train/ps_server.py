@@ -217,7 +217,10 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         d = make_dispatcher(server.server_graph, dispatcher, rank=world.rank,
                             stall_timeout=float(par.stall_timeout), profiler=profiler)
         try:
-            if getattr(profiler, "open", None) is not None:  # train's TraceFile
+            # train's TraceFile, where this server runs iterations: a run with
+            # none (a resume of a finished run) is the workers' "nothing to
+            # do" (exit 0) or their refusal, and its earlier trace stays
+            if getattr(profiler, "open", None) is not None and start < max_iter:
                 window = getattr(profiler, "window", None)
                 if window is not None:  # refused as the workers refuse it, file untouched
                     from .profiling import check_window
