@@ -45,8 +45,9 @@ def end_status():
 
 def open_run_log(out_dir, rank=0):
     """Log this run into ``out_dir/train.log`` (returns the path)."""
-    global _path, _rank
+    global _path, _rank, _end_status
     _path, _rank = os.path.join(str(out_dir), LOG_NAME), int(rank)
+    _end_status = None  # a new run: an earlier run's status in this process is not its
     if _rank == 0:
         os.makedirs(str(out_dir), exist_ok=True)
         _append(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} ---")

@@ -70,8 +70,10 @@ _made = {}
 
 
 def _missing_dirs(path):
-    """``path`` and its ancestors that do not exist yet, deepest first."""
-    missing, head = [], os.path.abspath(path)
+    """``path`` and its ancestors that do not exist yet, deepest first, as
+    the system finds them (``link/../new`` is ``new`` beside the link's
+    target, not beside the link)."""
+    missing, head = [], os.path.realpath(path)
     while head and not os.path.lexists(head):
         missing.append(head)
         parent = os.path.dirname(head)
@@ -82,8 +84,13 @@ def _missing_dirs(path):
 
 
 def _note_made(path, made):
+    """Record the folders made for the run folder ``path``; a folder that
+    was there (``made`` empty) forgets an older record of it, so a later
+    run in this process does not take it for one it made."""
     if made:
         _made[os.path.realpath(path)] = made
+    else:
+        _made.pop(os.path.realpath(path), None)
 
 
 def run_files(folder):
@@ -113,7 +120,7 @@ def _new_numbered(base):
         path = os.path.join(base, str(n))
         try:
             os.mkdir(path)  # atomic: two runs starting together get two folders
-            _note_made(path, [os.path.abspath(path)] + parents)
+            _note_made(path, [os.path.realpath(path)] + parents)
             return path
         except FileExistsError:
             n += 1
