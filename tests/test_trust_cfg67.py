@@ -282,6 +282,16 @@ def test_a_rule_the_file_breaks_alone_names_the_file_not_a_set_of_the_other_key(
                        check_files=False)
     assert str(err.value).startswith("--set solver.base_lr=0.0001: key 'solver.min_lr'"), \
         str(err.value)
+    # a --set inside a key the rule read (a layer renamed under the stages' map)
+    config = small_net_config(digits_h5)
+    config["parallel"] = {"scheme": "pipeline", "stages": {
+        "conv1": 0, "relu1": 0, "pool1": 1, "fc1": 1, "loss": 1, "acc": 1}}
+    resolve_config(config, "CFG", [], check_files=False)
+    with pytest.raises(ConfigError) as err:
+        resolve_config(config, "CFG", ["net.3.name=fc9"], check_files=False)
+    # before: "CFG: key 'parallel.stages': ..." (the file, whose map fits its net)
+    assert str(err.value) == ("--set net.3.name=fc9: key 'parallel.stages': no layer named "
+                              "fc1 in the net"), str(err.value)
 
 
 def test_data_keys_of_another_source_are_named_in_a_note(digits_h5, tmp_path):
@@ -346,3 +356,30 @@ def test_a_folder_that_was_there_is_kept_whatever_this_process_made_before(tmp_p
         assert target.is_dir()
     finally:
         release_run_dirs()
+
+
+def test_hdf5_kind_of_the_files_our_commands_write_and_others(digits_h5, tmp_path):
+    """What ``refuse_other_kind`` tells apart, on files as written: a digits
+    data file, a ``data text`` file, HDF5 with attributes only; a file of 0
+    bytes (``mktemp x.XXXX.h5``) holds nothing and is replaced."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.data.text import write_text
+    from purine_mpi.job.outputs import hdf5_kind, refuse_other_kind
+    assert hdf5_kind(digits_h5)[0] == "data"
+    src = tmp_path / "a.txt"
+    src.write_text("hello world\n" * 50)
+    text = tmp_path / "text.h5"
+    write_text(str(src), str(text), None, 0.1, log=lambda msg: None)
+    assert hdf5_kind(str(text)) == ("data", "")
+    attrs = tmp_path / "attrs.h5"
+    with h5py.File(attrs, "w") as f:
+        f.attrs["owner"] = "me"
+    assert hdf5_kind(str(attrs)) == ("other", "no objects, root attributes owner")
+    zero = tmp_path / "zero.h5"
+    zero.write_bytes(b"")
+    assert hdf5_kind(str(zero)) == ("empty", "")
+    refuse_other_kind(str(zero), "data", "the data")  # before: "is not an HDF5 file"
+    notes = tmp_path / "notes.h5"
+    notes.write_text("my notes\n")
+    with pytest.raises(UserError, match="is not an HDF5 file"):
+        refuse_other_kind(str(notes), "predictions", "the predictions")

@@ -156,8 +156,10 @@ def _parse_text(text, path):
     return raw
 
 
-def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
-    """``load_config`` for an already-parsed mapping (tests, benchmarks)."""
+def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True,
+                   blame=True):
+    """``load_config`` for an already-parsed mapping (tests, benchmarks).
+    ``blame``: a refusal a ``--set`` caused names it (``_blamed_override``)."""
     if not isinstance(raw, dict):
         raise ConfigError(path, None, "expected a mapping of top-level keys "
                                       f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
@@ -172,9 +174,12 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
     try:
         return validate_config(config, path, check_files)
     except ConfigError as exc:
+        if not blame:
+            raise
+
         def without(rest):  # the refusal the config gives with only ``rest`` (or None)
             try:
-                resolve_config(raw, path, rest, iters, check_files=False)
+                resolve_config(raw, path, rest, iters, check_files=False, blame=False)
             except ConfigError as again:
                 return again
             return None
@@ -218,6 +223,7 @@ def _blamed_override(exc, overrides, raw, without=None):
     if source is not None or not getattr(exc, "also", ()):
         return source
     found = {_override_at(key, overrides, raw) for key in exc.also} - {None}
+    found |= {text for key in exc.also for text in _overrides_under(key, overrides)}
     if found and without is not None:
         again = without([text for text in overrides if text not in found])
         if again is not None and again.key == exc.key:
@@ -242,6 +248,15 @@ def _override_at(key, overrides, raw):
         if set_parts[:len(parts)] == parts and not _has_path(raw, parts):
             return text  # a mapping --set made for its key (a mistyped section)
     return None
+
+
+def _overrides_under(key, overrides):
+    """The ``--set`` texts that wrote a key inside the config key ``key``
+    (``net.3.name`` inside ``net``): what a rule that read ``key`` read."""
+    parts = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")
+    return [text for text in overrides or ()
+            if [p.strip() for p in str(text).partition("=")[0].strip().split(".")][
+                :len(parts)] == parts]
 
 
 def _has_path(raw, parts):
