@@ -356,6 +356,7 @@ def test_a_folder_that_was_there_is_kept_whatever_this_process_made_before(tmp_p
         assert target.is_dir()
     finally:
         release_run_dirs()
+        logfile.new_run()  # the other tests of this process: no run ended
 
 
 def test_hdf5_kind_of_the_files_our_commands_write_and_others(digits_h5, tmp_path):
@@ -383,3 +384,36 @@ def test_hdf5_kind_of_the_files_our_commands_write_and_others(digits_h5, tmp_pat
     notes.write_text("my notes\n")
     with pytest.raises(UserError, match="is not an HDF5 file"):
         refuse_other_kind(str(notes), "predictions", "the predictions")
+
+
+def test_a_refused_run_closes_its_lock_before_removing_its_folder(tmp_path, monkeypatch):
+    """On NFS a file unlinked while open stays as .nfsXXXX until closed, and
+    the folder with it: the lock file is closed before the folder is
+    removed (no descriptor of this process on it at the rmdir)."""
+    from purine_mpi.base import logfile
+    from purine_mpi.job import rundir
+    out = tmp_path / "new" / "run"
+    seen = []
+    real_rmdir = os.rmdir
+
+    def rmdir(path):
+        fds = os.listdir("/proc/self/fd")
+        targets = []
+        for fd in fds:
+            try:
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        seen.append([t for t in targets if rundir.LOCK_FILE in t])
+        real_rmdir(path)
+
+    monkeypatch.setattr(rundir.os, "rmdir", rmdir)
+    try:
+        rundir.choose_run_dir("j", out=str(out), lock=rundir.lock_run_dir)
+        logfile.end_run(2)
+    finally:
+        rundir.release_run_dirs()
+        logfile.new_run()
+    assert not (tmp_path / "new").exists()
+    # before: the lock file was still open (".../run/.purine.lock (deleted)")
+    assert seen and seen[0] == [], seen

@@ -245,6 +245,7 @@ def lock_run_dir(folder):
     f.write(holder + "\n")
     f.flush()
     if not _held:
+        logfile.new_run()  # an earlier run's exit status in this process is not this one's
         logfile.at_end(release_run_dirs)  # every end, also the abort paths' os._exit
     _held.append((f, holder, folder))
     return path
@@ -267,8 +268,8 @@ def release_run_dirs():
     files."""
     while _held:
         f, holder, folder = _held.pop()
-        if _remove_refused(folder):
-            f.close()
+        if _remove_refused(folder, f):
+            f.close()  # (closed there already, once its file was unlinked)
             continue
         try:
             f.seek(0)
@@ -281,10 +282,14 @@ def release_run_dirs():
             f.close()  # closing the file releases its flock
 
 
-def _remove_refused(folder):
+def _remove_refused(folder, lock_file=None):
     """Remove ``folder`` (and the folders made for it) when this process
     made it and a start-up refusal left only its lock and train.log there;
-    whether it did. Called holding the folder's lock."""
+    whether it did. Called holding the folder's lock, ``lock_file``, which
+    is closed once its file is unlinked, before the folder is removed: on
+    NFS, where run folders of a cluster live, a file unlinked while open
+    stays as ``.nfsXXXX`` until it is closed, and the folder would stay
+    with it."""
     made = _made.pop(os.path.realpath(folder), None)
     if not made or logfile.end_status() != 2:
         return False
@@ -294,6 +299,8 @@ def _remove_refused(folder):
         for name in (logfile.LOG_NAME, LOCK_FILE):
             if os.path.lexists(os.path.join(folder, name)):
                 os.unlink(os.path.join(folder, name))
+        if lock_file is not None:
+            lock_file.close()  # its name is gone: a run starting now makes a new one
         for path in made:  # the run folder, then the parents made for it, while empty
             os.rmdir(path)
     except OSError:
