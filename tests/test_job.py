@@ -84,7 +84,7 @@ def test_every_default_is_resolved():
     assert [f.name for f in dataclasses.fields(CheckpointSpec)] == list(CHECKPOINT_DEFAULTS)
     assert {f.name for f in dataclasses.fields(DataSpec)} == set(DATA_KEYS)
     assert {f.name for f in dataclasses.fields(Job)} == \
-        set(TOP_KEYS) | {"path", "net_keys", "overrides"}
+        set(TOP_KEYS) | {"path", "net_keys", "overrides", "ignored_data_keys"}
     assert job.solver.to_config() == SOLVER_DEFAULTS
     assert job.parallel.to_config() == PARALLEL_DEFAULTS
     assert job.checkpoint.to_config() == CHECKPOINT_DEFAULTS

@@ -257,3 +257,163 @@ def test_a_yaml_boolean_where_text_is_meant_is_refused_with_the_hint(digits_h5, 
     assert res.returncode == 2, res.stdout + res.stderr
     # before (net.4.bottom, a list): "got [True, 'label']" without the hint
     assert "(YAML read an unquoted `" in res.stderr, res.stderr
+
+
+# ------------------------------------------------- review of the above (session 67)
+def test_a_rule_the_file_breaks_alone_names_the_file_not_a_set_of_the_other_key(
+        digits_h5, tmp_path):
+    """The file's own cosine pair (min_lr 0.5 above base_lr 0.05) is refused
+    with or without a --set of base_lr or lr_policy: the file is named."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.config import resolve_config
+    config = small_net_config(digits_h5, solver=_solver(lr_policy="cosine", min_lr=0.5))
+    for sets in (["solver.base_lr=0.1"], ["solver.lr_policy=cosine"],
+                 ["solver.max_iter=3", "solver.base_lr=0.2"]):
+        with pytest.raises(ConfigError) as err:
+            resolve_config(config, "CFG", sets, check_files=False)
+        # before: "--set solver.base_lr=0.1: key 'solver.min_lr': ..." (the --set
+        # of the other key, where the file alone is refused the same way)
+        assert str(err.value).startswith("CFG: key 'solver.min_lr': 0.5 is above "
+                                         "solver.base_lr"), (sets, str(err.value))
+    # the --set that made the refusal is still named (the file alone passes)
+    config["solver"]["min_lr"] = 0.001
+    with pytest.raises(ConfigError) as err:
+        resolve_config(config, "CFG", ["solver.lr_policy=cosine", "solver.base_lr=0.0001"],
+                       check_files=False)
+    assert str(err.value).startswith("--set solver.base_lr=0.0001: key 'solver.min_lr'"), \
+        str(err.value)
+    # a --set inside a key the rule read (a layer renamed under the stages' map)
+    config = small_net_config(digits_h5)
+    config["parallel"] = {"scheme": "pipeline", "stages": {
+        "conv1": 0, "relu1": 0, "pool1": 1, "fc1": 1, "loss": 1, "acc": 1}}
+    resolve_config(config, "CFG", [], check_files=False)
+    with pytest.raises(ConfigError) as err:
+        resolve_config(config, "CFG", ["net.3.name=fc9"], check_files=False)
+    # before: "CFG: key 'parallel.stages': ..." (the file, whose map fits its net)
+    assert str(err.value) == ("--set net.3.name=fc9: key 'parallel.stages': no layer named "
+                              "fc1 in the net"), str(err.value)
+
+
+def test_data_keys_of_another_source_are_named_in_a_note(digits_h5, tmp_path):
+    """A synthetic spec switched to hdf5 by --set (jobs/nin_cifar10.yaml's
+    way) keeps shape, classes, num_samples, read by nothing; a synthetic
+    spec's in_memory likewise: a start-up note names the file or the --set."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.job.data_spec import data_notes
+    config = small_net_config(digits_h5)
+    config["data"] = {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
+                                "num_samples": 64, "batch_size": 16, "in_memory": False}}
+    cfg = write_config_file(tmp_path, config)
+    own = "besides batch_size, shuffle, seed and the transform"
+    # before: no note (the keys dropped without a word)
+    assert data_notes(load_job(cfg)) == [
+        f"note: {cfg}: data.train.in_memory False is not read by source synthetic (it reads "
+        f"shape, classes, num_samples, split, {own}): a key of another source; drop it, or "
+        "set the source it belongs to"]
+    sets = ["data.train.source=hdf5", f"data.train.path={digits_h5}", "data.train.split=train",
+            "data.train.sequence_length=8"]
+    notes = data_notes(load_job(cfg, sets))
+    assert notes == [
+        f"note: {cfg}: data.train.shape [1, 8, 8], data.train.classes 10, "
+        "data.train.num_samples 64 are not read by source hdf5 (it reads path, in_memory, "
+        f"external, split, {own}): keys of another source; drop them, or set the source they "
+        "belong to",
+        "note: --set data.train.sequence_length=8: data.train.sequence_length 8 is not read "
+        f"by source hdf5 (it reads path, in_memory, external, split, {own}): a key of "
+        "another source; drop it, or set the source it belongs to"], notes
+    # the keys the source reads: no note; the job is the same job without them
+    plain = small_net_config(digits_h5)
+    assert data_notes(load_job(write_config_file(tmp_path, plain, name="plain.yaml"))) == []
+    assert load_job(cfg, sets[:3]) == load_job(cfg, sets)
+
+
+def test_a_folder_that_was_there_is_kept_whatever_this_process_made_before(tmp_path):
+    """The record of a folder this process made is dropped when a later run
+    finds it there: a run refused at start-up in a folder that was there
+    (made by an earlier run of the same process, an API user's loop) keeps
+    it; a new --out through a link and .. is removed where it was made."""
+    from purine_mpi.base import logfile
+    from purine_mpi.job.rundir import choose_run_dir, lock_run_dir, release_run_dirs
+    out = tmp_path / "out"
+    try:
+        choose_run_dir("j", out=str(out))  # made here, no lock (an earlier use)
+        (out / "notes.txt").write_text("x")
+        (out / "notes.txt").unlink()  # empty again: the user's folder now
+        choose_run_dir("j", out=str(out), lock=lock_run_dir)
+        logfile.end_run(2)  # a start-up refusal: the hooks release the lock
+        # before: the folder was removed (the first call's record of it)
+        assert out.is_dir()
+        # --out target/../new through a link: the folder made beside the target
+        target = tmp_path / "deep" / "target"
+        target.mkdir(parents=True)
+        os.symlink(target, tmp_path / "link")
+        made = tmp_path / "deep" / "new"
+        choose_run_dir("j", out=str(tmp_path / "link" / ".." / "new"), lock=lock_run_dir)
+        assert made.is_dir()
+        logfile.end_run(2)
+        # before: deep/new stayed (empty), its record named tmp_path/new
+        assert not made.exists() and not (tmp_path / "new").exists()
+        assert target.is_dir()
+    finally:
+        release_run_dirs()
+        logfile.new_run()  # the other tests of this process: no run ended
+
+
+def test_hdf5_kind_of_the_files_our_commands_write_and_others(digits_h5, tmp_path):
+    """What ``refuse_other_kind`` tells apart, on files as written: a digits
+    data file, a ``data text`` file, HDF5 with attributes only; a file of 0
+    bytes (``mktemp x.XXXX.h5``) holds nothing and is replaced."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.data.text import write_text
+    from purine_mpi.job.outputs import hdf5_kind, refuse_other_kind
+    assert hdf5_kind(digits_h5)[0] == "data"
+    src = tmp_path / "a.txt"
+    src.write_text("hello world\n" * 50)
+    text = tmp_path / "text.h5"
+    write_text(str(src), str(text), None, 0.1, log=lambda msg: None)
+    assert hdf5_kind(str(text)) == ("data", "")
+    attrs = tmp_path / "attrs.h5"
+    with h5py.File(attrs, "w") as f:
+        f.attrs["owner"] = "me"
+    assert hdf5_kind(str(attrs)) == ("other", "no objects, root attributes owner")
+    zero = tmp_path / "zero.h5"
+    zero.write_bytes(b"")
+    assert hdf5_kind(str(zero)) == ("empty", "")
+    refuse_other_kind(str(zero), "data", "the data")  # before: "is not an HDF5 file"
+    notes = tmp_path / "notes.h5"
+    notes.write_text("my notes\n")
+    with pytest.raises(UserError, match="is not an HDF5 file"):
+        refuse_other_kind(str(notes), "predictions", "the predictions")
+
+
+def test_a_refused_run_closes_its_lock_before_removing_its_folder(tmp_path, monkeypatch):
+    """On NFS a file unlinked while open stays as .nfsXXXX until closed, and
+    the folder with it: the lock file is closed before the folder is
+    removed (no descriptor of this process on it at the rmdir)."""
+    from purine_mpi.base import logfile
+    from purine_mpi.job import rundir
+    out = tmp_path / "new" / "run"
+    seen = []
+    real_rmdir = os.rmdir
+
+    def rmdir(path):
+        fds = os.listdir("/proc/self/fd")
+        targets = []
+        for fd in fds:
+            try:
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        seen.append([t for t in targets if rundir.LOCK_FILE in t])
+        real_rmdir(path)
+
+    monkeypatch.setattr(rundir.os, "rmdir", rmdir)
+    try:
+        rundir.choose_run_dir("j", out=str(out), lock=rundir.lock_run_dir)
+        logfile.end_run(2)
+    finally:
+        rundir.release_run_dirs()
+        logfile.new_run()
+    assert not (tmp_path / "new").exists()
+    # before: the lock file was still open (".../run/.purine.lock (deleted)")
+    assert seen and seen[0] == [], seen

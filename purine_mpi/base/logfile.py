@@ -43,10 +43,18 @@ def end_status():
     return _end_status
 
 
+def new_run():
+    """A run of this process begins (its folder locked, its log opened):
+    the exit status an earlier run of this process ended with is not its."""
+    global _end_status
+    _end_status = None
+
+
 def open_run_log(out_dir, rank=0):
     """Log this run into ``out_dir/train.log`` (returns the path)."""
     global _path, _rank
     _path, _rank = os.path.join(str(out_dir), LOG_NAME), int(rank)
+    new_run()
     if _rank == 0:
         os.makedirs(str(out_dir), exist_ok=True)
         _append(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} ---")

@@ -64,7 +64,35 @@ def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True
     ``overrides`` (``Job.overrides``: what a start-up note names)."""
     job = job_of(resolve_config(raw, path, overrides, iters, check_files))
     sets = tuple(str(text) for text in overrides or ())
-    return job.replace(overrides=sets) if sets else job
+    ignored = _ignored_data_keys(raw, path, sets, job)
+    if not sets and not ignored:
+        return job
+    return job.replace(overrides=sets or None, ignored_data_keys=ignored or None)
+
+
+def _ignored_data_keys(raw, path, overrides, job):
+    """(phase, key, value, the ``--set`` that wrote it or None) of each key
+    of a data spec the validated spec left out: a key of another source
+    (``shape``, ``classes``, ``num_samples`` on an hdf5 spec, after ``--set
+    data.train.source=hdf5``; ``in_memory`` on a synthetic one), accepted
+    (switching the source by ``--set`` keeps the other source's keys) but
+    read by nothing (data_spec.data_notes says so). A synthetic spec's
+    ``path`` has its own note."""
+    config = copy.deepcopy(raw)
+    for text in overrides:
+        apply_override(config, text, path)
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    out = []
+    for phase, spec in job.data.items():
+        given = data.get(phase)
+        if not isinstance(given, dict):
+            continue
+        kept = spec.to_config()
+        for key, value in given.items():
+            if value is None or key in kept or (key == "path" and spec.source == "synthetic"):
+                continue
+            out.append((phase, key, value, _override_at(f"data.{phase}.{key}", overrides, raw)))
+    return tuple(out)
 
 
 def load_job_of_checkpoint(path, overrides=(), check_files=False):
@@ -128,8 +156,10 @@ def _parse_text(text, path):
     return raw
 
 
-def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
-    """``load_config`` for an already-parsed mapping (tests, benchmarks)."""
+def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True,
+                   blame=True):
+    """``load_config`` for an already-parsed mapping (tests, benchmarks).
+    ``blame``: a refusal a ``--set`` caused names it (``_blamed_override``)."""
     if not isinstance(raw, dict):
         raise ConfigError(path, None, "expected a mapping of top-level keys "
                                       f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
@@ -144,7 +174,16 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
     try:
         return validate_config(config, path, check_files)
     except ConfigError as exc:
-        source = _blamed_override(exc, overrides, raw)
+        if not blame:
+            raise
+
+        def without(rest):  # the refusal the config gives with only ``rest`` (or None)
+            try:
+                resolve_config(raw, path, rest, iters, check_files=False, blame=False)
+            except ConfigError as again:
+                return again
+            return None
+        source = _blamed_override(exc, overrides, raw, without)
         if source is None:
             raise
         raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem,
@@ -170,17 +209,25 @@ def blame_override(exc, path, overrides):
     return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem, exc.also)
 
 
-def _blamed_override(exc, overrides, raw):
+def _blamed_override(exc, overrides, raw, without=None):
     """The ``--set`` text a ConfigError is to name: the one that wrote its
     key, else (a rule between keys: ``exc.also``, the other keys it read)
     the last one on the command line that wrote one of those: ``--set
     solver.base_lr=1e-4`` under the file's cosine ``min_lr: 0.001`` made
     the refusal of min_lr, which the file holds as it always did. None when
-    the file is at fault."""
+    the file is at fault: also where the config without those ``--set``
+    (``without(rest)``: its refusal, or None) is refused on the same key
+    (the file's ``min_lr: 0.5`` above its ``base_lr: 0.05``, under ``--set
+    solver.base_lr=0.1``: the file's pair was refused before the --set)."""
     source = _override_at(exc.key, overrides, raw)
     if source is not None or not getattr(exc, "also", ()):
         return source
     found = {_override_at(key, overrides, raw) for key in exc.also} - {None}
+    found |= {text for key in exc.also for text in _overrides_under(key, overrides)}
+    if found and without is not None:
+        again = without([text for text in overrides if text not in found])
+        if again is not None and again.key == exc.key:
+            return None
     for text in reversed(list(overrides or ())):
         if text in found:
             return text
@@ -201,6 +248,15 @@ def _override_at(key, overrides, raw):
         if set_parts[:len(parts)] == parts and not _has_path(raw, parts):
             return text  # a mapping --set made for its key (a mistyped section)
     return None
+
+
+def _overrides_under(key, overrides):
+    """The ``--set`` texts that wrote a key inside the config key ``key``
+    (``net.3.name`` inside ``net``): what a rule that read ``key`` read."""
+    parts = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")
+    return [text for text in overrides or ()
+            if [p.strip() for p in str(text).partition("=")[0].strip().split(".")][
+                :len(parts)] == parts]
 
 
 def _has_path(raw, parts):

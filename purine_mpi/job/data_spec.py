@@ -133,12 +133,26 @@ def data_notes(job):
     split given a ``path`` (ignored: a leftover of an hdf5 spec, or a
     forgotten ``source``). Reads the HDF5 files' metadata."""
     from ..data.sources import source_info
+    from .schema import SOURCE_KEYS
     notes = []
+    in_file = f"{job.path}: " if job.path and not str(job.path).startswith("<") else ""
     for phase, spec in job.data.items():
         if spec.source == "synthetic" and spec.path is not None:
             notes.append(f"note: data.{phase}.path {spec.path!r} is ignored: source synthetic "
                          f"makes random samples of data.{phase}.shape; set source: hdf5 (or "
                          "lmdb) to read the file, or drop the path")
+        ignored = [entry for entry in job.ignored_data_keys or () if entry[0] == phase]
+        for where in dict.fromkeys(entry[3] for entry in ignored):  # the file, then each --set
+            mine = [(key, value) for _, key, value, by in ignored if by == where]
+            keys = ", ".join(f"data.{phase}.{key} {excerpt(value)}" for key, value in mine)
+            said = f"--set {excerpt(where, quote=False)}: " if where is not None else in_file
+            own = ", ".join(SOURCE_KEYS.get(spec.source, ()))
+            verb, them = ("is", "it") if len(mine) == 1 else ("are", "them")
+            notes.append(f"note: {said}{keys} {verb} not read by source {spec.source} (it "
+                         f"reads {own}, besides batch_size, shuffle, seed and the transform): "
+                         f"{'a key' if them == 'it' else 'keys'} of another source; drop "
+                         f"{them}, or set the source "
+                         f"{'it belongs' if them == 'it' else 'they belong'} to")
         try:
             n = source_info(spec.source_dict())[0]
         except UserError as exc:

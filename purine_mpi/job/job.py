@@ -214,6 +214,11 @@ class Job:
     #: the file), else None; where the values came from, not what they are:
     #: no part of the job's equality, nor of its config
     overrides: Optional[tuple] = dataclasses.field(default=None, compare=False)
+    #: (phase, key, value, the ``--set`` that wrote it or None) of each key of
+    #: a data spec that its source does not read (job/config.py's
+    #: resolve_job; data_spec.data_notes names them at start-up), else
+    #: None; as ``overrides``, no part of the job's equality nor its config
+    ignored_data_keys: Optional[tuple] = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, config):

@@ -97,12 +97,14 @@ def hdf5_kind(path):
     ``predictions`` (``predict``'s), ``data`` (``data text``'s, or ``data``
     and ``label`` datasets at the top or in a top-level group: the layout
     ``source: hdf5`` reads, docs/formats.md), ``empty`` (an HDF5 file
-    holding nothing), ``other`` (HDF5 of another kind) or ``not-hdf5``;
+    holding nothing, or a file of 0 bytes), ``other`` (HDF5 of another kind) or ``not-hdf5``;
     ``detail``: what it holds, in a few words (its top-level names)."""
     import h5py
     if is_our_checkpoint(path):
         return "checkpoint", ""
     try:
+        if os.path.getsize(path) == 0:  # ``mktemp x.XXXX.h5``, ``touch``: nothing to lose
+            return "empty", ""
         if not h5py.is_hdf5(path):
             return "not-hdf5", ""
         with h5py.File(path, "r") as f:

@@ -70,8 +70,10 @@ _made = {}
 
 
 def _missing_dirs(path):
-    """``path`` and its ancestors that do not exist yet, deepest first."""
-    missing, head = [], os.path.abspath(path)
+    """``path`` and its ancestors that do not exist yet, deepest first, as
+    the system finds them (``link/../new`` is ``new`` beside the link's
+    target, not beside the link)."""
+    missing, head = [], os.path.realpath(path)
     while head and not os.path.lexists(head):
         missing.append(head)
         parent = os.path.dirname(head)
@@ -82,8 +84,13 @@ def _missing_dirs(path):
 
 
 def _note_made(path, made):
+    """Record the folders made for the run folder ``path``; a folder that
+    was there (``made`` empty) forgets an older record of it, so a later
+    run in this process does not take it for one it made."""
     if made:
         _made[os.path.realpath(path)] = made
+    else:
+        _made.pop(os.path.realpath(path), None)
 
 
 def run_files(folder):
@@ -113,7 +120,7 @@ def _new_numbered(base):
         path = os.path.join(base, str(n))
         try:
             os.mkdir(path)  # atomic: two runs starting together get two folders
-            _note_made(path, [os.path.abspath(path)] + parents)
+            _note_made(path, [os.path.realpath(path)] + parents)
             return path
         except FileExistsError:
             n += 1
@@ -238,6 +245,7 @@ def lock_run_dir(folder):
     f.write(holder + "\n")
     f.flush()
     if not _held:
+        logfile.new_run()  # an earlier run's exit status in this process is not this one's
         logfile.at_end(release_run_dirs)  # every end, also the abort paths' os._exit
     _held.append((f, holder, folder))
     return path
@@ -260,8 +268,8 @@ def release_run_dirs():
     files."""
     while _held:
         f, holder, folder = _held.pop()
-        if _remove_refused(folder):
-            f.close()
+        if _remove_refused(folder, f):
+            f.close()  # (closed there already, once its file was unlinked)
             continue
         try:
             f.seek(0)
@@ -274,10 +282,14 @@ def release_run_dirs():
             f.close()  # closing the file releases its flock
 
 
-def _remove_refused(folder):
+def _remove_refused(folder, lock_file=None):
     """Remove ``folder`` (and the folders made for it) when this process
     made it and a start-up refusal left only its lock and train.log there;
-    whether it did. Called holding the folder's lock."""
+    whether it did. Called holding the folder's lock, ``lock_file``, which
+    is closed once its file is unlinked, before the folder is removed: on
+    NFS, where run folders of a cluster live, a file unlinked while open
+    stays as ``.nfsXXXX`` until it is closed, and the folder would stay
+    with it."""
     made = _made.pop(os.path.realpath(folder), None)
     if not made or logfile.end_status() != 2:
         return False
@@ -287,6 +299,8 @@ def _remove_refused(folder):
         for name in (logfile.LOG_NAME, LOCK_FILE):
             if os.path.lexists(os.path.join(folder, name)):
                 os.unlink(os.path.join(folder, name))
+        if lock_file is not None:
+            lock_file.close()  # its name is gone: a run starting now makes a new one
         for path in made:  # the run folder, then the parents made for it, while empty
             os.rmdir(path)
     except OSError:
