@@ -2,15 +2,24 @@
 each writes ``trace.rank<R>.json`` (its server graph's ops: WaitWrite, the
 update, Publish, Release) on the workers' time axis (rank 0's start,
 agreed over every rank), marked as a parameter server's
-(``process_labels``), which ``predict`` leaves out (it prices replicas of
-the net). On the code before, a server wrote no trace (FileNotFoundError
-on ``trace.rank1.json``)."""
+(``process_labels``). On the code before, a server wrote no trace
+(FileNotFoundError on ``trace.rank1.json``).
+
+``predict TRACE_DIR --np`` refuses a run traced under parameter servers
+(sync_ps, async: exit 2, one line naming the folder, the mode and what to
+do), by a server's label or, where no server wrote one (async; an older
+version), by the run's config.yaml: the scaling model does not price
+parameter servers (docs/scaling.md, "Parameter servers"). On the code
+before it left the servers out and priced the workers' traces as a run of
+that many ranks, exit 0: a 3-rank sync_ps run predicted 2.53 ms/iter at 2
+ranks against a traced 61 ms (162 % efficiency)."""
 import json
 
 import pytest
 
 from purine_mpi.job.config import dump_config
-from purine_mpi.tools.scaling.trace_reader import read_traces
+from purine_mpi.tools.scaling.trace_reader import load_trace
+from tests.conftest import run_cli_args
 from tests.mpi_scripts.common import mlp_config
 from tests.mpi_scripts.launch import run_python
 
@@ -51,8 +60,54 @@ def test_sync_ps_server_is_traced_on_the_workers_time_axis(tmp_path):
         # iteration k ends only after the server's Publish of them began
         assert waits[key][1] >= pushes[key][0], (key, waits[key], pushes[key])
         assert pulls[key][1] >= publishes[key][0], (key, pulls[key], publishes[key])
-    durations, _job = read_traces(str(out))
-    assert sorted(durations.per_rank) == [0]  # the server's graph is not a replica's
+    assert [load_trace(str(out / f"trace.rank{r}.json"))[1] for r in (0, 1)] == [False, True]
+    _assert_predict_refuses(out, ["parallel.mode: sync_ps, parallel.ps_ranks 1 in its "
+                                  "config.yaml", "trace.rank1.json is a server's"])
+    # a trace copied beside a config of mode sync: the server's label refuses it
+    config = (out / "config.yaml").read_text()
+    assert "mode: sync_ps\n" in config
+    (out / "config.yaml").write_text(config.replace("mode: sync_ps\n", "mode: sync\n"))
+    text = _assert_predict_refuses(out, ["(trace.rank1.json is a server's)"])
+    assert "in its config.yaml" not in text, text
+    # an older version's run: its server wrote no trace; the config tells
+    (out / "config.yaml").write_text(config)
+    (out / "trace.rank1.json").unlink()
+    text = _assert_predict_refuses(out, ["(parallel.mode: sync_ps, parallel.ps_ranks 1 in "
+                                         "its config.yaml)"])
+    assert "server's" not in text, text
+
+
+def _assert_predict_refuses(out, says):
+    """``predict OUT --np 1,2,3`` exits 2 with one line that names the run
+    folder, what marks it a parameter-server run (``says``) and what to do;
+    no table. Returns the line."""
+    res = run_cli_args("predict", out, "--np", "1,2,3")
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert res.stdout == "", res.stdout
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for part in [f"predict {out}: the run was traced under parameter servers", *says,
+                 "trace the same job under parallel.mode: sync", "docs/scaling.md"]:
+        assert part in lines[0], (part, lines[0])
+    return lines[0]
+
+
+@pytest.mark.mpi
+def test_predict_refuses_an_async_run_whose_server_wrote_no_trace(tmp_path):
+    """An async run (``max_staleness`` 1: a worker runs ahead) traced with
+    ``--profile-iters``: its server writes no trace, and the saved
+    config.yaml's mode refuses the prediction (before: exit 0, the worker
+    priced as a one-rank run)."""
+    cfg = mlp_config(solver={"max_iter": 6, "display": 3},
+                     parallel={"mode": "async", "ps_ranks": 1, "max_staleness": 1})
+    path, out = tmp_path / "mlp.yaml", tmp_path / "run"
+    path.write_text(dump_config(cfg))
+    proc, _ = run_python(2, ["-m", "purine_mpi", "train", str(path), "--out", str(out),
+                             "--profile-iters", "2:5"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.glob("trace.rank*.json")) == ["trace.rank0.json"]
+    _assert_predict_refuses(out, ["(parallel.mode: async, parallel.ps_ranks 1 in its "
+                                  "config.yaml)"])
 
 
 @pytest.mark.mpi

@@ -4,7 +4,8 @@ A trace folder holds the ``trace.rank<R>.json`` files of one run (``train
 --profile`` / ``--profile-iters A:B``, docs/formats.md "Traces") and the
 run's ``config.yaml``. ``read_traces`` returns each rank's per-op median
 duration over the traced iterations (an op that runs several times in one
-iteration counts its sum), the traced iteration time, and the job.
+iteration counts its sum), the traced iteration time, and the job. The
+traces of a parameter-server run are refused (``refuse_server_run``).
 """
 import glob
 import json
@@ -362,13 +363,16 @@ def dispatch_gap(events, skip_first=True):
 def read_traces(folder):
     """(Durations, job) of a trace folder (the job of its config.yaml,
     job/job.py); a UserError when the folder lacks the traces or the run's
-    config.yaml."""
+    config.yaml, or when the run was traced under parameter servers
+    (``refuse_server_run``)."""
     from ...job.config import load_job
     files = trace_files(folder)
     per_rank, iter_s, counts, gaps, fastest, replayed = {}, {}, [], {}, {}, set()
+    servers = []
     for rank, path in files.items():
         events, server = load_trace(path)
-        if server:  # a parameter server's graph: not a replica of the net the model prices
+        if server:  # a parameter server's graph: not a replica of the net
+            servers.append(rank)
             continue
         grouped = _per_iteration(events, True)   # grouped once for both readers
         medians, period, n = median_durations(events, grouped=grouped)
@@ -382,15 +386,51 @@ def read_traces(folder):
         per_rank[rank], iter_s[rank] = medians, period
         counts.append(n)
         replayed |= replayed_ops(events)
-    if not per_rank:
-        raise UserError(f"predict {folder}: its traces are all parameter servers' (a worker's "
-                        "trace.rank<R>.json holds the net's ops)")
     cfg_path = os.path.join(folder, "config.yaml")
+    if servers:  # refused before the config is read: a server's label is enough
+        refuse_server_run(folder, None, servers, cfg_path)
     if not os.path.isfile(cfg_path):
         raise UserError(f"predict {folder}: no config.yaml there (the run folder of train "
                         "--profile-iters holds one; the predictor rebuilds the graph from it)")
     job = load_job(cfg_path, check_files=False)
+    if job.parallel.servers:  # an async run's servers, or an older version's, write no label
+        refuse_server_run(folder, job, servers, cfg_path)
     return Durations(per_rank, iter_s, min(counts), gaps, fastest, replayed), job
+
+
+def refuse_server_run(folder, job, servers, cfg_path):
+    """The UserError (exit 2) for a run traced under parameter servers
+    (``parallel.mode`` sync_ps or async): the scaling model prices replicas
+    of the net, not a server's waits, and its parameter-server terms are not
+    validated against measurement (tools/choose.PS_NOT_VALIDATED), so a
+    prediction from such a trace would be a wrong figure shown as a good one
+    (before: the servers left out, a 3-rank sync_ps run priced as a run of
+    its 2 workers, 0 µs of dispatch found: docs/scaling.md, "Parameter
+    servers"). ``job``: the run's saved
+    config (None when a trace's ``process_labels`` told it first: the config
+    is then read where it can be); ``servers``: the ranks whose trace is
+    marked a parameter server's (none in an async run, whose servers write
+    no trace, or in a trace of an older version: the saved config's mode
+    tells)."""
+    if job is None and os.path.isfile(cfg_path):
+        from ...job.config import load_job
+        try:
+            job = load_job(cfg_path, check_files=False)
+        except UserError:  # the label alone refuses the run
+            job = None
+    what = []
+    if job is not None and job.parallel.servers:
+        what.append(f"parallel.mode: {job.parallel.mode}, parallel.ps_ranks "
+                    f"{job.parallel.ps_ranks} in its config.yaml")
+    if servers:
+        what.append(", ".join(f"trace.rank{r}.json" for r in servers)
+                    + (" is a server's" if len(servers) == 1 else " are servers'"))
+    raise UserError(f"predict {folder}: the run was traced under parameter servers "
+                    f"({'; '.join(what)}), which the scaling model does not price (its "
+                    "parameter-server terms are not validated against measurement: "
+                    "docs/scaling.md, \"Parameter servers\"); to price data parallelism, "
+                    "trace the same job under parallel.mode: sync (train JOB.yaml --set "
+                    "parallel.mode=sync --profile-iters A:B --out FOLDER)")
 
 
 def replayed_ops(events):
