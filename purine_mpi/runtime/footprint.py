@@ -724,9 +724,10 @@ def coexisting_bytes(graph, roots):
     the heaviest set of unordered roots is its heaviest antichain: the
     total bytes less a maximum flow (``_heaviest_antichain``), polynomial.
     (Before 2026-11-30 a branch-and-bound search for the heaviest clique
-    of unordered pairs, exponential in the worst case: 2,100 buckets in 3
-    chains of 700 ran for hours, 600 in 3 chains 179 s; now 2,100 take
-    about a second, tests/test_coexisting.py.)"""
+    of unordered pairs, exponential in the worst case: buffers in 3 chains
+    took 1.05 s at 150, 11.1 s at 300, 179 s at 600 (2,100 not run to its
+    end); now 2,100 take about half a second, benchmarks/
+    coexisting_speed.py, tests/test_coexisting.py.)"""
     roots = list(dict.fromkeys(roots))
     if len(roots) < 2:
         return sum(_root_nbytes(graph.blobs[r]) for r in roots)
