@@ -254,9 +254,9 @@ def build_parser():
                         "print the table and the best as --set options")
     c.add_argument("--choose-all", action="store_true",
                    help="--choose with every micro-batch count of every setting evaluated "
-                        "(--choose leaves out the counts its model says cannot be the "
-                        "fastest that fits, listed under --json's not_tried): slower, to "
-                        "confirm --choose's best")
+                        "(--choose leaves out the counts above the first that fits and "
+                        "the one after it, where that one is predicted no faster, listed "
+                        "under --json's not_tried): slower, to confirm --choose's best")
     c.add_argument("--calibration", type=path_arg, metavar="FILE.json",
                    help="--choose: the op times measured once, read from FILE.json when it "
                         "holds this job's, else measured and written there (default: "

@@ -765,8 +765,8 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
     --host-memory between the 2-micro-batch settings and the whole batch's,
     of the settings tried only those fit, and the best is 2 micro-batches without recompute by
     construction (the recompute pass adds the forward ops again, each
-    priced as traced); larger counts are not tried (by the model no
-    faster), and the table says so; the best's --set line and the --out
+    priced as traced); 4, the check's count, is tried (no faster), larger
+    counts not, and the table says so; the best's --set line and the --out
     YAML train."""
     path = tmp_path / "micro.yaml"
     path.write_text(MICRO_NET)
@@ -806,9 +806,10 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
                          np=1)
     assert res.returncode == 0, res.stderr
     fit = [r["label"] for r in tight["candidates"] if r.get("fits")]
-    assert sorted(fit) == ["data, recompute full, 2 micro-batches",
-                           "data, recompute none, 2 micro-batches"]
-    assert len(tight["candidates"]) == 4
+    # 4 micro-batches fit too: the check's count above 2 (no faster)
+    assert sorted(fit) == [f"data, recompute {mode}, {m} micro-batches"
+                           for mode in ("full", "none") for m in (2, 4)]
+    assert len(tight["candidates"]) == 6 and tight["swept"] == []
     assert tight["candidates"][0]["label"] == "data, recompute none, 2 micro-batches"
     assert tight["best"] == ["parallel.scheme=data", "recompute=none",
                              "parallel.micro_batches=2", "parallel.mode=sync"]
@@ -818,20 +819,20 @@ def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
                         "--host-memory", limit)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
-    assert "4 settings tried, 4 shown" in lines[0]
+    assert "6 settings tried, 4 shown" in lines[0]
     table = [line for line in lines[2:] if re.match(r"\d+ ", line)]
     assert [line.split("  ")[1].strip() for line in table] == [
         "data, recompute none, 2 micro-batches", "data, recompute full, 2 micro-batches",
         "data, recompute none", "data, recompute full"], table
     assert " yes " in table[0] and "NO: host over" in table[2]
-    assert any(line.startswith("(6 setting(s) at other micro-batch counts not tried: 6 as a "
+    assert any(line.startswith("(4 setting(s) at other micro-batch counts not tried: 4 as a "
                                "smaller count fits") for line in lines), lines
     # which counts were not tried, and why: above the 2 that fits, in each mode
     assert none_fits["not_tried"] == []
     assert sorted((r["variant_of"], r["micro_batches"], r["reason"])
                   for r in tight["not_tried"]) == [
         (f"data, recompute {mode}", m, "smaller_fits") for mode in ("full", "none")
-        for m in (4, 8, 16)]
+        for m in (8, 16)]
     assert lines[-2] == ("best: --set parallel.scheme=data --set recompute=none "
                          "--set parallel.micro_batches=2 --set parallel.mode=sync")
     # the net has no Sum to price the micro-batches' gradient sums from:
@@ -922,18 +923,19 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
         return tried, plain, done
     # neither the job's count nor those below fit: 8 does not, 16 fits
     assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 90})[0] == [1, 2, 8, 16]
-    # 8 fits: 16 (no faster) is not tried
-    assert run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})[0] == [1, 2, 8]
+    # 8 fits: 16, the check's count, is tried (no faster: it would stop there)
+    assert run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})[0] == [1, 2, 8, 16]
     # 16 holds more than 8 (the weights' gradients), and does not fit either
     assert run({1: 400, 2: 300, 4: 200, 8: 150, 16: 160})[0] == [1, 2, 8, 16]
     # 8 holds more than 4, 16 less again and fits: tried (before: not tried)
     assert run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})[0] == [1, 2, 8, 16]
-    # a smaller count fits: the smallest that fits (the fastest), no other
+    # a smaller count fits: the smallest that fits (the fastest), and the
+    # check's count above it (here the job's own 4, evaluated already)
     assert run({1: 120, 2: 80, 4: 60, 8: 50, 16: 40})[0] == [1, 2]
     # 2 holds more than 4 and does not fit, 1 fits: tried (before: not tried)
-    assert run({1: 90, 2: 110, 4: 60, 8: 50, 16: 40})[0] == [1]
+    assert run({1: 90, 2: 110, 4: 60, 8: 50, 16: 40})[0] == [1, 2]
     tried, plain, done = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
-    assert tried == [1]
+    assert tried == [1, 2]
     # the table: of the variants, the first that fits in the ranking
     from purine_mpi.tools.choose import rank
     ranked = rank([plain] + done)
@@ -975,18 +977,18 @@ def test_choose_json_says_which_counts_were_not_tried(tmp_path):
         left = {c.micro: c.not_tried for c in variants if c not in done}
         assert all(c.not_tried is None for c in done)
         return plain, done, left, variants
-    # 8 fits: 16 is not tried (no faster); 1, 2 and 4 do not fit
+    # 8 fits: 16 is the check's count (tried: no faster); 1, 2 and 4 do not fit
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 90, 16: 50})
-    assert left == {16: "smaller_fits"}
+    assert left == {}
     # 8 holds more than 4: 16 is tried all the same
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 210, 16: 100})
     assert left == {}
     # 8 is not possible: 16 is not tried
     _, _, left, _ = run({1: 400, 2: 300, 4: 200, 8: 150, 16: 120}, refused=(8,))
     assert left == {16: "not_possible"}
-    # 1 fits: 2 is not tried (nor 8 and 16), it is no faster
+    # 1 fits: 2 is the check's count (no faster), 8 and 16 are not tried
     _, _, left, _ = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20})
-    assert left == {2: "smaller_fits", 8: "smaller_fits", 16: "smaller_fits"}
+    assert left == {8: "smaller_fits", 16: "smaller_fits"}
     # 1 is not possible, 2 fits: 8 and 16 are not tried
     _, _, left, _ = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20}, refused=(1,))
     assert left == {8: "smaller_fits", 16: "smaller_fits"}
@@ -1000,7 +1002,7 @@ def test_choose_json_says_which_counts_were_not_tried(tmp_path):
                     untried=len(skipped), not_tried=skipped)
     out = choice_json(choice)
     assert [(r["micro_batches"], r["reason"]) for r in out["not_tried"]] == [
-        (2, "smaller_fits"), (8, "smaller_fits"), (16, "smaller_fits"), (16, "not_possible")]
+        (8, "smaller_fits"), (16, "smaller_fits"), (16, "not_possible")]
     for r in out["not_tried"]:
         assert set(r) == NOT_TRIED_KEYS
         assert r["variant_of"] == "data, recompute none" and r["why"] == NOT_TRIED[r["reason"]]
@@ -1008,9 +1010,58 @@ def test_choose_json_says_which_counts_were_not_tried(tmp_path):
         assert r["label"].startswith("data, recompute none, ")
     footer = [line for line in format_choice(choice).splitlines() if "not tried" in line]
     assert footer == [
-        "(4 setting(s) at other micro-batch counts not tried: 3 as a smaller count fits "
-        f"({NOT_TRIED['smaller_fits'].split(' (')[1]}; 1 as the count tried before it is "
+        "(3 setting(s) at other micro-batch counts not tried: 2 as "
+        f"{NOT_TRIED['smaller_fits']}; 1 as the count tried before it is "
         "not possible; --json: not_tried)"], footer
+
+
+def test_the_check_evaluates_every_count_where_a_larger_one_is_faster():
+    """``variants_to_try``'s check, over constructed figures (no graph
+    built): where the count above the first that fits is predicted faster
+    (the model's time need not rise with the count: smaller ops may overlap
+    better), every count of the setting is evaluated, the best (16
+    micro-batches here, each count faster than the one below) is among them
+    as ``plan --choose-all`` finds it, and ``swept`` says why (table line,
+    ``--json``); where it is no faster, the counts above it are left out.
+    Before: 1 fit, so 2, 8 and 16 were left out and the best was the job's
+    4 micro-batches ('assert [1] == [1, 2, 8, 16]')."""
+    from purine_mpi.tools.choose import Candidate, Choice, choice_json, format_choice, \
+        micro_batched, rank, variants_to_try
+
+    def run(seconds, own=4):
+        plain = Candidate(("parallel.scheme=data", "recompute=none"), "data, recompute none")
+        variants = micro_batched(plain, [m for m in (1, 2, 4, 8, 16) if m != own])
+        tried = []
+
+        def evaluate(c):
+            m = c.micro or own
+            c.need, c.limits, c.iter_s, c.samples = {"host": 10}, \
+                {"host": (100, "--host-memory")}, seconds[m], 16
+            tried.append(m)
+        evaluate(plain)
+        tried.clear()
+        done = variants_to_try(plain, variants, own, evaluate)
+        got = list(tried)
+        every = [plain] + variants
+        for c in every:
+            if c not in done and c is not plain:
+                evaluate(c)  # --choose-all's figures
+        return got, plain, done, rank(every)[0]
+    falling = {1: 5.0, 2: 4.0, 4: 3.0, 8: 2.0, 16: 1.0}
+    tried, plain, done, best = run(falling)
+    assert tried == [1, 2, 8, 16]
+    assert rank([plain] + done)[0] is best and best.micro == 16
+    assert plain.swept.startswith("2 micro-batches predicted faster than 1")
+    choice = Choice(1, rank([plain] + done), ("images", 1), "", 0.0, swept=[plain])
+    assert f"(check: data, recompute none: {plain.swept})" in format_choice(choice)
+    assert choice_json(choice)["swept"] == [{"label": "data, recompute none",
+                                             "why": plain.swept}]
+    # a rise at the check's count: the counts above it left out, none swept
+    tried, plain, done, best = run({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0, 16: 5.0})
+    assert tried == [1, 2] and plain.swept is None and best.micro == 1
+    # the check's count is the job's own (evaluated already): faster, so swept
+    tried, plain, done, best = run({1: 5.0, 2: 4.0, 4: 3.0, 8: 2.0, 16: 1.0}, own=2)
+    assert tried == [1, 4, 8, 16] and plain.swept is not None and best.micro == 16
 
 
 def test_choose_refuses_a_graph_config(tmp_path):

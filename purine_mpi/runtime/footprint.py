@@ -717,72 +717,165 @@ def coexisting_bytes(graph, roots):
     memory plan's schedule: gpt_tiny at stage 3 on 2 ranks (batch 8) had
     1.32 MB of full buckets live at once in a traced run where the plan's
     schedule has at most 1.06 MB, and this bound says 1.52 MB
-    (tests/test_plan_zero3.py)."""
-    from ..graph.core import ancestor_bits
+    (tests/test_plan_zero3.py).
+
+    "Before" is a partial order (A before B before C: every op touching A
+    is an ancestor of B's writers, which touch B, so of C's writers), and
+    the heaviest set of unordered roots is its heaviest antichain: the
+    total bytes less a maximum flow (``_heaviest_antichain``), polynomial.
+    (Before 2026-11-30 a branch-and-bound search for the heaviest clique
+    of unordered pairs, exponential in the worst case: buffers in 3 chains
+    took 1.05 s at 150, 11.1 s at 300, 179 s at 600 (2,100 not run to its
+    end); now 2,100 take about half a second, benchmarks/
+    coexisting_speed.py, tests/test_coexisting.py.)"""
     roots = list(dict.fromkeys(roots))
     if len(roots) < 2:
         return sum(_root_nbytes(graph.blobs[r]) for r in roots)
+    size = [_root_nbytes(graph.blobs[r]) for r in roots]
+    return _heaviest_antichain(size, _before_matrix(graph, roots))
+
+
+def _before_matrix(graph, roots):
+    """The order ``coexisting_bytes`` takes among ``roots`` (a list without
+    repeats): a bool matrix, [a, b] True where root ``roots[a]`` comes
+    before ``roots[b]``: ``roots[b]`` has a writer, and every op that
+    reads or writes ``roots[a]`` is an ancestor of each of them (in
+    ``graph.dependencies()``). Each op's descendants among the roots'
+    writers as a bit set (one pass in reverse topological order); a root's
+    ``after``: the writers that come after every op touching it."""
     deps = graph.dependencies()
-    pos, anc = ancestor_bits([op.name for op in graph.topo_order(deps)], deps)
+    order = [op.name for op in graph.topo_order(deps)]
     root_of, wanted = {}, set(roots)
     for root, names in _groups(graph).items():
         if root in wanted:
             root_of.update(dict.fromkeys(names, root))
-    touched, writers = dict.fromkeys(roots, 0), {r: [] for r in roots}
+    index = {r: i for i, r in enumerate(roots)}
+    touched, writers = [set() for _ in roots], [set() for _ in roots]
     for op in graph.ops.values():
         for r in {root_of[b] for b in op.outputs if b in root_of}:
-            writers[r].append(op.name)
-            touched[r] |= 1 << pos[op.name]
+            writers[index[r]].add(op.name)
+            touched[index[r]].add(op.name)
         for r in {root_of[b] for b in op.inputs if b in root_of}:
-            touched[r] |= 1 << pos[op.name]
+            touched[index[r]].add(op.name)
+    wpos = {w: j for j, w in enumerate(sorted(set().union(*writers)))}
+    below = {n: [] for n in order}  # each op's direct successors
+    for n in order:
+        for p in deps[n]:
+            below[p].append(n)
+    desc = {}  # op: bits of the writers (``wpos``) strictly after it
+    for n in reversed(order):
+        d = 0
+        for s in below[n]:
+            d |= desc[s]
+            if s in wpos:
+                d |= 1 << wpos[s]
+        desc[n] = d
+    full = (1 << len(wpos)) - 1
+    n_roots, n_w = len(roots), max(len(wpos), 1)
+    after = np.zeros((n_roots, (n_w + 7) // 8), dtype=np.uint8)
+    for a, ops in enumerate(touched):
+        d = full
+        for t in ops:
+            d &= desc[t]
+        after[a] = np.frombuffer(d.to_bytes(after.shape[1], "little"), dtype=np.uint8)
+    after = np.unpackbits(after, axis=1, count=n_w, bitorder="little").astype(bool)
+    before = np.zeros((n_roots, n_roots), dtype=bool)
+    for b, ws in enumerate(writers):
+        if ws:
+            before[:, b] = after[:, [wpos[w] for w in ws]].all(axis=1)
+    return before
 
-    # A before B: every op touching A is an ancestor of every writer of B,
-    # that is none of them outside the ancestors B's writers all share
-    # (``outside``; a root nothing writes comes after none: ``unwritten``)
-    outside, unwritten = {}, {r for r in roots if not writers[r]}
-    for r in roots:
-        bits = -1
-        for w in writers[r]:
-            bits &= anc[w]
-        outside[r] = ~bits
-    size = {r: _root_nbytes(graph.blobs[r]) for r in roots}
-    beside = {r: set() for r in roots}
-    for i, a in enumerate(roots):
-        ta, oa = touched[a], outside[a]
-        for b in roots[i + 1:]:
-            if ((ta & outside[b] or b in unwritten)     # neither before the other
-                    and (touched[b] & oa or a in unwritten)):
-                beside[a].add(b)
-                beside[b].add(a)
-    return _heaviest_clique(roots, size, beside)
+
+def _heaviest_antichain(size, before):
+    """The most total ``size`` (a list of ints) of a set of elements no two
+    of which are ordered by ``before`` (a bool matrix, [a, b]: a before b;
+    a strict partial order: transitive, never [a, a]). By Dilworth's
+    theorem in its weighted form, the total less a maximum flow: from a
+    source into each element's "out" node (capacity its size), along the
+    order's covering pairs from an element's "out" node into the next
+    one's "in" node, from each "in" node through its own "out" node
+    (unbounded: a chain passes an element on) and into the sink (capacity
+    its size). A flow path from a's out node to b's in node pairs a with
+    an element b after it, in one chain; the pairs' total is the most the
+    chains' cover saves (each element covered ``size`` times), which the
+    heaviest antichain's weight equals."""
+    n = len(size)
+    # the elements in an order that extends ``before`` (more predecessors
+    # later: each comes after fewer than what it precedes), its rows as bits
+    perm = np.argsort(before.sum(axis=0), kind="stable")
+    before = before[np.ix_(perm, perm)]
+    size = [size[i] for i in perm]
+    packed = np.packbits(before, axis=1, bitorder="little")
+    succ = [int.from_bytes(row.tobytes(), "little") for row in packed]
+    total = sum(size)
+    inf = total + 1
+    src, sink = 2 * n, 2 * n + 1
+    edges = []  # (from, to, capacity); element v: out node 2v, in node 2v + 1
+    for v in range(n):
+        edges.append((src, 2 * v, size[v]))
+        edges.append((2 * v + 1, 2 * v, inf))
+        edges.append((2 * v + 1, sink, size[v]))
+        rest = succ[v]
+        while rest:  # the covers of v: the least left of what follows it
+            u = (rest & -rest).bit_length() - 1
+            edges.append((2 * v, 2 * u + 1, inf))
+            rest &= ~succ[u] & ~(1 << u)
+    return total - _max_flow(2 * n + 2, edges, src, sink)
 
 
-def _heaviest_clique(roots, size, beside):
-    """The most total ``size`` of a set of ``roots`` each of which is in
-    the others' ``beside`` sets: Bron-Kerbosch over the unordered pairs,
-    heaviest first, a branch left when its total and all it could still
-    add are no more than the best found. An explicit stack, not recursion:
-    a thousand buckets live together (a deep model at stage 3) passed
-    Python's recursion limit."""
-    order = sorted(roots, key=lambda r: -size[r])
-    best = 0
-    # a frame: [total, the roots it may still add, their sum, its candidates, next one]
-    stack = [[0, set(roots), sum(size.values()), order, 0]]
-    while stack:
-        frame = stack[-1]
-        total, free, room, cands, i = frame
-        if i == 0:
-            best = max(best, total)
-        if i >= len(cands) or total + room <= best:
-            stack.pop()
-            continue
-        r = cands[i]
-        frame[4] = i + 1
-        frame[1], frame[2] = free - {r}, room - size[r]
-        inner = free & beside[r]
-        stack.append([total + size[r], inner, sum(size[s] for s in inner),
-                      [s for s in order if s in inner], 0])
-    return best
+def _max_flow(n_nodes, edges, src, sink):
+    """The maximum flow from ``src`` to ``sink`` over ``edges`` ((from, to,
+    capacity) of nodes 0 .. n_nodes - 1): Dinic's algorithm, its searches
+    with explicit stacks (a path may pass thousands of nodes)."""
+    head = [[] for _ in range(n_nodes)]
+    to, cap = [], []
+    for u, v, c in edges:
+        head[u].append(len(to))
+        to.append(v)
+        cap.append(c)
+        head[v].append(len(to))
+        to.append(u)
+        cap.append(0)
+    flow = 0
+    while True:
+        level = [-1] * n_nodes
+        level[src] = 0
+        queue = [src]
+        for u in queue:
+            for e in head[u]:
+                if cap[e] and level[to[e]] < 0:
+                    level[to[e]] = level[u] + 1
+                    queue.append(to[e])
+        if level[sink] < 0:
+            return flow
+        nxt = [0] * n_nodes
+        path, u = [], src  # path: the edges from src to u
+        while True:
+            if u == sink:
+                f = min(cap[e] for e in path)
+                flow += f
+                cut = None
+                for i, e in enumerate(path):
+                    cap[e] -= f
+                    cap[e ^ 1] += f
+                    if cut is None and not cap[e]:
+                        cut = i
+                del path[cut:]  # back to the tail of the first edge it saturated
+                u = to[path[-1]] if path else src
+                continue
+            adj, i = head[u], nxt[u]
+            while i < len(adj) and not (cap[adj[i]] and level[to[adj[i]]] == level[u] + 1):
+                i += 1
+            nxt[u] = i
+            if i < len(adj):
+                path.append(adj[i])
+                u = to[adj[i]]
+            elif u == src:
+                break
+            else:  # a dead end: no path to the sink through u this phase
+                level[u] = -1
+                path.pop()
+                u = to[path[-1]] if path else src
 
 
 def model_state_peak(graph, plans):

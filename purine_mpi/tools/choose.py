@@ -317,6 +317,8 @@ class Candidate:
     variant_of: object = None  # the plain setting this one is at other micro-batches of
     micro: int = None          # its micro-batch count (a variant's)
     not_tried: str = None      # a variant left out by ``variants_to_try``: a NOT_TRIED key
+    swept: str = None          # a plain setting whose every count ``variants_to_try``'s
+                               # check had evaluated: why (a larger count predicted faster)
     unranked: str = None       # why it is listed after the ranked ones, never the best
 
     @property
@@ -543,52 +545,69 @@ def micro_batched(plain, counts):
 
 #: why ``variants_to_try`` left a micro-batch count out: (key, words)
 NOT_TRIED = {
-    "smaller_fits": "a smaller count fits (by the model's op costs a larger one is no faster)",
+    "smaller_fits": "a smaller count fits, and the count above it is predicted no faster "
+                    "(by the model's op costs a larger one is no faster)",
     "not_possible": "the count tried before it is not possible",
 }
+
+
+def _per_sample(c):
+    """``c``'s predicted seconds per sample (``rank``'s key)."""
+    return c.iter_s / max(c.samples, 1) if c.iter_s else 0.0
 
 
 def variants_to_try(plain, variants, own, evaluate):
     """Evaluate (``evaluate(candidate)``) the micro-batch variants of the
     evaluated setting ``plain`` (at the job's own count ``own``) that may
-    be the fastest that fits; the list of those evaluated. By the model's
-    op costs a larger count is no faster (each op's fixed cost,
-    ``affine_costs``, and the dispatcher's cost per op are paid per
-    micro-batch, the proportional part is the same, and the gradient sums
-    come on top; the search takes the simulated iteration to follow its
-    ops, as in every case measured: gpt_small, cifar10_quick_wide,
-    tests/test_choose.py's and tests/test_choose_all.py's nets, where
-    ``plan --choose-all`` evaluates every count). So the counts are tried
-    in ascending order, and none past the first that fits: the counts below
-    ``own`` first (a smaller count that fits is faster than ``plain``),
-    then, where none of them nor ``plain`` fits, those above it while the
-    last one tried is possible. The bytes are no guide: where the weights'
+    be the fastest that fits; the list of those evaluated. The counts are
+    walked in ascending order (``plain`` among them, evaluated already): up
+    to the first that fits, then one more, the check: where it is predicted
+    no faster per sample than the one that fits, the counts above it are
+    left out (a larger count taken to be no faster); where it is faster,
+    every count of the setting is evaluated and ``plain.swept`` says why.
+    Above ``own``, a count whose predecessor is not possible ends the walk.
+
+    Why a check and not a proof: by the model's op costs a larger count is
+    no faster (each op's fixed cost, ``affine_costs``, clamped at 0 and up,
+    and the dispatcher's cost per op are paid per micro-batch, the
+    proportional part is the same, and the gradient sums come on top), but
+    the simulated iteration overlaps ops and messages, and smaller ops may
+    overlap better; in every case measured it did not (gpt_tiny,
+    cifar10_quick, gpt_small, cifar10_quick_wide, tests/test_choose.py's
+    and tests/test_choose_all.py's nets, where ``plan --choose-all``
+    evaluates every count). The check sees a fall at the count next to the
+    one that fits; a fall further up past a rise it does not
+    (``--choose-all`` does). The bytes are no guide: where the weights'
     gradients dominate, 2 micro-batches hold more than 1 (the gradients'
     running sum) while 4 may hold less than 1 (tests/test_choose_all.py:
-    the rule that stopped at a count holding more than the one before
-    left out the only count that fit). Each variant left out gets
-    ``not_tried``: the ``NOT_TRIED`` key of the stop (``plan --choose
-    --json``'s ``not_tried``)."""
+    the rule that stopped at a count holding more than the one before left
+    out the only count that fit). Each variant left out gets ``not_tried``:
+    the ``NOT_TRIED`` key of the stop (``plan --choose --json``'s
+    ``not_tried``)."""
     done = []
-    down = sorted((v for v in variants if v.micro < own), key=lambda v: v.micro)
-    up = sorted((v for v in variants if v.micro > own), key=lambda v: v.micro)
-    for i, v in enumerate(down):
-        evaluate(v)
-        done.append(v)
-        if v.fits:
-            for rest in down[i + 1:] + up:
+    ladder = sorted(variants, key=lambda v: v.micro)
+    at = sum(1 for v in ladder if v.micro < own)
+    ladder.insert(at, plain)
+    fit = None  # the first count that fits
+    for i, v in enumerate(ladder):
+        if v is not plain:
+            if i > at and ladder[i - 1].error is not None:
+                for rest in ladder[i:]:
+                    rest.not_tried = "not_possible"
+                break
+            evaluate(v)
+            done.append(v)
+        if fit is not None and plain.swept is None:  # v: the check's count
+            if v.error is None and _per_sample(v) < _per_sample(fit):
+                plain.swept = (f"{v.micro or own} micro-batches predicted faster than "
+                               f"{fit.micro or own} ({v.iter_s:.4g} s/iter against "
+                               f"{fit.iter_s:.4g}): every count evaluated")
+                continue
+            for rest in ladder[i + 1:]:
                 rest.not_tried = "smaller_fits"
-            return done
-    prev = plain
-    for i, v in enumerate(up):
-        why = "not_possible" if prev.error is not None else "smaller_fits" if prev.fits else None
-        if why is not None:
-            for rest in up[i:]:
-                rest.not_tried = why
             break
-        evaluate(v)
-        done.append(v)
-        prev = v
+        if fit is None and v.error is None and v.fits:
+            fit = v
     return done
 
 
@@ -860,6 +879,7 @@ class Choice:
     untried: int = 0  # micro-batch variants not evaluated (``variants_to_try``)
     every_count: bool = False  # ``plan --choose-all``: no variant left out
     not_tried: list = dataclasses.field(default_factory=list)  # those variants, in order
+    swept: list = dataclasses.field(default_factory=list)  # plain settings with ``swept``
 
     @property
     def best(self):
@@ -934,7 +954,7 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     left = [c for c in listed if id(c) not in tried]
     return Choice(n, rank(kept), samples_unit(job), calibration or "",
                   time.perf_counter() - t0, untried=len(left), not_tried=left,
-                  every_count=every_count)
+                  every_count=every_count, swept=[c for c in listed if c.swept])
 
 
 def shown(ranked):
@@ -1013,6 +1033,8 @@ def format_choice(choice):
                      "shown: of each data or sharded setting's counts (parallel.micro_batches) "
                      "the table shows the first that fits, else the nearest to fitting; "
                      "--json lists every one)")
+    for c in choice.swept:
+        lines.append(f"(check: {c.label}: {c.swept})")
     if choice.untried:
         lines.append(f"({choice.untried} setting(s) at other micro-batch counts not tried: "
                      f"{not_tried_words(choice.not_tried)}; --json: not_tried)")
@@ -1044,11 +1066,14 @@ def choice_json(choice):
     [{"label", "set", "error" | "need_bytes", "limit_bytes", "fits", "iter_s",
     "samples_per_s", "untraced_ops", "ranked", "note" where not ranked}],
     "not_tried": [{"label", "set",
-    "micro_batches", "variant_of", "reason", "why"}], "best": the best's --set
+    "micro_batches", "variant_of", "reason", "why"}], "swept": [{"label", "why"}],
+    "best": the best's --set
     options or null} (``untraced_ops``: the setting's ops not in the
     calibration's trace; ``not_tried``: the micro-batch counts
     ``variants_to_try`` left out, ``reason`` a ``NOT_TRIED`` key, ``why``
-    its words, ``variant_of`` the label of the setting they are counts of)."""
+    its words, ``variant_of`` the label of the setting they are counts of;
+    ``swept``: the settings whose every count was evaluated, the check of
+    ``variants_to_try`` having found a larger count predicted faster)."""
     unit, per = choice.unit
     rows = []
     for c in choice.ranked:
@@ -1070,6 +1095,7 @@ def choice_json(choice):
             for c in choice.not_tried]
     return {"np": choice.n, "unit": unit, "calibration": choice.calibration,
             "candidates": rows, "not_tried": left,
+            "swept": [{"label": c.label, "why": c.swept} for c in choice.swept],
             "best": list(choice.best.sets) if choice.best else None}
 
 
