@@ -492,8 +492,6 @@ def finalize_mpi(code, grace_s=None):
             threading.main_thread():
         return False
     grace_s = FINALIZE_GRACE_S if grace_s is None else grace_s
-    for hook in FINALIZE_HOOKS:  # collective: every rank ends its train here alike
-        hook()
     read, write = os.pipe()
     os.set_blocking(write, False)
     numbers = {int(getattr(signal, name)) for name in FINALIZE_NOTICES}
@@ -522,6 +520,12 @@ def finalize_mpi(code, grace_s=None):
     watcher = threading.Thread(target=watch, name="finalize-notices", daemon=True)
     watcher.start()
     try:
+        # the hooks free the RMA windows: MPI_Win_free is collective, and
+        # waits as MPI_Finalize does for a peer that never comes (a notice
+        # was ignored there, before: such a rank of a pipeline or
+        # parameter-server run ended only by SIGKILL)
+        for hook in FINALIZE_HOOKS:  # collective: every rank ends its train here alike
+            hook()
         finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize  # libmpi, mpi4py's own
         finalize.restype = ctypes.c_int
         # no thread of ours in MPI meanwhile (a thread that keeps the lock
