@@ -646,8 +646,12 @@ def _report_user_error(exc):
     mpi = sys.modules.get("mpi4py.MPI")
     # an error that forbids MPI_Init (comm/launcher.py: a launcher the MPI
     # library cannot join) is printed by rank 0 alone, without MPI
+    # (a launcher that gives no size, mpiexec -pmi-port, may have started
+    # several: before, rank 1's own error there was said by nobody, and
+    # rank 0 waited for it until killed)
     if not _ALONE and not getattr(exc, "before_mpi", False) and (
-            launched_size() > 1 or (mpi is not None and mpi.Is_initialized())):
+            launched_size() > 1 or size_untold()
+            or (mpi is not None and mpi.Is_initialized())):
         from .comm.world import report_user_error
         report_user_error(exc)  # returns only on a single rank
     if launched_rank() == 0:
