@@ -243,15 +243,15 @@ def test_a_rank_that_dies_before_mpi_starts_ends_the_job(tmp_path, launcher_args
     assert "error: rank 1: ImportError before the job started; ending every rank" in res.stderr
 
 
-@pytest.mark.parametrize("launcher_args", [[], ["-pmi-port"]])
-def test_a_user_error_of_one_rank_before_mpi_starts_ends_the_job(tmp_path, launcher_args):
+def test_a_user_error_of_one_rank_before_mpi_starts_ends_the_job_under_pmi_port(tmp_path):
     """Rank 1 alone finds a user error before MPI_Init (its config file
-    missing on its node): it says so, naming itself, and the job ends 2.
-    Under ``-pmi-port`` (no size told) the error was taken for a single
-    process's before: rank 1 ended 2 without a word (rank 0 alone prints
-    there), and rank 0 waited in MPI_Init, its SIGTERM caught as an early
-    notice, until SIGKILL."""
-    if launcher_args and "hydra" not in _flavour(MPIEXEC):
+    missing on its node): it says so, naming itself, and the job ends 2, as
+    under plain mpiexec (test_misuse.py). Under ``-pmi-port`` (no size told)
+    the error was taken for a single process's before: rank 1 ended 2
+    without a word (rank 0 alone prints there), and rank 0 waited in
+    MPI_Init, its SIGTERM caught as an early notice, until SIGKILL."""
+    launcher_args = ["-pmi-port"]
+    if MPIEXEC is None or "hydra" not in _flavour(MPIEXEC):
         pytest.skip("-pmi-port is an option of MPICH's mpiexec (Hydra)")
     cfg = tiny_fc_config()
     cfg["solver"]["max_iter"] = 100000  # rank 0 would train on
