@@ -465,8 +465,9 @@ def finalize_mpi(code, grace_s=None):
     """MPI_Finalize now, while Python still runs, with the stop notices
     (``FINALIZE_NOTICES``: SIGTERM, as Slurm sends before its SIGKILL, or a
     user's ``kill PID``) ending this rank with ``code`` -- its status, its
-    files written -- when MPI_Finalize has not returned ``grace_s``
-    seconds after one (default ``FINALIZE_GRACE_S``). Returns whether MPI
+    files written -- when MPI_Finalize (or the ``FINALIZE_HOOKS`` before it:
+    the RMA windows' collective free) has not returned ``grace_s`` seconds
+    after one (default ``FINALIZE_GRACE_S``). Returns whether MPI
     was finalized here (False: never initialised, finalized already, or a
     single rank, whose finalize waits for nobody: mpi4py's at exit).
 
