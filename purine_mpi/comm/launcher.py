@@ -212,8 +212,9 @@ def pmi_port_socket(port, fds_dir="/proc/self/fd"):
     connects to it and keeps the socket open until the process exits), or
     None: no such port, no such connection to the port's host (a
     connection to the same port number on another host is never taken),
-    or more than one that the host's name cannot tell apart. Read from ``fds_dir``: each socket's peer, asked on
-    a duplicate of its descriptor (closed after)."""
+    or more than one that the host's name cannot tell apart. Read from
+    ``fds_dir``: each socket's peer, asked on a duplicate of its descriptor
+    (closed after)."""
     import socket
     host, _, port = (port or "").rpartition(":")
     try:
