@@ -49,7 +49,7 @@ import warnings
 
 from .base import env, logfile
 from .cli_args import build_parser
-from .comm.launcher import launched_rank, launched_size
+from .comm.launcher import launched_rank, launched_size, size_untold
 from .base.errors import InitMismatch, OpError, UserError
 from .job.outputs import check_out, refuse_other_kind, refuse_replacing, refuse_under_a_file
 
@@ -523,6 +523,20 @@ def rank0_only(args):
     return args.command in RANK0_COMMANDS
 
 
+def several_ranks():
+    """Whether a launcher started several ranks: its count, or -- where it
+    gives none (``mpiexec -pmi-port``: PMI_PORT and PMI_ID only) -- MPI's
+    world, initialised for this. Before, such a job counted as one rank, and
+    each rank ran a rank-0 command alone: ``mpiexec -pmi-port -n 2 ... data
+    digits --out F`` wrote F twice at once."""
+    if launched_size() > 1:
+        return True
+    if not size_untold():
+        return False
+    from .comm.mpi_init import import_mpi
+    return import_mpi().COMM_WORLD.Get_size() > 1
+
+
 def main(argv=None):
     global _ALONE
     args = build_parser().parse_args(argv)
@@ -533,7 +547,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", category=RuntimeWarning,
                             message=r"(overflow|invalid value|divide by zero|underflow) "
                                     r"encountered")
-    _ALONE = launched_size() > 1 and rank0_only(args)
+    _ALONE = rank0_only(args) and several_ranks()
     if not _ALONE:
         status = _run(args)
         if args.command == "train":  # the run is over: a late notice must not kill the exit
@@ -632,8 +646,12 @@ def _report_user_error(exc):
     mpi = sys.modules.get("mpi4py.MPI")
     # an error that forbids MPI_Init (comm/launcher.py: a launcher the MPI
     # library cannot join) is printed by rank 0 alone, without MPI
+    # (a launcher that gives no size, mpiexec -pmi-port, may have started
+    # several: before, rank 1's own error there was said by nobody, and
+    # rank 0 waited for it until killed)
     if not _ALONE and not getattr(exc, "before_mpi", False) and (
-            launched_size() > 1 or (mpi is not None and mpi.Is_initialized())):
+            launched_size() > 1 or size_untold()
+            or (mpi is not None and mpi.Is_initialized())):
         from .comm.world import report_user_error
         report_user_error(exc)  # returns only on a single rank
     if launched_rank() == 0:

@@ -93,6 +93,43 @@ def test_pmi_port_socket_is_the_connection_to_that_port():
             s.close()
 
 
+def test_pmi_port_socket_is_never_a_connection_to_that_port_on_another_host():
+    """A connection of the user's to the same port number on another host
+    (127.0.0.2 here: the proxy's name says 127.0.0.1) is not the PMI one,
+    alone (no connection to the proxy: MPI_Init never connected, or closed
+    it) or beside the proxy's. Before: a lone match was taken without its
+    host, and leave_hydra wrote ``cmd=finalize`` into the user's stream."""
+    from purine_mpi.comm.launcher import pmi_port_socket
+    other_host = socket.socket()
+    try:
+        other_host.bind(("127.0.0.2", 0))
+    except OSError:
+        other_host.close()
+        pytest.skip("no 127.0.0.2 to bind here")
+    other_host.listen(1)
+    port = other_host.getsockname()[1]
+    proxy = socket.socket()
+    socks = [other_host, proxy]
+    try:
+        try:
+            proxy.bind(("127.0.0.1", port))
+        except OSError:
+            pytest.skip(f"port {port} taken on 127.0.0.1")
+        proxy.listen(1)
+        users = socket.create_connection(("127.0.0.2", port))
+        socks.append(users)
+        socks.append(other_host.accept()[0])
+        assert pmi_port_socket(f"127.0.0.1:{port}") is None  # the user's alone
+        assert pmi_port_socket(f"127.0.0.2:{port}") == users.fileno()
+        rank_end = socket.create_connection(("127.0.0.1", port))
+        socks.append(rank_end)
+        socks.append(proxy.accept()[0])
+        assert pmi_port_socket(f"127.0.0.1:{port}") == rank_end.fileno()
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _proxy(sock, reply, seen):
     """One PMI exchange as Hydra's proxy answers it (or does not)."""
     seen.append(sock.recv(64))

@@ -27,12 +27,16 @@ def _pid(path, deadline, what):
     pytest.fail(f"{what}: {path} never appeared")
 
 
-def test_sigterm_ends_a_rank_hanging_in_mpi_finalize_with_its_status(tmp_path):
+@pytest.mark.parametrize("where", ["finalize", "window"])
+def test_sigterm_ends_a_rank_hanging_in_mpi_finalize_with_its_status(tmp_path, where):
+    """``window``: the rank waits in a finalize hook's MPI_Win_free (a
+    collective) instead. Before, the hooks ran before the notices were
+    watched: the SIGTERM was ignored, the job ran until the test's kill."""
     written = tmp_path / "ckpt.bin"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     proc = subprocess.Popen(mpiexec_args(2) + [sys.executable, os.path.join(
-        HERE, "finalize_hang.py"), str(written)], stdout=subprocess.PIPE,
+        HERE, "finalize_hang.py"), str(written), where], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

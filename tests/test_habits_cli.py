@@ -15,12 +15,15 @@ from purine_mpi import cli
 from purine_mpi.base import threads
 from tests.conftest import MPIEXEC, REPO, cli_env, run_cli_args, run_cli_here, \
     small_net_config, write_config_file
+from tests.mpi_scripts.launch import _flavour
 
 
-def _mpi(n, *args, cwd=REPO, timeout=120):
+def _mpi(n, *args, cwd=REPO, timeout=120, launcher_args=()):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    return subprocess.run([MPIEXEC, "-n", str(n), "python", "-m", "purine_mpi",
+    if launcher_args and "hydra" not in _flavour(MPIEXEC):
+        pytest.skip("-pmi-port is an option of MPICH's mpiexec (Hydra)")
+    return subprocess.run([MPIEXEC, "-n", str(n), *launcher_args, "python", "-m", "purine_mpi",
                            *map(str, args)], cwd=cwd, env=cli_env(), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -45,10 +48,13 @@ def test_case3_which_commands_run_on_rank0_alone(argv, alone):
     assert cli.rank0_only(cli.build_parser().parse_args(argv)) is alone
 
 
-def test_case3_data_writes_once_under_mpiexec(tmp_path):
+@pytest.mark.parametrize("launcher_args", [[], ["-pmi-port"]])
+def test_case3_data_writes_once_under_mpiexec(tmp_path, launcher_args):
     """Case 3: ``mpiexec -n 2 ... data digits`` writes the file once and says
-    so once; every rank exits 0."""
-    res = _mpi(2, "data", "digits", "--out", tmp_path / "d.h5")
+    so once; every rank exits 0. ``-pmi-port`` tells the ranks no size (no
+    PMI_SIZE): MPI's world says it (cli.py, ``several_ranks``); before, each
+    rank ran the command alone and wrote the file, said twice."""
+    res = _mpi(2, "data", "digits", "--out", tmp_path / "d.h5", launcher_args=launcher_args)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("wrote") == 1, res.stdout
     with h5py.File(tmp_path / "d.h5", "r") as f:
@@ -69,10 +75,11 @@ def test_case3_inspect_and_graph_print_once(tmp_path, digits_h5):
     assert res.stdout == alone.stdout
 
 
-def test_case3_rank0_error_status_reaches_every_rank(tmp_path):
+@pytest.mark.parametrize("launcher_args", [[], ["-pmi-port"]])
+def test_case3_rank0_error_status_reaches_every_rank(tmp_path, launcher_args):
     """Case 3: rank 0's user error is said once, and the job exits with its
     status (2) on every rank."""
-    res = _mpi(2, "inspect", tmp_path / "missing.h5")
+    res = _mpi(2, "inspect", tmp_path / "missing.h5", launcher_args=launcher_args)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert res.stderr.count("error:") == 1 and "missing.h5" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr

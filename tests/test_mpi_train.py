@@ -241,3 +241,38 @@ def test_a_rank_that_dies_before_mpi_starts_ends_the_job(tmp_path, launcher_args
     assert res.returncode != 0
     assert "ImportError: simulated: a module missing on this node" in res.stderr
     assert "error: rank 1: ImportError before the job started; ending every rank" in res.stderr
+
+
+def test_a_user_error_of_one_rank_before_mpi_starts_ends_the_job_under_pmi_port(tmp_path):
+    """Rank 1 alone finds a user error before MPI_Init (its config file
+    missing on its node): it says so, naming itself, and the job ends 2, as
+    under plain mpiexec (test_misuse.py). Under ``-pmi-port`` (no size told)
+    the error was taken for a single process's before: rank 1 ended 2
+    without a word (rank 0 alone prints there), and rank 0 waited in
+    MPI_Init, its SIGTERM caught as an early notice, until SIGKILL."""
+    launcher_args = ["-pmi-port"]
+    if MPIEXEC is None or "hydra" not in _flavour(MPIEXEC):
+        pytest.skip("-pmi-port is an option of MPICH's mpiexec (Hydra)")
+    cfg = tiny_fc_config()
+    cfg["solver"]["max_iter"] = 100000  # rank 0 would train on
+    script = tmp_path / "missing_on_rank1.py"
+    script.write_text(
+        "import os, sys\n"
+        "from purine_mpi.cli import main\n"
+        "argv = sys.argv[1:]\n"
+        "if os.environ.get('PMI_RANK', os.environ.get('PMI_ID')) == '1':\n"
+        "    argv[1] += '.missing'\n"
+        "sys.exit(main(argv))\n")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2"] + launcher_args + [
+        PYTHON, str(script), "train", str(write_config_file(tmp_path, cfg)), "--out",
+        str(tmp_path / "o")], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks too: rank 0 ignores SIGTERM there
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"still running 60 s after rank 1's error: {stdout[-800:]} {stderr[-800:]}")
+    assert proc.returncode == 2, (proc.returncode, stdout[-800:], stderr[-800:])
+    assert "error: rank 1: " in stderr and "config file not found" in stderr, stderr
+    assert "Traceback" not in stderr, stderr

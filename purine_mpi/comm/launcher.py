@@ -210,9 +210,11 @@ def pmi_port_socket(port, fds_dir="/proc/self/fd"):
     (``PMI_PORT``, ``host:port``: Hydra's ``mpiexec -pmi-port`` gives the
     ranks that instead of an inherited ``PMI_FD``; MPICH's MPI_Init
     connects to it and keeps the socket open until the process exits), or
-    None: no such port, no such connection, or more than one a name check
-    cannot tell apart. Read from ``fds_dir``: each socket's peer, asked on
-    a duplicate of its descriptor (closed after)."""
+    None: no such port, no such connection to the port's host (a
+    connection to the same port number on another host is never taken),
+    or more than one that the host's name cannot tell apart. Read from
+    ``fds_dir``: each socket's peer, asked on a duplicate of its descriptor
+    (closed after)."""
     import socket
     host, _, port = (port or "").rpartition(":")
     try:
@@ -238,11 +240,21 @@ def pmi_port_socket(port, fds_dir="/proc/self/fd"):
             continue  # not ours to ask, not connected, gone meanwhile
         if peer[1] == port:
             found.append((fd, peer[0]))
-    if len(found) > 1 and host:  # the same port of another host: the proxy's name decides
+    if found and host:
+        # the same port number on another host is not the proxy's (a lone
+        # one too: MPI_Init may never have connected): the proxy's name
+        # decides, where it resolves; where not, only a lone match stands
         try:
-            mine = {info[4][0] for info in socket.getaddrinfo(host, port,
-                                                              type=socket.SOCK_STREAM)}
+            mine = {_plain_address(info[4][0]) for info in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM)}
         except OSError:
-            return None
-        found = [(fd, addr) for fd, addr in found if addr in mine]
+            mine = None
+        if mine is not None:
+            found = [(fd, addr) for fd, addr in found if _plain_address(addr) in mine]
     return found[0][0] if len(found) == 1 else None
+
+
+def _plain_address(addr):
+    """An IPv4 address as such, where a dual-stack socket writes it
+    ``::ffff:a.b.c.d``."""
+    return addr[7:] if addr.lower().startswith("::ffff:") and "." in addr else addr

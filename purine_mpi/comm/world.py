@@ -465,8 +465,9 @@ def finalize_mpi(code, grace_s=None):
     """MPI_Finalize now, while Python still runs, with the stop notices
     (``FINALIZE_NOTICES``: SIGTERM, as Slurm sends before its SIGKILL, or a
     user's ``kill PID``) ending this rank with ``code`` -- its status, its
-    files written -- when MPI_Finalize has not returned ``grace_s``
-    seconds after one (default ``FINALIZE_GRACE_S``). Returns whether MPI
+    files written -- when MPI_Finalize (or the ``FINALIZE_HOOKS`` before it:
+    the RMA windows' collective free) has not returned ``grace_s`` seconds
+    after one (default ``FINALIZE_GRACE_S``). Returns whether MPI
     was finalized here (False: never initialised, finalized already, or a
     single rank, whose finalize waits for nobody: mpi4py's at exit).
 
@@ -492,8 +493,6 @@ def finalize_mpi(code, grace_s=None):
             threading.main_thread():
         return False
     grace_s = FINALIZE_GRACE_S if grace_s is None else grace_s
-    for hook in FINALIZE_HOOKS:  # collective: every rank ends its train here alike
-        hook()
     read, write = os.pipe()
     os.set_blocking(write, False)
     numbers = {int(getattr(signal, name)) for name in FINALIZE_NOTICES}
@@ -522,6 +521,12 @@ def finalize_mpi(code, grace_s=None):
     watcher = threading.Thread(target=watch, name="finalize-notices", daemon=True)
     watcher.start()
     try:
+        # the hooks free the RMA windows: MPI_Win_free is collective, and
+        # waits as MPI_Finalize does for a peer that never comes (a notice
+        # was ignored there, before: such a rank of a pipeline or
+        # parameter-server run ended only by SIGKILL)
+        for hook in FINALIZE_HOOKS:  # collective: every rank ends its train here alike
+            hook()
         finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize  # libmpi, mpi4py's own
         finalize.restype = ctypes.c_int
         # no thread of ours in MPI meanwhile (a thread that keeps the lock
