@@ -1941,15 +1941,18 @@ def test_a_bf16_gpt_with_kept_dropout_masks_writes_the_dropout_gradients_bits(
     assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
 
 
-@pytest.mark.parametrize("way", ["micro_batches", "recompute"])
+@pytest.mark.parametrize("way", ["micro_batches", "recompute", "dropout"])
 def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
         host_build_dir, monkeypatch, tmp_path, way):
     """The trainer on the emulated device (CUDA graphs, a checkpoint every 3
     iterations; two micro-batches a step, or one with the layer norms and
-    GELU recomputed before the backward, ``recompute: full``), a 2-block
+    GELU recomputed before the backward, ``recompute: full``, or residual
+    dropouts with every layer recomputed: their masks kept packed, their
+    gradients DropoutGrad with a bits copy), a 2-block
     GPT of width 32 in bf16 for 6 iterations: the losses, the checkpoints'
     float32 masters (no @bf16 blob in them) and the final weights bit for
-    bit the same with bits storage as without; and a bits-storage run
+    bit the same with bits storage as without (the residual gradients' sums
+    with bits computed over a term); and a bits-storage run
     resumes from the float32-storage run's checkpoint to the same final
     weights."""
     import json
@@ -1972,6 +1975,13 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
         raw.update(device=0, precision="bf16", cuda_graph=True)
         if way == "recompute":
             raw.update(recompute="full", recompute_layers=["b*_ln1", "b*_ln2", "b*_gelu"])
+        if way == "dropout":   # residual dropouts, every layer recomputed: kept packed masks
+            at = [i for i, layer in enumerate(raw["net"]) if layer["name"].endswith("_proj")]
+            for i in reversed(at):
+                top = raw["net"][i]["top"]
+                raw["net"].insert(i + 1, {"type": "dropout", "name": top + "_drop",
+                                          "bottom": top, "top": top, "ratio": 0.1})
+            raw.update(recompute="full")
         raw["data"].pop("test")
         raw["solver"].update(base_lr=0.01, test_interval=0)
         raw["checkpoint"] = {"interval": 3, "keep": 0}
@@ -1984,6 +1994,9 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
             recomputed = [op for op in graph.ops.values() if op.op_type in ("LayerNorm", "Gelu")
                           and op.attrs.get("bits_out") and "recompute" in op.name]
             assert len(recomputed) >= 4, [op.name for op in graph.ops.values()]
+        if way == "dropout" and storage == "1":   # DropoutGrad writes dx's bits (bits_copy)
+            assert any(op.op_type == "DropoutGrad" and op.attrs.get("bits_copy")
+                       for op in graph.ops.values()), sorted(graph.ops)
         if storage == "1":   # the residual gradients' sums written over a term (in_place_of)
             plan = t.train.workspace.device_plans[0]
             sums = [op for op in graph.ops.values()
