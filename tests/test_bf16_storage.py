@@ -753,6 +753,46 @@ def test_the_kept_mask_dropout_gradient_writes_dx_and_its_bits_in_one_pass(devic
         DropoutGrad.infer({"ratio": 0.3, "bits_copy": [0]}, [((2, 3), "float64")] * 2)
 
 
+@pytest.mark.parametrize("n", [1, 7, 33, 1023])
+def test_the_kept_mask_dropout_gradients_copy_at_odd_sizes_against_float64(device, n):
+    """DropoutGrad with ``bits_copy: [0]`` at sizes 1, 7, 33 and 1023 (no
+    multiple of a vector width; a packed mask's last byte part used), as a
+    (n, 1) and a flat blob, ratios 0, 0.1, 0.5 and 0.9 (the scale
+    1 / (1 - ratio)), float and bit-packed masks, into dx of its own and
+    over dy: dx within an ulp of the float64 dy * mask / (1 - ratio) (zero
+    where dropped), and its bits bit for bit those a Cast after the op
+    wrote, on the emulated device and on the host."""
+    rng = np.random.default_rng(1000 + n)
+    for shape in ((n,), (n, 1)):
+        dy = (rng.standard_normal(shape) * 5).astype(np.float32)
+        keep = rng.random(shape) >= 0.4
+        for ratio, packed in ((0.0, False), (0.1, True), (0.5, False), (0.5, True),
+                              (0.9, True)):
+            from purine_mpi.ops.dropout import pack_mask
+            mask = pack_mask(keep) if packed else keep.astype(np.float32)
+            ref = dy.astype(np.float64) * keep / (1.0 - ratio)
+            attrs = {"ratio": ratio, **({"packed_mask": True} if packed else {})}
+            k = make_kernel(Op("dg", "DropoutGrad", ["dy", "mask"], ["dx", "dx@bf16"],
+                               dict(attrs, bits_copy=[0], bits_out=[1])))
+            for dev, put, get in _places(device):
+                for over in (False, True):
+                    ins = [put(dy), put(mask)]
+                    outs = [ins[0] if over else put(np.full(shape, np.nan, np.float32)),
+                            put(np.full(shape, 0xFFFF, np.uint16))]
+                    k.setup(ins, outs)
+                    k.run(ins, outs)
+                    dx = get(outs[0])
+                    what = f"n={n} shape={shape} ratio={ratio} packed={packed} over={over} " \
+                        f"device={dev is not None}"
+                    np.testing.assert_allclose(dx, ref, rtol=2 ** -23, atol=0, err_msg=what)
+                    assert np.array_equal(dx == 0, ~keep), what
+                    cast, bits = _cast(), put(np.zeros(shape, np.uint16))
+                    cast.setup([put(dx)], [bits])
+                    cast.run([put(dx)], [bits])
+                    np.testing.assert_array_equal(get(outs[1]), get(bits), err_msg=what)
+                    np.testing.assert_array_equal(get(outs[1]), _numpy_bits(dx), err_msg=what)
+
+
 @pytest.mark.parametrize("where", ["gemm_ex", "refused", "host"])
 def test_the_data_gradient_writes_dx_as_the_float32_paths_bits(device, monkeypatch, where):
     """InnerProductGradData with ``bits_out: [0]`` (bf16 storage: a data
@@ -1901,15 +1941,18 @@ def test_a_bf16_gpt_with_kept_dropout_masks_writes_the_dropout_gradients_bits(
     assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
 
 
-@pytest.mark.parametrize("way", ["micro_batches", "recompute"])
+@pytest.mark.parametrize("way", ["micro_batches", "recompute", "dropout"])
 def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
         host_build_dir, monkeypatch, tmp_path, way):
     """The trainer on the emulated device (CUDA graphs, a checkpoint every 3
     iterations; two micro-batches a step, or one with the layer norms and
-    GELU recomputed before the backward, ``recompute: full``), a 2-block
+    GELU recomputed before the backward, ``recompute: full``, or residual
+    dropouts with every layer recomputed: their masks kept packed, their
+    gradients DropoutGrad with a bits copy), a 2-block
     GPT of width 32 in bf16 for 6 iterations: the losses, the checkpoints'
     float32 masters (no @bf16 blob in them) and the final weights bit for
-    bit the same with bits storage as without; and a bits-storage run
+    bit the same with bits storage as without (the residual gradients' sums
+    with bits computed over a term); and a bits-storage run
     resumes from the float32-storage run's checkpoint to the same final
     weights."""
     import json
@@ -1932,6 +1975,13 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
         raw.update(device=0, precision="bf16", cuda_graph=True)
         if way == "recompute":
             raw.update(recompute="full", recompute_layers=["b*_ln1", "b*_ln2", "b*_gelu"])
+        if way == "dropout":   # residual dropouts, every layer recomputed: kept packed masks
+            at = [i for i, layer in enumerate(raw["net"]) if layer["name"].endswith("_proj")]
+            for i in reversed(at):
+                top = raw["net"][i]["top"]
+                raw["net"].insert(i + 1, {"type": "dropout", "name": top + "_drop",
+                                          "bottom": top, "top": top, "ratio": 0.1})
+            raw.update(recompute="full")
         raw["data"].pop("test")
         raw["solver"].update(base_lr=0.01, test_interval=0)
         raw["checkpoint"] = {"interval": 3, "keep": 0}
@@ -1944,6 +1994,15 @@ def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
             recomputed = [op for op in graph.ops.values() if op.op_type in ("LayerNorm", "Gelu")
                           and op.attrs.get("bits_out") and "recompute" in op.name]
             assert len(recomputed) >= 4, [op.name for op in graph.ops.values()]
+        if way == "dropout" and storage == "1":   # DropoutGrad writes dx's bits (bits_copy)
+            assert any(op.op_type == "DropoutGrad" and op.attrs.get("bits_copy")
+                       for op in graph.ops.values()), sorted(graph.ops)
+        if storage == "1":   # the residual gradients' sums written over a term (in_place_of)
+            plan = t.train.workspace.device_plans[0]
+            sums = [op for op in graph.ops.values()
+                    if op.op_type == "Sum" and op.attrs.get("bits_copy")]
+            assert sums and all(plan.in_place.get(op.outputs[0], (None,))[0] in op.inputs
+                                for op in sums), (sorted(plan.in_place), [s.name for s in sums])
         assert run_and_report(t, FakeWorld()) == 0
         rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
         losses = {r["iter"]: r["loss"] for r in rows if r["phase"] == "train"}

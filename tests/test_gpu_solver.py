@@ -363,3 +363,46 @@ def test_constant_rate_and_constants_are_written_once_on_the_device(monkeypatch,
         assert float(host) == 1.0   # on the CPU: every time (a cheap store)
     finally:
         gpu.clear_kernel_cache()
+
+
+def test_the_fusions_keep_the_waits_on_the_ops_they_remove():
+    """An op that waits for a ReLU or a ReluGrad the device fusions remove
+    (activation recompute's copies wait for the backward op before theirs)
+    waits for the op it was fused into, and that op for what the removed
+    one waited for: the graph stays valid (before, 'depends on unknown op')."""
+    from purine_mpi.parallel.fuse import fuse_dgrad_relu, fuse_relu
+    g = _relu_net()
+    g.add_op("other.fwd", "Scale", ["x"], ["o"], {"scale": 2.0})
+    g.add_op("late.fwd", "Scale", ["x"], ["late"], {"scale": 3.0},
+             control_inputs=["relu.fwd"])
+    g.ops["relu.fwd"].control_inputs.append("other.fwd")
+    assert fuse_relu(g) == ["relu.fwd"]
+    assert g.ops["late.fwd"].control_inputs == ["conv.fwd"]
+    assert "other.fwd" in g.ops["conv.fwd"].control_inputs
+    g.infer_shapes().validate()
+    # a ReluGrad fused into the ConvGradData writing its gradient input
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.grad import build_backward
+    g = Graph("n")
+    g.add_blob("x", (2, 3, 5, 5))
+    for i, c in ((1, 3), (2, 4)):
+        g.add_blob(f"w{i}", (4, c, 3, 3), kind="param")
+        g.add_blob(f"b{i}", (4,), kind="param")
+    g.add_op("conv1.fwd", "Conv", ["x", "w1", "b1"], ["c1"], {"pad": 1})
+    g.add_op("relu1.fwd", "Relu", ["c1"], ["r1"])
+    g.add_op("conv2.fwd", "Conv", ["r1", "w2", "b2"], ["c2"], {"pad": 1})
+    g.add_blob("lw", (2, 4, 5, 5))
+    g.add_op("loss.fwd", "WeightedSum", ["c2", "lw"], ["loss"])
+    g.infer_shapes()
+    build_backward(g, {"loss": 1.0}, params=["w1", "b1", "w2", "b2"])
+    (relu_grad,) = [op for op in g.ops.values() if op.op_type == "ReluGrad"]
+    (dgrad,) = [op for op in g.ops.values() if op.op_type == "ConvGradData"]
+    g.add_op("late.fwd", "Scale", ["x"], ["late"], {"scale": 3.0},
+             control_inputs=[relu_grad.name])
+    g.add_op("other.fwd", "Scale", ["x"], ["o"], {"scale": 2.0})
+    relu_grad.control_inputs.append("other.fwd")
+    g.infer_shapes()
+    assert fuse_dgrad_relu(g) == [relu_grad.name]
+    assert g.ops["late.fwd"].control_inputs == [dgrad.name]
+    assert "other.fwd" in g.ops[dgrad.name].control_inputs
+    g.infer_shapes().validate()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from purine_mpi.graph.core import Graph
+from purine_mpi.graph.core import Graph, reachable
 from purine_mpi.tools.graph import compose_for, render_graph
 from purine_mpi.job.config import resolve_config
 from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
@@ -151,10 +151,12 @@ def test_graph_memory_prints_the_plan(tmp_path):
 
 
 # ---------------------------------------------------------- random graphs
-def _random_graph(seed, n_ops=40, threads=2):
+def _random_graph(seed, n_ops=40, threads=2, copies=False):
     """Sum ops over earlier blobs of one length (three lengths), on
     ``threads`` threads, with random control edges; sources are filled by
-    the host, sinks are kept (read after the iteration)."""
+    the host, sinks are kept (read after the iteration). ``copies``: most
+    Sums write their bfloat16 bits too (``bits_copy``: y may go over a
+    term, ``Sum.in_place_of``), some read one blob twice (x + x)."""
     rng = random.Random(seed)
     g = Graph(f"random{seed}")
     lengths = [rng.choice([3, 17, 64, 200]) for _ in range(3)]
@@ -173,6 +175,12 @@ def _random_graph(seed, n_ops=40, threads=2):
         if rng.random() < 0.3:  # element-wise, may run in place over its input
             g.add_op(f"op{k}", "Relu", ins[:1], [out], thread=rng.randrange(threads),
                      control_inputs=control, attrs={"negative_slope": rng.choice([0.0, 0.5])})
+        elif copies and rng.random() < 0.7:
+            if rng.random() < 0.3:
+                ins = ins + [ins[0]]
+            g.add_blob(f"{out}@bf16", shape=(n,), dtype="uint16")
+            g.add_op(f"op{k}", "Sum", ins, [out, f"{out}@bf16"], thread=rng.randrange(threads),
+                     control_inputs=control, attrs={"bits_copy": [0], "bits_out": [1]})
         else:
             g.add_op(f"op{k}", "Sum", ins, [out], thread=rng.randrange(threads),
                      control_inputs=control)
@@ -213,6 +221,61 @@ def test_random_graphs_plan_soundly_and_run_bitwise(seed):
     for other in results[1:]:
         for b in sinks:
             assert np.array_equal(results[0][b], other[b]), (seed, b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_graphs_with_sums_over_their_terms_plan_soundly_and_run_bitwise(seed):
+    """The random graphs with most Sums writing their bfloat16 bits
+    (``bits_copy``: the sum may go over a term that dies there, term 0 or
+    1), some over one blob twice: the plan is sound, a sum goes only over a
+    term read once by it and by nothing after it, and the sinks (the sums'
+    bits among them) are bit for bit those of no plan, run serially and by
+    the threaded dispatcher."""
+    g, sinks = _random_graph(seed, copies=True)
+    plan = plan_memory(g, keep=sinks, order_ops=seed % 2 == 0)
+    _assert_sound(g, plan)
+    assert check_plan(g, plan) == []
+    cons = g.consumers()
+    deps = g.dependencies()
+    for y, (x, op) in plan.in_place.items():
+        o = g.ops[op]
+        assert plan.offsets[x] == plan.offsets[y] and o.op_type in ("Relu", "Sum")
+        if o.op_type == "Sum":
+            assert o.attrs.get("bits_copy") and o.inputs.count(x) == 1 and \
+                x in o.inputs[:2] and y == o.outputs[0]
+            for r in cons[x]:   # every other reader of the term runs before the sum
+                assert r.name == op or r.name in reachable(op, deps), (x, r.name, op)
+    results = []
+    for planned, kind in ((None, SerialDispatcher), (plan, EventDispatcher),
+                          (plan, SerialDispatcher)):
+        ws = Workspace(g, plan=planned)
+        if planned is not None:
+            ws.host_arena[...] = 255
+        rs = np.random.default_rng(seed)
+        for b in g.blobs:
+            if b.startswith("src"):
+                ws.set(b, rs.standard_normal(g.blobs[b].shape).astype(np.float32))
+        d = kind(g, workspace=ws)
+        try:
+            for it in range(3):
+                d.run(it)
+        finally:
+            d.close()
+        results.append({b: ws[b].copy() for b in sinks})
+    assert any(b.endswith("@bf16") for b in sinks)
+    for other in results[1:]:
+        for b in sinks:
+            assert np.array_equal(results[0][b], other[b]), (seed, b)
+
+
+def test_random_graphs_sum_over_their_terms_somewhere():
+    graphs = [_random_graph(seed, copies=True) for seed in range(12)]
+    planned = [(g, plan_memory(g, keep=sinks)) for g, sinks in graphs]
+    over = [op for g, p in planned for _, op in p.in_place.values()
+            if g.ops[op].op_type == "Sum"]
+    assert len(over) >= 5, over
+    assert any(g.ops[o].inputs.count(g.ops[o].inputs[0]) > 1 for g, _ in planned
+               for o in g.ops if g.ops[o].op_type == "Sum")   # some x + x among them
 
 
 def test_random_graphs_run_in_place_somewhere():

@@ -334,3 +334,41 @@ def test_a_unit_cut_before_the_residual_add_recomputes_its_outputs(email_h5, tmp
     train_here(load_config(TINY, overrides=sets + ["recompute=full", layers]), cut)
     _assert_bitwise(_params(os.path.join(base, "latest.h5")),
                     _params(os.path.join(cut, "latest.h5")), "cut units")
+
+
+def test_a_cnn_recomputes_on_the_device_bitwise(host_build_dir, monkeypatch, tmp_path):
+    """jobs/cifar10_quick.yaml (conv, pool and ReLU units) with ``recompute:
+    full`` on the emulated device: the device fusions (a ReLU into its conv,
+    a ReluGrad into the data gradient writing its input) keep the
+    recomputed copies' waits (before: 'pool1.fwd@recompute' depends on
+    unknown op 'relu1.bwd.relu_grad'), fuse no ReluGrad whose mask is
+    recomputed after that data gradient (a cycle), and train 2 steps to the
+    weights of no recompute, bit for bit; its device plan is sound."""
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.job.config import load_config
+    from purine_mpi.runtime.memory_plan import check_plan
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    from tests.conftest import FakeWorld, make_job
+    from tests.emulated_gpu import emulated_trainer_env
+    emulated_trainer_env(monkeypatch, host_build_dir)
+
+    def train(mode):
+        cfg = load_config(os.path.join(REPO, "jobs", "cifar10_quick.yaml"), overrides=[
+            "device=0", f"recompute={mode}", "data.train.batch_size=2",
+            "data.train.num_samples=4", "solver.max_iter=2", "solver.test_interval=0",
+            "checkpoint.interval=0"], check_files=False)
+        cfg["data"].pop("test", None)
+        t = Trainer(make_job(cfg), str(tmp_path / mode), world=FakeWorld(),
+                    log=lambda line: None)
+        g = t.graphs.graph
+        assert check_plan(g, t.train.workspace.device_plans[0]) == []
+        assert run_and_report(t, FakeWorld()) == 0
+        return g, {p: np.array(to_numpy(t.train.workspace[p])) for p in t.graphs.params}
+
+    (g, full), (g0, none) = train("full"), train("none")
+    assert any("@recompute" in n for n in g.ops)
+    assert any(op.attrs.get("mask_slope") is not None for op in g0.ops.values()
+               if op.op_type == "ConvGradData")   # fused without recompute
+    assert sorted(none) == sorted(full) and len(none) == 10   # 5 layers' weights and biases
+    assert [k for k in none if not np.array_equal(none[k], full[k])] == []
+    assert any(np.any(v != 0) for v in full.values())

@@ -15,6 +15,13 @@ numbers as the graph it rewrites, up to float summation order at most):
     mask blob as a third input and writes the ReluGrad's output, so the
     data-gradient convolution applies the mask (cuDNN's dgrad + drelu graph,
     or one kernel after the im2col path). The intermediate gradient goes.
+    Not where the mask is made after the ConvGradData (activation
+    recompute: the ReLU recomputed just before its gradient, after the
+    next layer's data gradient), which would make a cycle.
+
+An op that waited for a fused ReLU or ReluGrad (a recomputed copy waits for
+the backward op before its own) waits for the op it moved into, and that op
+for what it waited for (``_fused_into``).
 
 ``fuse_updates(graph)``
     The SGDUpdate ops of one device that share the learning rate, momentum,
@@ -39,7 +46,7 @@ numbers as the graph it rewrites, up to float summation order at most):
 ``fuse_for_device(graph, train=True)`` applies them to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
 """
-from ..graph.core import Location
+from ..graph.core import Location, reachable
 
 #: producers a ReLU fuses into (their kernels apply it in the bias epilogue)
 RELU_PRODUCERS = ("Conv", "InnerProduct")
@@ -84,6 +91,7 @@ def fuse_relu(graph):
             c.inputs = [c.inputs[0], y]
         graph.remove_op(op.name)
         del graph.blobs[x]
+        _fused_into(graph, op, producer)
         fused.append(op.name)
     return fused
 
@@ -91,7 +99,7 @@ def fuse_relu(graph):
 def fuse_dgrad_relu(graph):
     """Fuse ReluGrads into the ConvGradData writing their gradient input (see
     the module docstring); returns the names of the ReluGrad ops removed."""
-    fused = []
+    fused, pos = [], None
     for op in list(graph.ops.values()):
         if op.op_type != "ReluGrad" or op.accumulate or len(op.inputs) != 2:
             continue
@@ -107,11 +115,19 @@ def fuse_dgrad_relu(graph):
         if graph.blobs[d].alias_of is not None or graph.blobs[out].alias_of is not None or \
                 any(b.alias_of in (d, out) for b in graph.blobs.values()) or d == out:
             continue
+        if pos is None:   # a topological order: an op after the dgrad may depend on it
+            pos = {o.name: i for i, o in enumerate(graph.topo_order())}
+        late = [w.name for w in graph.producers().get(m, ()) if pos[w.name] > pos[dgrad.name]]
+        if late and any(dgrad.name in reachable(w, graph.dependencies()) for w in late):
+            continue  # the mask is made after the dgrad (recomputed just before the ReLU's grad)
         dgrad.inputs = dgrad.inputs + [m]
         dgrad.outputs = [out]
         dgrad.attrs["mask_slope"] = slope
         graph.remove_op(op.name)
         del graph.blobs[d]
+        _fused_into(graph, op, dgrad)
+        if op.control_inputs:
+            pos = None   # the dgrad may now wait for an op after it in that order
         fused.append(op.name)
     return fused
 
@@ -212,6 +228,20 @@ def fuse_updates(graph):
         _wait_for(graph, {op.name for op in ops}, name)
         created.append(name)
     return created
+
+
+def _fused_into(graph, gone, into):
+    """The op ``gone`` (removed) was fused into the op ``into``, which wrote
+    its input: ``into`` waits for what ``gone`` waited for (but itself), and
+    an op that waited for ``gone`` waits for ``into`` (activation recompute's
+    copies wait for the backward op before theirs, a ReluGrad: without this
+    a device graph with ``recompute`` named an op no longer there)."""
+    if gone.control_inputs:
+        deps = graph.dependencies()
+        into.control_inputs = list(dict.fromkeys(list(into.control_inputs) + [
+            c for c in gone.control_inputs
+            if c != into.name and c in graph.ops and into.name not in reachable(c, deps)]))
+    _wait_for(graph, {gone.name}, into.name)
 
 
 def _wait_for(graph, gone, name):
