@@ -293,6 +293,42 @@ def test_predict_gives_the_closed_form_communication(traced, tmp_path):
     assert text.returncode == 0 and "efficiency" in text.stdout, text.stderr
 
 
+def _predict_json_tables():
+    """The key column of docs/formats.md's two tables of ``predict --json``
+    (the object's keys, a row's keys), each a set."""
+    import re
+
+    from .test_docs import FORMATS_MD
+    with open(FORMATS_MD, encoding="utf-8") as f:
+        text = f.read()
+    part = text[text.index("N` does. `--json` prints one object:"):]
+    part = part[:part.index("### Link files")]
+    top, row = [], []
+    for block in part.split("\n\n"):
+        keys = set()
+        for line in block.splitlines()[2:]:
+            keys |= set(re.findall(r"`(\w+)`", line.split("|")[1]))
+        if block.startswith("| key"):
+            top.append(keys)
+        elif block.startswith("| row key"):
+            row.append(keys)
+    assert len(top) == len(row) == 1
+    return top[0], row[0]
+
+
+def test_predict_json_keys_are_those_formats_md_lists(traced):
+    """Every key ``predict --json`` writes (the object's, a row's) is named
+    in docs/formats.md's tables of it, and every key named there is
+    written."""
+    top, row = _predict_json_tables()
+    res = run_cli_args("predict", traced, "--np", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert set(data) == top
+    assert set(data["rows"][0]) == row
+    assert set(data["link"]) == {"alpha_s", "beta_bytes_per_s", "gamma_s_per_byte", "origin"}
+
+
 def test_an_infinitely_fast_link_loses_nothing(traced, tmp_path):
     """No transfer time: the iteration is its compute plus at most the
     dispatcher's cost of its comm ops (each delays its transfer and takes
@@ -778,3 +814,40 @@ def test_a_shards_update_pays_its_fixed_cost_once(tmp_path):
     two = Durations({0: {"w.update[0:5]": 4.0}, 1: {"w.update[5:10]": 4.0}})
     assert two.lookup("w.update", 0, fixed=3.0) == pytest.approx(5.0)
     assert two.lookup("w.update[0:2]", 0, fixed=3.0) == pytest.approx(3.0 + 1.0 * 2 / 5)
+
+
+def test_plan_choose_prices_a_shards_update_and_the_clipping_norm_as_predict(tmp_path):
+    """``plan --choose`` (tools/choose.Predictor) and ``predict`` price a
+    ZeRO shard's update and ``clip.norm`` by one rule (model.trace_prices,
+    ``Template.rank_graph``): a 1-rank trace of STAGE3 whose updates take
+    3 µs + 1 ns an element and whose clipping norm takes 1 ms; at 4 ranks
+    fc2's weight shard update (163 of 640 elements) takes 3 µs + 163 ns in
+    both, and the norm 1 ms times the elements it reads over the traced
+    ones in both. Before, --choose priced both by their work's share of
+    the traced op (``choose.scaled_seconds``): the update 0.93 µs, the
+    call's fixed cost divided too."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.model import Scenario, Template, trace_prices
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    job = load_job(str(write_config_file(tmp_path, STAGE3)), check_files=False)
+    graph = compose_for(job, 1, 0)
+    ops = {name: (3e-6 + 1e-9 * graph.blobs[op.inputs[0]].size
+                  if op.op_type == "SGDUpdate" else 1e-5)
+           for name, op in graph.ops.items()}
+    ops["clip.norm"] = 1e-3
+    durations = Durations({0: ops})
+    link = Link(0.0, 1e30, 0.0, "ideal")
+    reads, fixed = trace_prices(job, durations)
+    scenario = Scenario(job, 4)
+    template = Template(job, scenario, 0)
+    predicted = template.rank_graph(durations, link, "auto", scenario, 0.0, reads=reads,
+                                    fixed=fixed)[0]
+    chosen = Predictor(job, durations, link, add=0.0).rank_graphs(job, 4)[0][0]
+    share = template.reads["clip.norm"] / reads[0]["clip.norm"]
+    assert 0 < share < 1
+    for name, want in (("fc2/weight.update[0:163]", 3e-6 + 163e-9),
+                       ("clip.norm", 1e-3 * share)):
+        assert predicted.ops[name].seconds == pytest.approx(want), name
+        assert chosen.ops[name].seconds == pytest.approx(want), name

@@ -49,8 +49,11 @@ candidate that the trace names otherwise takes the traced op's cost at its
 work (``scaling/work.py``: the FLOPs of a matrix product, else the bytes of
 the batch's blobs it touches, not the weights'): ``X@mbK`` (a micro-batch:
 1/M of the batch), ``X@recompute`` (the forward again), a row chunk
-``X[a:b]`` (a shard's update, a chunk of a weight gradient) and a
+``X[a:b]`` (a chunk of a weight gradient) and a
 tensor-parallel shard of ``X`` (its part of the weight and of the output);
+a shard's or chunk's update and the clipping norm are priced as
+``predict`` prices them (``scaling/model.priced_by_trace``: its type's fixed
+cost once plus its elements' share; the norm at the elements it reads);
 the cost is affine in the work, fixed + rate * work, fitted per op from its
 two traced times (``affine_costs``: a micro-batch pays the op's cost per
 call M times), and proportional to the work where the two traces fit no
@@ -649,7 +652,12 @@ class _Scaled:
         self.rates = rates or {}
         self._weights = {id(g): weight_blobs(g) for g in (traced_graph, graph)}
 
-    def lookup(self, name, rank=0, rows=None):
+    def lookup(self, name, rank=0, rows=None, fixed=0.0):
+        from .scaling.model import priced_by_trace
+        if name in self.graph.ops and priced_by_trace(self.graph, name):
+            # clip.norm, a shard's update: the predictor's own rule
+            # (``Template.rank_graph``'s reads and fixed costs), as predict's
+            return self.d.lookup(name, rank, rows, fixed)
         # a copy named apart from a blob of its name: ``X@recompute#1`` (graph/core.free_name),
         # a micro-batch's copy of a recompute copy: ``X@recompute#1@mb0``;
         # a fused Attention copy reading the packed mask (``replay_mask``) keeps the
@@ -767,7 +775,7 @@ class Predictor:
         ``add``: the host's add rate (``calibrate``), None: timed now."""
         from .graph import compose_for
         from .scaling.link import reduce_cost_per_byte
-        from .scaling.model import dispatch_overhead
+        from .scaling.model import dispatch_overhead, trace_prices
         self.durations, self.link, self.algorithm = durations, link, algorithm
         self.copy_cost = reduce_cost_per_byte() if add is None else add
         self.overhead, self.per_iteration = dispatch_overhead(
@@ -777,13 +785,23 @@ class Predictor:
         self.fit = affine_costs(durations, self.traced, small_d,
                                 compose_for(small_job, 1, 0) if small_job else None)
         self.rates = elementwise_rates(durations, self.traced)
+        # clip.norm at the elements it reads, a shard's update paying its
+        # type's fixed cost once: predict's pricing (scaling/model.py)
+        self.reads, self.fixed = trace_prices(calib_job, durations, {0: self.traced})
 
     def predict(self, job, n, built=None):
         """(seconds per iteration, samples per iteration, untraced op count).
         ``built``: {rank: its composed training graph} already at hand (the
         memory plan's, ``evaluate``), read instead of composing it again."""
-        from .scaling.model import ITERATIONS, Scenario, Template
+        from .scaling.model import ITERATIONS
         from .scaling.simulate import simulate
+        graphs, images, untraced = self.rank_graphs(job, n, built)
+        return simulate(graphs, ITERATIONS).period(), images, untraced
+
+    def rank_graphs(self, job, n, built=None):
+        """([RankGraph] of the simulated ranks, samples per iteration,
+        untraced op count) of ``job`` at ``n`` ranks (``predict``)."""
+        from .scaling.model import Scenario, Template
         scenario = Scenario(job, n)
         graphs, untraced = [], set()
         templates = [Template(job, scenario, r, (built or {}).get(r)) for r in scenario.ranks]
@@ -798,10 +816,11 @@ class Predictor:
                                          self.link, self.algorithm, scenario, self.copy_cost,
                                          overhead=self.overhead,
                                          per_iteration=self.per_iteration,
-                                         comm_overhead=self.overhead)
+                                         comm_overhead=self.overhead, reads=self.reads,
+                                         fixed=self.fixed)
             graphs.append(g)
             untraced.update(missing)
-        return simulate(graphs, ITERATIONS).period(), scenario.images, len(untraced)
+        return graphs, scenario.images, len(untraced)
 
 
 def evaluate(cand, path, overrides, n, limits, predictor):

@@ -183,6 +183,34 @@ def fixed_costs(durations, graphs):
     return out
 
 
+def trace_prices(job, durations, graphs=None):
+    """(``traced_reads``, ``fixed_costs``) of a trace of ``job``: what
+    ``Template.rank_graph`` prices clip.norm and a chunk's or shard's
+    update by (``reads``, ``fixed``), for ``predict`` and ``plan --choose``
+    alike (one rule: tools/choose.Predictor passes them too). ``graphs``:
+    ``traced_graphs``' where the caller has them."""
+    graphs = traced_graphs(job, durations) if graphs is None else graphs
+    return traced_reads(job, durations, graphs), fixed_costs(durations, graphs)
+
+
+def priced_by_trace(graph, name):
+    """Whether ``Template.rank_graph``'s own rule prices op ``name`` of
+    ``graph`` from its traced time (``Durations.lookup`` with ``fixed``,
+    then ``reads``): an op of READS_SCALE_TYPES (its traced time at the
+    elements it reads), an update-category op on a row chunk or ZeRO shard
+    (its type's fixed cost once plus its elements' share). A Durations-like
+    source that prices other ops by their work (``plan --choose``'s
+    ``_Scaled``) leaves these to it: the same op is then priced by one rule
+    in ``predict`` and in ``plan --choose``."""
+    from ...ops.registry import get_kernel_class
+    op = graph.ops[name]
+    if op.op_type in READS_SCALE_TYPES:
+        return True
+    if split_shard(name) is None and split_chunk(name)[0] is None:
+        return False
+    return get_kernel_class(op.op_type, name).category == "update"
+
+
 def compute_lanes(ops):
     """{lane: how many of the simulated ``ops`` (SimOp) compute on it}."""
     lanes = {}
@@ -678,8 +706,7 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
     overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
                                                 cache)
     comm_overhead = overhead  # every comm op pays the dispatcher's cost per op too
-    graphs = traced_graphs(job, durations)
-    reads, fixed = traced_reads(job, durations, graphs), fixed_costs(durations, graphs)
+    reads, fixed = trace_prices(job, durations)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
                       per_iteration, comm_overhead, reads, fixed)
     check_traces_match(job, one, durations)
