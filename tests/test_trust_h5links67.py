@@ -143,3 +143,30 @@ def test_a_data_file_link_is_named_with_escapes(tmp_path):
     message = str(e.value)
     assert "\x1b" not in message and "\n" not in message, message
     assert "'f\\x1b[2J.h5'" in message and "'/d\\nx'" in message, message
+
+
+def test_layer_names_with_control_characters_are_refused(tmp_path):
+    """A layer name (or top, bottom) holding ESC, a newline or a
+    bidirectional override, which graph and the logs print as they are:
+    refused naming the key, the value shown escaped. Before:
+    ``pytest.raises(ConfigError)`` failed (DID NOT RAISE: graph printed
+    the raw ESC)."""
+    import yaml
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.config import load_config
+    from tests.conftest import small_net_config, write_config_file
+    base = small_net_config(str(tmp_path / "d.h5"))
+    ok = write_config_file(tmp_path, base, "ok.yaml")
+    load_config(ok, check_files=False)  # printable, non-ASCII names are fine
+    for field, j, bad in (("name", 3, "fc1\x1b[31m"), ("top", 3, "fc1\nx"),
+                          ("name", 0, "conv\u202e1")):
+        cfg = yaml.safe_load(yaml.safe_dump(base))
+        cfg["net"][j][field] = bad
+        path = write_config_file(tmp_path, cfg, "bad.yaml")
+        with pytest.raises(ConfigError) as e:
+            load_config(path, check_files=False)
+        assert f"net.{j}.{field}" in str(e.value) and "control character" in str(e.value)
+        assert "\x1b" not in str(e.value) and "\n" not in str(e.value)
+    cfg = yaml.safe_load(yaml.safe_dump(base))
+    cfg["net"][3]["name"] = "fc1 \u00e9"
+    load_config(write_config_file(tmp_path, cfg, "uni.yaml"), check_files=False)
