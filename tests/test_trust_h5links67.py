@@ -170,3 +170,14 @@ def test_layer_names_with_control_characters_are_refused(tmp_path):
     cfg = yaml.safe_load(yaml.safe_dump(base))
     cfg["net"][3]["name"] = "fc1 \u00e9"
     load_config(write_config_file(tmp_path, cfg, "uni.yaml"), check_files=False)
+
+
+def test_the_note_on_unused_blobs_shows_names_escaped():
+    """A weights file's /params name holding ESC and a bidi override, which
+    test, train --init and predict name in a note on blobs the net does not
+    use: shown escaped. Before: ``"\\x1b" not in note`` failed (the file's
+    ESC sequence reached the terminal)."""
+    from purine_mpi.job.checkpoint_check import unused_note
+    note = unused_note({"fc1/weight": 0, "ev\x1b[31mil\u202e/weight": 0}, ["fc1/weight"], "w.h5")
+    assert "\x1b" not in note and "\u202e" not in note, note
+    assert note.endswith("ev\\x1b[31mil\\u202e/weight"), note
