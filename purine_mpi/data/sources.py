@@ -34,7 +34,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..base import env
-from ..base.errors import DataSpecError, UserError
+from ..base.errors import DataSpecError, UserError, one_line
 from ..base.progress_bar import human_bytes
 from .filecache import INFO_DIGEST_BYTES, file_identity, per_file_version, same_version
 from .h5links import check_sources, link_outside
@@ -168,14 +168,14 @@ def _check_outside(f, path, split, external):
         if not external:
             why = link_outside(f, name)
             if why:
-                raise UserError(f"data file '{path}': '{name}' is {why}; set the data spec's "
-                                "'external: true' to read data kept in other files")
+                raise UserError(f"data file '{path}': '{name}' is {one_line(why)}; set the data "
+                                "spec's 'external: true' to read data kept in other files")
             continue
         try:  # allowed: what it points to must be there
             obj = f[name]
         except (KeyError, OSError) as e:
-            raise UserError(f"data file '{path}': '{name}' is {link_outside(f, name)}, which "
-                            f"cannot be read ({type(e).__name__}: {e})") from None
+            raise UserError(f"data file '{path}': '{name}' is {one_line(link_outside(f, name))}, "
+                            f"which cannot be read ({type(e).__name__}: {one_line(e)})") from None
         if isinstance(obj, h5py.Dataset):
             check_sources(obj, path, name)
 

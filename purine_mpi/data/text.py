@@ -53,9 +53,10 @@ import os
 
 import numpy as np
 
-from ..base.errors import DataSpecError, UserError
+from ..base.errors import DataSpecError, UserError, one_line
 from ..base.runfiles import HDF5_MODE, make_folder, stop_if_write_failed, write_hdf5_replacing
 from .filecache import INFO_DIGEST_BYTES, per_file_version
+from .h5links import link_outside
 
 FORMAT = "purine_mpi.text"
 VOCAB_SIZE = 256
@@ -372,6 +373,7 @@ def _open_tokens(path, split):
     except OSError as e:
         raise UserError(f"text data file '{path}' cannot be opened as HDF5 ({e})") from None
     name = f"{split}/tokens"
+    _refuse_outside(f, path, split)
     if name not in f or not hasattr(f[name], "shape"):
         groups = ", ".join(sorted(k for k in f if hasattr(f[k], "keys"))) or "none"
         f.close()
@@ -384,6 +386,33 @@ def _open_tokens(path, split):
         raise UserError(f"text data file '{path}': dataset '/{name}' must be 1-D integer "
                         f"tokens, got shape {list(tokens.shape)} dtype {tokens.dtype}")
     return f, tokens
+
+
+def _refuse_outside(f, path, split):
+    """Close ``f`` and raise a UserError when the split's group or its
+    tokens read from another file (an external link, external storage, a
+    virtual dataset, a soft link that leads nowhere or through an external
+    link: data/h5links.py): a text data file holds its own tokens (a
+    virtual dataset whose source is missing would read as zeros); no other
+    file is opened to find this out."""
+    import h5py
+    for name in (f"/{split}", f"/{split}/tokens"):
+        parent, _, base = name.rpartition("/")
+        try:
+            group = f[parent or "/"]
+            there = isinstance(group, h5py.Group) and group.get(base, getlink=True) is not None
+            why = link_outside(f, name) if there else None
+        except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged headers
+            f.close()
+            raise UserError(f"text data file '{path}' is corrupt: {type(e).__name__}: "
+                            f"{one_line(e)}") from None
+        if not there:
+            return  # a missing name: the caller says which
+        if why:
+            f.close()
+            raise UserError(f"text data file '{path}': '{name}' is {one_line(why)}; a text data "
+                            "file must hold its own tokens: make it with 'python -m purine_mpi "
+                            "data text'")
 
 
 #: per split, the one reader of its tokens' metadata (data/filecache.py

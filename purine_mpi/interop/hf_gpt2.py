@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..base.errors import InitMismatch, UserError
+from ..base.errors import InitMismatch, UserError, one_line
 from ..base.runfiles import make_folder, write_replacing, write_text_replacing
 from ..job.replica import param_layer
 
@@ -454,8 +454,9 @@ def hf_params(path, job, skip=()):
                         "tie_weight, bias_term: false) to read it")
     used = {hf for hf, _, _ in layout.tensors} | {"lm_head.weight"}
     extra = sorted(set(tensors) - used)
+    shown = ", ".join(map(one_line, extra[:8])) + (" ..." if len(extra) > 8 else "")
     note = (f"note: {path}: {len(extra)} tensor(s) of the file are not used by this net: "
-            f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}") if extra else None
+            f"{shown}") if extra else None
     return values, note
 
 

@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from ..base.backend import all_finite
-from ..base.errors import UserError
+from ..base.errors import UserError, one_line
 
 _CKPT_NAME = re.compile(r"^ckpt_(\d+)\.h5$")
 
@@ -293,7 +293,7 @@ def unused_note(loaded, net_params, path):
     if not extra:
         return None
     return (f"note: {path}: {len(extra)} blob(s) of the file are not used by this net: "
-            f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+            f"{', '.join(map(one_line, extra[:8]))}{' ...' if len(extra) > 8 else ''}")
 
 
 def check_for_net(ck, path, net_params, blobs, solver_blobs):

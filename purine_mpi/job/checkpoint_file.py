@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base.backend import to_numpy
-from ..base.errors import UserError
+from ..base.errors import UserError, one_line
 from ..base.runfiles import GuardedFile, disk_error, write_failed
 from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
 from ..data.h5links import held_by, is_lock_error, refuse_outside
@@ -461,22 +461,32 @@ def _read_section(f, section, path, checksummed=False):
     except Unchecked as e:
         raise e.user_error(path) from None
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise UserError(f"checkpoint '{path}' is corrupt: reading '/{where[-1]}' failed "
-                        f"({type(e).__name__}: {e})") from None
+        raise UserError(f"checkpoint '{path}' is corrupt: reading '/{one_line(where[-1])}' "
+                        f"failed ({type(e).__name__}: {one_line(e)})") from None
 
 
-def _read_group(group, where, prefix="", checksummed=False):
+def _read_group(group, where, prefix="", checksummed=False, above=()):
+    """The values under ``group`` ({name: value}); ``where``, a list, ends
+    with the name being read (for the error); ``above``: the groups on the
+    way here (their ids' hashes, HDF5's object addresses), so that a group
+    hard-linked into itself (a cycle, which no file we write has) is an
+    error, not a recursion without end."""
     import h5py
     out = {}
+    above = above + (hash(group.id),)
     for name in group:
         where.append(f"{group.name.lstrip('/')}/{name}")
         obj = group[name]
         kind = plain_attr(obj.attrs.get(KIND))
         if isinstance(obj, h5py.Group):
+            if hash(obj.id) in above:
+                raise ValueError("a group that is one of its own parents (a cycle of hard "
+                                 "links)")
             if kind == "dict":
-                out[prefix + name] = _read_group(obj, where, checksummed=checksummed)
+                out[prefix + name] = _read_group(obj, where, checksummed=checksummed,
+                                                 above=above)
             else:  # a plain group: a '/' inside the names of the values below
-                out.update(_read_group(obj, where, f"{prefix}{name}/", checksummed))
+                out.update(_read_group(obj, where, f"{prefix}{name}/", checksummed, above))
         else:
             if checksummed and kind is None and obj.ndim > 0 and obj.size > 0 \
                     and not obj.fletcher32:

@@ -28,7 +28,7 @@ import re
 
 import yaml
 
-from ..base.errors import ConfigError, excerpt
+from ..base.errors import ConfigError, excerpt, one_line
 from .checks import _check_int, _check_keys, _is_int, _kind
 from .data_spec import _check_data
 from .job import Job, job_of
@@ -608,6 +608,14 @@ def _check_net(net, path):
                     raise ConfigError(path, at, f"{excerpt(value)} holds a NUL character "
                                                 "(\\0), which no checkpoint (HDF5) name or "
                                                 "Graphviz file can hold")
+                if isinstance(value, str) and one_line(value) != value:
+                    # graph, the logs and errors print these names: an escape
+                    # sequence or a line break in one would act on the terminal
+                    at = f"{key}.{field}" + (f".{j}" if isinstance(values, list) else "")
+                    raise ConfigError(path, at, f"{excerpt(value)} holds a control character "
+                                                "(such as ESC, a line break or a bidirectional "
+                                                "override), which graph and the logs would "
+                                                "print as it is; names must be printable")
         parts = layer["name"].split("/")
         if any(part in ("", ".", "..") for part in parts):
             # its parameters '<name>/weight' are HDF5 paths of the checkpoint:

@@ -8,7 +8,7 @@ arrays. The entry points take a ``Job`` (job/job.py).
 """
 import json
 
-from ..base.errors import ConfigError, InitMismatch, UserError
+from ..base.errors import ConfigError, InitMismatch, UserError, one_line
 from ..graph import Graph, seed_yaml
 from ..graph.core import reachable
 from ..graph.grad import build_backward, trained
@@ -597,8 +597,9 @@ def trained_values(graph, job, path):
     layers = set(job.layer_names)
     extra = [b for b in unused_blobs(loaded, params) if param_layer(b) not in layers]
     if extra:  # not silently: a file of another net (a head more) gives another model
+        shown = ", ".join(map(one_line, extra[:8])) + (" ..." if len(extra) > 8 else "")
         print(f"note: {path}: {len(extra)} blob(s) of the file are not in the exported "
-              f"test-phase graph: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}; "
+              f"test-phase graph: {shown}; "
               "they are left out (a file of another net?)", file=sys.stderr)
     values = {}
     for p in params:

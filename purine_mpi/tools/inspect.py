@@ -85,6 +85,26 @@ def _datasets(f, links):
     return found
 
 
+def _reached(f, names):
+    """{"/name": dataset} of each of ``names`` (keys of another file's
+    listing) that is a dataset of the open file ``f`` though its walk did
+    not list it: a name through a second name of a group (hard-linked
+    twice, or a soft link to it), which the listing leaves out (a group
+    linking to its parent would give names without end). Looked up one
+    name at a time: ``f`` has passed open_h5's check, so a name resolves
+    inside the file or not at all."""
+    import h5py
+    found = {}
+    for name in names:
+        try:
+            oid = h5py.h5o.open(f.id, name.encode("utf-8", "surrogateescape"))
+        except (KeyError, ValueError, RuntimeError):  # not a name of f
+            continue
+        if isinstance(oid, h5py.h5d.DatasetID):
+            found[name] = _Dataset(oid, oid.get_create_plist())
+    return found
+
+
 class _Dataset:
     """A dataset (its DatasetID) whose shape, dtype, sizes and chunks are
     looked up once, straight from HDF5 (h5py's Dataset asks again at each
@@ -502,12 +522,19 @@ def _diff(path, other, fa, a_sets):
     b_links = {}
     with open_h5(other, "file", b_links) as fb, _read_errors(path):
         b_sets = _datasets(fb, b_links)
+        # a name one file lists that the other reaches only through a second
+        # name of a group (a group hard-linked twice, a soft link to a
+        # group: not listed) is compared there, not called "only in"
+        a_more = _reached(fa, [n for n in b_sets if n not in a_sets])
+        b_more = _reached(fb, [n for n in a_sets if n not in b_sets])
         try:
-            rows = _diff_rows(path, other, a_sets, b_sets)
-            only = ([_text(n) for n in a_sets if n not in b_sets],
-                    [_text(n) for n in b_sets if n not in a_sets])
+            a_all, b_all = {**a_sets, **a_more}, {**b_sets, **b_more}
+            rows = _diff_rows(path, other, a_all, b_all)
+            only = ([_text(n) for n in a_all if n not in b_all],
+                    [_text(n) for n in b_all if n not in a_all])
         finally:
-            b_sets.clear()  # each dataset closed here, not looked for by the file's close
+            for sets in (b_sets, a_more, b_more):
+                sets.clear()  # each dataset closed here, not looked for by the file's close
         a_attrs, b_attrs = _shown_attrs(fa), _shown_attrs(fb)
     attrs, unchecked = {}, []
     for k in list(a_attrs) + [k for k in b_attrs if k not in a_attrs]:
