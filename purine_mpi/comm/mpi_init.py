@@ -147,9 +147,14 @@ def _stopped_in_init(signum):
 
 def _watched(numbers):
     """Python's wakeup fd on a pipe, read by a thread that ends the rank
-    when MPI_Init (or its stand-in) has not returned ``INIT_GRACE_S`` after
-    one of ``numbers``; returns ``stop()``, which ends the watch."""
-    read, write = os.pipe()
+    when MPI_Init has not returned ``INIT_GRACE_S`` after
+    one of ``numbers``; returns ``stop()``, which ends the watch, or None
+    where no pipe can be had (``ulimit -n`` at its end: MPI_Init then fails,
+    with its own message and the status 70, see above)."""
+    try:
+        read, write = os.pipe()
+    except OSError:
+        return None
     os.set_blocking(write, False)
     old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
     done = threading.Event()
@@ -167,7 +172,13 @@ def _watched(numbers):
                 _stopped_in_init(hit[0])
 
     watcher = threading.Thread(target=watch, name="init-notices", daemon=True)
-    watcher.start()
+    try:
+        watcher.start()
+    except RuntimeError:  # no thread to be had: MPI_Init as before, unwatched
+        signal.set_wakeup_fd(old_fd)
+        os.close(write)
+        os.close(read)
+        return None
     for n in _received:  # recorded before: the grace runs from now
         if n in numbers:
             os.write(write, bytes([n]))
@@ -205,7 +216,10 @@ def _initialize(MPI):
     required = levels.get(getattr(rc, "thread_level", "multiple"), MPI.THREAD_MULTIPLE)
     init = libmpi_function(MPI, "MPI_Init_thread" if threads else "MPI_Init")
     if init is None:  # mpi4py's own: holds the interpreter (no watch)
-        MPI.Init_thread(required) if threads else MPI.Init()
+        if threads:
+            MPI.Init_thread(required)
+        else:
+            MPI.Init()
         return
     numbers = _notices() if threading.current_thread() is threading.main_thread() else set()
     stop = _watched(numbers) if numbers else None
