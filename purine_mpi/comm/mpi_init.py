@@ -11,10 +11,30 @@ handle), so a normal exit never calls into a finished interpreter.
 
 The MPI library's environment (comm/launcher.py, ``MPI_ENV_DEFAULTS``: UCX
 must not take SIGHUP) is exported here too, before the library loads.
+
+MPI_Init waits for every rank of the job to reach its own (MPICH: a PMI
+barrier), so a rank whose peer never comes (hung or slow before MPI) waits
+there for ever. mpi4py initialises MPI inside its module's import, holding
+the interpreter: a stop notice caught by a Python handler (``train``'s early
+handler, runtime/stop.py) was never answered, and only SIGKILL ended the
+rank. So mpi4py is imported with ``rc.initialize`` off and MPI_Init_thread
+is called here through ctypes, which lets go of the interpreter, with the
+level mpi4py would have asked for (``rc.threads``, ``rc.thread_level``) and
+its error handlers set after (``rc.errors``); mpi4py still finalizes MPI at
+exit (``rc.finalize`` on where it was left to mpi4py). A thread of ours,
+woken by the signal's byte on Python's wakeup fd, ends a rank whose
+MPI_Init has not returned ``INIT_GRACE_S`` after a notice (``NOTICES``
+with a Python handler; one recorded before, ``notice_received``) with the
+status 128 + the signal's number; a notice during an MPI_Init that returns
+in time is answered by its handler after, as before. Where MPI_Init_thread
+cannot be found in mpi4py's extension (``libmpi_function``), mpi4py's own
+``MPI.Init_thread`` initialises MPI, without that watch.
 """
 import ctypes
 import os
+import signal
 import sys
+import threading
 
 from ..base.errors import MPI_INIT_FAILED
 from .launcher import launched_rank, launched_size, set_mpi_environment
@@ -69,16 +89,210 @@ def _disarm(armed):
         finalize(ctypes.cast(handle, ctypes.c_void_p))  # runs it (a no-op now), removes it
 
 
+#: the stop notices a rank in MPI_Init answers where a Python handler
+#: catches them (SIGINT too: Python's KeyboardInterrupt, which cannot come
+#: before MPI_Init returns either)
+NOTICES = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGINT")
+#: seconds MPI_Init may go on after a notice (every rank started: it
+#: returns in milliseconds, and the handler then answers the notice)
+INIT_GRACE_S = 2.0
+#: the numbers of the notices a Python handler recorded before MPI started
+_received = []
+
+
+def notice_received(signum):
+    """A stop notice's Python handler got ``signum`` before MPI started
+    (``StopSignal.install_early``): MPI_Init, should it wait longer than
+    ``INIT_GRACE_S``, ends the rank as on a notice during it."""
+    _received.append(int(signum))
+
+
+def libmpi_function(MPI, name):
+    """The MPI library's function ``name`` as mpi4py's extension links it,
+    called through ctypes (which lets go of the interpreter), or None where
+    it cannot be found so (MPI linked into the extension with hidden
+    symbols, another mpi4py build): the caller then uses mpi4py's own."""
+    try:
+        function = getattr(ctypes.CDLL(MPI.__file__), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.restype = ctypes.c_int
+    return function
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _stopped_in_init(signum):
+    """End this rank, whose MPI_Init still waits ``INIT_GRACE_S`` after the
+    stop notice ``signum``: one line, the status 128 + ``signum``."""
+    _flush()
+    name = signal.Signals(signum).name
+    rank = f"rank {launched_rank()}: " if launched_size() > 1 else ""
+    line = (f"error: {rank}stopped by {name} while MPI was starting: MPI_Init still waited "
+            f"for the other ranks {INIT_GRACE_S:g} s after it (a rank that never started MPI: "
+            "hung or slow before it); nothing was written\n")
+    try:
+        os.write(2, line.encode())
+    except OSError:
+        pass
+    remove_mpi_shm()
+    os._exit(128 + signum)
+
+
+def _watched(numbers):
+    """Python's wakeup fd on a pipe, read by a thread that ends the rank
+    when MPI_Init has not returned ``INIT_GRACE_S`` after
+    one of ``numbers``; returns ``stop()``, which ends the watch, or None
+    where no pipe can be had (``ulimit -n`` at its end: MPI_Init then fails,
+    with its own message and the status 70, see above)."""
+    try:
+        read, write = os.pipe()
+    except OSError:
+        return None
+    os.set_blocking(write, False)
+    old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            try:
+                got = os.read(read, 64)
+            except OSError:
+                return
+            if not got:  # the write end closed: the watch is over
+                return
+            hit = [n for n in got if n in numbers]
+            if hit and not done.wait(INIT_GRACE_S):
+                _stopped_in_init(hit[0])
+
+    watcher = threading.Thread(target=watch, name="init-notices", daemon=True)
+    try:
+        watcher.start()
+    except RuntimeError:  # no thread to be had: MPI_Init as before, unwatched
+        signal.set_wakeup_fd(old_fd)
+        os.close(write)
+        os.close(read)
+        return None
+    for n in _received:  # recorded before: the grace runs from now
+        if n in numbers:
+            os.write(write, bytes([n]))
+            break
+
+    def stop():
+        done.set()
+        signal.set_wakeup_fd(old_fd)
+        os.close(write)
+        watcher.join(1.0)
+        if not watcher.is_alive():
+            os.close(read)
+    return stop
+
+
+def _notices():
+    """The numbers of ``NOTICES`` a Python handler catches now."""
+    numbers = set()
+    for name in NOTICES:
+        n = getattr(signal, name, None)
+        if n is not None and callable(signal.getsignal(n)):
+            numbers.add(int(n))
+    return numbers
+
+
+def _initialize(MPI):
+    """MPI_Init_thread (or MPI_Init) as mpi4py's import would have called
+    it (its ``rc`` read there: the environment's MPI4PY_RC_* set in it), with
+    the interpreter let go, the stop notices watched; then mpi4py's error
+    handlers on COMM_SELF and COMM_WORLD (mpi4py's ``initialize``)."""
+    from mpi4py import rc
+    threads = getattr(rc, "threads", True) in (True, "yes")
+    levels = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
+              "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
+    required = levels.get(getattr(rc, "thread_level", "multiple"), MPI.THREAD_MULTIPLE)
+    init = libmpi_function(MPI, "MPI_Init_thread" if threads else "MPI_Init")
+    if init is None:  # mpi4py's own: holds the interpreter (no watch)
+        if threads:
+            MPI.Init_thread(required)
+        else:
+            MPI.Init()
+        return
+    numbers = _notices() if threading.current_thread() is threading.main_thread() else set()
+    stop = _watched(numbers) if numbers else None
+    try:
+        if threads:
+            provided = ctypes.c_int(0)
+            ierr = init(None, None, ctypes.c_int(required), ctypes.byref(provided))
+        else:
+            ierr = init(None, None)
+    finally:
+        if stop is not None:
+            stop()
+    if ierr != 0:  # as mpi4py's import reports it
+        raise RuntimeError(f"{'MPI_Init_thread' if threads else 'MPI_Init'}() failed "
+                           f"[error code: {ierr}]")
+    handler = {"exception": MPI.ERRORS_RETURN, "fatal": MPI.ERRORS_ARE_FATAL,
+               "abort": getattr(MPI, "ERRORS_ABORT", MPI.ERRORS_ARE_FATAL)}.get(
+                   getattr(rc, "errors", "exception"))
+    if handler is not None:  # 'default': the library's own
+        for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+            comm.Set_errhandler(handler)
+
+
 def import_mpi():
     """``mpi4py.MPI``, initialising MPI on the first call: a failure of
-    MPI_Init ends the process with one line and the status 70."""
+    MPI_Init ends the process with one line and the status 70; a stop
+    notice ends a rank whose MPI_Init waits for a peer (see above)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None:
         return mpi
     set_mpi_environment()
+    import mpi4py
+    rc = mpi4py.rc
+    saved = rc.initialize, rc.finalize
+    rc.initialize = False  # MPI_Init is ours (below)
+    if rc.finalize is None:  # mpi4py's default: it finalizes what it initialised
+        rc.finalize = True
     armed = _arm()
     try:
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        finally:
+            rc.initialize, rc.finalize = saved
+        if not MPI.Is_initialized():  # (MPI4PY_RC_INITIALIZE=1 in the environment: mpi4py's)
+            _initialize(MPI)
     finally:
         _disarm(armed)
     return MPI
+
+
+#: the names the MPI library gives its shared-memory segments in /dev/shm
+#: (MPICH: mpich_shm_<hex>_<n>, one per node and job, 2-4 MiB)
+MPI_SHM_PREFIXES = ("mpich_shm_",)
+
+
+def remove_mpi_shm():
+    """Unlink the MPI library's /dev/shm segments this process maps (read
+    from /proc/self/maps: this job's, never another's), for a rank that ends
+    without MPI_Finalize -- MPI_Abort, ``os._exit`` -- where MPICH removes
+    its segment in MPI_Finalize only and it stayed in /dev/shm for good. The
+    ranks of the node map the same segment; their mappings stay valid, only
+    the name goes. A segment of another node is that node's ranks'."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(None, 5)
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/dev/shm/") and os.path.basename(path).startswith(MPI_SHM_PREFIXES) \
+                and not path.endswith(" (deleted)"):
+            try:
+                os.unlink(path)
+            except OSError:  # another rank of the node was first
+                pass

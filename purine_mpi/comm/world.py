@@ -28,7 +28,8 @@ from ..base import env
 from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
-from .mpi_init import import_mpi
+from .mpi_init import import_mpi, libmpi_function
+from .mpi_init import MPI_SHM_PREFIXES, remove_mpi_shm  # noqa: F401  (where they were)
 from ..base.errors import write_line
 
 _WORLD = None
@@ -484,7 +485,6 @@ def finalize_mpi(code, grace_s=None):
     It ends by ``os._exit(code)`` without a word to the launcher: the
     proxy then takes it for a dead rank and kills the peers that never
     came with SIGKILL, which ends the job."""
-    import ctypes
     import signal
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
@@ -527,8 +527,10 @@ def finalize_mpi(code, grace_s=None):
         # parameter-server run ended only by SIGKILL)
         for hook in FINALIZE_HOOKS:  # collective: every rank ends its train here alike
             hook()
-        finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize  # libmpi, mpi4py's own
-        finalize.restype = ctypes.c_int
+        # libmpi's, as mpi4py's extension links it; where it cannot be found
+        # so (MPI linked in with hidden symbols), mpi4py's, which holds the
+        # interpreter: the rank then waits as it did before for a peer
+        finalize = libmpi_function(MPI, "MPI_Finalize") or MPI.Finalize
         # no thread of ours in MPI meanwhile (a thread that keeps the lock
         # longer than a deferred transfer's test is wedged: go on without)
         locked = MPI_LOCK.acquire(timeout=10.0)
@@ -549,34 +551,6 @@ def finalize_mpi(code, grace_s=None):
         if not watcher.is_alive():
             os.close(read)
     return True
-
-
-#: the names the MPI library gives its shared-memory segments in /dev/shm
-#: (MPICH: mpich_shm_<hex>_<n>, one per node and job, 2-4 MiB)
-MPI_SHM_PREFIXES = ("mpich_shm_",)
-
-
-def remove_mpi_shm():
-    """Unlink the MPI library's /dev/shm segments this process maps (read
-    from /proc/self/maps: this job's, never another's), for a rank that ends
-    without MPI_Finalize -- MPI_Abort, ``os._exit`` -- where MPICH removes
-    its segment in MPI_Finalize only and it stayed in /dev/shm for good. The
-    ranks of the node map the same segment; their mappings stay valid, only
-    the name goes. A segment of another node is that node's ranks'."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return
-    for line in lines:
-        fields = line.split(None, 5)
-        path = fields[5] if len(fields) == 6 else ""
-        if path.startswith("/dev/shm/") and os.path.basename(path).startswith(MPI_SHM_PREFIXES) \
-                and not path.endswith(" (deleted)"):
-            try:
-                os.unlink(path)
-            except OSError:  # another rank of the node was first
-                pass
 
 
 def _exit_unfinalized(code):

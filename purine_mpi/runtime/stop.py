@@ -122,10 +122,15 @@ class StopSignal:
         the first moment of ``train`` on: a notice that arrives while the
         graph is still being built (a job step just started) then stops the
         run after its first iteration, instead of killing the rank with the
-        default action."""
+        default action. A notice while MPI_Init waits for a peer that never
+        starts MPI ends the rank 2 s later (comm/mpi_init.py), as Python
+        code cannot run there."""
+        from ..comm.mpi_init import notice_received
+
         def record(signum, frame):
             name = signal.Signals(signum).name
             cls.early = max(filter(None, (cls.early, name)), key=cls.SIGNALS.index)
+            notice_received(signum)  # a rank whose MPI_Init then waits for a peer ends
         if threading.current_thread() is threading.main_thread():
             for sig in cls.CAUGHT:  # Ctrl-C: interrupted at once, nothing to lose
                 if sig != "SIGINT":
