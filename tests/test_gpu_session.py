@@ -29,7 +29,7 @@ def _pins():
     return dict(line.split("==") for line in lines if line and not line.startswith("#"))
 
 
-def test_plan_lists_the_stages_in_order_within_their_budgets():
+def test_plan_lists_the_stages_in_order_within_their_budgets(tmp_path):
     res = _session("--plan")
     assert res.returncode == 0, res.stderr
     rows = [line.split() for line in res.stdout.splitlines()[1:]]
@@ -42,8 +42,8 @@ def test_plan_lists_the_stages_in_order_within_their_budgets():
         res = _session(*bad)   # refused before any stage runs
         assert res.returncode == 2 and "usage" in res.stderr and not res.stdout, bad
     for budget in ("abc", "0", "-5", "1.5"):   # refused before anything is written
-        res = _session("probe", env={"STAGE_BUDGET_S": budget, "OUT": "/nonexistent/out"})
-        assert res.returncode == 2 and not res.stdout, budget
+        res = _session("probe", env={"STAGE_BUDGET_S": budget, "OUT": str(tmp_path / "o")})
+        assert res.returncode == 2 and not res.stdout and not (tmp_path / "o").exists(), budget
         assert res.stderr.strip().endswith(f"STAGE_BUDGET_S must be a whole number of "
                                            f"seconds (> 0), not '{budget}'"), res.stderr
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
