@@ -27,6 +27,22 @@ def _pid(path, deadline, what):
     pytest.fail(f"{what}: {path} never appeared")
 
 
+def _catches_sigterm(pid, deadline):
+    """Wait until ``pid`` has a handler of SIGTERM (Linux: SigCgt in
+    /proc/PID/status); elsewhere return at once."""
+    status = f"/proc/{pid}/status"
+    if not os.path.exists(status):
+        return
+    bit = 1 << (int(signal.SIGTERM) - 1)
+    while time.monotonic() < deadline:
+        with open(status) as f:
+            caught = [line.split()[1] for line in f if line.startswith("SigCgt:")]
+        if caught and int(caught[0], 16) & bit:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"rank 0 (pid {pid}) never caught SIGTERM again for MPI_Finalize")
+
+
 @pytest.mark.parametrize("where", ["finalize", "window"])
 def test_sigterm_ends_a_rank_hanging_in_mpi_finalize_with_its_status(tmp_path, where):
     """``window``: the rank waits in a finalize hook's MPI_Win_free (a
@@ -41,6 +57,10 @@ def test_sigterm_ends_a_rank_hanging_in_mpi_finalize_with_its_status(tmp_path, w
     try:
         deadline = time.monotonic() + 60
         rank0 = _pid(f"{written}.pid", deadline, "rank 0 reaching MPI_Finalize")
+        # the pid is written while SIGTERM is ignored (ignore_late_notices):
+        # a notice sent before finalize_mpi catches it again is lost, so
+        # wait for that (the 1 s sleep alone leaves that to the scheduler)
+        _catches_sigterm(rank0, deadline)
         time.sleep(1.0)  # inside MPI_Finalize: rank 1 never comes
         assert proc.poll() is None, "the job ended though rank 1 never finalized"
         os.kill(rank0, signal.SIGTERM)

@@ -29,7 +29,7 @@ def _pins():
     return dict(line.split("==") for line in lines if line and not line.startswith("#"))
 
 
-def test_plan_lists_the_stages_in_order_within_their_budgets():
+def test_plan_lists_the_stages_in_order_within_their_budgets(tmp_path):
     res = _session("--plan")
     assert res.returncode == 0, res.stderr
     rows = [line.split() for line in res.stdout.splitlines()[1:]]
@@ -41,6 +41,11 @@ def test_plan_lists_the_stages_in_order_within_their_budgets():
     for bad in (("bogus",), ("probe", "bogus"), ("all", "probe")):
         res = _session(*bad)   # refused before any stage runs
         assert res.returncode == 2 and "usage" in res.stderr and not res.stdout, bad
+    for budget in ("abc", "0", "-5", "1.5"):   # refused before anything is written
+        res = _session("probe", env={"STAGE_BUDGET_S": budget, "OUT": str(tmp_path / "o")})
+        assert res.returncode == 2 and not res.stdout and not (tmp_path / "o").exists(), budget
+        assert res.stderr.strip().endswith(f"STAGE_BUDGET_S must be a whole number of "
+                                           f"seconds (> 0), not '{budget}'"), res.stderr
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
@@ -97,10 +102,14 @@ def test_probe_stage_installs_only_what_is_missing_and_records_the_environment(t
     """``gpu_session.sh probe``: the pins the interpreter has are kept (never
     reinstalled), the rest installed from the carried wheels (none here: the
     install fails and says so); env.txt holds pip list, pip check, the cuDNN
-    line and the architecture; the plan cache goes under $OUT."""
+    line and the architecture; the plan cache goes under $OUT. The stage's
+    60 s budget is a GPU machine's: on a loaded 2-core machine install +
+    env.txt + probe took over it and the probe was cut (``probe probe 124``,
+    no probe.json), so the stage gets 300 s here (STAGE_BUDGET_S)."""
     out = tmp_path / "out"
     res = _session("probe", env={"OUT": str(out), "WHEELS": str(tmp_path / "none"),
-                                 "PYTHON": sys.executable, "PIP_FIND_LINKS": ""})
+                                 "PYTHON": sys.executable, "PIP_FIND_LINKS": "",
+                                 "STAGE_BUDGET_S": "300"}, timeout=330)
     assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr
     _check_lines(res.stdout.split("probe install")[0])
     log = (out / "install.log").read_text()
