@@ -406,9 +406,9 @@ def test_full_recompute_never_grows_a_cnns_arena(job):
         prepare_for_device(device_graph, 0)
         device = device_plans(device_graph, keep=batch_blobs(device_graph), order_ops=True)[0]
         assert check_plan(host_graph, host) == [] and check_plan(device_graph, device) == []
-        return host_graph, host, device
-    g, host_full, device_full = arenas("full")
-    _, host_none, device_none = arenas("none")
+        return host_graph, host, device_graph, device
+    g, host_full, gpu_graph, device_full = arenas("full")
+    _, host_none, _, device_none = arenas("none")
     assert host_full.total_bytes <= host_none.total_bytes
     assert device_full.total_bytes <= device_none.total_bytes
     summary = g.recompute
@@ -423,6 +423,10 @@ def test_full_recompute_never_grows_a_cnns_arena(job):
     from purine_mpi.runtime.footprint import WorkspacePlans, recompute_notes
     notes = recompute_notes(g, WorkspacePlans(keep=[], host=host_full))
     assert notes[0] == f"recompute {line}" and len(notes) == 2
+    gpu_notes = recompute_notes(gpu_graph, WorkspacePlans(keep=[], host=None,
+                                                          devices={0: device_full}))
+    assert len(gpu_notes) == 2 and "the GPU 0 peak" in gpu_notes[1]
     if job == "cifar10_quick":  # its peak: pool1's gradient beside the mask it reads
-        assert notes[1].endswith("are all read by that op itself")
-        assert "recompute cannot lower this peak" in notes[1]
+        for note in (notes[1], gpu_notes[1]):
+            assert note.endswith("are all read by that op itself")
+            assert "recompute cannot lower this peak" in note

@@ -615,8 +615,9 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
 def recompute_notes(graph, plans):
     """``plan``'s lines on activation recompute (graph/recompute.py) for a
     graph built with it: what it recomputes and leaves as it is
-    (``describe_recompute``), and for each arena whether recompute can
-    reach its peak: the activations kept from the forward live there, and
+    (``describe_recompute``), and for each arena of the activations (the
+    GPUs' where the graph has planned blobs there, else the host's) whether
+    recompute can reach its peak: the activations kept from the forward live there, and
     how many of their bytes the op at the peak reads or writes itself (no
     recompute lowers those: a small CNN's peak in the backward of its first
     layer, its widest gradient beside the mask its pooling keeps)."""
@@ -627,7 +628,10 @@ def recompute_notes(graph, plans):
         return []
     notes = [f"recompute {line}"]
     forward = forward_ops(graph)
-    for plan in [plans.host, *plans.devices.values()]:
+    # the arenas that hold the activations: the GPUs' where the graph has any
+    arenas = [p for p in plans.devices.values() if p is not None and p.offsets] or \
+        [plans.host]
+    for plan in arenas:
         if plan is None or not plan.offsets:
             continue
         peak = arena_peak(graph, plan)
