@@ -492,8 +492,10 @@ CHOICE_DOCS = {
                 "otherwise each layer; a unit's forward "
                 "runs again just before its backward, dropout replaying its masks, kept "
                 "bit-packed (1 bit an element) (Megatron-LM's full recompute, PyTorch's "
-                "`checkpoint`). Units that make a loss, and layers a copy could not repeat "
-                "exactly (batch norm's running statistics), keep their activations",
+                "`checkpoint`). Units that make a loss, layers a copy could not repeat "
+                "exactly (batch norm's running statistics), and units whose copies would "
+                "hold at least the bytes they drop (a chain net's ReLU: the next layer "
+                "keeps its output anyway) keep their activations",
         "selective": "only attention's (N, H, T, T) tensors, the softmax and its dropout, are "
                      "recomputed (from the kept `qkv`; the dropout mask kept bit-packed), "
                      "Megatron-LM's selective recompute: the raw sub-graph's (`fused: "

@@ -604,11 +604,62 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
         if capped:
             notes.append(f"GPU {d}: {len(capped)} cuDNN convolution(s) not in the tuner's "
                          "cache: their workspace counted at the cap gpu.workspace_limit")
+    notes.extend(recompute_notes(g, plans))
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
                      peak=peak, notes=notes,
                      model_state=model_state_bytes(g, [plans.host, *plans.devices.values()]),
                      extras=extras, save=int(save), held=int(held or 0),
                      peer_windows=int(peers))
+
+
+def recompute_notes(graph, plans):
+    """``plan``'s lines on activation recompute (graph/recompute.py) for a
+    graph built with it: what it recomputes and leaves as it is
+    (``describe_recompute``), and for each arena of the activations (the
+    GPUs' where the graph has planned blobs there, else the host's) whether
+    recompute can reach its peak: the activations kept from the forward live there, and
+    how many of their bytes the op at the peak reads or writes itself (no
+    recompute lowers those: a small CNN's peak in the backward of its first
+    layer, its widest gradient beside the mask its pooling keeps)."""
+    from ..base.progress_bar import human_bytes
+    from ..graph.recompute import describe_recompute, forward_ops
+    line = describe_recompute(graph)
+    if line is None:
+        return []
+    notes = [f"recompute {line}"]
+    forward = forward_ops(graph)
+    # the arenas that hold the activations: the GPUs' where the graph has any
+    arenas = [p for p in plans.devices.values() if p is not None and p.offsets] or \
+        [plans.host]
+    for plan in arenas:
+        if plan is None or not plan.offsets:
+            continue
+        peak = arena_peak(graph, plan)
+        at, op = peak["position"], graph.ops[peak["op"]]
+        touched = {graph.storage_root(b) for b in op.inputs + op.outputs}
+        kept = here = 0
+        for u, (a, b) in live_spans(plan).items():
+            if a <= at <= b and plan.order[a] in forward and \
+                    plan.order[at] not in forward and graph.blobs[u].kind != "grad":
+                kept += plan.sizes[u]
+                here += plan.sizes[u] if u in touched else 0
+        if plan.order[at] in forward:
+            why = "in the forward: recompute does not shorten what the forward holds"
+        elif kept == here:
+            why = ("recompute cannot lower this peak: " + (
+                f"the activations kept from the forward there ({human_bytes(kept)}) are all "
+                "read by that op itself" if kept else "no activation kept from the forward "
+                "lives there"))
+        else:
+            why = (f"{human_bytes(kept - here)} of activations kept from the forward live "
+                   "there besides what that op reads" + (
+                       "" if graph.recompute.get("setting") != "full" or not
+                       graph.recompute.get("no_gain") else
+                       " (full recompute cuts a net without residual adds into units of "
+                       "one layer, and a layer's unit cannot drop what the next layer reads)"))
+        notes.append(f"recompute and the {peak['where']} peak (op '{peak['op']}', "
+                     f"{human_bytes(peak['live_bytes'])} live): {why}")
+    return notes
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)
