@@ -106,3 +106,49 @@ def test_libmpi_function_none_where_the_lookup_fails(monkeypatch):
             raise AttributeError(name)
     monkeypatch.setattr(ctypes, "CDLL", NoSymbols)
     assert mpi_init.libmpi_function(Module, "MPI_Init_thread") is None
+
+
+_RACE = r"""
+import os, signal, sys, time
+from purine_mpi.comm import mpi_init
+mpi_init.INIT_GRACE_S = 0.5
+mpi_init._flush = lambda: time.sleep(3.0)  # the watcher held up as it ends the rank (a full pipe)
+signal.signal(signal.SIGUSR2, lambda *a: None)  # a stop notice's Python handler
+stop = mpi_init._watched({int(signal.SIGUSR2)})
+os.kill(os.getpid(), signal.SIGUSR2)
+time.sleep(0.9)  # "MPI_Init" returns 0.4 s after the grace: the watcher is ending the rank
+stop()
+print("went on", flush=True)  # a rank with MPI up, running its job
+time.sleep(4.0)
+sys.exit(0)
+"""
+
+
+def test_mpi_init_returning_as_the_grace_ends_never_lets_the_rank_go_on():
+    """The watcher and the end of MPI_Init settle the rank's fate once:
+    before, ``stop()`` waited 1 s for a watcher already ending the rank and
+    then let the main thread go on -- to be ended (140) in the middle of
+    its run when the watcher's flush came back."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR2, (proc.returncode, proc.stderr[-1500:])
+    assert "went on" not in proc.stdout, "the rank went on and was ended in its run"
+
+
+def test_mpi4py_errors_policy_unknown_keeps_exceptions():
+    """mpi4py warns about an MPI4PY_RC_ERRORS it does not know and keeps
+    'exception' (MPI.ERRORS_RETURN on COMM_WORLD and COMM_SELF); MPI_Init
+    through ctypes must set the same. Before: such a value left MPI's own
+    ERRORS_ARE_FATAL, and an MPI error aborted the rank instead of raising."""
+    code = ("from purine_mpi.comm.mpi_init import import_mpi\n"
+            "MPI = import_mpi()\n"
+            "print(all(c.Get_errhandler() == MPI.ERRORS_RETURN "
+            "for c in (MPI.COMM_WORLD, MPI.COMM_SELF)))\n")
+    for value, expected in (("bogus", "True"), ("exception", "True"), ("fatal", "False")):
+        env = dict(os.environ, MPI4PY_RC_ERRORS=value,
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-1500:]
+        assert proc.stdout.split() == [expected], (value, proc.stdout, proc.stderr[-1500:])

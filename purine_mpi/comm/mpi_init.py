@@ -158,6 +158,13 @@ def _watched(numbers):
     os.set_blocking(write, False)
     old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
     done = threading.Event()
+    # taken once, by whichever comes first: stop() (MPI_Init returned: the
+    # rank goes on) or the watcher at the grace's end (the rank ends). An
+    # MPI_Init that returns just as the grace ends then never lets the main
+    # thread go on while the watcher ends the rank (it may be held up: a full
+    # stdout pipe), which ended a running train at a random place
+    settled = threading.Lock()
+    notice = []
 
     def watch():
         while not done.is_set():
@@ -168,8 +175,10 @@ def _watched(numbers):
             if not got:  # the write end closed: the watch is over
                 return
             hit = [n for n in got if n in numbers]
-            if hit and not done.wait(INIT_GRACE_S):
-                _stopped_in_init(hit[0])
+            if hit:
+                notice.append(hit[0])
+                if not done.wait(INIT_GRACE_S) and settled.acquire(blocking=False):
+                    _stopped_in_init(hit[0])
 
     watcher = threading.Thread(target=watch, name="init-notices", daemon=True)
     try:
@@ -185,6 +194,10 @@ def _watched(numbers):
             break
 
     def stop():
+        if not settled.acquire(blocking=False):  # the watcher is ending the rank
+            watcher.join(INIT_GRACE_S)
+            remove_mpi_shm()
+            os._exit(128 + notice[0])
         done.set()
         signal.set_wakeup_fd(old_fd)
         os.close(write)
@@ -235,10 +248,12 @@ def _initialize(MPI):
     if ierr != 0:  # as mpi4py's import reports it
         raise RuntimeError(f"{'MPI_Init_thread' if threads else 'MPI_Init'}() failed "
                            f"[error code: {ierr}]")
-    handler = {"exception": MPI.ERRORS_RETURN, "fatal": MPI.ERRORS_ARE_FATAL,
-               "abort": getattr(MPI, "ERRORS_ABORT", MPI.ERRORS_ARE_FATAL)}.get(
-                   getattr(rc, "errors", "exception"))
-    if handler is not None:  # 'default': the library's own
+    errors = getattr(rc, "errors", "exception")
+    if errors != "default":  # 'default': the library's own
+        # another value: mpi4py warns (in its import, above) and keeps 'exception'
+        handler = {"fatal": MPI.ERRORS_ARE_FATAL,
+                   "abort": getattr(MPI, "ERRORS_ABORT", MPI.ERRORS_ARE_FATAL)}.get(
+                       errors, MPI.ERRORS_RETURN)
         for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
             comm.Set_errhandler(handler)
 
