@@ -430,3 +430,45 @@ def test_full_recompute_never_grows_a_cnns_arena(job):
         for note in (notes[1], gpu_notes[1]):
             assert note.endswith("are all read by that op itself")
             assert "recompute cannot lower this peak" in note
+
+
+def test_a_unit_left_as_it_is_would_not_lower_the_plan(monkeypatch):
+    """The held/dropped verdict against the memory plan itself: each unit
+    of NIN that full recompute leaves as it is (``no_gain``: each ReLU,
+    whose input the plan would otherwise compute it in place over, so the
+    copy would hold as much as it drops), recomputed anyway (its verdict
+    alone patched to "gain", the other units as they were), lowers neither
+    the arena nor the activations at its peak (a ``held`` that counted
+    blobs the backward keeps anyway leaves pool1 too, and recomputing it
+    lowers the arena 48.8 -> 47.2 MB: this fails); and the verdict is the
+    same on each rank of 2 (a data-parallel group's graphs must not differ)."""
+    import purine_mpi.graph.recompute as recompute
+    from purine_mpi.job.config import load_config
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, peak_live, plan_memory
+    from tests.conftest import make_job
+
+    def plan(rank=0):
+        cfg = load_config(os.path.join(REPO, "jobs", "nin_cifar10.yaml"),
+                          overrides=["data.train.batch_size=16", "recompute=full"],
+                          check_files=False)
+        g, _ = build_train_graph(make_job(cfg), rank, 2, True)
+        p = plan_memory(g, keep=batch_blobs(g), order_ops=True)
+        assert check_plan(g, p) == []
+        return g, p.planned_bytes, peak_live(g, p)[2]["activations"]
+    g, arena, peak = plan()
+    no_gain = g.recompute["no_gain"]
+    assert {u[0] for u, _, _ in no_gain} >= {"relu_conv1", "relu_cccp1", "relu_cccp6"}
+    assert all(held >= dropped for _, held, dropped in no_gain)
+    assert plan(rank=1)[0].recompute == g.recompute
+    verdict = recompute._held_and_dropped
+    for unit, _, _ in no_gain:
+        def forced(graph, ops, *args, unit=unit):
+            held, dropped = verdict(graph, ops, *args)
+            return (0, 1) if ops[0].name.startswith(unit[0] + ".") else (held, dropped)
+        with monkeypatch.context() as m:
+            m.setattr(recompute, "_held_and_dropped", forced)
+            g2, forced_arena, forced_peak = plan()
+        assert unit in g2.recompute["units"]
+        assert forced_arena >= arena and forced_peak >= peak, (unit, forced_arena, arena,
+                                                               forced_peak, peak)
