@@ -1071,6 +1071,43 @@ def test_the_check_evaluates_every_count_where_a_larger_one_is_faster():
     assert tried == [1, 4, 8, 16] and plain.swept is not None and best.micro == 16
 
 
+def test_the_check_passes_over_a_count_not_possible():
+    """Where the count above the first that fits is not possible (refused),
+    the check compares the next count: below the job's own count the walk
+    goes on (here the job's 4, predicted faster than 1: every count
+    evaluated, the best 16 among them); above it the counts left are not
+    possible, not 'a smaller count fits, and the count above it is
+    predicted no faster'. Before: the refused count ended the check, 8 and
+    16 left out as no faster ('assert [1, 2] == [1, 2, 8, 16]'), and above
+    the job's count 4, 8 and 16 were 'smaller_fits'."""
+    from purine_mpi.tools.choose import Candidate, micro_batched, rank, variants_to_try
+
+    def run(own, refused):
+        plain = Candidate(("parallel.scheme=data", "recompute=none"), "data, recompute none")
+        variants = micro_batched(plain, [m for m in (1, 2, 4, 8, 16) if m != own])
+        tried = []
+
+        def evaluate(c):
+            m = c.micro or own
+            tried.append(m)
+            if m in refused:
+                c.error = "refused"
+                return
+            c.need, c.limits, c.iter_s, c.samples = {"host": 10}, \
+                {"host": (100, "--host-memory")}, 6.0 - m / 4, 16
+        evaluate(plain)
+        tried.clear()
+        done = variants_to_try(plain, variants, own, evaluate)
+        return tried, plain, done, {c.micro: c.not_tried for c in variants if c not in done}
+    tried, plain, done, left = run(own=4, refused=(2,))
+    assert tried == [1, 2, 8, 16] and left == {}
+    assert plain.swept.startswith("4 micro-batches predicted faster than 1")
+    assert rank([plain] + done)[0].micro == 16
+    tried, plain, done, left = run(own=1, refused=(2,))
+    assert tried == [2] and plain.swept is None
+    assert left == {4: "not_possible", 8: "not_possible", 16: "not_possible"}
+
+
 def test_choose_refuses_a_graph_config(tmp_path):
     """A complete ``graph:`` (``graph --format yaml``) is one composition
     already, with no batch of its own in the config (its data ops hold

@@ -561,7 +561,8 @@ def variants_to_try(plain, variants, own, evaluate):
     evaluated setting ``plain`` (at the job's own count ``own``) that may
     be the fastest that fits; the list of those evaluated. The counts are
     walked in ascending order (``plain`` among them, evaluated already): up
-    to the first that fits, then one more, the check: where it is predicted
+    to the first that fits, then one more, the check (the next possible
+    count; above ``own``, one not possible ends the walk): where it is predicted
     no faster per sample than the one that fits, the counts above it are
     left out (a larger count taken to be no faster); where it is faster,
     every count of the setting is evaluated and ``plain.swept`` says why.
@@ -598,7 +599,9 @@ def variants_to_try(plain, variants, own, evaluate):
             evaluate(v)
             done.append(v)
         if fit is not None and plain.swept is None:  # v: the check's count
-            if v.error is None and _per_sample(v) < _per_sample(fit):
+            if v.error is not None:  # not possible: the next count is the check's
+                continue
+            if _per_sample(v) < _per_sample(fit):
                 plain.swept = (f"{v.micro or own} micro-batches predicted faster than "
                                f"{fit.micro or own} ({v.iter_s:.4g} s/iter against "
                                f"{fit.iter_s:.4g}): every count evaluated")
