@@ -953,6 +953,12 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
     assert tried == [1, 2, 8, 16]
     assert [c.label for c in shown(rank([plain] + done))] == [
         "data, recompute none", "data, recompute none, 16 micro-batches"]
+    # the job's own count fits: the check's count above it (evaluated, no
+    # faster) is no row of its own (before: a '2 micro-batches' row beside
+    # each setting that fit, 9 of 23 rows for tests/test_choose.py's net)
+    tried, plain, done = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20}, own=1)
+    assert tried == [2] and plain.fits
+    assert [c.label for c in shown(rank([plain] + done))] == ["data, recompute none"]
 
 
 def test_choose_json_says_which_counts_were_not_tried(tmp_path):

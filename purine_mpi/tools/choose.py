@@ -964,8 +964,11 @@ def shown(ranked):
     """The candidates the table shows, in ``ranked``'s order: of the
     micro-batch variants of one setting (``Candidate.variant_of``) one, the
     first that fits (the fastest), else the possible one nearest to fitting
-    (the least need over its limit), else the first refused; every other
-    candidate."""
+    (the least need over its limit), else the first refused, none where
+    the setting itself fits and ranks before that one (the check's count of
+    ``variants_to_try``, evaluated and no faster, is not a row); every
+    other candidate."""
+    at = {id(c): i for i, c in enumerate(ranked)}
     groups = {}
     for c in ranked:
         if c.variant_of is not None:
@@ -980,6 +983,9 @@ def shown(ranked):
             pick = min(ok, key=_overshoot)
         else:
             pick = members[0]
+        plain = pick.variant_of
+        if plain.error is None and plain.fits and at.get(id(plain), len(at)) < at[id(pick)]:
+            continue
         keep.add(id(pick))
     return [c for c in ranked if c.variant_of is None or id(c) in keep]
 
