@@ -116,9 +116,14 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     res = run_mpi_cli(2, "train", tmp_path / "best.yaml", "--iters", 2, "--out",
                       tmp_path / "run", timeout=300)
     assert res.returncode == 0, res.stderr
-    # the start-up block pads its labels to its longest (train/runlog.py), which
-    # the chosen setting decides: the column is not always 7 spaces past "scheme"
-    assert re.search(r"^  scheme +pipeline", res.stdout, re.M), res.stdout
+    # the start-up block's scheme row (its label column is as wide as the
+    # longest label: a 'micro-batches' row, there where the best's count is
+    # more than 1, widens it; which count is best depends on the timed
+    # calibration: under load 2 micro-batches were predicted fastest)
+    rows = dict(re.findall(r"^  (\S.*?)  +(\S.*)$", res.stdout, re.M))
+    assert rows.get("scheme", "").startswith("pipeline"), res.stdout
+    micro = best["parallel"].get("micro_batches", 1)
+    assert ("micro-batches" in rows) == (micro > 1), (micro, res.stdout)
 
 
 def test_choose_json_keys_are_those_formats_md_lists(calibrated):
@@ -948,6 +953,12 @@ def test_micro_batch_counts_are_tried_while_they_may_be_the_fastest_that_fits(tm
     assert tried == [1, 2, 8, 16]
     assert [c.label for c in shown(rank([plain] + done))] == [
         "data, recompute none", "data, recompute none, 16 micro-batches"]
+    # the job's own count fits: the check's count above it (evaluated, no
+    # faster) is no row of its own (before: a '2 micro-batches' row beside
+    # each setting that fit, 9 of 23 rows for tests/test_choose.py's net)
+    tried, plain, done = run({1: 60, 2: 50, 4: 40, 8: 30, 16: 20}, own=1)
+    assert tried == [2] and plain.fits
+    assert [c.label for c in shown(rank([plain] + done))] == ["data, recompute none"]
 
 
 def test_choose_json_says_which_counts_were_not_tried(tmp_path):
@@ -1064,6 +1075,43 @@ def test_the_check_evaluates_every_count_where_a_larger_one_is_faster():
     # the check's count is the job's own (evaluated already): faster, so swept
     tried, plain, done, best = run({1: 5.0, 2: 4.0, 4: 3.0, 8: 2.0, 16: 1.0}, own=2)
     assert tried == [1, 4, 8, 16] and plain.swept is not None and best.micro == 16
+
+
+def test_the_check_passes_over_a_count_not_possible():
+    """Where the count above the first that fits is not possible (refused),
+    the check compares the next count: below the job's own count the walk
+    goes on (here the job's 4, predicted faster than 1: every count
+    evaluated, the best 16 among them); above it the counts left are not
+    possible, not 'a smaller count fits, and the count above it is
+    predicted no faster'. Before: the refused count ended the check, 8 and
+    16 left out as no faster ('assert [1, 2] == [1, 2, 8, 16]'), and above
+    the job's count 4, 8 and 16 were 'smaller_fits'."""
+    from purine_mpi.tools.choose import Candidate, micro_batched, rank, variants_to_try
+
+    def run(own, refused):
+        plain = Candidate(("parallel.scheme=data", "recompute=none"), "data, recompute none")
+        variants = micro_batched(plain, [m for m in (1, 2, 4, 8, 16) if m != own])
+        tried = []
+
+        def evaluate(c):
+            m = c.micro or own
+            tried.append(m)
+            if m in refused:
+                c.error = "refused"
+                return
+            c.need, c.limits, c.iter_s, c.samples = {"host": 10}, \
+                {"host": (100, "--host-memory")}, 6.0 - m / 4, 16
+        evaluate(plain)
+        tried.clear()
+        done = variants_to_try(plain, variants, own, evaluate)
+        return tried, plain, done, {c.micro: c.not_tried for c in variants if c not in done}
+    tried, plain, done, left = run(own=4, refused=(2,))
+    assert tried == [1, 2, 8, 16] and left == {}
+    assert plain.swept.startswith("4 micro-batches predicted faster than 1")
+    assert rank([plain] + done)[0].micro == 16
+    tried, plain, done, left = run(own=1, refused=(2,))
+    assert tried == [2] and plain.swept is None
+    assert left == {4: "not_possible", 8: "not_possible", 16: "not_possible"}
 
 
 def test_choose_refuses_a_graph_config(tmp_path):

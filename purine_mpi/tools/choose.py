@@ -564,7 +564,8 @@ def variants_to_try(plain, variants, own, evaluate):
     evaluated setting ``plain`` (at the job's own count ``own``) that may
     be the fastest that fits; the list of those evaluated. The counts are
     walked in ascending order (``plain`` among them, evaluated already): up
-    to the first that fits, then one more, the check: where it is predicted
+    to the first that fits, then one more, the check (the next possible
+    count; above ``own``, one not possible ends the walk): where it is predicted
     no faster per sample than the one that fits, the counts above it are
     left out (a larger count taken to be no faster); where it is faster,
     every count of the setting is evaluated and ``plain.swept`` says why.
@@ -601,7 +602,9 @@ def variants_to_try(plain, variants, own, evaluate):
             evaluate(v)
             done.append(v)
         if fit is not None and plain.swept is None:  # v: the check's count
-            if v.error is None and _per_sample(v) < _per_sample(fit):
+            if v.error is not None:  # not possible: the next count is the check's
+                continue
+            if _per_sample(v) < _per_sample(fit):
                 plain.swept = (f"{v.micro or own} micro-batches predicted faster than "
                                f"{fit.micro or own} ({v.iter_s:.4g} s/iter against "
                                f"{fit.iter_s:.4g}): every count evaluated")
@@ -980,8 +983,11 @@ def shown(ranked):
     """The candidates the table shows, in ``ranked``'s order: of the
     micro-batch variants of one setting (``Candidate.variant_of``) one, the
     first that fits (the fastest), else the possible one nearest to fitting
-    (the least need over its limit), else the first refused; every other
-    candidate."""
+    (the least need over its limit), else the first refused, none where
+    the setting itself fits and ranks before that one (the check's count of
+    ``variants_to_try``, evaluated and no faster, is not a row); every
+    other candidate."""
+    at = {id(c): i for i, c in enumerate(ranked)}
     groups = {}
     for c in ranked:
         if c.variant_of is not None:
@@ -996,6 +1002,9 @@ def shown(ranked):
             pick = min(ok, key=_overshoot)
         else:
             pick = members[0]
+        plain = pick.variant_of
+        if plain.error is None and plain.fits and at.get(id(plain), len(at)) < at[id(pick)]:
+            continue
         keep.add(id(pick))
     return [c for c in ranked if c.variant_of is None or id(c) in keep]
 
