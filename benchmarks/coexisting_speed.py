@@ -14,20 +14,16 @@ at 300, 178.7 s at 600 (the same figure, 156 bytes, each time).
 """
 import argparse
 import json
+import os
+import sys
 import time
 
-from purine_mpi.graph.core import Graph
-from purine_mpi.runtime.footprint import coexisting_bytes
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: the repository's purine_mpi and tests
+    sys.path.insert(0, ROOT)
 
-
-def chains(sizes, k):
-    g = Graph()
-    g.add_blob("x", shape=(1,))
-    for i, n in enumerate(sizes):
-        g.add_blob(f"b{i}", shape=(n,))
-        g.add_op(f"w{i}", "Sum", [f"z{i - k}" if i >= k else "x"], [f"b{i}"])
-        g.add_op(f"r{i}", "Copy", [f"b{i}"], [f"z{i}"])
-    return g, [f"b{i}" for i in range(len(sizes))]
+from purine_mpi.runtime.footprint import coexisting_bytes  # noqa: E402
+from tests.test_coexisting import chain_graph  # noqa: E402  (the graph the test checks)
 
 
 def main():
@@ -36,7 +32,7 @@ def main():
     ap.add_argument("--chains", type=int, default=3)
     a = ap.parse_args()
     sizes = [1 + (i * 7919) % 13 for i in range(a.buffers)]
-    g, names = chains(sizes, a.chains)
+    g, names = chain_graph(sizes, a.chains)
     t = time.perf_counter()
     got = coexisting_bytes(g, names)
     s = time.perf_counter() - t

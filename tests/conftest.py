@@ -446,6 +446,15 @@ def train_here(config, out, resume=None, lines=None):
     return out
 
 
+def quiet_solver(max_iter=1, **keys):
+    """A plain SGD solver section of ``max_iter`` iterations that prints
+    nothing as it trains (no display, no test), updated with ``keys``."""
+    solver = {"base_lr": 0.05, "momentum": 0.9, "lr_policy": "fixed", "max_iter": max_iter,
+              "display": 0, "test_interval": 0}
+    solver.update(keys)
+    return solver
+
+
 def small_net_config(data_path, **overrides):
     """A tiny LeNet-like config on the digits file (fast: fc on 8x8 inputs)."""
     cfg = {

@@ -1815,6 +1815,24 @@ def _train(monkeypatch, host_build_dir, storage, iters=3, blocks=2, sdpa=False):
         return losses, weights, steps
 
 
+def _assert_dropout_grads_write_bits(g, grads):
+    """The 2-block GPT's dropout gradients ``grads`` that write dx's bits
+    themselves (``bits_copy``): the four residual dropouts', each dx read
+    by the bias gradient, its bits by the data and weight products.
+    Returns them."""
+    cons = g.consumers()
+    copied = [op for op in grads if op.attrs.get("bits_copy")]
+    assert len(copied) == 4   # the two blocks' attention and MLP residual dropouts
+    for op in copied:
+        dx, copy = op.outputs
+        assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
+        assert g.blobs[dx].dtype == "float32" and g.blobs[copy].dtype == "uint16"
+        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
+        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
+                                                         "InnerProductGradWeight"]
+    return copied
+
+
 @pytest.mark.parametrize("attention", ["cublas", "sdpa"])
 def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, monkeypatch,
                                                               attention):
@@ -1876,19 +1894,10 @@ def test_a_bf16_gpt_with_dropout_writes_the_dropout_gradients_bits_and_trains_th
     import tests.gpt_oracle as oracle
     monkeypatch.setattr(oracle, "gpt_net", functools.partial(oracle.gpt_net, dropout=0.1))
     g = _gpt(monkeypatch, host_build_dir)
-    cons = g.consumers()
     grads = [op for op in g.ops.values() if op.op_type == "DropoutRedrawGrad"]
     assert grads and not any(op.op_type == "Cast" and ".grad" in op.inputs[0]
                              for op in g.ops.values())
-    copied = [op for op in grads if op.attrs.get("bits_copy")]
-    assert len(copied) == 4   # the two blocks' attention and MLP residual dropouts
-    for op in copied:
-        dx, copy = op.outputs
-        assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
-        assert g.blobs[dx].dtype == "float32" and g.blobs[copy].dtype == "uint16"
-        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
-        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
-                                                         "InnerProductGradWeight"]
+    copied = _assert_dropout_grads_write_bits(g, grads)
     on = _train(monkeypatch, host_build_dir, "1", iters=3)
     off = _train(monkeypatch, host_build_dir, "0", iters=3)
     assert on[0] == off[0] and on[0][-1] != on[0][0]
@@ -1924,20 +1933,11 @@ def test_a_bf16_gpt_with_kept_dropout_masks_writes_the_dropout_gradients_bits(
         return g, devices[0]
 
     (g, now), (g0, before) = plan(True), plan(False)
-    cons = g.consumers()
     grads = [op for op in g.ops.values() if op.op_type == "DropoutGrad"]
     assert grads and not any(op.op_type == "DropoutRedrawGrad" for op in g.ops.values())
     assert not any(op.op_type == "Cast" and ".grad" in op.inputs[0] for op in g.ops.values())
     assert any(op.op_type == "Cast" and ".grad" in op.inputs[0] for op in g0.ops.values())
-    copied = [op for op in grads if op.attrs.get("bits_copy")]
-    assert len(copied) == 4   # the two blocks' attention and MLP residual dropouts
-    for op in copied:
-        dx, copy = op.outputs
-        assert op.attrs["bits_copy"] == [0] and op.attrs["bits_out"] == [1]
-        assert g.blobs[dx].dtype == "float32" and g.blobs[copy].dtype == "uint16"
-        assert [r.op_type for r in cons[dx]] == ["InnerProductGradBias"]
-        assert sorted(r.op_type for r in cons[copy]) == ["InnerProductGradData",
-                                                         "InnerProductGradWeight"]
+    _assert_dropout_grads_write_bits(g, grads)
     assert now.total_bytes <= before.total_bytes, (now.total_bytes, before.total_bytes)
 
 

@@ -204,17 +204,12 @@ def test_scheme_auto_refuses_a_mode_it_would_not_keep(tmp_path, mode):
     assert "parallel.mode" not in ok.stderr, ok.stderr
 
 
-def test_choose_vs_real_measures_the_ranked_settings_only(monkeypatch, tmp_path):
-    """benchmarks/choose_vs_real.py runs and ranks ``plan --choose --json``'s
-    settings that fit: the ranked ones only. On the code before it took the
-    unranked parameter servers too (``"ranked": false``, listed after the
-    ranked ones whatever their prediction): numbered as predicted ranks
-    after them, they entered its Spearman correlation and its fastest
-    measured setting."""
+def _choose_vs_real(monkeypatch, name):
+    """benchmarks/choose_vs_real.py loaded as the module ``name``, its
+    ``import sharded`` (benchmarks/sharded.py) put in sys.modules for the
+    test only."""
     import importlib.util
-    import json
     import os
-    import subprocess
     import sys
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "benchmarks")
@@ -224,9 +219,20 @@ def test_choose_vs_real_measures_the_ranked_settings_only(monkeypatch, tmp_path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
-    # its ``import sharded`` (benchmarks/sharded.py), taken out of sys.modules after
     monkeypatch.setitem(sys.modules, "sharded", load("sharded", "sharded.py"))
-    mod = load("choose_vs_real_t", "choose_vs_real.py")
+    return load(name, "choose_vs_real.py")
+
+
+def test_choose_vs_real_measures_the_ranked_settings_only(monkeypatch, tmp_path):
+    """benchmarks/choose_vs_real.py runs and ranks ``plan --choose --json``'s
+    settings that fit: the ranked ones only. On the code before it took the
+    unranked parameter servers too (``"ranked": false``, listed after the
+    ranked ones whatever their prediction): numbered as predicted ranks
+    after them, they entered its Spearman correlation and its fastest
+    measured setting."""
+    import json
+    import subprocess
+    mod = _choose_vs_real(monkeypatch, "choose_vs_real_t")
     rows = [{"label": "data", "set": ["parallel.scheme=data"], "fits": True, "ranked": True},
             {"label": "big", "set": ["parallel.scheme=data"], "fits": False, "ranked": True},
             {"label": "ps", "set": ["parallel.mode=sync_ps"], "fits": True, "ranked": False,
@@ -246,20 +252,8 @@ def test_choose_vs_real_with_ps_measures_them_out_of_the_ranking(monkeypatch, tm
     and come under ``not_ranked`` with their predicted and measured
     figures; measured the fastest, they still are neither the fastest
     measured setting nor in the rank correlation."""
-    import importlib.util
-    import os
-    import sys
     from types import SimpleNamespace
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks")
-
-    def load(name, file):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(here, file))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    monkeypatch.setitem(sys.modules, "sharded", load("sharded", "sharded.py"))
-    mod = load("choose_vs_real_ps", "choose_vs_real.py")
+    mod = _choose_vs_real(monkeypatch, "choose_vs_real_ps")
 
     def row(label, iter_s, ranked=True):
         return {"label": label, "set": [f"x={label}"], "iter_s": iter_s,

@@ -111,10 +111,11 @@ def test_coexisting_bytes_is_the_heaviest_antichain_of_random_graphs():
         checked += 1
 
 
-def _chains(sizes, k):
+def chain_graph(sizes, k):
     """Buffers ``b<i>`` of ``sizes[i]`` float32 elements, each written by
     one op and read by another, in ``k`` chains: b<i>'s writer reads what
-    b<i-k>'s reader wrote (chain i mod k)."""
+    b<i-k>'s reader wrote (chain i mod k); benchmarks/coexisting_speed.py
+    times it."""
     g = Graph()
     g.add_blob("x", shape=(1,))
     for i, n in enumerate(sizes):
@@ -129,7 +130,7 @@ def test_coexisting_bytes_of_2100_buffers_in_3_chains():
     the heaviest of each chain summed (the search it replaced took 179 s
     at 600); and 2,100 unordered buffers: all of them."""
     sizes = [1 + (i * 7919) % 13 for i in range(2100)]
-    g, names = _chains(sizes, 3)
+    g, names = chain_graph(sizes, 3)
     assert coexisting_bytes(g, names) == 4 * sum(max(sizes[c::3]) for c in range(3))
-    g, names = _chains(sizes, 2100)
+    g, names = chain_graph(sizes, 2100)
     assert coexisting_bytes(g, names) == 4 * sum(sizes)

@@ -26,18 +26,12 @@ Found (each test says what failed on the code before):
 import h5py
 import numpy as np
 
-from tests.conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
-
-
-def _solver(**keys):
-    solver = {"base_lr": 0.05, "momentum": 0.9, "lr_policy": "fixed", "max_iter": 1,
-              "display": 0, "test_interval": 0}
-    solver.update(keys)
-    return solver
+from tests.conftest import (quiet_solver, run_cli_args, run_cli_here, small_net_config,
+                            write_config_file)
 
 
 def test_unused_solver_keys_are_noted_at_start_up(digits_h5, tmp_path):
-    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=quiet_solver(
         lr_policy="step", stepsize=5, momentum2=0.95, stepvalues=[2, 4], power=2.0,
         min_lr=0.001)))
     res = run_cli_args("train", cfg, "--out", tmp_path / "run")
@@ -57,7 +51,7 @@ def test_unused_solver_keys_are_noted_at_start_up(digits_h5, tmp_path):
 
 
 def test_cosine_floor_above_base_lr_is_refused(digits_h5, tmp_path):
-    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=quiet_solver(
         lr_policy="cosine", base_lr=0.05, min_lr=0.1, max_iter=10)))
     res = run_cli_here("graph", cfg)  # every command loads the config alike
     # before: exit 0 (train ran, the rate rising from 0.05 to 0.1 over the run)
@@ -66,7 +60,7 @@ def test_cosine_floor_above_base_lr_is_refused(digits_h5, tmp_path):
     assert "Traceback" not in res.stderr
     # a floor at base_lr (a constant rate) and below it are accepted
     for floor in (0.05, 0.001):
-        cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
+        cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=quiet_solver(
             lr_policy="cosine", base_lr=0.05, min_lr=floor, max_iter=10)), name="ok.yaml")
         res = run_cli_here("graph", cfg)
         assert res.returncode == 0, res.stderr
@@ -97,7 +91,7 @@ def test_yaml_boolean_where_text_is_expected_says_quote_it(digits_h5, tmp_path):
 
 
 def test_graph_errors_of_a_set_value_name_the_set(digits_h5, tmp_path):
-    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver()))
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=quiet_solver()))
     for cmd, setting, key in (("graph", "net=[]", "net"),
                               ("graph", "net.4.bottom=fc1", "net[4].bottom"),
                               ("train", "data.train=null", "data.train")):
@@ -109,7 +103,7 @@ def test_graph_errors_of_a_set_value_name_the_set(digits_h5, tmp_path):
         assert err.startswith(f"error: --set {setting}: key '{key}': "), err
         assert cfg not in err, err
     # a fault of the file itself, with an unrelated --set, still names the file
-    broken = small_net_config(digits_h5, solver=_solver())
+    broken = small_net_config(digits_h5, solver=quiet_solver())
     broken["net"][4]["bottom"] = "fc1"
     res = run_cli_here("graph", write_config_file(tmp_path, broken, name="b.yaml"),
                        "--set", "solver.base_lr=0.01")
@@ -117,7 +111,7 @@ def test_graph_errors_of_a_set_value_name_the_set(digits_h5, tmp_path):
 
 
 def test_non_finite_loss_before_any_update_blames_the_weights(digits_h5, tmp_path):
-    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(max_iter=2)))
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=quiet_solver(max_iter=2)))
     res = run_cli_args("train", cfg, "--out", tmp_path / "a")
     assert res.returncode == 0, res.stderr
     weights = tmp_path / "big.h5"
@@ -171,7 +165,7 @@ def test_convert_past_the_file_size_limit_leaves_no_temporary_file(digits_h5, tm
 
 
 def test_predict_refuses_to_replace_a_file_that_is_not_hdf5(digits_h5, tmp_path):
-    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver()))
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5, solver=quiet_solver()))
     res = run_cli_args("train", cfg, "--out", tmp_path / "run")
     assert res.returncode == 0, res.stderr
     notes = tmp_path / "notes.txt"

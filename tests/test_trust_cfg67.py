@@ -20,6 +20,7 @@ Found (each test says what failed on the code before):
 - a YAML boolean inside a list of names (``bottom: [on, label]``) said
   "got [True, 'label']" alone; now with the hint to quote it.
 """
+import functools
 import os
 import shutil
 
@@ -27,14 +28,11 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
+from tests.conftest import (quiet_solver, run_cli_args, run_cli_here, small_net_config,
+                            write_config_file)
 
 
-def _solver(**keys):
-    solver = {"base_lr": 0.05, "momentum": 0.9, "lr_policy": "fixed", "max_iter": 2,
-              "display": 0, "test_interval": 0}
-    solver.update(keys)
-    return solver
+_solver = functools.partial(quiet_solver, max_iter=2)
 
 
 # --------------------------------------------------- 1. a --set's refusal

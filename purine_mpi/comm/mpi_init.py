@@ -145,12 +145,18 @@ def _stopped_in_init(signum):
     os._exit(128 + signum)
 
 
-def _watched(numbers):
-    """Python's wakeup fd on a pipe, read by a thread that ends the rank
-    when MPI_Init has not returned ``INIT_GRACE_S`` after
-    one of ``numbers``; returns ``stop()``, which ends the watch, or None
-    where no pipe can be had (``ulimit -n`` at its end: MPI_Init then fails,
-    with its own message and the status 70, see above)."""
+def watch_notices(numbers, grace_s, end, status, name, first=None):
+    """Python's wakeup fd on a pipe, read by a thread (``name``) that ends
+    the rank when the call it watches (MPI_Init, MPI_Finalize: the caller
+    runs it between this and ``stop()``) has not returned ``grace_s`` after
+    one of the signal ``numbers``: ``end(signum)`` ends the process.
+    ``first``: a notice recorded before, whose grace runs from now. Returns
+    ``stop(settle=None)``, called once the watched call returned: it ends the
+    watch (``settle``, where given, runs before the wakeup fd is restored),
+    or, where the watcher is already ending the rank, ends it too with
+    ``status(signum)`` after its MPI shared memory is removed. Returns None
+    where no pipe or thread can be had (``ulimit -n`` at its end): the call
+    then goes on unwatched."""
     try:
         read, write = os.pipe()
     except OSError:
@@ -158,9 +164,9 @@ def _watched(numbers):
     os.set_blocking(write, False)
     old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
     done = threading.Event()
-    # taken once, by whichever comes first: stop() (MPI_Init returned: the
-    # rank goes on) or the watcher at the grace's end (the rank ends). An
-    # MPI_Init that returns just as the grace ends then never lets the main
+    # taken once, by whichever comes first: stop() (the call returned: the
+    # rank goes on) or the watcher at the grace's end (the rank ends). A
+    # call that returns just as the grace ends then never lets the main
     # thread go on while the watcher ends the rank (it may be held up: a full
     # stdout pipe), which ended a running train at a random place
     settled = threading.Lock()
@@ -177,34 +183,45 @@ def _watched(numbers):
             hit = [n for n in got if n in numbers]
             if hit:
                 notice.append(hit[0])
-                if not done.wait(INIT_GRACE_S) and settled.acquire(blocking=False):
-                    _stopped_in_init(hit[0])
+                if not done.wait(grace_s) and settled.acquire(blocking=False):
+                    end(hit[0])
 
-    watcher = threading.Thread(target=watch, name="init-notices", daemon=True)
+    watcher = threading.Thread(target=watch, name=name, daemon=True)
     try:
         watcher.start()
-    except RuntimeError:  # no thread to be had: MPI_Init as before, unwatched
+    except RuntimeError:  # no thread to be had: the call as before, unwatched
         signal.set_wakeup_fd(old_fd)
         os.close(write)
         os.close(read)
         return None
-    for n in _received:  # recorded before: the grace runs from now
-        if n in numbers:
-            os.write(write, bytes([n]))
-            break
+    if first is not None:
+        os.write(write, bytes([first]))
 
-    def stop():
+    def stop(settle=None):
         if not settled.acquire(blocking=False):  # the watcher is ending the rank
-            watcher.join(INIT_GRACE_S)
+            watcher.join(grace_s)
             remove_mpi_shm()
-            os._exit(128 + notice[0])
+            os._exit(status(notice[0]))
         done.set()
+        if settle is not None:
+            settle()
         signal.set_wakeup_fd(old_fd)
         os.close(write)
         watcher.join(1.0)
         if not watcher.is_alive():
             os.close(read)
     return stop
+
+
+def _watched(numbers):
+    """The stop notices ``numbers`` watched around MPI_Init
+    (``watch_notices``): the rank ends when MPI_Init has not returned
+    ``INIT_GRACE_S`` after one (``_stopped_in_init``); returns ``stop()``,
+    or None where no pipe can be had (``ulimit -n`` at its end: MPI_Init
+    then fails, with its own message and the status 70, see above)."""
+    first = next((n for n in _received if n in numbers), None)  # recorded before
+    return watch_notices(numbers, INIT_GRACE_S, _stopped_in_init, lambda signum: 128 + signum,
+                         "init-notices", first)
 
 
 def _notices():

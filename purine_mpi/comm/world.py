@@ -28,7 +28,7 @@ from ..base import env
 from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
-from .mpi_init import import_mpi, libmpi_function
+from .mpi_init import _flush, import_mpi, libmpi_function, watch_notices
 from .mpi_init import MPI_SHM_PREFIXES, remove_mpi_shm  # noqa: F401  (where they were)
 from ..base.errors import write_line
 
@@ -493,33 +493,23 @@ def finalize_mpi(code, grace_s=None):
             threading.main_thread():
         return False
     grace_s = FINALIZE_GRACE_S if grace_s is None else grace_s
-    read, write = os.pipe()
-    os.set_blocking(write, False)
     numbers = {int(getattr(signal, name)) for name in FINALIZE_NOTICES}
     # Ctrl-C ends a rank in MPI_Finalize at once, as it did in mpi4py's
     # (after Python's shutdown had put its default action back)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
         signal.signal(n, lambda *_: None)
-    old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # a byte per signal
 
-    done = threading.Event()
+    def end(signum):  # MPI_Finalize did not return within the grace
+        _flush()
+        remove_mpi_shm()
+        os._exit(code)
 
-    def watch():
-        while not done.is_set():
-            try:
-                got = os.read(read, 64)
-            except OSError:
-                return
-            if not got:  # the write end closed: MPI_Finalize returned
-                return
-            if numbers.intersection(got) and not done.wait(grace_s):
-                _flush()  # MPI_Finalize did not return within the grace
-                remove_mpi_shm()
-                os._exit(code)
+    def ignore():  # finalized: a notice from now on has nothing to stop (the stop
+        for n in numbers:  # notices ignored, as before; Python's shutdown keeps SIG_IGN)
+            signal.signal(n, signal.SIG_IGN)
 
-    watcher = threading.Thread(target=watch, name="finalize-notices", daemon=True)
-    watcher.start()
+    stop = watch_notices(numbers, grace_s, end, lambda signum: code, "finalize-notices")
     try:
         # the hooks free the RMA windows: MPI_Win_free is collective, and
         # waits as MPI_Finalize does for a peer that never comes (a notice
@@ -540,16 +530,10 @@ def finalize_mpi(code, grace_s=None):
             if locked:
                 MPI_LOCK.release()
     finally:
-        done.set()
-        # finalized: a notice from now on has nothing to stop (the stop
-        # notices ignored, as before; Python's shutdown keeps SIG_IGN)
-        for n in numbers:
-            signal.signal(n, signal.SIG_IGN)
-        signal.set_wakeup_fd(old_fd)
-        os.close(write)
-        watcher.join(1.0)
-        if not watcher.is_alive():
-            os.close(read)
+        if stop is not None:
+            stop(ignore)
+        else:
+            ignore()
     return True
 
 
@@ -607,14 +591,6 @@ def check_thread_level(MPI):
 
 def _fmt_ranks(ranks):
     return ",".join(str(r) for r in ranks)
-
-
-def _flush():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 # ------------------------------------------------------------------ abort

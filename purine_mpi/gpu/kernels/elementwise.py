@@ -52,13 +52,7 @@ def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None, copy=None):
     threshold = keep_threshold(ratio)
     x = _input(cupy, x, "dropout_apply: x")
     if copy is not None:
-        if out is None or np.dtype(x.dtype) != np.dtype(np.float32):
-            raise ValueError(f"dropout_apply: a copy takes a float32 x and out, got x "
-                             f"{x.dtype} and out {None if out is None else out.dtype}")
-        _bits_array(out, np.float32, "dropout_apply: out")
-        _bits_array(copy, np.uint16, "dropout_apply: copy")
-        if copy.size != x.size:
-            raise ValueError(f"dropout_apply: copy has {copy.size} elements, x {x.size}")
+        _check_copy("dropout_apply", "x", x, out, copy)
     y, target = _output(cupy, out, x.shape, x.dtype, "dropout_apply")
     it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
     u32 = np.uint32
@@ -86,13 +80,7 @@ def dropout_backward(dy, mask, ratio, out=None, copy=None):
     mask = _input(cupy, mask, "dropout_backward: mask")
     _same_as("dropout_backward", "dy", dy, mask=mask)
     if copy is not None:
-        if out is None or np.dtype(dy.dtype) != np.dtype(np.float32):
-            raise ValueError(f"dropout_backward: a copy takes a float32 dy and out, got dy "
-                             f"{dy.dtype} and out {None if out is None else out.dtype}")
-        _bits_array(out, np.float32, "dropout_backward: out")
-        _bits_array(copy, np.uint16, "dropout_backward: copy")
-        if copy.size != dy.size:
-            raise ValueError(f"dropout_backward: copy has {copy.size} elements, dy {dy.size}")
+        _check_copy("dropout_backward", "dy", dy, out, copy)
     dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward")
     scale = dy.dtype.type(1.0 / (1.0 - float(ratio)))
     if copy is not None:
@@ -704,6 +692,20 @@ def _bits_array(x, dtype, what):
     if not x.flags.c_contiguous:
         raise ValueError(f"{what}: a C-contiguous array, got strides {x.strides}")
     return x
+
+
+def _check_copy(what, name, x, out, copy):
+    """A dropout kernel's ``copy`` (the bfloat16 bits of each float32 result
+    written in the same pass), checked: ``x`` (the input called ``name``)
+    float32, ``out`` given, float32 and C-contiguous, ``copy`` uint16,
+    C-contiguous, of x's size."""
+    if out is None or np.dtype(x.dtype) != np.dtype(np.float32):
+        raise ValueError(f"{what}: a copy takes a float32 {name} and out, got {name} "
+                         f"{x.dtype} and out {None if out is None else out.dtype}")
+    _bits_array(out, np.float32, f"{what}: out")
+    _bits_array(copy, np.uint16, f"{what}: copy")
+    if copy.size != x.size:
+        raise ValueError(f"{what}: copy has {copy.size} elements, {name} {x.size}")
 
 
 def _round_launch(what, src, dst, dtype):
