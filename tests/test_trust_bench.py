@@ -91,7 +91,11 @@ def test_bench_of_a_graph_config_counts_what_its_config_counts(digits_h5):
                               "batch_size": 16}},
            "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "h", "num_output": 32},
                    {"type": "relu", "name": "r", "bottom": "h", "top": "h"},
-                   {"type": "fc", "name": "fc2", "bottom": "h", "top": "z", "num_output": 10},
+                   # a dropout's mask is recomputed (an fc chain alone is left
+                   # as it is: each copy would hold what it drops)
+                   {"type": "dropout", "name": "drop", "bottom": "h", "top": "hd",
+                    "dropout_ratio": 0.5},
+                   {"type": "fc", "name": "fc2", "bottom": "hd", "top": "z", "num_output": 10},
                    {"type": "softmax_loss", "name": "loss", "bottom": ["z", "label"],
                     "top": "loss"}],
            "solver": {"base_lr": 0.01, "max_iter": 10, "display": 0},

@@ -93,8 +93,12 @@ def test_predict_write(tmp_path, disk_full_mid_write, monkeypatch, before):
 
 
 def _old_h5(path):
+    """An earlier data file there (``data`` and ``label``: the kind the data
+    commands write, which they may replace; another kind they refuse)."""
     with h5py.File(path, "w") as f:
         f.attrs["old"] = 1
+        f["data"] = np.zeros((2, 1, 2, 2), np.float32)
+        f["label"] = np.zeros(2, np.int64)
     return path.read_bytes()
 
 
