@@ -8,7 +8,6 @@ the OR of the ranks' wait statuses, so one rank killed made a job of 2s end
 9 (a parameter-server run refusing its --resume; tests/mpi_scripts/
 agreed_exit.py forces the race: the ranks leave 0.3 s apart, and before
 ``leave_hydra`` every run of 10 ended 9)."""
-import os
 import socket
 import threading
 import time

@@ -287,7 +287,7 @@ def _traced_run(path, overrides, sets, folder):
                           text=True)
     if proc.returncode != 0:
         tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
-        raise UserError(f"plan --choose: the calibration run (one rank, data parallel"
+        raise UserError("plan --choose: the calibration run (one rank, data parallel"
                         + (f", {', '.join(sets)}" if sets else "")
                         + f") failed with status {proc.returncode}: {tail}")
     try:
