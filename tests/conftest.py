@@ -414,6 +414,20 @@ class FakeWorld:
         return None
 
 
+def refused_trainer_run(job, out, error):
+    """A one-rank Trainer of ``job`` into ``out`` (over ``FakeWorld``) whose
+    run() must raise ``error``: (the trainer, pytest's info on the error),
+    the trainer closed either way."""
+    from purine_mpi.train.trainer import Trainer
+    trainer = Trainer(job, str(out), world=FakeWorld(), log=lambda m: None)
+    try:
+        with pytest.raises(error) as info:
+            trainer.run()
+    finally:
+        trainer.close()
+    return trainer, info
+
+
 def train_here(config, out, resume=None, lines=None):
     """``train CONFIG --out OUT [--resume CKPT]`` on one rank inside this
     process (``Trainer`` over ``FakeWorld``, ``run_and_report``): the same

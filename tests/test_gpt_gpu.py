@@ -378,8 +378,7 @@ def test_a_token_id_outside_the_embedding_stops_the_run_on_a_gpu_as_on_the_cpu(
     Now the data op checks each batch on the host before its transfer: the
     run stops at the batch with the CPU op's message, on either device."""
     from purine_mpi.base.errors import OpError
-    from purine_mpi.train.trainer import Trainer
-    from tests.conftest import FakeWorld, make_job
+    from tests.conftest import make_job, refused_trainer_run
     from tests.emulated_gpu import emulated_trainer_env
     from purine_mpi.job.config import validate_config
     if device_id >= 0:
@@ -400,13 +399,7 @@ def test_a_token_id_outside_the_embedding_stops_the_run_on_a_gpu_as_on_the_cpu(
         .gather(np.arange(2))[0]
     assert first.max() >= 100  # the first batch (no shuffle) holds such ids
     bad = int(first[first >= 100].ravel()[0])
-    trainer = Trainer(make_job(config), str(tmp_path / "run"), world=FakeWorld(),
-                      log=lambda m: None)
-    try:
-        with pytest.raises(OpError) as err:
-            trainer.run()
-    finally:
-        trainer.close()
+    _, err = refused_trainer_run(make_job(config), tmp_path / "run", OpError)
     assert isinstance(err.value.cause, ValueError), err.value
     assert str(err.value.cause) == \
         f"token id {bad} is outside [0, 100) for an embedding of 100 rows", err.value

@@ -8,7 +8,7 @@ import pytest
 
 from purine_mpi.train.loop import Loop, Service
 from purine_mpi.train.trainer import Trainer
-from tests.conftest import REPO, FakeWorld, make_job, small_net_config
+from tests.conftest import REPO, FakeWorld, make_job, refused_trainer_run, small_net_config
 
 
 class Recorder(Service):
@@ -106,14 +106,7 @@ def _refused_run(cfg, out):
     """A one-rank Trainer of ``cfg`` (as file job.yaml) into ``out`` whose
     run() raises a UserError: (the trainer, pytest's info on the error)."""
     from purine_mpi.base.errors import UserError
-    t = Trainer(make_job(cfg, path="job.yaml"), str(out), world=FakeWorld(),
-                log=lambda m: None)
-    try:
-        with pytest.raises(UserError) as info:
-            t.run()
-    finally:
-        t.close()
-    return t, info
+    return refused_trainer_run(make_job(cfg, path="job.yaml"), out, UserError)
 
 
 def test_a_watched_metric_the_net_lacks_is_refused_before_any_iteration(tmp_path, digits_h5):
