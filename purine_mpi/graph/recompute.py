@@ -153,8 +153,8 @@ def _layer_of(op_name, names):
     return best
 
 
-def _forward_ops(graph, order):
-    """Names of the forward ops: the ancestors of the losses' producers."""
+def forward_ops(graph):
+    """Names of ``graph``'s forward ops: the ancestors of its losses' producers."""
     prod = graph.producers()
     deps = graph.dependencies()
     stack = [op.name for b in graph.blobs.values() if "loss_weight" in b.attrs
@@ -211,7 +211,7 @@ def add_recompute(graph, setting, layers, patterns=None):
     if setting == "none":
         return summary
     order = graph.topo_order()
-    forward = _forward_ops(graph, order)
+    forward = forward_ops(graph)
     names = [name for name, _, _ in layers]
     by_layer = {}
     for op in order:
@@ -425,11 +425,6 @@ def _pack_mask(graph, op, grads):
         c.attrs["packed_mask"] = True
     del graph.blobs[mask]
     return bits
-
-
-def forward_ops(graph):
-    """Names of ``graph``'s forward ops: the ancestors of its losses' producers."""
-    return _forward_ops(graph, None)
 
 
 def describe_recompute(graph):
