@@ -314,7 +314,8 @@ def open_h5(path, what="checkpoint", links=None):
         raise UserError(f"{what} '{path}' not found")
     if os.path.isdir(path):
         raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
-    if stat.S_ISFIFO(os.stat(path).st_mode) or stat.S_ISSOCK(os.stat(path).st_mode):
+    mode = os.stat(path).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
         raise UserError(f"{what} '{path}' is a pipe or socket, not an HDF5 file")  # (open waits)
     try:  # HDF5 calls a file it may not read "not HDF5" or a failed read
         with open(path, "rb"):

@@ -78,7 +78,7 @@ def _ignored_data_keys(raw, path, overrides, job):
     (switching the source by ``--set`` keeps the other source's keys) but
     read by nothing (data_spec.data_notes says so). A synthetic spec's
     ``path`` has its own note."""
-    config = copy.deepcopy(raw)
+    config = copy.deepcopy(raw) if overrides else raw  # only read below; the --set write a copy
     for text in overrides:
         apply_override(config, text, path)
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
