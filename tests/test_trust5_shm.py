@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from purine_mpi.comm.world import MPI_SHM_PREFIXES
+from purine_mpi.comm.mpi_init import MPI_SHM_PREFIXES
 
 from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
 from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, finish_ranks

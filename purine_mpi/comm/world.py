@@ -29,7 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
 from .mpi_init import _flush, import_mpi, libmpi_function, watch_notices
-from .mpi_init import MPI_SHM_PREFIXES, remove_mpi_shm  # noqa: F401  (where they were)
+from .mpi_init import remove_mpi_shm
 from ..base.errors import write_line
 
 _WORLD = None

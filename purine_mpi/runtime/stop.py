@@ -73,7 +73,8 @@ class StopSignal:
         destructor is printed as a traceback and dropped -- the interrupt
         was lost."""
         from ..comm.launcher import launched_rank
-        _flush_quietly()
+        from ..comm.mpi_init import _flush
+        _flush()  # quietly: a closed pipe, a stream in use by the interrupted code
         if launched_rank() == 0:
             write_line("interrupted again: stopping now without waiting for the checkpoint "
                           "(latest.h5 stays the last complete one)")
@@ -191,11 +192,3 @@ def _to_devnull(fileno, stream):
         stream.flush()
     except (OSError, ValueError):
         pass
-
-
-def _flush_quietly():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed pipe, a stream in use by the interrupted code
-            pass

@@ -17,7 +17,8 @@ import time
 from common import world
 
 from purine_mpi.base.errors import UserError
-from purine_mpi.comm.world import MPI_SHM_PREFIXES, report_user_error
+from purine_mpi.comm.mpi_init import MPI_SHM_PREFIXES
+from purine_mpi.comm.world import report_user_error
 from purine_mpi.runtime.stop import StopSignal
 import purine_mpi.train.checkpoints  # noqa: F401,E402  (registers train's cleanups, as train has)
 
