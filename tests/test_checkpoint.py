@@ -216,11 +216,12 @@ def test_inspect_diff_of_nan_in_the_same_places_is_no_difference(tmp_path):
             json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
     assert np.array_equal(w, w, equal_nan=True)
     assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0,
-                             "unread_fill": 0}, rows
+                             "unread_fill": 0, "equal": True, "status": "equal"}, rows
     # the shared NaN and inf are left out of the norms too: 0.5 / ||(3, 4.5)||
     assert rows["/near"]["max_abs_diff"] == 0.5, rows
     assert rows["/near"]["rel_l2_diff"] == pytest.approx(0.5 / np.hypot(3, 4.5)), rows
     assert rows["/other"]["max_abs_diff"] == "nan", rows
+    assert [rows[n]["status"] for n in ("/near", "/other")] == ["differs", "differs"], rows
 
 
 def _diff_reference(x, y):

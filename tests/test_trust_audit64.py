@@ -55,7 +55,8 @@ def test_inspect_diff_of_a_record_array_and_floats(tmp_path):
         f["x"] = np.zeros(2)
     res = run_cli_here("inspect", tmp_path / "a.h5", "--diff", tmp_path / "b.h5", "--json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["diff"]["datasets"] == [{"name": "/x", "equal": False}]
+    assert json.loads(res.stdout)["diff"]["datasets"] == [{"name": "/x", "equal": False,
+                                                         "status": "differs"}]
 
 
 def test_graph_np_below_one_is_refused(tiny):

@@ -222,9 +222,11 @@ def test_many_small_datasets_build_no_h5py_dataset(tmp_path, monkeypatch):
 
 def test_every_name_of_a_dataset_is_listed(tmp_path):
     """A dataset with two hard links and a soft link to it: all three
-    names are listed (reading them gives its values), so --diff against a
-    file holding three separate copies finds nothing only in one file.
-    Before: ``names == [...]`` failed (only /a: HDF5's object walk)."""
+    names are listed, the dataset under its first with its figures, the
+    others as aliases of it (session 68: not as datasets of their own), so
+    --diff against a file holding three separate copies compares each name
+    and finds nothing only in one file. Before: ``names == [...]`` failed
+    (only /a: HDF5's object walk)."""
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     with h5py.File(a, "w") as f:
         f["a"] = np.arange(3.0)
@@ -238,9 +240,13 @@ def test_every_name_of_a_dataset_is_listed(tmp_path):
         f.create_group("g")["x"] = np.ones(1)
     report = json.loads(_ok(run_cli_here("inspect", a, "--diff", b, "--json")))
     names = [d["name"] for d in report["datasets"]]
-    assert names == ["/a", "/b", "/g/x", "/s"]
-    assert all(d["l2"] == pytest.approx(np.sqrt(5.0)) for d in report["datasets"][:2])
+    assert names == ["/a", "/g/x"]
+    assert report["datasets"][0]["l2"] == pytest.approx(np.sqrt(5.0))
+    assert [(a["name"], a["alias_of"], a["link"]) for a in report["aliases"]] == [
+        ("/b", "/a", "hard"), ("/s", "/a", "soft"), ("/sg", "/g", "soft")]
     assert not report["diff"]["only_in_first"] and not report["diff"]["only_in_second"]
+    assert {r["name"]: r["status"] for r in report["diff"]["datasets"]} == {
+        "/a": "equal", "/b": "equal", "/s": "equal", "/g/x": "equal"}
 
 
 def test_names_that_are_not_utf8(tmp_path):

@@ -251,11 +251,13 @@ def test_inspect_of_variable_length_numbers_and_a_nan_attribute(tmp_path):
     same = run_cli_args("inspect", path, "--diff", path, "--json")
     assert same.returncode == 0, same.stderr
     diff = json.loads(same.stdout)["diff"]
-    assert diff["attrs"] == {} and diff["datasets"] == [{"name": "/seq", "equal": True}], diff
+    assert diff["attrs"] == {} and diff["datasets"] == [{"name": "/seq", "equal": True,
+                                                              "status": "equal"}], diff
     text = run_cli_args("inspect", path, "--diff", path)
     assert "attribute @" not in text.stdout, text.stdout
     changed = json.loads(run_cli_args("inspect", path, "--diff", other, "--json").stdout)
-    assert changed["diff"]["datasets"] == [{"name": "/seq", "equal": False}], changed
+    assert changed["diff"]["datasets"] == [{"name": "/seq", "equal": False,
+                                                "status": "differs"}], changed
 
 
 def test_export_onnx_refuses_non_finite_weights_as_export_hf_does(tmp_path, one_rank_run,

@@ -181,6 +181,22 @@ def _pathconf(folder, name, default):
         return default
 
 
+def missing_folders(path):
+    """``path`` and its ancestors that do not exist yet, deepest first, as
+    the system finds them (``link/../new`` is ``new`` beside the link's
+    target, not beside the link: what ``mkdir`` makes there): the folders
+    a command that makes ``path`` may remove again when it fails, left
+    empty."""
+    missing, head = [], os.path.realpath(path)
+    while head and not os.path.lexists(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    return missing
+
+
 def make_folder(path):
     """``os.makedirs(path, exist_ok=True)`` for an output the user named;
     a folder that cannot be made there is one line naming it (exit 2)."""

@@ -27,6 +27,7 @@ import urllib.request
 from ..base import env
 from ..base.errors import UserError
 from ..base.progress_bar import progress
+from ..base.runfiles import missing_folders
 
 #: the official archive of CIFAR-10's python version and its MD5
 #: (https://www.cs.toronto.edu/~kriz/cifar.html)
@@ -50,7 +51,9 @@ def fetch(url, path, md5, log=None, timeout=60):
     if os.path.isfile(path) and md5_of(path) == md5:
         log(f"{path}: already downloaded (MD5 {md5})")
         return path
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # where the system writes ``path`` (``link/../new/file``: beside the link's
+    # target), not where its text reads lexically (abspath)
+    os.makedirs(os.path.dirname(os.path.realpath(path)), exist_ok=True)
     tmp = f"{path}.part"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
@@ -150,7 +153,7 @@ def download_cifar10(cache_dir, log=None):
     replace the official address and checksum)."""
     url = env.get("PURINE_CIFAR10_URL") or CIFAR10_URL
     md5 = env.get("PURINE_CIFAR10_MD5") or CIFAR10_MD5
-    made = _missing_folders(cache_dir)
+    made = missing_folders(cache_dir)  # the folders as the system finds them
     try:
         archive = fetch(url, os.path.join(cache_dir, os.path.basename(url) or "cifar10.tar.gz"),
                         md5, log)
@@ -173,18 +176,6 @@ def download_cifar10(cache_dir, log=None):
         os.replace(found, batches)
         shutil.rmtree(staging, ignore_errors=True)
     return batches
-
-
-def _missing_folders(folder):
-    """The folders of ``folder``'s path that do not exist yet, innermost first."""
-    missing, folder = [], os.path.abspath(folder)
-    while folder and not os.path.exists(folder):
-        missing.append(folder)
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
-    return missing
 
 
 def _remove(path):

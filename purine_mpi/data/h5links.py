@@ -115,28 +115,55 @@ def _reads_outside(dcpl):
     return dcpl.get_layout() == h5py.h5d.VIRTUAL or dcpl.get_external_count() > 0
 
 
+class Alias(tuple):
+    """``outside_reference``'s entry for a second name of an object (a
+    second hard link, or a soft link): ``target``, the object's first name
+    in the walk (full, bytes; b"/" for the root), ``group`` whether it is a
+    group, ``soft`` whether this name is a soft link."""
+    __slots__ = ()
+
+    def __new__(cls, target, group, soft):
+        return super().__new__(cls, (target, group, soft))
+
+    target = property(lambda self: self[0])
+    group = property(lambda self: self[1])
+    soft = property(lambda self: self[2])
+
+
 def outside_reference(f, group="/", found=None):
     """(name, what) of the first object under ``group`` of the open h5py
     file ``f`` that reads from outside the file or does not resolve (an
     external link, a dangling soft link or one through an external link, a
     dataset with external storage, a virtual dataset), or None. Follows hard
     links only: no other file is opened. Walks the links with HDF5's own
-    visit (each group once, every link), so that a file of many small
-    datasets costs a cheap look at each. ``found``, a dict, receives the
-    walk's by-product (inspect's listing, without a second walk): each hard
-    link to a dataset, its name (bytes, below ``group``) and (opened
-    DatasetID, its creation property list), and each soft link's name with
-    None."""
+    visit (each group once, every link: a group hard-linked into itself or
+    into its own child ends the walk there), so that a file of many small
+    datasets costs a cheap look at each; an object met again under a second
+    hard link (its address, which the link's info gives) is not opened
+    again. ``found``, a dict, receives the walk's by-product (inspect's
+    listing, without a second walk), keyed by each name (bytes, below
+    ``group``): for the first hard link to a dataset (opened DatasetID, its
+    creation property list); for a second hard link to any object, and for
+    each soft link, an ``Alias`` naming the object's first name (a soft
+    link whose target the walk did not meet, one out of ``group``, None)."""
     import h5py
     start = f[group]
     prefix = start.name.rstrip("/").encode("utf-8", "surrogateescape")
-    bad = []
+    first = {h5py.h5o.get_info(start.id).addr: (prefix or b"/", True)}  # address: (name, group)
+    bad, soft = [], []
 
     def visit(name, info):
         full = prefix + b"/" + name
         if info.type == h5py.h5l.TYPE_HARD:
+            seen = first.get(info.u)
+            if seen is not None:  # a second name: the object was looked at under its first
+                if found is not None:
+                    found[name] = Alias(seen[0], seen[1], False)
+                return None
             oid = h5py.h5o.open(start.id, name)
-            if not isinstance(oid, h5py.h5d.DatasetID):
+            is_set = isinstance(oid, h5py.h5d.DatasetID)
+            first[info.u] = full, not is_set
+            if not is_set:
                 return None
             dcpl = oid.get_create_plist()
             if found is not None:
@@ -145,13 +172,20 @@ def outside_reference(f, group="/", found=None):
                 return None
         elif info.type == h5py.h5l.TYPE_SOFT and found is not None:
             found[name] = None
+            soft.append(name)
         why = link_outside(f, full)
         if why:
             bad.append((_name(full), why))
             return True
         return None
     start.id.links.visit(visit, info=True)
-    return bad[0] if bad else None
+    if bad:
+        return bad[0]
+    for name in soft:  # each resolves inside the file (checked above): to what first name
+        seen = first.get(h5py.h5o.get_info(h5py.h5o.open(start.id, name)).addr)
+        if seen is not None:
+            found[name] = Alias(seen[0], seen[1], True)
+    return None
 
 
 def refuse_outside(f, path, what, found=None):

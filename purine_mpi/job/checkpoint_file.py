@@ -421,15 +421,40 @@ def _params_group(f, path):
 @names_the_file("weights file")
 def params_nbytes(path):
     """The bytes ``load_params`` reads into memory from ``path``: its
-    ``/params`` datasets' sizes (their metadata: no data is read). A file
-    with no /params is refused as ``load_params`` refuses it (``plan
-    --init DATA.h5`` said it fits, where train exits 2)."""
-    import h5py
-    total = []
+    ``/params`` datasets' sizes (their metadata: no data is read), each
+    name counted as ``load_params`` reads it (a dataset under two names,
+    through an alias of a group too, twice: an object walk counted it
+    once). A file with no /params is refused as ``load_params`` refuses it
+    (``plan --init DATA.h5`` said it fits, where train exits 2), and so is
+    a group that is an alias of one of its own parents."""
     with open_h5(path, "weights file") as f:
-        _params_group(f, path).visititems(lambda name, obj: total.append(
-            (obj.size or 0) * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else None)
-    return int(sum(total))
+        return _group_nbytes(_params_group(f, path), "params")
+
+
+def _group_nbytes(group, where, above=()):
+    """The bytes of the datasets under ``group`` (``where``: its name), by
+    name (``_read_group``'s walk and its refusal of a cycle)."""
+    import h5py
+    above = above + ((hash(group.id), f"/{where}"),)
+    total = 0
+    for name in group:
+        obj = group[name]
+        if isinstance(obj, h5py.Group):
+            _not_a_parent(obj, above, f"{where}/{name}")
+            total += _group_nbytes(obj, f"{where}/{name}", above)
+        elif isinstance(obj, h5py.Dataset):
+            total += (obj.size or 0) * obj.dtype.itemsize
+    return int(total)
+
+
+def _not_a_parent(group, above, where):
+    """A ValueError naming ``where`` when ``group`` is one of ``above``
+    ((hash of its id, its name) of the groups on the way to it): a group
+    hard-linked into itself or its child, a cycle of names without end."""
+    parent = next((n for h, n in above if h == hash(group.id)), None)
+    if parent is not None:
+        raise ValueError(f"'/{one_line(where)}' is an alias of '{one_line(parent)}', one of its "
+                         "own parents (a cycle of hard links)")
 
 
 @names_the_file("weights file")
@@ -474,15 +499,13 @@ def _read_group(group, where, prefix="", checksummed=False, above=()):
     error, not a recursion without end."""
     import h5py
     out = {}
-    above = above + (hash(group.id),)
+    above = above + ((hash(group.id), f"/{where[-1]}".rstrip("/") or "/"),)
     for name in group:
         where.append(f"{group.name.lstrip('/')}/{name}")
         obj = group[name]
         kind = plain_attr(obj.attrs.get(KIND))
         if isinstance(obj, h5py.Group):
-            if hash(obj.id) in above:
-                raise ValueError("a group that is one of its own parents (a cycle of hard "
-                                 "links)")
+            _not_a_parent(obj, above, where[-1])
             if kind == "dict":
                 out[prefix + name] = _read_group(obj, where, checksummed=checksummed,
                                                  above=above)

@@ -13,7 +13,7 @@ file of another program), unless ``--force``.
 import os
 
 from ..base.errors import UserError
-from .rundir_force import is_our_checkpoint
+from .rundir_force import holds_our_format, is_our_checkpoint, signature_first
 
 
 def job_inputs(job):
@@ -100,14 +100,15 @@ def hdf5_kind(path):
     holding nothing, or a file of 0 bytes), ``other`` (HDF5 of another kind) or ``not-hdf5``;
     ``detail``: what it holds, in a few words (its top-level names)."""
     import h5py
-    if is_our_checkpoint(path):
-        return "checkpoint", ""
     try:
         if os.path.getsize(path) == 0:  # ``mktemp x.XXXX.h5``, ``touch``: nothing to lose
             return "empty", ""
         if not h5py.is_hdf5(path):
             return "not-hdf5", ""
+        ours = signature_first(path)  # (is_our_checkpoint's rule, on this one open)
         with h5py.File(path, "r") as f:
+            if ours and holds_our_format(f):
+                return "checkpoint", ""
             names = sorted(f)
             fmt = f.attrs.get("format")
             fmt = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else fmt

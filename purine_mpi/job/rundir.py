@@ -49,7 +49,7 @@ import time
 
 from ..base import logfile
 from ..base.errors import UserError
-from ..base.runfiles import disk_error, open_run_file, refuse_link
+from ..base.runfiles import disk_error, missing_folders, open_run_file, refuse_link
 from .checkpoint_file import LATEST, load_checkpoint, load_params
 from .outputs import file_in_the_way
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
@@ -67,20 +67,6 @@ _held = []  # (open lock file, its text, folder) of this process (closing one re
 #: it (the run folder first, then the parents it made): a fresh run refused
 #: at start-up removes them (``release_run_dirs``)
 _made = {}
-
-
-def _missing_dirs(path):
-    """``path`` and its ancestors that do not exist yet, deepest first, as
-    the system finds them (``link/../new`` is ``new`` beside the link's
-    target, not beside the link)."""
-    missing, head = [], os.path.realpath(path)
-    while head and not os.path.lexists(head):
-        missing.append(head)
-        parent = os.path.dirname(head)
-        if parent == head:
-            break
-        head = parent
-    return missing
 
 
 def _note_made(path, made):
@@ -113,7 +99,7 @@ def numbered_runs(base):
 
 
 def _new_numbered(base):
-    parents = _missing_dirs(base)
+    parents = missing_folders(base)
     os.makedirs(base, exist_ok=True)
     n = (numbered_runs(base) or [(0, None)])[-1][0] + 1
     while True:
@@ -135,7 +121,7 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
     from (``resume`` FILE, ``init``) are read, and ``job``'s graphs built on
     its data, before ``--force`` deletes anything. Returns (path, note or None)."""
     if out:
-        made = _missing_dirs(out)
+        made = missing_folders(out)
         os.makedirs(out, exist_ok=True)
         _note_made(out, made)
         if lock is not None:

@@ -46,17 +46,33 @@ def _head(path, n=256):
 
 def is_our_checkpoint(path):
     """Whether ``path`` is a regular file holding one of our checkpoints."""
-    if not _regular(path):
+    if not signature_first(path):
         return False
     import h5py
     try:
-        if _head(path, 8) != b"\x89HDF\r\n\x1a\n":
-            return False
         with h5py.File(path, "r") as f:
-            from .checkpoint_file import FORMAT
-            return str(f.attrs.get("format", "")) == FORMAT
+            return holds_our_format(f)
     except (OSError, ValueError, KeyError):
         return False
+
+
+def signature_first(path):
+    """Whether ``path`` is a regular file (not followed through a link)
+    starting with HDF5's signature: no user block before it, as every file
+    we write (one with a user block is never taken for our checkpoint)."""
+    if not _regular(path):
+        return False
+    try:
+        return _head(path, 8) == b"\x89HDF\r\n\x1a\n"
+    except OSError:
+        return False
+
+
+def holds_our_format(f):
+    """Whether the open HDF5 file ``f`` has our checkpoint's ``format``
+    root attribute (text; bytes are not ours)."""
+    from .checkpoint_file import FORMAT
+    return str(f.attrs.get("format", "")) == FORMAT
 
 
 def _metrics_rows(path):

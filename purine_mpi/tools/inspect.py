@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from ..base.errors import UserError, one_line
+from ..data.h5links import Alias
 from ..job.checkpoint_file import KIND, open_h5, plain_attr
 
 
@@ -18,13 +19,15 @@ def inspect_checkpoint(path, diff=None, as_json=False):
     per common dataset the max abs difference and the relative L2 difference
     ``||a - b|| / max(||a||, ||b||)``, and the datasets only one file has.
     Returns text, or a JSON string with the same content when ``as_json``."""
-    links = {}
+    links, aliases = {}, []
     with open_h5(path, "file", links) as f, _read_errors(path):
-        sets = _datasets(f, links)  # one walk of the file for both
+        sets = _datasets(f, links, aliases)  # one walk of the file for both
         try:
             report = _describe(path, f, sets)
+            report["aliases"] = [dict(a, name=_text(a["name"]), alias_of=_text(a["alias_of"]))
+                                 for a in aliases]
             if diff is not None:
-                report["diff"] = _diff(path, diff, f, sets)
+                report["diff"] = _diff(path, diff, f, sets, aliases)
         finally:
             sets.clear()  # each dataset closed here, not looked for by the file's close
     if as_json:
@@ -65,22 +68,33 @@ class _ReadErrors:
         return False
 
 
-def _datasets(f, links):
-    """{"/name": dataset} of every name of an open file that is a dataset,
-    from ``links``, what open_h5's walk found (every link, HDF5's own visit):
-    each hard link (a dataset with two names is listed under both) and each
-    soft link to a dataset of the file (open_h5 has refused the dangling
-    ones and the external links, which are never followed). A name that is
-    not UTF-8 is a key with surrogate escapes (``_text`` shows it)."""
+def _datasets(f, links, aliases=None):
+    """{"/name": dataset} of every dataset of an open file, under its first
+    name, from ``links``, what open_h5's walk found (every link, HDF5's own
+    visit, which enters each group once: a group linking to its own parent
+    ends there). Each second name of an object (a second hard link to a
+    dataset or group, a soft link to one) goes to ``aliases``, a list, as
+    {"name", "alias_of", "kind", "link"} (``alias_of`` its first name),
+    never as a second entry nor walked into (open_h5 has refused the
+    dangling soft links and the external links, which are never followed).
+    A name that is not UTF-8 is a key with surrogate escapes (``_text``
+    shows it)."""
     import h5py
     found = {}
     for name, ids in links.items():
-        if ids is None:  # a soft link, to somewhere in this file
+        shown = "/" + name.decode("utf-8", "surrogateescape")
+        if isinstance(ids, Alias):
+            if aliases is not None:
+                aliases.append({"name": shown, "alias_of": ids.target.decode(
+                    "utf-8", "surrogateescape"), "kind": "group" if ids.group else "dataset",
+                    "link": "soft" if ids.soft else "hard"})
+            continue
+        if ids is None:  # a soft link the walk did not resolve to a first name
             oid = h5py.h5o.open(f.id, name)
             if not isinstance(oid, h5py.h5d.DatasetID):
                 continue
             ids = oid, oid.get_create_plist()
-        found["/" + name.decode("utf-8", "surrogateescape")] = _Dataset(*ids)
+        found[shown] = _Dataset(*ids)
     links.clear()
     return found
 
@@ -88,9 +102,10 @@ def _datasets(f, links):
 def _reached(f, names):
     """{"/name": dataset} of each of ``names`` (keys of another file's
     listing) that is a dataset of the open file ``f`` though its walk did
-    not list it: a name through a second name of a group (hard-linked
-    twice, or a soft link to it), which the listing leaves out (a group
-    linking to its parent would give names without end). Looked up one
+    not list it: an alias (a second hard link or a soft link to the
+    dataset), or a name through an alias of a group, which the listing
+    does not walk into (a group linking to its parent would give names
+    without end). Looked up one
     name at a time: ``f`` has passed open_h5's check, so a name resolves
     inside the file or not at all."""
     import h5py
@@ -113,7 +128,7 @@ class _Dataset:
 
     def __init__(self, oid, dcpl):
         import h5py
-        self.id, self._dset = oid, None
+        self.id, self.dcpl, self._dset = oid, dcpl, None
         self.shape, self.dtype = oid.shape, oid.dtype
         self.chunks = dcpl.get_chunk() if dcpl.get_layout() == h5py.h5d.CHUNKED else None
         self.ndim = 0 if self.shape is None else len(self.shape)
@@ -248,7 +263,7 @@ def _missing_filter(dset):
     import h5py
     if dset.chunks is None:  # filters apply to chunked datasets only
         return None
-    dcpl = dset.id.get_create_plist()
+    dcpl = dset.dcpl  # fetched once, by the walk (_Dataset)
     for i in range(dcpl.get_nfilters()):
         code, _, _, name = dcpl.get_filter(i)
         if not h5py.h5z.filter_avail(code):
@@ -516,22 +531,30 @@ def _difference(raw_x, raw_y, x, y):
     return np.where(same, 0.0, d)
 
 
-def _diff(path, other, fa, a_sets):
-    """The diff of the open file ``fa`` (``path``, its datasets ``a_sets``)
-    against the file ``other``."""
-    b_links = {}
+def _diff(path, other, fa, a_sets, a_aliases):
+    """The diff of the open file ``fa`` (``path``, its datasets ``a_sets``
+    and second names ``a_aliases``) against the file ``other``."""
+    b_links, b_aliases = {}, []
     with open_h5(other, "file", b_links) as fb, _read_errors(path):
-        b_sets = _datasets(fb, b_links)
-        # a name one file lists that the other reaches only through a second
-        # name of a group (a group hard-linked twice, a soft link to a
+        b_sets = _datasets(fb, b_links, b_aliases)
+        a_of, b_of = ({a["name"]: a["alias_of"] for a in aliases}
+                      for aliases in (a_aliases, b_aliases))
+        # a second name of the same first name in both files: compared there
+        same = {n for n in a_of if b_of.get(n) == a_of[n]}
+        a_names, b_names = ([n for n in sets if n not in same] +
+                            [a["name"] for a in aliases if a["kind"] == "dataset" and
+                             a["name"] not in same]
+                            for sets, aliases in ((a_sets, a_aliases), (b_sets, b_aliases)))
+        # a name one file lists (or has as a second name of a dataset) that
+        # the other reaches only through a second name (of a dataset, of a
         # group: not listed) is compared there, not called "only in"
-        a_more = _reached(fa, [n for n in b_sets if n not in a_sets])
-        b_more = _reached(fb, [n for n in a_sets if n not in b_sets])
+        a_more = _reached(fa, [n for n in b_names if n not in a_sets])
+        b_more = _reached(fb, [n for n in a_names if n not in b_sets])
         try:
             a_all, b_all = {**a_sets, **a_more}, {**b_sets, **b_more}
             rows = _diff_rows(path, other, a_all, b_all)
-            only = ([_text(n) for n in a_all if n not in b_all],
-                    [_text(n) for n in b_all if n not in a_all])
+            only = ([_text(n) for n in a_names if n not in b_all],
+                    [_text(n) for n in b_names if n not in a_all])
         finally:
             for sets in (b_sets, a_more, b_more):
                 sets.clear()  # each dataset closed here, not looked for by the file's close
@@ -543,9 +566,14 @@ def _diff(path, other, fa, a_sets):
                 attrs[k] = [a_attrs.get(k), b_attrs.get(k)]
         except _NotCompared:  # references inside records
             unchecked.append(k)
+    # a name that is a second name in one file and not (or of another first
+    # name) in the other: its values compare as any dataset's, this says so
+    aliases = [{"name": _text(n), "first": _text(a_of.get(n)), "second": _text(b_of.get(n))}
+               for n in list(a_of) + [n for n in b_of if n not in a_of]
+               if a_of.get(n) != b_of.get(n)]
     report = {"other": str(other), "datasets": rows,
               "only_in_first": only[0], "only_in_second": only[1],
-              "attrs": attrs}
+              "aliases": aliases, "attrs": attrs}
     if unchecked:
         report["attrs_not_compared"] = unchecked
     return report
@@ -591,7 +619,23 @@ def _diff_rows(path, other, a_sets, b_sets):
             except _NotCompared as e:
                 row.update(equal=None, not_compared=str(e))
         rows.append(row)
+    for row in rows:
+        _status(row)
     return rows
+
+
+def _status(row):
+    """A --diff row's verdict, plain: ``status`` "equal", "differs" or
+    "not_compared", and ``equal`` true, false or null (not compared) on
+    every row, numeric ones too (equal: every value the same, NaN and
+    infinities in the same places): a reader testing ``not row["equal"]``
+    would take null for a difference, ``status`` says which."""
+    if "max_abs_diff" in row:
+        row["equal"] = row["max_abs_diff"] == 0.0  # a NaN on one side only: nan, differs
+    elif "shapes" in row:
+        row["equal"] = False
+    row["status"] = ("not_compared" if row["equal"] is None else
+                     "equal" if row["equal"] else "differs")
 
 
 class _NotCompared(Exception):
@@ -697,7 +741,8 @@ def _format_text(report):
     lines = [f"file {one_line(report['path'])}"]
     for key, value in report["attrs"].items():
         lines.append(f"  @{one_line(key)} = {_attr_line(value)}")
-    width = max([len(one_line(d["name"])) for d in report["datasets"]] + [7])
+    aliases = report.get("aliases", [])
+    width = max([len(one_line(d["name"])) for d in report["datasets"] + aliases] + [7])
     lines.append(f"{'dataset':<{width}}  {'shape':<16} {'dtype':<8} {'min':>11} {'max':>11} "
                  f"{'mean':>11} {'std':>11} {'l2':>11}")
     for d in report["datasets"]:
@@ -712,6 +757,11 @@ def _format_text(report):
             text = one_line(d["value"])
             line += " " + (text if len(text) <= 60 else text[:57] + "...")
         lines.append(line)
+    for a in aliases:  # a second name: its object is listed under its first
+        how = ", ".join(([] if a["kind"] == "dataset" else ["a group"]) +
+                        (["soft link"] if a["link"] == "soft" else []))
+        lines.append(f"{one_line(a['name']):<{width}}  alias of {one_line(a['alias_of'])}"
+                     + (f" ({how})" if how else ""))
     diff = report.get("diff")
     if diff:
         lines.append(f"diff against {one_line(diff['other'])}")
@@ -733,6 +783,10 @@ def _format_text(report):
                              ("only in second", diff["only_in_second"])):
             if names:
                 lines.append(f"{label}: {', '.join(map(one_line, names))}")
+        for a in diff.get("aliases", ()):
+            first, second = (f"alias of {one_line(x)}" if x is not None else "not an alias"
+                             for x in (a["first"], a["second"]))
+            lines.append(f"name {one_line(a['name'])}: {first} in first, {second} in second")
         for key, (a, b) in diff["attrs"].items():
             if isinstance(a, str) and "\n" in a or isinstance(b, str) and "\n" in b:
                 lines.append(f"attribute @{one_line(key)} differs")
