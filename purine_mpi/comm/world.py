@@ -497,8 +497,6 @@ def finalize_mpi(code, grace_s=None):
     # Ctrl-C ends a rank in MPI_Finalize at once, as it did in mpi4py's
     # (after Python's shutdown had put its default action back)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
-        signal.signal(n, lambda *_: None)
 
     def end(signum):  # MPI_Finalize did not return within the grace
         _flush()
@@ -509,7 +507,15 @@ def finalize_mpi(code, grace_s=None):
         for n in numbers:  # notices ignored, as before; Python's shutdown keeps SIG_IGN)
             signal.signal(n, signal.SIG_IGN)
 
+    # the wakeup fd first, the handlers after: a notice caught from the
+    # moment its handler is in place has its byte on the watched pipe.
+    # Before, the handlers came first, and one that came in the few
+    # microseconds until the wakeup fd was set ran the no-op alone: lost,
+    # and the rank waited on in MPI_Finalize (until then the notices are
+    # ignored, ``ignore_late_notices``: nothing is lost that was kept before)
     stop = watch_notices(numbers, grace_s, end, lambda signum: code, "finalize-notices")
+    for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
+        signal.signal(n, lambda *_: None)
     try:
         # the hooks free the RMA windows: MPI_Win_free is collective, and
         # waits as MPI_Finalize does for a peer that never comes (a notice
