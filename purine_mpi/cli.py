@@ -600,7 +600,9 @@ def _run(args, action=None):
             raise
         _report_user_error(exc.cause)
         return exc.cause.exit_code
-    except KeyboardInterrupt:  # Ctrl-C in another command than train
+    except KeyboardInterrupt:  # Ctrl-C in another command than train, or before its run
+        if not _ALONE and _early_abort.several_launched():  # one rank's end is the job's
+            _early_abort.interrupted()  # (a peer in MPI_Init or a start-up collective waits)
         from .runtime.stop import print_err
         if launched_rank() == 0:
             print_err("interrupted")

@@ -122,3 +122,85 @@ def test_two_ranks_train_under_open_mpis_mpirun(tmp_path):
                             "mpi_library; print(mpi_library())"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "openmpi", probe.stdout + probe.stderr
+
+
+def _fake_hydra_port(size):
+    """A listening socket that answers one PMI-1 handshake as Hydra's proxy
+    does (``initack``, then ``finalize``): its ``host:port`` and the lines it got."""
+    import socket
+    import threading
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    got = []
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            f = conn.makefile("rb")
+            got.append(f.readline())
+            conn.sendall(f"cmd=initack rc=0 rank=1 size={size} appnum=0 debug=0\n"
+                         f"cmd=set size={size}\ncmd=set rank=1\ncmd=set debug=0\n".encode())
+            got.append(f.readline())
+            conn.sendall(b"cmd=finalize_ack rc=0\n")
+        server.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}", got
+
+
+def test_open_mpi_under_mpiexec_pmi_port_is_caught_by_asking_the_launcher(monkeypatch):
+    """``mpiexec -pmi-port`` exports no size: the size is asked of the
+    launcher's PMI port (and the connection finalized, so the rank's exit
+    is its own). Before, the check needed the size from the environment and
+    never triggered there: every Open MPI rank ran alone."""
+    monkeypatch.setattr(launcher, "_PORT_SIZES", {}, raising=False)
+    port, got = _fake_hydra_port(3)
+    environ = {"PMI_PORT": port, "PMI_ID": "0", "MPI_LOCALNRANKS": "1", "MPI_LOCALRANKID": "0"}
+    message = launcher.mismatch(environ, library="openmpi")
+    assert message is not None and "for 3 ranks" in message, message
+    assert got == [b"cmd=initack pmiid=0\n", b"cmd=finalize\n"], got
+    assert launcher.mismatch(environ, library="openmpi") == message  # asked once
+    assert launcher.mismatch(environ, library="mpich") is None  # MPICH's MPI_Init joins it
+
+
+def test_without_an_answer_from_the_port_the_least_size_proven_decides(monkeypatch):
+    import socket
+    monkeypatch.setattr(launcher, "_PORT_SIZES", {}, raising=False)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    base = {"PMI_PORT": dead, "MPI_LOCALRANKID": "0"}
+    assert "for 2 ranks" in launcher.mismatch(dict(base, PMI_ID="0", MPI_LOCALNRANKS="2"),
+                                              library="openmpi")
+    assert "for 4 ranks" in launcher.mismatch(dict(base, PMI_ID="3", MPI_LOCALNRANKS="1"),
+                                              library="openmpi")
+    # rank 0 alone on its node, the port silent: nothing proves a second rank
+    assert launcher.mismatch(dict(base, PMI_ID="0", MPI_LOCALNRANKS="1"),
+                             library="openmpi") is None
+
+
+@pytest.mark.mpi
+def test_train_of_open_mpi_ranks_under_mpiexec_pmi_port_exits_2(tmp_path):
+    """End to end: ``mpiexec -n 2 -pmi-port`` with the library taken for
+    Open MPI (the mpich wheel is what is installed): one line, exit 2, no
+    banner of killed ranks. Before: no check, the job trained (status 0)."""
+    import subprocess
+    from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, tiny_fc_config, write_config_file
+    from tests.mpi_scripts.launch import _flavour
+    if MPIEXEC is None or "hydra" not in _flavour(MPIEXEC):
+        pytest.skip("-pmi-port is an option of MPICH's mpiexec (Hydra)")
+    script = tmp_path / "as_open_mpi.py"
+    script.write_text("import sys\n"
+                      "from purine_mpi.comm import launcher\n"
+                      "launcher.mpi_library = lambda: 'openmpi'\n"
+                      "from purine_mpi.cli import main\n"
+                      "sys.exit(main(sys.argv[1:]))\n")
+    res = subprocess.run([MPIEXEC, "-n", "2", "-pmi-port", PYTHON, str(script), "train",
+                          str(write_config_file(tmp_path, tiny_fc_config())), "--out",
+                          str(tmp_path / "o")], cwd=REPO, env=cli_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2, (res.returncode, res.stdout[-800:], res.stderr[-800:])
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "for 2 ranks" in errors[0] and "Open MPI" in errors[0], \
+        res.stderr[-1500:]
+    assert "BAD TERMINATION" not in res.stdout + res.stderr, res.stdout[-800:]

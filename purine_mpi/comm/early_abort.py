@@ -14,15 +14,17 @@ rank initialises MPI itself (the others are waiting for it there) and calls
 ``comm/world.install_abort_handler`` replaces this hook with the full one.
 """
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from .launcher import launched_rank, launched_size, size_untold
 
 
 def _handle(exc_type, exc, tb):
-    if issubclass(exc_type, KeyboardInterrupt):
-        return sys.__excepthook__(exc_type, exc, tb)
+    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C before the command ran (an import)
+        interrupted()
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     text += (f"error: rank {launched_rank()}: {exc_type.__name__} before the job started; "
              "ending every rank (MPI_Abort)\n")
@@ -53,6 +55,65 @@ def abort(code):
     except BaseException:
         pass
     os._exit(code)
+
+
+#: the exit status of a job a Ctrl-C (SIGINT) ended before its run began
+INTERRUPTED = 128 + int(signal.SIGINT)
+
+
+def several_launched(environ=os.environ):
+    """Whether a launcher started this process as one of several ranks (or
+    did not say how many: ``mpiexec -pmi-port``)."""
+    return launched_size(environ) >= 2 or size_untold(environ)
+
+
+def interrupted():
+    """End every rank of the job after a Ctrl-C (SIGINT: Python's
+    KeyboardInterrupt) that came to this rank before the run's own handler
+    took it (runtime/stop.py: from the trainer on), with the status 130 and
+    one line. Never returns.
+
+    Why: a rank that simply exits before MPI_Init leaves its peers blocked
+    in MPI_Init for ever (Hydra ends the job for a rank that dies after it
+    connected to the launcher only), and one that exits after it, while a
+    peer is still on its way to a start-up collective, leaves that peer
+    waiting there until its stall timeout. Measured with ``kill -INT`` to
+    rank 0 alone of ``mpiexec -n 2 ... train``, rank 1 slow to start: rank 0
+    said "interrupted" and ended 130, and the job ran on until killed.
+
+    So the rank initialises MPI itself (the peers that came wait for it
+    there): MPI_Init is watched as for any notice (comm/mpi_init.py), so a
+    peer that never comes ends this rank 2 s on with its own line and 130
+    (the launcher then kills the rest); MPI up, ``MPI_Abort(130)`` ends
+    every rank at once. A second Ctrl-C meanwhile changes nothing."""
+    from .mpi_init import _flush, notice_received
+    _flush()
+    if threading.current_thread() is threading.main_thread():
+        try:  # callable: MPI_Init is watched for it; a second Ctrl-C is no exception here
+            signal.signal(signal.SIGINT, lambda *_: None)
+        except (ValueError, OSError):
+            pass
+    notice_received(signal.SIGINT)  # the watch's grace runs from now
+    try:
+        from .mpi_init import import_mpi
+        MPI = import_mpi()
+        up = not MPI.Is_finalized()
+    except BaseException:
+        MPI, up = None, False
+    line = (f"error: rank {launched_rank()}: interrupted (SIGINT) before the run began; "
+            f"ending every rank, exit status {INTERRUPTED}\n")
+    try:
+        os.write(2, line.encode())
+    except OSError:
+        pass
+    if up:
+        try:
+            from .world import _abort_job
+        except BaseException:
+            MPI.COMM_WORLD.Abort(INTERRUPTED)
+        else:
+            _abort_job(MPI, INTERRUPTED)
+    os._exit(INTERRUPTED)
 
 
 def install(environ=os.environ):

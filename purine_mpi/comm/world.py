@@ -123,17 +123,30 @@ class World:
         MPI = import_mpi()  # lazily: importing initialises MPI (a failure: exit 70)
         self.MPI = MPI
         base = comm if comm is not None else MPI.COMM_WORLD
-        if comm is None:
-            _error_comm(MPI)  # before any other collective: see report_user_error
+        #: seconds a collective outside the graph may wait for its peers
+        #: (the trainer sets it from parallel.stall_timeout)
+        self.stall_timeout = 300.0
+        # the duplicates are collectives, polled (MPI_Comm_idup) as every
+        # other one here: a peer slow to come (still importing, or
+        # stopped) no longer holds this rank in a blocking MPI_Comm_dup,
+        # where a Ctrl-C was never answered (cli.py, early_abort.interrupted)
+        # and no timeout named the op
+        rank = base.Get_rank()
+        if comm is None and _error_comm(MPI, self.stall_timeout) is None:  # before any
+            # other collective: see report_user_error
+            raise StallError(f"rank {rank}: {_DUP_WHAT} of MPI_COMM_WORLD stalled for more "
+                             f"than {self.stall_timeout:g} s at start-up: a peer rank never "
+                             "came (hung or slow before it)")
         self.world_comm = base
-        self.comm = base.Dup()
+        self.comm = _dup_polled(base, self.stall_timeout)
+        if self.comm is None:
+            raise StallError(f"rank {rank}: {_DUP_WHAT} of the world's communicator stalled "
+                             f"for more than {self.stall_timeout:g} s at start-up: a peer "
+                             "rank never came (hung or slow before it)")
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         if comm is None:
             check_world_size(self.size)
-        #: seconds a collective outside the graph may wait for its peers
-        #: (the trainer sets it from parallel.stall_timeout)
-        self.stall_timeout = 300.0
         self.hosts = HostTable(self.allgather_object(local_host_info(), "the host table "
                                                                          "exchange"))
         if comm is None and self.size > 1:
@@ -365,10 +378,30 @@ class World:
         os._exit(code)
 
 
-def _error_comm(MPI):
+_DUP_WHAT = "the duplicate (MPI_Comm_idup)"
+
+
+def _dup_polled(comm, seconds):
+    """``comm``'s duplicate (a collective), its request polled so that a
+    Ctrl-C is answered meanwhile; None where it did not complete within
+    ``seconds`` (a peer that never came). mpi4py without ``Idup``: the
+    blocking ``Dup``."""
+    idup = getattr(comm, "Idup", None)
+    if idup is None:
+        return comm.Dup()
+    made = idup()
+    new, request = made if isinstance(made, tuple) else (made, None)
+    if request is not None and not _wait_for(request, seconds):
+        return None
+    return new
+
+
+def _error_comm(MPI, seconds=300.0):
+    """COMM_WORLD's duplicate for ``report_user_error``, made once; None
+    where a peer did not come within ``seconds``."""
     global _ERROR_COMM
     if _ERROR_COMM is None:
-        _ERROR_COMM = MPI.COMM_WORLD.Dup()
+        _ERROR_COMM = _dup_polled(MPI.COMM_WORLD, seconds)
     return _ERROR_COMM
 
 
@@ -392,9 +425,9 @@ def report_user_error(exc, agree_s=3.0):
         return
     rank, code = MPI.COMM_WORLD.Get_rank(), getattr(exc, "exit_code", 2)
     _flush()
-    comm = _error_comm(MPI)
+    comm = _error_comm(MPI, agree_s)  # None: a peer not there (its own error, slow, hung)
     from ..base import logfile  # the run folder's train.log, where a run has one
-    if _wait_for(comm.Ibarrier(), agree_s):
+    if comm is not None and _wait_for(comm.Ibarrier(), agree_s):
         if rank == 0:
             write_line(f"error: {exc}")
             logfile.note_error(f"error: {exc}")
@@ -497,8 +530,6 @@ def finalize_mpi(code, grace_s=None):
     # Ctrl-C ends a rank in MPI_Finalize at once, as it did in mpi4py's
     # (after Python's shutdown had put its default action back)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
-        signal.signal(n, lambda *_: None)
 
     def end(signum):  # MPI_Finalize did not return within the grace
         _flush()
@@ -509,7 +540,15 @@ def finalize_mpi(code, grace_s=None):
         for n in numbers:  # notices ignored, as before; Python's shutdown keeps SIG_IGN)
             signal.signal(n, signal.SIG_IGN)
 
+    # the wakeup fd first, the handlers after: a notice caught from the
+    # moment its handler is in place has its byte on the watched pipe.
+    # Before, the handlers came first, and one that came in the few
+    # microseconds until the wakeup fd was set ran the no-op alone: lost,
+    # and the rank waited on in MPI_Finalize (until then the notices are
+    # ignored, ``ignore_late_notices``: nothing is lost that was kept before)
     stop = watch_notices(numbers, grace_s, end, lambda signum: code, "finalize-notices")
+    for n in numbers:  # Python's C handler (the Python one runs after MPI_Finalize only):
+        signal.signal(n, lambda *_: None)
     try:
         # the hooks free the RMA windows: MPI_Win_free is collective, and
         # waits as MPI_Finalize does for a peer that never comes (a notice

@@ -1,0 +1,154 @@
+"""Ctrl-C (SIGINT) sent to ONE rank of ``mpiexec -n 2 ... train`` (``kill
+-INT PID``, not the process group) while its peer is slow to come ends the
+whole job within seconds with the status 130 and one line, leaving none of
+the MPI library's /dev/shm segments (comm/early_abort.py, ``interrupted``).
+
+Before: a Ctrl-C before the run's own handler (Python's KeyboardInterrupt)
+ended the interrupted rank alone, "interrupted", 130: before MPI_Init, its
+peer then waited in MPI_Init for ever (Hydra ends a job only for a rank that
+died after connecting to it); after it, rank 0 was held in a blocking
+MPI_Comm_dup of the world's start-up, where no signal was answered at all.
+Rank 1 is delayed by a wrapper (``sys.argv``: what to delay, seconds)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, tiny_fc_config, write_config_file
+
+#: rank 1 sleeps before anything (``start``) or once MPI is up (``after_init``);
+#: rank 0 writes its pid (whole: renamed into place) as its train command
+#: begins (``command``: it then sleeps, as a rank still importing) or once
+#: its MPI_Init returned (``init``)
+WRAPPER = r"""
+import os, sys, time
+where, seconds, pid_file, when = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank = os.environ.get("PMI_RANK", os.environ.get("PMI_ID"))
+
+def write_pid():
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(pid_file + ".tmp", pid_file)
+
+if rank == "1" and where == "start":
+    time.sleep(seconds)
+from purine_mpi.comm import mpi_init
+init = mpi_init.import_mpi
+
+def import_mpi():
+    mpi = init()
+    if rank == "0" and when == "init":
+        write_pid()
+    return mpi
+
+mpi_init.import_mpi = import_mpi  # before comm.world imports it
+from purine_mpi import cli
+train = cli.COMMANDS["train"]
+
+def delayed_train(args):
+    if rank == "0" and when == "command":
+        write_pid()
+        time.sleep(30)  # still importing, building: a Ctrl-C is a KeyboardInterrupt here
+    return train(args)
+
+cli.COMMANDS["train"] = delayed_train
+if rank == "1" and where == "after_init":
+    import_mpi()
+    time.sleep(seconds)
+sys.exit(cli.main(sys.argv[5:]))
+"""
+
+
+def _shm_of(pid):
+    """The MPI library's /dev/shm segments process ``pid`` maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f
+                    if "/dev/shm/mpich_shm_" in line and len(line.split(None, 5)) == 6}
+    except OSError:
+        return set()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where,seconds,when,line", [
+    # rank 0 interrupted before MPI_Init, rank 1 never comes: MPI_Init's
+    # watch ends rank 0 2 s on, the launcher the rest
+    ("start", 300, "command", "rank 0: stopped by SIGINT while MPI was starting"),
+    # rank 1 comes a moment later: MPI up, MPI_Abort(130) ends every rank
+    ("start", 1.0, "command", "rank 0: interrupted (SIGINT) before the run began"),
+    # rank 0 waits in the world's first collective for rank 1 (MPI up, slow)
+    ("after_init", 300, "init", "rank 0: interrupted (SIGINT) before the run began"),
+])
+def test_ctrl_c_to_one_rank_while_its_peer_is_slow_ends_the_job(tmp_path, where, seconds, when,
+                                                                line):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER)
+    pid_file = tmp_path / "rank0.pid"
+    cfg = tiny_fc_config()
+    cfg["solver"]["max_iter"] = 100000  # a run would go on: only the interrupt ends it
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", PYTHON, str(wrapper), where, str(seconds), str(pid_file), when,
+         "train", str(write_config_file(tmp_path, cfg)), "--out", str(tmp_path / "o")],
+        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail("rank 0 never wrote its pid")
+            time.sleep(0.02)
+        pid = int(pid_file.read_text())
+        time.sleep(0.5 if when == "command" else 1.0)  # in its sleep / in the collective
+        shm = _shm_of(pid)
+        # past MPI_Init, rank 0 maps its node's segment (with MPICH's shared memory)
+        assert shm or when != "init" or not os.path.exists("/proc/self/maps"), "no segment"
+        assert proc.poll() is None, "the job ended before the interrupt"
+        os.kill(pid, signal.SIGINT)  # rank 0 alone
+        sent = time.monotonic()
+        try:
+            stdout, stderr = proc.communicate(timeout=12)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the job still ran 12 s after rank 0's SIGINT: {stderr[-1500:]}")
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, (proc.returncode, stdout[-1500:], stderr[-1500:])
+    assert took < 8, took
+    errors = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and line in errors[0], stderr[-1500:]
+    assert "Traceback" not in stderr, stderr[-1500:]
+    assert not [p for p in shm if os.path.exists(p)], shm  # the ranks' segment removed
+
+
+def test_a_duplicate_whose_peer_never_comes_times_out_instead_of_hanging():
+    """The world's start-up duplicates are polled (comm/world.py,
+    ``_dup_polled``): one that never completes gives None after its
+    timeout (World names it in a StallError), where ``Dup`` blocked for
+    ever, answering no signal."""
+    from purine_mpi.comm import world
+
+    class Pending:
+        def Test(self):
+            return False
+
+    class Comm:
+        def Idup(self):
+            return "the duplicate", Pending()
+
+        def Dup(self):
+            raise AssertionError("the blocking MPI_Comm_dup")
+
+    t0 = time.monotonic()
+    assert world._dup_polled(Comm(), 0.2) is None
+    assert 0.15 < time.monotonic() - t0 < 5
+    done = type("Done", (), {"Test": lambda self: True})()
+    assert world._dup_polled(type("C", (), {"Idup": lambda self: ("dup", done)})(), 1) == "dup"
