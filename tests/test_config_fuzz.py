@@ -10,6 +10,7 @@ gives the key. ``python -m tests.config_fuzz`` runs every mutation (about
 each quoting what the code before printed."""
 import copy
 import random
+import re
 
 import pytest
 import yaml
@@ -77,7 +78,8 @@ def _err(folder, cfg, *args, name="job.yaml"):
 def _one_line(status, err, *needles):
     assert status == 2, (status, err)
     assert "\n" not in err and "Traceback" not in err, err
-    assert "job.yaml: key '" in err, err
+    assert re.search(r"job\.yaml:\d+: key '", err), err  # FILE:LINE: key '...'
+
     for needle in needles:
         assert needle in err, (needle, err)
 

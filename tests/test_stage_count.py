@@ -118,8 +118,10 @@ def test_graph_and_plan_print_the_resolved_map(tmp_path, digits_h5):
     assert plan.stdout.splitlines()[1:3] == [f"  {line}" for line in lines], plan.stdout[:400]
     bad = run_cli_here("train", write_config_file(tmp_path, _mlp(digits_h5, 9), "bad.yaml"))
     assert bad.returncode == 2
+    stages_line = 1 + (tmp_path / "bad.yaml").read_text().splitlines().index("  stages: 9")
     assert bad.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'bad.yaml'}: key 'parallel.stages': 9 stages for a net of 6 "
+        f"error: {tmp_path / 'bad.yaml'}:{stages_line}: key 'parallel.stages': 9 stages for a "
+        "net of 6 "
         "layers; give at most 6 (each stage holds a layer)"], bad.stderr
 
 

@@ -23,11 +23,20 @@ Found (each test says what failed on the code before):
 - ``predict --out FILE`` replaced a FILE that is not HDF5 (a config, a
   note), where ``data --out`` refuses it; now predict refuses it alike.
 """
+import os
+
 import h5py
 import numpy as np
 
 from tests.conftest import (quiet_solver, run_cli_args, run_cli_here, small_net_config,
                             write_config_file)
+
+
+def _line_of(path, text):
+    """The number of the first line of the file ``path`` that holds ``text``
+    (where a config error names the key written there: FILE:LINE)."""
+    with open(path, encoding="utf-8") as f:
+        return next(n for n, line in enumerate(f, 1) if text in line)
 
 
 def test_unused_solver_keys_are_noted_at_start_up(digits_h5, tmp_path):
@@ -56,7 +65,8 @@ def test_cosine_floor_above_base_lr_is_refused(digits_h5, tmp_path):
     res = run_cli_here("graph", cfg)  # every command loads the config alike
     # before: exit 0 (train ran, the rate rising from 0.05 to 0.1 over the run)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert f"{cfg}: key 'solver.min_lr'" in res.stderr and "<= base_lr (0.05)" in res.stderr
+    assert f"{cfg}:{_line_of(cfg, 'min_lr:')}: key 'solver.min_lr'" in res.stderr \
+        and "<= base_lr (0.05)" in res.stderr
     assert "Traceback" not in res.stderr
     # a floor at base_lr (a constant rate) and below it are accepted
     for floor in (0.05, 0.001):
@@ -77,7 +87,8 @@ def test_yaml_boolean_where_text_is_expected_says_quote_it(digits_h5, tmp_path):
     assert res.returncode == 2, res.stdout
     err = res.stderr.strip().splitlines()[-1]
     # before: "... expected one of max, ave, avg, average, got False" and no more
-    assert f"{cfg}: key 'net[2].pool'" in err and "got False (YAML read an unquoted" in err, err
+    assert f"{cfg}:{_line_of(cfg, 'pool: off')}: key 'net[2].pool'" in err \
+        and "got False (YAML read an unquoted" in err, err
     assert "`off`" in err and "pool: 'off'" in err, err
     res = run_cli_here("graph", write_config_file(tmp_path, small_net_config(digits_h5)),
                        "--set", "name=no")
@@ -107,7 +118,9 @@ def test_graph_errors_of_a_set_value_name_the_set(digits_h5, tmp_path):
     broken["net"][4]["bottom"] = "fc1"
     res = run_cli_here("graph", write_config_file(tmp_path, broken, name="b.yaml"),
                        "--set", "solver.base_lr=0.01")
-    assert res.returncode == 2 and "b.yaml: key 'net[4].bottom'" in res.stderr, res.stderr
+    b = os.path.join(tmp_path, "b.yaml")
+    assert res.returncode == 2 and f"{b}:{_line_of(b, 'bottom: fc1')}: key 'net[4].bottom'" \
+        in res.stderr, res.stderr
 
 
 def test_non_finite_loss_before_any_update_blames_the_weights(digits_h5, tmp_path):

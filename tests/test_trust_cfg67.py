@@ -54,7 +54,8 @@ def test_cosine_refusal_names_the_set_of_base_lr(digits_h5, tmp_path):
     bad = write_config_file(tmp_path, small_net_config(digits_h5, solver=_solver(
         lr_policy="cosine", min_lr=0.5)), name="bad.yaml")
     res = run_cli_here("plan", bad, "--set", "solver.max_iter=3")
-    assert res.stderr.startswith(f"error: {bad}: key 'solver.min_lr': 0.5 is above"), \
+    line = 1 + open(bad).read().splitlines().index("  min_lr: 0.5")
+    assert res.stderr.startswith(f"error: {bad}:{line}: key 'solver.min_lr': 0.5 is above"), \
         res.stderr
 
 

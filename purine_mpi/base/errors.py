@@ -52,15 +52,29 @@ class ConfigError(UserError):
     """Bad configuration: ``ConfigError(path, key, message)``. ``also``:
     the other keys a rule between keys read (``solver.base_lr`` for the
     refused ``solver.min_lr`` above it), so that a refusal a ``--set`` of
-    one of them caused names that ``--set`` (job/config.py)."""
+    one of them caused names that ``--set`` (job/config.py). ``line``: the
+    line of the file where the key (or, for a missing key, its nearest
+    parent) is written, which the message puts after the file's name
+    (``job.yaml:17: key 'net[3].kernel_size': ...``); the checks do not
+    know it, the loader adds it (``at_line``, job/config.py)."""
 
-    def __init__(self, path, key, message, also=()):
+    def __init__(self, path, key, message, also=(), line=None):
         message = _yaml_bool_hint(key, message)
         self.path, self.key, self.problem = path, key, message
         self.also = tuple(also)
-        where = f"{path}: " if path else ""
+        self.line = line if path else None
+        where = (f"{path}:{line}: " if self.line else f"{path}: ") if path else ""
         keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
         super().__init__(f"{where}{keytxt}{message}")
+
+    def at_line(self, line):
+        """This error with ``line`` after the file's name (the other
+        attributes a caller set kept: ``shape_error``)."""
+        new = ConfigError(self.path, self.key, self.problem, self.also, line)
+        for name, value in vars(self).items():
+            if name not in vars(new):
+                setattr(new, name, value)
+        return new
 
 
 #: "got False" / "got bool True" in a message: a YAML boolean where the key wants another type

@@ -182,19 +182,25 @@ def _pathconf(folder, name, default):
 
 
 def missing_folders(path):
-    """``path`` and its ancestors that do not exist yet, deepest first, as
+    """The folders ``os.makedirs(path)`` makes that do not exist yet, as
     the system finds them (``link/../new`` is ``new`` beside the link's
-    target, not beside the link: what ``mkdir`` makes there): the folders
-    a command that makes ``path`` may remove again when it fails, left
-    empty."""
-    missing, head = [], os.path.realpath(path)
-    while head and not os.path.lexists(head):
-        missing.append(head)
-        parent = os.path.dirname(head)
-        if parent == head:
-            break
-        head = parent
-    return missing
+    target, not beside the link): ``path`` first, then the others deepest
+    first. Every prefix of ``path`` as written counts: ``a/b/../c`` makes
+    ``a/b`` on its way to ``a/c``, which its real path alone (``a/c``)
+    does not name. The folders a command that makes ``path`` may remove
+    again when it fails, left empty."""
+    path = str(path)
+    target = os.path.realpath(path)
+    prefix, missing = os.sep if path.startswith(os.sep) else "", set()
+    for part in path.split(os.sep):
+        if not part:
+            continue
+        prefix = os.path.join(prefix, part) if prefix else part
+        real = os.path.realpath(prefix)  # '..' after a missing folder: its real parent
+        if not os.path.lexists(real):
+            missing.add(real)
+    rest = sorted(missing - {target}, key=lambda p: (-p.count(os.sep), p))
+    return ([target] if target in missing else []) + rest
 
 
 def make_folder(path):

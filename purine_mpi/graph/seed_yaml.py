@@ -16,7 +16,7 @@ OP_KEYS = {"type", "name", "op_type", "inputs", "outputs", "attrs", "location", 
 # python -m purine_mpi.tools.docgen --write).
 BLOB_DOC = {
     "type": "`blob`",
-    "name": "unique blob name",
+    "name": "unique blob name, printable (no control character nor NUL, as a layer's name)",
     "size": "shape, a list of integers (null: inferred from the op that writes it)",
     "dtype": "float32 (default), float64, int64, ...",
     "location": "{rank: R, device: D} or {ip: A, device: D}; device -1 is the CPU",
@@ -27,7 +27,7 @@ BLOB_DOC = {
 }
 OP_DOC = {
     "type": "`op`",
-    "name": "unique op name",
+    "name": "unique op name, printable (no control character nor NUL)",
     "op_type": "the kernel (Conv, InnerProduct, Relu, SGDUpdate, Allreduce, ...)",
     "inputs": "list of blob names read",
     "outputs": "list of blob names written",

@@ -5,9 +5,12 @@ every default filled in, data paths resolved, plus ``config["_path"]`` (the
 file it came from); ``load_job`` returns it as a frozen ``Job`` (job/job.py),
 which is what the package outside ``job/`` and ``data/`` reads. Every problem is a
 ``ConfigError(path, key, message)`` naming the file, the dotted key and
-what was expected, e.g.::
+what was expected; ``load_config``/``load_job`` (and the CLI, for an error
+found later: ``blame_override``) add the line where the key is written,
+from the table yamlread.read_yaml_lines keeps beside the parsed values
+(``locate``), e.g.::
 
-    jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
+    jobs/lenet.yaml:17: key 'solver.base_lr': expected a positive number, got 'abc'
 
 Every key is declared once in job/schema.py (``ConfigKey``: name, checker,
 default, meaning): the top-level keys (TOP), the sections (SOLVER,
@@ -34,7 +37,7 @@ from .data_spec import _check_data
 from .job import Job, job_of
 from .keys import check_section
 from .repeat import expand_net
-from .yamlread import YamlRefused, read_yaml, where
+from .yamlread import YamlRefused, read_yaml, read_yaml_lines, where
 from .schema import (AUTO_SCHEME, RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, SOLVER, TOP,
                      TOP_KEYS)
 from ..layers import check_layer, layer_key, layer_spec
@@ -50,37 +53,77 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     lists (``net.0.num_output=8``). ``iters`` overrides ``solver.max_iter``.
     ``check_files``: check at load time that HDF5 data files exist.
     """
-    return resolve_config(_read(path), str(path), overrides, iters, check_files)
+    return _load(resolve_config, path, overrides, iters, check_files)
 
 
 def load_job(path, overrides=(), iters=None, check_files=True):
     """``load_config`` as a frozen, typed ``Job`` (job/job.py): what the commands run."""
-    return resolve_job(_read(path), str(path), overrides, iters, check_files)
+    return _load(resolve_job, path, overrides, iters, check_files)
+
+
+def _load(resolve, path, *args):
+    """``resolve`` (resolve_config or resolve_job) of the file at ``path``;
+    a ConfigError naming a key of the file names its line too (``locate``)."""
+    raw, lines = _read_lines(path)
+    try:
+        return resolve(raw, str(path), *args)
+    except ConfigError as exc:
+        located = locate(exc, str(path), lines)
+        if located is exc:
+            raise
+        raise located from None
+
+
+def locate(exc, path, lines):
+    """``exc`` (a ConfigError naming the file ``path``'s key) with the line
+    where that key is written (or, for a key the file lacks, its nearest
+    parent: ``solver`` for a missing ``solver.stepsize``), from ``lines``
+    (``_read_lines``'s table); ``exc`` as it is for another file, a
+    ``--set`` it names, a key the file holds no part of (a missing
+    top-level key) or an error that has its line."""
+    if not isinstance(exc, ConfigError) or exc.line or not exc.key or not lines \
+            or str(exc.path) != str(path):
+        return exc
+    line = key_line(exc.key, lines)
+    return exc.at_line(line) if line else exc
+
+
+def key_line(key, lines):
+    """The line of the config key ``key`` (as an error names it:
+    ``solver.base_lr``, ``net[2].stride``, ``net.3.block.0.name``) or of its
+    nearest parent in ``lines`` (yamlread.read_yaml_lines' table); None
+    when not even its first part is there."""
+    parts = tuple(p.strip() for p in re.sub(r"\[(-?\d+)\]", r".\1", str(key)).split("."))
+    while parts:
+        if parts in lines:
+            return lines[parts]
+        parts = parts[:-1]
+    return None
 
 
 def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
     """``resolve_config`` as a ``Job``: the one place a config becomes a job
     (the CLI, the converters, the tests' ``make_job``); it keeps the
     ``overrides`` (``Job.overrides``: what a start-up note names)."""
-    job = job_of(resolve_config(raw, path, overrides, iters, check_files))
+    resolved, given = _resolve(raw, path, overrides, iters, check_files)
+    job = job_of(resolved)
     sets = tuple(str(text) for text in overrides or ())
-    ignored = _ignored_data_keys(raw, path, sets, job)
+    ignored = _ignored_data_keys(given, raw, sets, job)  # the --set applied once, above
     if not sets and not ignored:
         return job
     return job.replace(overrides=sets or None, ignored_data_keys=ignored or None)
 
 
-def _ignored_data_keys(raw, path, overrides, job):
+def _ignored_data_keys(config, raw, overrides, job):
     """(phase, key, value, the ``--set`` that wrote it or None) of each key
     of a data spec the validated spec left out: a key of another source
     (``shape``, ``classes``, ``num_samples`` on an hdf5 spec, after ``--set
     data.train.source=hdf5``; ``in_memory`` on a synthetic one), accepted
     (switching the source by ``--set`` keeps the other source's keys) but
     read by nothing (data_spec.data_notes says so). A synthetic spec's
-    ``path`` has its own note."""
-    config = copy.deepcopy(raw) if overrides else raw  # only read below; the --set write a copy
-    for text in overrides:
-        apply_override(config, text, path)
+    ``path`` has its own note. ``config``: the config the job was resolved
+    from, its ``--set`` values applied (once, by ``_resolve``); ``raw``: the
+    file's, for naming the ``--set`` that wrote a key."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     out = []
     for phase, spec in job.data.items():
@@ -113,6 +156,12 @@ def load_job_of_checkpoint(path, overrides=(), check_files=False):
 
 def _read(path):
     """The parsed YAML of the config file at ``path``."""
+    return _read_lines(path)[0]
+
+
+def _read_lines(path):
+    """(the parsed YAML of the config file at ``path``, the line of each of
+    its keys: yamlread.read_yaml_lines' table, shared: not to be changed)."""
     path = str(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -124,7 +173,7 @@ def _read(path):
                                       "(a binary file given as the config?)") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
-    return _parse(text, path)
+    return _parse_lines(text, path)
 
 
 #: (text, path) -> its parsed YAML, of the last few configs read: ``plan
@@ -135,31 +184,43 @@ _PARSED = {}
 
 def _parse(text, path):
     """The parsed YAML of config ``text`` (read from ``path``)."""
+    return _parse_lines(text, path)[0]
+
+
+def _parse_lines(text, path):
+    """``_parse`` and the line of each key (``_read_lines``)."""
     if (text, path) not in _PARSED:
-        raw = _parse_text(text, path)
+        parsed = _parse_text(text, path)
         while len(_PARSED) >= 8:
             del _PARSED[next(iter(_PARSED))]
-        _PARSED[(text, path)] = raw
-    return copy.deepcopy(_PARSED[(text, path)])
+        _PARSED[(text, path)] = parsed
+    raw, lines = _PARSED[(text, path)]
+    return copy.deepcopy(raw), lines
 
 
 def _parse_text(text, path):
-    """``_parse``, read."""
+    """``_parse_lines``, read."""
     try:
-        raw = read_yaml(text, path)  # strict and bounded: job/yamlread.py
+        raw, lines = read_yaml_lines(text, path)  # strict and bounded: job/yamlread.py
     except YamlRefused as e:
         raise ConfigError(path, None, e.problem) from None
     except yaml.YAMLError as e:
         raise ConfigError(path, None, f"malformed YAML at {where(e)}") from None
     if raw is None:
         raise ConfigError(path, None, "the config file is empty")
-    return raw
+    return raw, lines
 
 
 def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True,
                    blame=True):
     """``load_config`` for an already-parsed mapping (tests, benchmarks).
     ``blame``: a refusal a ``--set`` caused names it (``_blamed_override``)."""
+    return _resolve(raw, path, overrides, iters, check_files, blame)[0]
+
+
+def _resolve(raw, path="<config>", overrides=(), iters=None, check_files=True, blame=True):
+    """``resolve_config``: (the resolved config, the config it was resolved
+    from: ``raw`` with the ``--set`` values and ``--iters`` applied)."""
     if not isinstance(raw, dict):
         raise ConfigError(path, None, "expected a mapping of top-level keys "
                                       f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
@@ -172,7 +233,7 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
             raise ConfigError(path, "solver", f"expected a mapping, got {_kind(config['solver'])}")
         config["solver"]["max_iter"] = _check_int("--iters", iters, path, minimum=0)
     try:
-        return validate_config(config, path, check_files)
+        return validate_config(config, path, check_files), config
     except ConfigError as exc:
         if not blame:
             raise
@@ -195,17 +256,17 @@ def blame_override(exc, path, overrides):
     graph, reading the data) naming the ``--set`` that wrote its key where
     one did, as ``resolve_config`` names it for the checks of the config
     itself: ``--set data.train=null`` or ``--set net=[]`` made errors that
-    named the file, which holds neither. ``exc`` as it is otherwise."""
-    if not isinstance(exc, ConfigError) or not overrides or path is None \
-            or str(exc.path) != str(path):
+    named the file, which holds neither; else with the line of the file
+    where its key is written (``locate``). ``exc`` as it is otherwise."""
+    if not isinstance(exc, ConfigError) or path is None or str(exc.path) != str(path):
         return exc
     try:
-        raw = _read(path)
+        raw, lines = _read_lines(path)
     except ConfigError:
         return exc
-    source = _blamed_override(exc, overrides, raw)
+    source = _blamed_override(exc, overrides, raw) if overrides else None
     if source is None:
-        return exc
+        return locate(exc, path, lines)
     return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem, exc.also)
 
 
@@ -600,22 +661,7 @@ def _check_net(net, path):
             if not isinstance(layer.get(field), str) or not layer[field]:
                 raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' string, "
                                                           f"got {excerpt(layer.get(field))}")
-        for field in ("name", "top", "bottom"):  # HDF5 ends a name at a NUL; dot cannot say one
-            values = layer.get(field)
-            for j, value in enumerate(values if isinstance(values, list) else [values]):
-                if isinstance(value, str) and "\0" in value:
-                    at = f"{key}.{field}" + (f".{j}" if isinstance(values, list) else "")
-                    raise ConfigError(path, at, f"{excerpt(value)} holds a NUL character "
-                                                "(\\0), which no checkpoint (HDF5) name or "
-                                                "Graphviz file can hold")
-                if isinstance(value, str) and one_line(value) != value:
-                    # graph, the logs and errors print these names: an escape
-                    # sequence or a line break in one would act on the terminal
-                    at = f"{key}.{field}" + (f".{j}" if isinstance(values, list) else "")
-                    raise ConfigError(path, at, f"{excerpt(value)} holds a control character "
-                                                "(such as ESC, a line break or a bidirectional "
-                                                "override), which graph and the logs would "
-                                                "print as it is; names must be printable")
+        _check_names(layer, ("name", "top", "bottom"), key, path)
         parts = layer["name"].split("/")
         if any(part in ("", ".", "..") for part in parts):
             # its parameters '<name>/weight' are HDF5 paths of the checkpoint:
@@ -634,6 +680,33 @@ def _check_net(net, path):
     return copy.deepcopy(net), keys
 
 
+def _check_names(entry, fields, key, path):
+    """The names of a net's layer or a ``graph:`` entry (``fields``: its
+    keys that hold a name or a list of names) hold no NUL (HDF5 ends a name
+    at one; dot cannot say one) and no control character: graph, the logs
+    and errors print these names, and an escape sequence or a line break in
+    one would act on the terminal."""
+    for field in fields:
+        values = entry.get(field)
+        for j, value in enumerate(values if isinstance(values, list) else [values]):
+            if not isinstance(value, str):
+                continue
+            at = f"{key}.{field}" + (f".{j}" if isinstance(values, list) else "")
+            if "\0" in value:
+                raise ConfigError(path, at, f"{excerpt(value)} holds a NUL character "
+                                            "(\\0), which no checkpoint (HDF5) name or "
+                                            "Graphviz file can hold")
+            if one_line(value) != value:
+                raise ConfigError(path, at, f"{excerpt(value)} holds a control character "
+                                            "(such as ESC, a line break or a bidirectional "
+                                            "override), which graph and the logs would "
+                                            "print as it is; names must be printable")
+
+
+#: the keys of a ``graph:`` entry that hold blob or op names (graph/seed_yaml.py)
+_GRAPH_NAME_KEYS = ("name", "inputs", "outputs", "alias_of", "control_inputs")
+
+
 def _check_graph(graph, path):
     if not isinstance(graph, list):
         raise ConfigError(path, "graph", f"expected a list of blob/op entries, got {_kind(graph)}")
@@ -648,6 +721,7 @@ def _check_graph(graph, path):
         if not isinstance(entry.get("name"), str) or not entry["name"]:
             raise ConfigError(path, f"{key}.name", f"every {entry['type']} needs a 'name' "
                                                    f"string, got {excerpt(entry.get('name'))}")
+        _check_names(entry, _GRAPH_NAME_KEYS, key, path)
     return copy.deepcopy(graph)
 
 

@@ -234,6 +234,52 @@ def read_yaml(text, source=None):
         loader.dispose()
 
 
+def read_yaml_lines(text, source=None):
+    """``read_yaml`` with the line of each key: ``(data, lines)``, ``lines``
+    a dict from a key path (a tuple of strings: a mapping's keys as written,
+    a list's indices as ``"3"``) to the 1-based line where that key (or list
+    item) is written. ``data`` is what ``read_yaml`` returns (plain dicts,
+    lists, strings, numbers): the lines lie beside it, never in it. A key
+    that a ``<<`` merge or an alias brings has the line of the text it
+    comes from; what lies under an alias's value is recorded once, at the
+    anchor (a path through a second use of it falls back to its key)."""
+    loader = StrictLoader(text, source)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        data = loader.construct_document(node)  # flattens the '<<' merges in the nodes
+        return data, key_lines(node)
+    finally:
+        loader.dispose()
+
+
+def key_lines(root):
+    """The ``lines`` table of ``read_yaml_lines`` for a composed (and
+    constructed) node graph: one visit per distinct node."""
+    lines, seen = {}, set()
+    stack = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue  # an alias's second use: its key's line stands for what it holds
+        seen.add(id(node))
+        if isinstance(node, SequenceNode):
+            entries = [(str(i), item, item) for i, item in enumerate(node.value)]
+        elif isinstance(node, MappingNode):
+            last = {}  # the last of a key given twice (a merged one, then its own)
+            for key_node, value_node in node.value:
+                if isinstance(key_node, ScalarNode) and key_node.tag != _MERGE:
+                    last[key_node.value] = (key_node, value_node)
+            entries = [(step, key, value) for step, (key, value) in last.items()]
+        else:
+            continue
+        for step, marked, child in entries:
+            lines[path + (step,)] = marked.start_mark.line + 1
+            stack.append((child, path + (step,)))
+    return lines
+
+
 def where(error):
     """``line L, column C: problem`` of a YAML error (the ``started at`` line
     of its context too), for a one-line message."""

@@ -88,17 +88,27 @@ def _intro():
         "The file is checked before anything runs. An unknown key anywhere — at the top "
         "level, in a section, in a layer, in a filler or a `param` entry — a value of the "
         "wrong type, or a missing required key stops the command with exit status 2 and "
-        "one message that names the file, the key and what was expected, with a \"did you "
-        "mean\" for a near miss:",
+        "one line (no traceback) that names the file, the line where the key is written, "
+        "the key and what was expected, with a \"did you mean\" for a near miss:",
         "",
-        "    error: jobs/x.yaml: key 'net[2].stide': layer 'pool1' (pool): unknown key "
+        "    error: jobs/x.yaml:17: key 'net[2].stide': layer 'pool1' (pool): unknown key "
         "'stide' (did you mean 'stride'?) (valid keys: type, name, bottom, ...)",
+        "",
+        "A key the file lacks (a required one, or one a rule between keys asks for) is "
+        "placed at the line of its nearest parent (`data.train.batch_size` missing: the "
+        "line of `train:`); a key of a `repeat` block at its line in the block (`key "
+        "'net.3.block.2.num_output'`, whichever block it was built for); a key a `<<` merge "
+        "or an alias brings at the line of the text it comes from. Errors found later, "
+        "when the graph is built on the data (a kernel larger than its input, a split the "
+        "data file lacks), name the line alike. A key the file holds no part of (no `net` "
+        "nor `graph`) has no line to name: `error: jobs/x.yaml: key 'net': ...`.",
         "",
         "Keys starting with `_` are no exception: they are rejected like any unknown key. "
         "Any key can be overridden on the command line with `--set DOTTED.KEY=VALUE`, the "
         "value read as YAML (`--set solver.base_lr=0.05`, `--set net.0.num_output=8`, "
         "`--set data.train.batch_size=64`); `--iters N` sets `solver.max_iter`. An error "
-        "a `--set` value caused names that `--set`, not the file: also a rule between keys "
+        "a `--set` value caused names that `--set`, not the file (nor a line of it): also "
+        "a rule between keys "
         "that a `--set` of one of them broke (`--set solver.base_lr=0.0001` under the "
         "file's cosine `min_lr: 0.001`: `error: --set solver.base_lr=0.0001: key "
         "'solver.min_lr': 0.001 is above solver.base_lr 0.0001 ...`), and a start-up note "
