@@ -118,10 +118,13 @@ SYNC_MODE = "parallel.mode=sync"
 PS_MODE = "parallel.mode=sync_ps"
 #: why the parameter-server candidates are priced and listed but not ranked
 #: with the others, nor chosen by ``parallel.scheme: auto`` (``Candidate.
-#: unranked``): their prediction is far below the measured time (docs/scaling.md
-#: "Parameter servers": digits_lenet, 1 server + 1 worker, about 4x)
+#: unranked``): their prediction is off the measured time either way
+#: (docs/scaling.md "Parameter servers", 1 server + 1 worker, measured over
+#: predicted: digits_lenet 8.04/1.94 ms, then 11.2 to 20.4/7.43 ms;
+#: cifar10_quick_wide 0.305/0.532 s); one line under the table
 PS_NOT_VALIDATED = ("the parameter-server model is not validated against measurement "
-                    "(measured runs took 4x and 0.57x their predictions: docs/scaling.md)")
+                    "(measured runs took 1.5x to 4.1x their predictions on digits_lenet, "
+                    "0.57x on cifar10_quick_wide: docs/scaling.md)")
 #: the most micro-batches (``parallel.micro_batches``) data parallelism and
 #: scheme sharded are tried at (``micro_batch_counts``: powers of two)
 MAX_MICRO_BATCHES = 16
