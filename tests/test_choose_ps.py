@@ -11,8 +11,9 @@ The parameter-server candidates: mode sync_ps with K = 1 .. N/2 servers
 (``tools/choose.server_candidates``), priced and listed but not ranked
 with the others: their model is not validated against measurement
 (docs/scaling.md, "Parameter servers": measured 2-rank runs took 1.5x to
-4.1x their predictions on digits_lenet, 0.57x on cifar10_quick_wide), so they come after every ranked setting, marked, and are
-never the best. A rule of the parameter servers (clipping with more than
+4.1x their predictions on digits_lenet, 0.57x on cifar10_quick_wide), so
+they come after every ranked setting, marked, and are never the best (a
+line under the table says why, the line docs/scaling.md quotes). A rule of the parameter servers (clipping with more than
 one server) lists the setting as not possible with its reason; mode async
 is never offered. Where they are predicted the fastest (a constructed
 calibration of a host whose adds are slow: a 2-rank allreduce's reduction
