@@ -1,9 +1,12 @@
 """``plan --choose`` stopped by a signal (issue 44): its calibration's
 ``train`` child (tools/choose.py ``_traced_run``: one rank, in a session of
 its own) ends with it, and the child's run folder (``.calibration-*``
-beside the calibration file) is removed. Before, the child ran on after
-``timeout`` had SIGTERMed the parent (subprocess.run, the default action
-of SIGTERM: no clean-up), training into the user's tree."""
+beside the calibration file) is removed. Before, a SIGTERM (``timeout``'s)
+ended the parent by its default action, no clean-up: the child
+(subprocess.run) trained on until its next line hit the closed pipe, and
+its folder stayed in the user's tree (the SIGTERM case failed on the
+folder's assertion, ``['.calibration-<key>-<pid>']``; the Ctrl-C case
+passed: subprocess.run kills its child on KeyboardInterrupt)."""
 import os
 import signal
 import subprocess
