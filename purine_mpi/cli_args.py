@@ -249,14 +249,21 @@ def build_parser():
     c.add_argument("--choose", action="store_true",
                    help="rank the settings of N ranks (data parallel, sharded, pipeline "
                         "stages and micro-batches, tensor parallel, tensor within pipeline "
-                        "stages; recompute) by predicted "
-                        "time per iteration, from one measured trace of the job on one rank; "
-                        "print the table and the best as --set options")
+                        "stages; recompute) by predicted time per iteration, from two "
+                        "short measured runs of the job on one rank; print the table and "
+                        "the best as --set options. A data or sharded "
+                        "setting's micro-batch counts are walked up to the first that fits "
+                        "and one more, the check: a time per sample that falls again further "
+                        "up, past a rise, is seen by --choose-all only (a deliberate "
+                        "trade-off: the model's time per sample grew with the count in every "
+                        "case measured, and every count costs several times as long; "
+                        "docs/scaling.md)")
     c.add_argument("--choose-all", action="store_true",
                    help="--choose with every micro-batch count of every setting evaluated "
                         "(--choose leaves out the counts above the first that fits and "
                         "the one after it, where that one is predicted no faster, listed "
-                        "under --json's not_tried): slower, to confirm --choose's best")
+                        "under --json's not_tried; a fall past a rise further up is found "
+                        "here only): several times slower, to confirm --choose's best")
     c.add_argument("--calibration", type=path_arg, metavar="FILE.json",
                    help="--choose: the op times measured once, read from FILE.json when it "
                         "holds this job's, else measured and written there (default: "

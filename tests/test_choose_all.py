@@ -236,3 +236,27 @@ def test_choose_all_cli_tries_every_count(jobs):
     assert "not tried" not in res.stdout
     res = run_cli_here("plan", "--help")
     assert "--choose-all" in res.stdout
+    # --help says the walk's trade-off: a fall past a rise is --choose-all's to find
+    words = " ".join(res.stdout.split())
+    assert "falls again further up, past a rise, is seen by --choose-all only" in words, words
+    assert "a fall past a rise further up is found here only" in words, words
+
+
+@pytest.mark.parametrize("name,n", [("micro", 1), ("weights", 1), ("mixed", 1)])
+def test_time_per_sample_grows_with_the_count(jobs, name, n, monkeypatch):
+    """The premise of ``variants_to_try``'s walk (up to the first count that
+    fits and one more; docs/scaling.md, "the walk's trade-off"): each data
+    and sharded setting's predicted time per sample never falls as the
+    count grows, so no fall past a rise is left out. A net or a
+    calibration where it does fall would fail here (and --choose-all
+    would be the way to see it)."""
+    _no_staged(monkeypatch)
+    every = _every(jobs, name, n, 1)
+    groups = {}
+    for c in every.ranked:
+        if c.error is None and c.unranked is None:
+            groups.setdefault((c.variant_of or c).label, []).append(c)
+    assert len(groups) >= 2
+    for label, members in groups.items():
+        seq = [_per_sample(c) for c in sorted(members, key=lambda c: c.micro or 1)]
+        assert len(seq) >= 3 and seq == sorted(seq), (label, seq)

@@ -118,10 +118,13 @@ SYNC_MODE = "parallel.mode=sync"
 PS_MODE = "parallel.mode=sync_ps"
 #: why the parameter-server candidates are priced and listed but not ranked
 #: with the others, nor chosen by ``parallel.scheme: auto`` (``Candidate.
-#: unranked``): their prediction is far below the measured time (docs/scaling.md
-#: "Parameter servers": digits_lenet, 1 server + 1 worker, about 4x)
+#: unranked``): their prediction is off the measured time either way
+#: (docs/scaling.md "Parameter servers", 1 server + 1 worker, measured over
+#: predicted: digits_lenet 8.04/1.94 ms, then 11.2 to 20.4/7.43 ms;
+#: cifar10_quick_wide 0.305/0.532 s); one line under the table
 PS_NOT_VALIDATED = ("the parameter-server model is not validated against measurement "
-                    "(measured runs took 4x and 0.57x their predictions: docs/scaling.md)")
+                    "(measured runs took 1.5x to 4.1x their predictions on digits_lenet, "
+                    "0.57x on cifar10_quick_wide: docs/scaling.md)")
 #: the most micro-batches (``parallel.micro_batches``) data parallelism and
 #: scheme sharded are tried at (``micro_batch_counts``: powers of two)
 MAX_MICRO_BATCHES = 16
@@ -283,18 +286,133 @@ def _traced_run(path, overrides, sets, folder):
     cmd += ["--iters", str(CALIBRATION_ITERS), "--profile-iters", CALIBRATION_WINDOW,
             "--out", folder, "--force", "--no-memory-check"]
     env = {k: v for k, v in os.environ.items() if not _LAUNCHER_ENV.match(k)}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
-        raise UserError("plan --choose: the calibration run (one rank, data parallel"
-                        + (f", {', '.join(sets)}" if sets else "")
-                        + f") failed with status {proc.returncode}: {tail}")
     try:
-        durations, _ = read_traces(folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            status, output = _run_child(cmd, env)
+            if status != 0:
+                tail = " | ".join(output.strip().splitlines()[-3:])
+                raise UserError("plan --choose: the calibration run (one rank, data parallel"
+                                + (f", {', '.join(sets)}" if sets else "")
+                                + f") failed with status {status}: {tail}")
+            durations, _ = read_traces(folder)
+        finally:  # the child has ended (``_run_child``): nothing writes there any more
+            shutil.rmtree(folder, ignore_errors=True)
+    except _Forwarded as exc:
+        _end_as_signalled(exc.signum)
     return durations
+
+
+#: the signals that end ``plan --choose`` (or train's ``scheme: auto``)
+#: while its calibration child runs: passed on to the child's process
+#: group, then the parent ends as the signal asks (``_run_child``)
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: seconds the child's group has, after a forwarded signal, to end by its
+#: own stop handling before it is killed (SIGKILL)
+CHILD_GRACE_S = 3.0
+
+
+class _Forwarded(BaseException):
+    """A signal ``_run_child`` passed on to its child (a BaseException: no
+    ``except Exception`` between the handler and ``_run_child`` keeps it)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _run_child(cmd, env):
+    """(exit status, stdout and stderr) of the calibration's ``train``
+    child ``cmd``, run in a session (and process group) of its own: a
+    terminal's Ctrl-C does not reach it past this process, which passes
+    each of ``FORWARDED`` on to the child's whole group (the child and
+    anything it started) and then ends as that signal asks (its previous
+    handler, raised again by ``_end_as_signalled`` once the group has
+    ended and the caller removed its folder: ``_Forwarded`` says which).
+    On every way out (a signal, an exception,
+    this process's own end by SystemExit) the group gets ``CHILD_GRACE_S``
+    after the signal to end, then SIGKILL; so the caller may remove the
+    child's run folder: nothing writes to it any more. Before, a
+    ``subprocess.run`` child ran on after ``timeout`` SIGTERMed ``plan
+    --choose``, into a run folder in the user's tree."""
+    import signal
+    import threading
+    main = threading.current_thread() is threading.main_thread()
+    state = {"proc": None, "got": None}  # the child; the first signal passed on
+
+    def forward(signum, frame):
+        proc = state["proc"]
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if state["got"] is None:  # once: a second one while the group ends is passed on only
+            state["got"] = signum
+            raise _Forwarded(signum)
+    previous = {}
+    try:
+        if main:
+            for name in FORWARDED:
+                sig = getattr(signal, name)
+                old = signal.getsignal(sig)
+                if old is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                    previous[sig] = old
+                    signal.signal(sig, forward)
+        output = ""
+        try:
+            state["proc"] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True,
+                                             start_new_session=True)
+            output, _ = state["proc"].communicate()
+        except _Forwarded:
+            pass
+    finally:
+        try:
+            if state["proc"] is not None:
+                _end_group(state["proc"], state["got"] is not None)
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+    if state["got"] is not None:
+        raise _Forwarded(state["got"])  # the caller cleans up, then ``_end_as_signalled``
+    return state["proc"].returncode, output
+
+
+def _end_as_signalled(signum):
+    """After the child's group has ended and its folder is removed: the
+    signal ``signum`` raised again at its previous handler (SIG_DFL: this
+    process ends by it, as ``timeout`` and the shell expect; SIGINT's:
+    KeyboardInterrupt, the CLI's "interrupted" and 130); where that
+    handler only records it (train's early stop handler, ``parallel.
+    scheme: auto``), a UserError ends the choice."""
+    import signal
+    signal.raise_signal(signum)
+    raise UserError(f"plan --choose: the calibration run was stopped by "
+                    f"{signal.Signals(signum).name}")
+
+
+def _end_group(proc, signalled):
+    """End ``proc``'s process group (its own session, ``_run_child``): it
+    has ``CHILD_GRACE_S`` when a signal was passed on to it, else none (an
+    exception here: SIGTERM first, then the same grace); then SIGKILL to
+    whatever of the group is left, and the child reaped."""
+    import signal
+    if proc.poll() is None and not signalled:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=CHILD_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # the child's own children too: the group outlives its leader
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _calibration_job(path, overrides, sets=()):

@@ -7,7 +7,9 @@ Each rank's graphs are built as the trainer builds them
 as ``graph --np N --rank R``), laid out by the trainer's memory plans, and
 counted by ``runtime/footprint.py``. With more than ``ALL_RANKS`` ranks only
 the ranks of the first two replicas are built: the other replicas hold what
-the second one holds (same stages, same shards, same buckets).
+the second one holds (same stages, same tensor shards, same buckets); not
+under ZeRO (scheme sharded), whose shards of a bucket differ in size where
+it does not divide by the ranks (``_alike``): every rank is built there.
 
 The memory a rank may use: ``--host-memory`` (each rank's) /
 ``--device-memory`` when given, and the GPU's total memory when the rank
@@ -533,8 +535,14 @@ def ranks_to_build(job, size, limits=None):
 
 def _alike(job, size):
     """The ranks ``plan`` builds, and {rank not built: the rank it is like},
-    by their place in the job alone (``ranks_to_build`` adds their nodes)."""
-    if size <= ALL_RANKS:
+    by their place in the job alone (``ranks_to_build`` adds their nodes).
+    Under ZeRO (scheme sharded) every rank: a shard is ``comm.ops.
+    shard_range``'s ``[r*c, min(n, (r+1)*c))``, ``c = ceil(n/N)``, so where
+    a bucket's n does not divide by the shards the last ranks hold less of
+    it or none, and their rows differ from rank 1's, some of them up (on 9
+    ranks of tests/test_plan_zero_uneven.py's net rank 7's kept blobs 32
+    bytes, rank 1's 16; before, ranks 2..8 were taken as like rank 1)."""
+    if size <= ALL_RANKS or job.parallel.scheme == "sharded":
         return list(range(size)), {}
     if job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
         from ..parallel.param_server import ps_layout

@@ -1,0 +1,100 @@
+"""``plan --choose`` stopped by a signal (issue 44): its calibration's
+``train`` child (tools/choose.py ``_traced_run``: one rank, in a session of
+its own) ends with it, and the child's run folder (``.calibration-*``
+beside the calibration file) is removed. Before, a SIGTERM (``timeout``'s)
+ended the parent by its default action, no clean-up: the child
+(subprocess.run) trained on until its next line hit the closed pipe, and
+its folder stayed in the user's tree (the SIGTERM case failed on the
+folder's assertion, ``['.calibration-<key>-<pid>']``; the Ctrl-C case
+passed: subprocess.run kills its child on KeyboardInterrupt)."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, cli_env
+
+#: wide enough that the calibration's 8 iterations outlast the test's look
+#: for the child (2048 x 2048 products at batch 256: about 0.3 s each here)
+NET = """name: choose_signal_net
+seed: 3
+data:
+  train: {source: synthetic, shape: [1, 32, 32], classes: 10, num_samples: 1024, batch_size: 256}
+net:
+  - {type: fc, name: fc1, bottom: data, top: fc1, num_output: 2048}
+  - {type: relu, name: relu1, bottom: fc1, top: fc1}
+  - {type: fc, name: fc2, bottom: fc1, top: fc2, num_output: 2048}
+  - {type: relu, name: relu2, bottom: fc2, top: fc2}
+  - {type: fc, name: fc3, bottom: fc2, top: fc3, num_output: 10}
+  - {type: softmax_loss, name: loss, bottom: [fc3, label], top: loss}
+solver: {type: sgd, base_lr: 0.01, momentum: 0.9, max_iter: 100, display: 1000}
+parallel: {scheme: data}
+"""
+
+
+def _children(pid):
+    """The PIDs whose parent is ``pid`` (/proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, read after its ')'
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _alive(pid):
+    """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_choose_ends_its_calibration_child(tmp_path, sig):
+    job = tmp_path / "job.yaml"
+    job.write_text(NET)
+    cal = tmp_path / "cal" / "calibration.json"
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
+                             "--choose", "--calibration", str(cal)],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        child, deadline = None, time.monotonic() + 60
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            found = _children(proc.pid)
+            child = found[0] if found else None
+            time.sleep(0.02)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)  # the child under way (its imports, its run folder)
+        assert _alive(child), "the calibration ended before the signal: make NET larger"
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+        ended = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < ended:
+            time.sleep(0.05)
+        assert not _alive(child), f"the calibration child {child} outlived plan --choose"
+        # the parent ends as the signal asks: SIGTERM its default (-15, the
+        # shell's 143), Ctrl-C the CLI's "interrupted" and 130
+        if sig == signal.SIGTERM:
+            assert proc.returncode == -signal.SIGTERM, (proc.returncode, err)
+        else:
+            assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err)
+        # the child's run folder is gone, and no calibration file was written
+        assert not cal.exists()
+        left = [p.name for p in cal.parent.iterdir()] if cal.parent.exists() else []
+        assert not [p for p in left if p.startswith(".calibration-")], left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
