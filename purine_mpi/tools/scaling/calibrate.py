@@ -389,9 +389,11 @@ def collective_wait(comm, link, nbytes=1024, repeats=40):
                     last.append(awake - seen)
                 sub.Free()
             every = comm.allgather((whole[1:], last[1:]))
-            wait[k] = max(0.0, statistics.median([v for w, _ in every for v in w])
+            # the mean, not the median: an iteration's collectives add up,
+            # and on a loaded host their times have a long tail
+            wait[k] = max(0.0, statistics.fmean([v for w, _ in every for v in w])
                           - link.allreduce(k, nbytes))
-            handoff[k] = statistics.median([v for _, h in every for v in h])
+            handoff[k] = statistics.fmean([v for _, h in every for v in h])
             quiet_barrier(comm)
     finally:
         stop[0] = True

@@ -98,15 +98,18 @@ def format_table(data):
             f"{r['exposed_comm_ms']:.2f}", eff, ips)))
     node = data["node"]
     if node["measured"]:
-        shown = [r for r in data["rows"] if r.get("node")]
+        parts = []
+        for r in data["rows"]:
+            if not r.get("node"):
+                continue
+            x = r["node"]
+            parts.append(f"{r['np']} ranks: compute × "
+                         + "/".join(f"{v:.3g}" for v in x["compute_factor"].values())
+                         + f" (gemm/elementwise/dispatch), +{x['collective_wait_us']:.3g} µs "
+                         "a collective" + (" (past the measured ranks)" if x["extrapolated"]
+                                           else ""))
         head.append(f"ranks per node: {node['ranks_per_node']}; measured sharing "
-                    "(predict --calibrate) applied: " + "; ".join(
-                        f"{r['np']} ranks: compute × "
-                        + "/".join(f"{v:.3g}" for v in r["node"]["compute_factor"].values())
-                        + f" (gemm/elementwise/dispatch), +{r['node']['collective_wait_us']:.3g} µs "
-                        "a collective" + (" (past the measured ranks)"
-                                          if r["node"]["extrapolated"] else "")
-                        for r in shown))
+                    "(predict --calibrate) applied: " + "; ".join(parts))
     untraced = max((r.get("untraced_ops", 0) for r in data["rows"]), default=0)
     tail = [f"{untraced} op(s) not in the trace were estimated (row chunks, bucket copies)"] \
         if untraced else []
