@@ -97,6 +97,15 @@ def test_a_link_file_round_trips_and_a_bad_one_is_named(tmp_path):
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(UserError, match="not a link file"):
         load_link(tmp_path / "other.json")
+    from purine_mpi.tools.scaling.node import NodeModel
+    node = NodeModel(NODE_RATIOS, {2: 1e-3, 4: 2e-3}, ranks_per_node=4)
+    save_link(path, Link(1e-5, 1e8, node=node))
+    assert load_link(path).node == node
+    data = json.loads(path.read_text())
+    data["node"]["compute_ratio"]["2"].pop("gemm")
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="key 'node'.*gemm"):
+        load_link(path)
 
 
 # ------------------------------------------------------------ simulator
@@ -351,6 +360,92 @@ def test_an_infinitely_fast_link_loses_nothing(traced, tmp_path):
             data["one_rank_iter_ms"] + dispatch) - 1e-3, (r, dispatch)
     assert rows[0]["iter_ms"] == pytest.approx(rows[1]["iter_ms"], abs=1e-3)
 
+
+
+# ------------------------------------------------ ranks sharing a node
+#: measured ratios of a hand-made calibration (node.py): 2 and 4 ranks a node
+NODE_RATIOS = {2: {"gemm": 1.5, "elementwise": 2.0, "dispatch": 1.25},
+               4: {"gemm": 3.0, "elementwise": 3.0, "dispatch": 2.0}}
+
+
+def test_the_node_correction_is_the_measured_ratios():
+    """c_N = min(N, K) ranks on a node against the trace's c_T = min(T, K):
+    each class's factor is ratio[c_N] / ratio[c_T], each collective waits
+    collective_wait_s[c_N] (none with one rank on the node); past the
+    measured ranks the largest measured, flagged."""
+    from purine_mpi.tools.scaling.node import NONE, NodeModel, node_scale
+    node = NodeModel(NODE_RATIOS, {2: 1e-3, 4: 3e-3}, ranks_per_node=2)
+    s = node_scale(node, 8, 1, 2)  # 2 a node, traced alone
+    assert s.factors == {"gemm": 1.5, "elementwise": 2.0, "dispatch": 1.25}
+    assert (s.wait, s.ranks_on_node, s.traced_on_node, s.extrapolated) == (1e-3, 2, 1, False)
+    s = node_scale(node, 1, 2, 2)  # one rank from a trace of 2 sharing a node
+    assert s.factors == pytest.approx({"gemm": 1 / 1.5, "elementwise": 0.5, "dispatch": 0.8})
+    assert s.wait == 0
+    s = node_scale(node, 16, 2, 4)  # 4 a node from a 2-rank trace
+    assert s.factors == pytest.approx({"gemm": 2.0, "elementwise": 1.5, "dispatch": 1.6})
+    assert s.wait == 3e-3
+    assert node_scale(node, 16, 2, 1).factors == {"gemm": 1.0, "elementwise": 1.0,
+                                                  "dispatch": 1.0}
+    assert node_scale(node, 16, 2, 1).wait == 0.0  # one rank a node: no sharing
+    s = node_scale(node, 16, 1, 8)  # 8 a node: past the 4 measured
+    assert s.extrapolated and s.factors["gemm"] == 3.0 and s.wait == 3e-3
+    assert node_scale(None, 16, 1, 8) is NONE
+
+
+def test_predict_applies_the_node_correction(traced, monkeypatch):
+    """From the 1-rank trace at 2 ranks on a node with every class's ratio
+    f and a wait w per collective: the compute-only simulation is f times
+    the uncorrected one (every compute op and the dispatcher's costs scale
+    by f), the communication is w more per collective, one rank is as
+    before; one rank a node (--ranks-per-node 1) changes nothing."""
+    import dataclasses
+
+    from purine_mpi.tools.scaling import link as link_mod
+    from purine_mpi.tools.scaling.model import predict_table
+    from purine_mpi.tools.scaling.node import CLASSES, NodeModel
+    from purine_mpi.tools.scaling.trace_reader import read_traces
+    monkeypatch.setattr(link_mod, "reduce_cost_per_byte", lambda: 1e-10)  # timed otherwise
+    durations, job = read_traces(str(traced))
+    base = Link(2e-5, 1.25e8, 0.0, "test")
+    f, w = 1.7, 4e-4
+    node = NodeModel({2: {c: f for c in CLASSES}}, {2: w}, ranks_per_node=2)
+    plain = predict_table(job, durations, [2, 4], base, "ring")
+    corr = predict_table(job, durations, [2, 4], dataclasses.replace(base, node=node), "ring")
+    assert corr["ranks_per_node"] == 2
+    for p, c in zip(plain["rows"], corr["rows"]):
+        assert c["compute_s"] == pytest.approx(f * p["compute_s"], rel=1e-9)
+        assert c["comm_ops"] == p["comm_ops"] > 0
+        assert c["comm_s"] == pytest.approx(p["comm_s"] + p["comm_ops"] * w, rel=1e-9)
+        assert c["iter_s"] > p["iter_s"]
+    assert corr["one_rank"]["iter_s"] == plain["one_rank"]["iter_s"]
+    alone = predict_table(job, durations, [2, 4], dataclasses.replace(base, node=node), "ring",
+                          ranks_per_node=1)
+    assert [r["iter_s"] for r in alone["rows"]] == [r["iter_s"] for r in plain["rows"]]
+
+
+def test_a_link_file_without_node_measurements_predicts_as_before(traced, tmp_path):
+    """A link file of the format before ``node`` (no such key) gives the
+    prediction without the correction, the same as a calibration whose
+    ratios are 1 and waits 0, and says so once on stderr."""
+    from purine_mpi.tools.scaling.node import NodeModel
+    old, ident = tmp_path / "old.json", tmp_path / "ident.json"
+    save_link(old, Link(2e-5, 1.25e8, 0.0, "test"))
+    assert "node" not in json.loads(old.read_text())
+    save_link(ident, Link(2e-5, 1.25e8, 0.0, "test", node=NodeModel(
+        {2: {"gemm": 1.0, "elementwise": 1.0, "dispatch": 1.0}}, {2: 0.0}, 2)))
+    a = run_cli_args("predict", traced, "--np", "1,2,4", "--link", old, "--json")
+    b = run_cli_args("predict", traced, "--np", "1,2,4", "--link", ident, "--json")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stderr.count("holds no measurement of ranks sharing a node") == 1
+    assert "holds no measurement" not in b.stderr
+    ra, rb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ra["node"] == {"ranks_per_node": 1, "measured": False, "calibration": None}
+    assert all(r["node"] is None for r in ra["rows"])
+    # the dispatcher's fit is the same; the timed host add rate only prices
+    # untraced copies (none here), so the rows agree to the microsecond
+    assert [r["iter_ms"] for r in ra["rows"]] == [r["iter_ms"] for r in rb["rows"]]
+    bad = run_cli_args("predict", traced, "--np", "2", "--link", old, "--ranks-per-node", "0")
+    assert bad.returncode == 2 and "--ranks-per-node: expected a whole number >= 1" in bad.stderr
 
 
 def test_a_slower_traced_rank_is_no_scaling_loss(traced):

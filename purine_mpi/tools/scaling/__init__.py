@@ -3,7 +3,10 @@ iteration will take on N ranks, from a trace of a real run.
 
     link.py       the network model: α–β costs of the collectives and of
                   point-to-point transfers, link presets, the calibration file
-    calibrate.py  ``predict --calibrate``: ping-pong and allreduce sweep under MPI
+    calibrate.py  ``predict --calibrate``: ping-pong and allreduce sweep under MPI,
+                  and ranks sharing a host (kernels at once, a collective's wait)
+    node.py       ranks sharing a node: the link file's ``node`` measurements
+                  and the correction ``predict --ranks-per-node`` applies
     simulate.py   the dispatcher's scheduling core run over a virtual clock
     traces.py     reading ``trace.rank<R>.json``: per-op median durations
     model.py      from a run folder and N to the simulated ranks' graphs, the table

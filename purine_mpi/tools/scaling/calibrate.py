@@ -29,10 +29,16 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
   ``beta_busy_bytes_per_s`` is the rate the allreduce moved its bytes at
   meanwhile. Both apply to a ReduceScatter's and an Allgather's bytes
   too (each sends (N-1)/N of its buffer, half an allreduce's).
+- ranks sharing a host (``node``, node.py): three kernel classes (host
+  products, memory-bound sums, a small op handed to a worker thread) timed
+  on 1 and on k = 2 .. (the ranks a host) ranks of a host at once, the
+  others asleep (``contention``), and a small Iallreduce over the first k
+  ranks tested as the dispatcher tests it, beyond its α–β time
+  (``collective_wait``).
 
 The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
 ``beta_bytes_per_s``, ``alpha_put_s``, ``beta_put_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
-``beta_busy_bytes_per_s``, ``origin``, the ranks' ``hosts`` (from
+``beta_busy_bytes_per_s``, ``node``, ``origin``, the ranks' ``hosts`` (from
 ``MPI.Get_processor_name``) and the raw measurements. When every rank ran
 on one host the figures are MPI's shared-memory transport, not a network:
 the file's ``one_host`` is true with a ``note`` saying so, and the command
@@ -211,6 +217,191 @@ def overlap_cost(comm, nbytes=1 << 24, repeats=5):
     return max(0.0, statistics.median(lost)), statistics.median(rates)
 
 
+def quiet_barrier(comm, poll=1e-3):
+    """A barrier whose waiting ranks sleep between tests (MPI's blocking
+    barrier spins on a core: a rank left out of a measurement must not take
+    a core from the ranks measured)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
+def threads_for(k):
+    """The host-product threads a rank of a run of ``k`` ranks on this host
+    picks: ``base/threads.decide`` with the busy cores this rank measured at
+    its start-up (the user's count where one is set)."""
+    from ...base import threads as _threads
+    mine = dict(os.environ)
+    if "OMP_NUM_THREADS" not in _threads._set_before:  # ours (exported), not the user's
+        mine.pop("OMP_NUM_THREADS", None)
+    mine["PURINE_LOCAL_SIZE"] = str(k)
+    try:
+        return _threads.decide(mine, busy=_threads.BUSY)[0]
+    except ValueError:
+        return 1
+
+
+def _kernels(k):
+    """{class: a function doing a fixed amount of that class's work} of
+    node.CLASSES (node.py), the host products at the threads a run of
+    ``k`` ranks on this host picks (``threads_for``). ``dispatch`` hands
+    a small op to a worker thread and waits for it (an Event each way), as
+    the dispatcher readies an op for a worker and hears it is done: the
+    interpreter's work and a thread's wake-up, which a loaded core delays."""
+    import threading
+
+    from ...ops import hostgemm
+    rng = np.random.default_rng(0)
+    a = rng.random((512, 800), dtype=np.float32)   # an im2col product of a small conv
+    b = rng.random((800, 64), dtype=np.float32)
+    out = np.empty((512, 64), np.float32)
+    x = rng.random(1 << 20, dtype=np.float32)      # 4 MiB: past the caches
+    y = np.empty_like(x)
+    s, t = rng.random(256, dtype=np.float32), np.empty(256, np.float32)
+    count = threads_for(k)
+    go, done = threading.Event(), threading.Event()
+
+    def worker():
+        while True:
+            go.wait()
+            go.clear()
+            np.multiply(s, 0.5, out=t)
+            done.set()
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    def gemm():
+        before, hostgemm.THREADS = hostgemm.THREADS, count
+        try:
+            hostgemm.matmul(np, a, b, out)
+        finally:
+            hostgemm.THREADS = before
+
+    def elementwise():
+        np.maximum(x, 0.0, out=y)
+        np.add(x, y, out=y)
+
+    def dispatch():
+        for _ in range(20):
+            go.set()
+            done.wait()
+            done.clear()
+
+    return {"gemm": gemm, "elementwise": elementwise, "dispatch": dispatch}
+
+
+#: seconds each kernel class runs without a break in one measurement: long
+#: enough that a rank woken from its wait has no scheduler credit left (a
+#: short burst after a sleep runs ahead of the processes that kept running)
+CONTENTION_WINDOW_S = 0.2
+
+
+def contention(comm, rounds=3):
+    """{k: {class: time a call takes with k ranks of this host running at
+    once / time alone}} for k = 2 .. the ranks on this host (node.py): in
+    ``rounds`` rounds, k = 1, 2, ... interleaved, the host's first k ranks
+    call each class's kernel without a break for ``CONTENTION_WINDOW_S``
+    while the others sleep (``quiet_barrier``); the median over the rounds
+    and the running ranks of every host of the mean time a call took. {}
+    with one rank a host."""
+    from mpi4py import MPI
+    from .node import CLASSES
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        size = local.size
+        most = comm.allreduce(size, op=MPI.MIN)
+        if most < 2:
+            return {}
+        kernels = {k: _kernels(k) for k in range(1, most + 1)}
+        times = {k: {c: [] for c in CLASSES} for k in kernels}
+        for _ in range(rounds):
+            for k in kernels:
+                quiet_barrier(comm)
+                if local.rank < k:
+                    for cls in CLASSES:
+                        fn = kernels[k][cls]
+                        fn()  # warm: caches, the pool's threads
+                        calls, t0 = 0, time.perf_counter()
+                        while time.perf_counter() - t0 < CONTENTION_WINDOW_S:
+                            fn()
+                            calls += 1
+                        times[k][cls].append((time.perf_counter() - t0) / calls)
+                quiet_barrier(comm)
+        every = comm.allgather(times)
+    finally:
+        local.Free()
+    med = {k: {c: statistics.median([v for t in every for v in t[k][c]]) for c in CLASSES}
+           for k in kernels}
+    return {k: {c: med[k][c] / med[1][c] for c in CLASSES} for k in kernels if k > 1}
+
+
+def collective_wait(comm, link, nbytes=1024, repeats=40):
+    """({k: seconds}, {k: seconds}) for k = 2 .. the ranks: a small
+    Iallreduce (``nbytes``) over the first k ranks, waited for the
+    dispatcher's way (runtime/dispatcher.py): posted, tested every
+    ``poll_interval`` until done, then a worker thread woken (an Event) as
+    the dispatcher wakes the worker whose op the transfer readies. The
+    first is the median time from the post until the worker runs, less the
+    α–β model's time for it (``link``): what a collective costs beyond α;
+    the second the median of its last part, from the test that saw it done
+    until the worker runs (a trace's comm span ends at that test: the part
+    a traced collective does not hold). node.py."""
+    import inspect
+    import threading
+
+    from mpi4py import MPI
+
+    from ...runtime.dispatcher import Dispatcher
+    poll = inspect.signature(Dispatcher.__init__).parameters["poll_interval"].default
+    wait, handoff = {}, {}
+    send = np.ones(nbytes // 4, np.float32)
+    recv = np.empty_like(send)
+    go, woke = threading.Event(), []
+    stop = [False]
+
+    def worker():
+        while True:
+            go.wait()
+            go.clear()
+            if stop[0]:
+                return
+            woke.append(time.perf_counter())
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        for k in range(2, comm.size + 1):
+            sub = comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank)
+            whole, last = [], []
+            if sub != MPI.COMM_NULL:
+                for _ in range(repeats + 1):
+                    quiet_barrier(sub)
+                    t = time.perf_counter()
+                    request = sub.Iallreduce(send, recv, MPI.SUM)
+                    while not request.Test():
+                        time.sleep(poll)
+                    seen = time.perf_counter()
+                    go.set()
+                    while len(woke) == 0:
+                        time.sleep(poll / 10)
+                    awake = woke.pop()
+                    whole.append(awake - t)
+                    last.append(awake - seen)
+                sub.Free()
+            every = comm.allgather((whole[1:], last[1:]))
+            # the mean, not the median: an iteration's collectives add up,
+            # and on a loaded host their times have a long tail
+            wait[k] = max(0.0, statistics.fmean([v for w, _ in every for v in w])
+                          - link.allreduce(k, nbytes))
+            handoff[k] = statistics.fmean([v for _, h in every for v in h])
+            quiet_barrier(comm)
+    finally:
+        stop[0] = True
+        go.set()
+        thread.join()
+    return wait, handoff
+
+
 def calibrate(path):
     """Measure and, on rank 0, write ``path``; returns the file's content
     on rank 0, None elsewhere."""
@@ -241,12 +432,17 @@ def calibrate(path):
     cpu_cost = comm.allreduce(cpu_cost) / p
     beta_busy = min(comm.allgather(beta_busy))
     from mpi4py import MPI
-    hosts = comm.gather(MPI.Get_processor_name(), 0)
+    ratio = contention(comm)
+    wait, handoff = collective_wait(comm, wire)
+    hosts = comm.allgather(MPI.Get_processor_name())
+    per_host = min(hosts.count(h) for h in set(hosts))
     if world.rank != 0:
         return None
     hosts = sorted(set(hosts))
     note = one_host_note(p, hosts[0], alpha, beta) if len(hosts) == 1 else None
-    link = Link(alpha, beta, gamma, cpu=cpu_cost, beta_busy=min(beta_busy, beta),
+    from .node import NodeModel
+    node = NodeModel(ratio, wait, per_host, across_hosts=len(hosts) > 1, handoff=handoff)
+    link = Link(alpha, beta, gamma, cpu=cpu_cost, beta_busy=min(beta_busy, beta), node=node,
                 alpha_put=alpha_put, beta_put=beta_put, origin=
                 f"calibrated by predict --calibrate on {p} ranks ({socket.gethostname()}, "
                 f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')})")
@@ -262,4 +458,5 @@ def calibrate(path):
     return {"link": path, "alpha_s": alpha, "beta_bytes_per_s": beta, "gamma_s_per_byte": gamma,
             "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy,
             "alpha_put_s": alpha_put, "beta_put_bytes_per_s": beta_put, "ranks": p,
-            "hosts": hosts, "one_host": note is not None, "note": note}
+            "hosts": hosts, "one_host": note is not None, "note": note,
+            "node": node.as_dict()}

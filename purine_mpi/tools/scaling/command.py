@@ -3,10 +3,12 @@
     predict CONFIG --weights W.h5 --out PREDS.h5 [--blob B] [--split S]
         per-sample outputs of a data split (``purine_mpi/tools/predict.py``)
     predict TRACE_DIR --np N[,N...] [--bandwidth 1gbit] [--latency 20us]
-        [--algorithm ring|tree|auto] [--link LINK.json] [--json] [--plot P.png]
+        [--algorithm ring|tree|auto] [--link LINK.json] [--ranks-per-node K]
+        [--json] [--plot P.png]
         the scaling prediction from a run's traces (this package)
     mpiexec -n 2 python -m purine_mpi predict --calibrate LINK.json
-        measure α, β and γ of the link the ranks run on (``calibrate.py``)
+        measure α, β and γ of the link the ranks run on, and how ranks
+        sharing a host slow each other (``calibrate.py``, ``node.py``)
 
 Mixing the options of two forms, or giving none of ``--weights``, ``--np``
 and ``--calibrate``, is a usage error (exit 2) that names the forms.
@@ -19,7 +21,8 @@ from ...base.errors import ConfigError, UserError
 
 FORMS = ("predict has three forms: 'predict CONFIG --weights W.h5 --out PREDS.h5' "
          "(per-sample outputs), 'predict TRACE_DIR --np N[,N...] [--bandwidth R] "
-         "[--latency T] [--algorithm A] [--link FILE] [--json] [--plot P.png]' (the scaling "
+         "[--latency T] [--algorithm A] [--link FILE] [--ranks-per-node K] [--json] "
+         "[--plot P.png]' (the scaling "
          "prediction from a run's traces) and 'mpiexec -n 2 ... predict --calibrate "
          "LINK.json' (measure the link)")
 
@@ -27,7 +30,8 @@ FORMS = ("predict has three forms: 'predict CONFIG --weights W.h5 --out PREDS.h5
 INFERENCE = (("weights", "--weights"), ("out", "--out"), ("blobs", "--blob"),
              ("split", "--split"), ("overrides", "--set"), ("seed", "--seed"))
 SCALING = (("bandwidth", "--bandwidth"), ("latency", "--latency"), ("algorithm", "--algorithm"),
-           ("link", "--link"), ("json", "--json"), ("plot", "--plot"))
+           ("link", "--link"), ("json", "--json"), ("plot", "--plot"),
+           ("ranks_per_node", "--ranks-per-node"))
 DEFAULTS = {"blobs": [], "split": "test", "overrides": [], "json": False}
 
 
@@ -49,6 +53,11 @@ def add_arguments(p):
     g.add_argument("--link", metavar="LINK.json",
                    help="α, β and γ from a predict --calibrate file (--bandwidth and "
                         "--latency still replace its figures)")
+    g.add_argument("--ranks-per-node", dest="ranks_per_node", metavar="K",
+                   help="ranks sharing a node (default: the --link calibration's ranks per "
+                        "host, else 1): with a link file that measured ranks sharing a host "
+                        "(predict --calibrate), each op slows and each collective waits as "
+                        "measured for min(N, K) ranks on a node (docs/scaling.md)")
     g.add_argument("--json", action="store_true",
                    help="one JSON object instead of a table (docs/formats.md)")
     g.add_argument("--plot", metavar="SCALING.png",
@@ -57,7 +66,8 @@ def add_arguments(p):
                              "--calibrate LINK.json)")
     c.add_argument("--calibrate", metavar="LINK.json",
                    help="measure α, β (ping-pong) and γ (allreduce sweep) between the "
-                        "ranks and write them to LINK.json for --link")
+                        "ranks, and how ranks sharing a host slow each other's compute "
+                        "and collectives, and write them to LINK.json for --link")
 
 
 def _given(args, options):
@@ -98,7 +108,23 @@ def run_scaling(args):
     from .report import format_table, parse_np, plot_scaling, to_json
     from .trace_reader import read_traces
     nps = parse_np(args.nps)
+    rpn = args.ranks_per_node
+    if rpn is not None:
+        try:
+            rpn = int(rpn)
+        except ValueError:
+            rpn = 0
+        if rpn < 1:
+            raise UserError(f"--ranks-per-node: expected a whole number >= 1, "
+                            f"got {args.ranks_per_node!r}")
     link = make_link(args.bandwidth, args.latency, args.link)
+    if link.node is None and (args.link or rpn is not None):
+        # once: the prediction is the one without the correction
+        print(f"note: {'--link ' + args.link if args.link else 'the link'} holds no "
+              "measurement of ranks sharing a node (written before predict --calibrate "
+              "measured it, or no --link): each rank is priced as its trace ran, whatever "
+              "--ranks-per-node; run predict --calibrate again to measure it",
+              file=sys.stderr, flush=True)
     durations, job = read_traces(args.config)
     if job.graph is not None:  # one composition already: no N to compose it for
         raise ConfigError(os.path.join(args.config, "config.yaml"), "graph",
@@ -106,7 +132,7 @@ def run_scaling(args):
                           "complete 'graph:' is one composition already (its own ops and data "
                           "readers): trace the config it was printed from")
     algorithm = args.algorithm or "auto"
-    table = predict_table(job, durations, nps, link, algorithm)
+    table = predict_table(job, durations, nps, link, algorithm, rpn)
     data = to_json(table, link, algorithm, args.config, durations)
     if args.plot:
         plot_scaling(data, args.plot)

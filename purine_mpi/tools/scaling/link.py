@@ -71,13 +71,17 @@ class Link:
     #: γ was timed when this Link was made (``make_link`` without a link
     #: file or a given γ): ``plan --choose`` takes the calibration's instead
     gamma_measured: bool = False
+    #: ranks sharing a node (``node.NodeModel``: compute contention and the
+    #: wait per collective, measured by ``predict --calibrate``); None: not
+    #: measured (an older link file, the defaults), no correction
+    node: object = None
 
     def busy(self):
         """This link as it runs while the rank computes (β_busy for β)."""
         if not self.beta_busy or self.beta_busy >= self.beta:
             return self
         return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu,
-                    alpha_put=self.alpha_put, beta_put=self.beta_put)
+                    alpha_put=self.alpha_put, beta_put=self.beta_put, node=self.node)
 
     def put(self, nbytes):
         """Seconds of a one-sided transfer of ``nbytes`` (Put or Get)."""
@@ -147,7 +151,9 @@ class Link:
         return rounds * self.alpha + (n - 1) / n * b / self.beta + (n - 1) / n * b * gamma
 
     def as_dict(self):
-        return asdict(self)
+        out = asdict(self)
+        out["node"] = None if self.node is None else self.node.as_dict()
+        return out
 
 
 def _check_algorithm(algorithm):
@@ -234,6 +240,8 @@ def save_link(path, link, extra=None):
             "gamma_s_per_byte": link.gamma, "cpu_s_per_byte": link.cpu,
             "beta_busy_bytes_per_s": link.beta_busy, "alpha_put_s": link.alpha_put,
             "beta_put_bytes_per_s": link.beta_put, "origin": link.origin}
+    if link.node is not None:
+        data["node"] = link.node.as_dict()
     data.update(extra or {})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -278,5 +286,7 @@ def load_link(path):
                         "gamma_s_per_byte >= 0, cpu_s_per_byte >= 0, "
                         "beta_busy_bytes_per_s > 0, alpha_put_s >= 0 and "
                         "beta_put_bytes_per_s > 0")
+    from .node import node_from_dict
+    node = node_from_dict(data["node"], path) if data.get("node") is not None else None
     return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})", cpu, busy,
-                alpha_put=put[0], beta_put=put[1])
+                alpha_put=put[0], beta_put=put[1], node=node)

@@ -65,6 +65,13 @@ traced iteration is lowered until it meets it). Before, comm ops paid
 none: a ZeRO rank running fewer or smaller ops than one rank came out
 more than 100 % efficient.
 
+Ranks sharing a node (node.py, ``--ranks-per-node``): where the link file
+holds ``predict --calibrate``'s measurements of ranks sharing a host, a
+compute op takes its traced time times its class's measured ratio at the
+ranks on a node over the ratio at the trace's, the dispatcher's costs the
+``dispatch`` ratio's, and each collective the measured wait beyond α; a
+link without them changes nothing.
+
 The simulated ranks' collectives are coupled (simulate.py): one starts on
 every simulated rank of its communicator when the last of them has
 reached it, so the slowest rank's phases make every rank wait.
@@ -351,6 +358,7 @@ class Template:
         self.priority = ready_priority([op.name for op in order], feeds_comm(graph, order, comm))
         self.comm = comm
         self.reads = scaled_reads(graph)
+        self._gemm = None  # ``gemm``, found when first asked
         self.tail, self.cross = (deferred_tail(graph, self.kernels, self.deps)
                                  if scenario.defer else (frozenset(), {}))
         self.rows = {}
@@ -369,9 +377,17 @@ class Template:
             self.rows[base] = max(self.rows.get(base, 0),
                                   b if whole is None else graph.blobs[whole].size)
 
+    @property
+    def gemm(self):
+        """The compute ops with FLOPs (matrix products): class ``gemm`` of
+        the node correction (node.py), the others ``elementwise``."""
+        if self._gemm is None:
+            self._gemm = _flop_ops(self.graph, set(self.graph.ops) - self.comm)
+        return self._gemm
+
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
                    overhead=0.0, traced_comm=False, per_iteration=0.0, comm_overhead=0.0,
-                   reads=None, fixed=None):
+                   reads=None, fixed=None, node=None):
         """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
         ``overhead``: seconds added to every compute op (the dispatcher's own
         cost per op); ``per_iteration``: seconds the busiest lane spends once
@@ -384,7 +400,12 @@ class Template:
         time at the elements it reads here (the norm of a ZeRO rank's
         shards, half as many at twice the ranks); ``fixed``:
         ``fixed_costs``, a chunk or shard priced by its share of a traced op
-        then pays its type's fixed cost once (``Durations.lookup``)."""
+        then pays its type's fixed cost once (``Durations.lookup``);
+        ``node``: a ``node.NodeScale`` (ranks sharing a node): a compute
+        op's time (not ``overhead``, which the caller scales) times its
+        class's factor, a collective priced by the link plus the measured
+        wait per collective, a traced one (``traced_comm``) plus the
+        measured hand-off to its worker; None: none of these."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
@@ -400,6 +421,13 @@ class Template:
                     sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
                 if sim.kind == "collective" and op.attrs.get("group"):
                     sim.group = tuple(int(r) for r in op.attrs["group"])
+                if node is not None and sim.kind == "collective":
+                    # seen done and its worker woken that much later (node.py);
+                    # a traced span holds all of it but the worker's wake-up
+                    extra = node.wait if traced is None else node.handoff
+                    sim.seconds += extra
+                    if sim.busy_seconds is not None:
+                        sim.busy_seconds += extra
                 comm_s[name] = sim.seconds  # the transfer, as the link model gives it
                 # the dispatcher's cost per op: the thread that readies a
                 # comm op posts it (and tests and completes it) between its
@@ -424,6 +452,8 @@ class Template:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost
                                if op.op_type in HOST_RATE_TYPES else 0.0)
+                if node is not None:
+                    seconds *= node.factors["gemm" if name in self.gemm else "elementwise"]
                 sim = SimOp(name, seconds + overhead, deps, lane=str(op.thread))
             sim.priority = self.priority[name]
             ops[name] = sim
@@ -515,6 +545,13 @@ class Template:
                      nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
 
 
+def _flop_ops(graph, names):
+    """The ops of ``names`` whose work is FLOPs (``work.op_work``)."""
+    from .work import op_work, weight_blobs
+    weights = weight_blobs(graph)
+    return frozenset(n for n in names if op_work(graph, n, weights)[0] == "flops")
+
+
 def _shard_param(graph, op):
     """The weight whose shard ``op`` updates (its first input a view of kind
     ``param_shard``, named ``<weight>.shard[a:b]``: parallel/sharding.py),
@@ -552,7 +589,7 @@ def _templates(job, scenario, cache, traced=()):
     return base + extra
 
 
-def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
+def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache, node=None):
     """(seconds per compute op, seconds per iteration): what the traced run
     spent beyond its ops' durations, the traced iteration less the simulated
     one at the traced rank count with the traced communication, split into
@@ -566,7 +603,11 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
     the second once. Without measured gaps (a constructed trace, an older
     calibration file) the whole remainder is per op, spread over the ops of
     the busiest lane. (0, 0) when the trace has no iteration time or the
-    simulation is not faster."""
+    simulation is not faster. ``node``: the ``node.NodeScale`` of the traced
+    rank count (ranks sharing a node): each traced collective then also
+    takes its measured ``handoff`` (the worker's wake-up after the test
+    that saw it done, outside its traced span), which is not the cost of
+    every op."""
     traced = [v for v in durations.iter_seconds.values() if v]
     if not traced:
         return 0.0, 0.0
@@ -581,7 +622,8 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
         # comm_overhead): the traced gaps hold the posting of comm ops too
         graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
                                overhead=overhead, traced_comm=True,
-                               per_iteration=per_iteration, comm_overhead=overhead)[0]
+                               per_iteration=per_iteration, comm_overhead=overhead,
+                               node=node)[0]
                   for t in templates]
         return simulate(graphs, ITERATIONS).period(), graphs
 
@@ -614,14 +656,21 @@ def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
 
 
 def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0,
-                per_iteration=0.0, comm_overhead=0.0, reads=None, fixed=None):
+                per_iteration=0.0, comm_overhead=0.0, reads=None, fixed=None, node=None):
     """The prediction at ``n`` ranks: a dict of seconds and counts
-    (``reads``: ``traced_reads``; ``fixed``: ``fixed_costs``)."""
+    (``reads``: ``traced_reads``; ``fixed``: ``fixed_costs``; ``node``: the
+    ``node.NodeScale`` at ``n``, which also scales the dispatcher's costs
+    ``overhead``, ``per_iteration`` and ``comm_overhead`` by its
+    ``dispatch`` factor; None: no correction)."""
+    if node is not None:
+        f = node.factors["dispatch"]
+        overhead, per_iteration, comm_overhead = (overhead * f, per_iteration * f,
+                                                  comm_overhead * f)
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
                           per_iteration=per_iteration, comm_overhead=comm_overhead,
-                          reads=reads, fixed=fixed)
+                          reads=reads, fixed=fixed, node=node)
              for t in templates]
     result = simulate([b[0] for b in built], ITERATIONS)
     period = result.period()
@@ -632,7 +681,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     slowest = max(sorted(ends), key=lambda r: ends[r][-1])
     bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                          overhead=overhead, per_iteration=per_iteration, reads=reads,
-                         fixed=fixed)[0]
+                         fixed=fixed, node=node)[0]
             for t in templates]
     compute = simulate(bare, ITERATIONS).period()
     if n == 1:
@@ -648,11 +697,12 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             alt.prices = r
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost,
                                overhead=overhead, per_iteration=per_iteration,
-                               comm_overhead=comm_overhead, reads=reads, fixed=fixed)[0]
+                               comm_overhead=comm_overhead, reads=reads, fixed=fixed,
+                               node=node)[0]
             period = max(period, simulate([g], ITERATIONS).period())
             g = alt.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
                                overhead=overhead, per_iteration=per_iteration, reads=reads,
-                               fixed=fixed)[0]
+                               fixed=fixed, node=node)[0]
             compute = max(compute, simulate([g], ITERATIONS).period())
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
@@ -662,7 +712,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
             "comm_ops": len(comm0),
             "comm_bytes": sum(graph0.ops[name].nbytes for name in comm0),
             "untraced": sorted({u for b in built for u in b[2]}),
-            "compute_ops": len(graph0.ops) - len(comm0)}
+            "compute_ops": len(graph0.ops) - len(comm0), "node": node}
 
 
 def check_traces_match(job, one, durations=None):
@@ -696,26 +746,37 @@ def check_traces_match(job, one, durations=None):
                         "were written to together (train --profile-iters A:B --out FOLDER)")
 
 
-def predict_table(job, durations, nps, link, algorithm="auto"):
+def predict_table(job, durations, nps, link, algorithm="auto", ranks_per_node=None):
     """Predictions for each N of ``nps`` (and N = 1, the reference), as a
-    dict: {"rows": [...], "one_rank": {...}, "seconds": wall time taken}."""
+    dict: {"rows": [...], "one_rank": {...}, "seconds": wall time taken,
+    "ranks_per_node": K}. ``ranks_per_node``: ranks sharing a node
+    (``--ranks-per-node``; None: the link's calibration's, else 1); where
+    ``link.node`` holds measurements of that (node.py), each N's compute
+    and collectives are corrected by them; none otherwise."""
     from .link import reduce_cost_per_byte
+    from .node import node_scale
+    if ranks_per_node is None:
+        ranks_per_node = link.node.ranks_per_node if link.node is not None else 1
+    traced_n = len(durations.per_rank)
+
+    def scale(n):
+        return None if link.node is None else node_scale(link.node, n, traced_n, ranks_per_node)
     t0 = time.perf_counter()
     copy_cost = reduce_cost_per_byte()
     cache = {}
     overhead, per_iteration = dispatch_overhead(job, durations, link, algorithm, copy_cost,
-                                                cache)
+                                                cache, scale(traced_n))
     comm_overhead = overhead  # every comm op pays the dispatcher's cost per op too
     reads, fixed = trace_prices(job, durations)
     one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead,
-                      per_iteration, comm_overhead, reads, fixed)
+                      per_iteration, comm_overhead, reads, fixed, scale(1))
     check_traces_match(job, one, durations)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
             row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead,
-                              per_iteration, comm_overhead, reads, fixed)
+                              per_iteration, comm_overhead, reads, fixed, scale(n))
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue
@@ -725,5 +786,5 @@ def predict_table(job, durations, nps, link, algorithm="auto"):
         rows.append(row)
     one["images_per_s"] = ips1
     return {"rows": rows, "one_rank": one, "overhead_s": overhead,
-            "per_iteration_s": per_iteration,
+            "per_iteration_s": per_iteration, "ranks_per_node": ranks_per_node,
             "seconds": time.perf_counter() - t0}

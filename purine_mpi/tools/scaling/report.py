@@ -53,7 +53,8 @@ def to_json(table, link, algorithm, folder, durations):
                      round(r["images_per_s"], 1),
                      "comm_ops": r["comm_ops"], "comm_bytes": r["comm_bytes"],
                      "simulated_ranks": r["simulated_ranks"], "slowest_rank": r["slowest_rank"],
-                     "untraced_ops": len(r["untraced"])})
+                     "untraced_ops": len(r["untraced"]),
+                     "node": None if r.get("node") is None else r["node"].as_dict()})
     one = table["one_rank"]
     traced = durations.iter_seconds
     return {"trace": os.path.abspath(folder), "traced_ranks": len(durations.per_rank),
@@ -64,7 +65,11 @@ def to_json(table, link, algorithm, folder, durations):
             "per_iteration_ms": ms(table.get("per_iteration_s", 0.0)),
             "link": {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta,
                      "gamma_s_per_byte": link.gamma, "origin": link.origin},
-            "algorithm": algorithm, "rows": rows, "seconds": round(table["seconds"], 3)}
+            "algorithm": algorithm, "rows": rows,
+            "node": {"ranks_per_node": table.get("ranks_per_node", 1),
+                     "measured": link.node is not None,
+                     "calibration": None if link.node is None else link.node.as_dict()},
+            "seconds": round(table["seconds"], 3)}
 
 
 def format_table(data):
@@ -91,6 +96,20 @@ def format_table(data):
         lines.append("  ".join(f"{v:>10}" for v in (
             r["np"], f"{r['iter_ms']:.2f}", f"{r['compute_ms']:.2f}", f"{r['comm_ms']:.2f}",
             f"{r['exposed_comm_ms']:.2f}", eff, ips)))
+    node = data["node"]
+    if node["measured"]:
+        parts = []
+        for r in data["rows"]:
+            if not r.get("node"):
+                continue
+            x = r["node"]
+            parts.append(f"{r['np']} ranks: compute × "
+                         + "/".join(f"{v:.3g}" for v in x["compute_factor"].values())
+                         + f" (gemm/elementwise/dispatch), +{x['collective_wait_us']:.3g} µs "
+                         "a collective" + (" (past the measured ranks)" if x["extrapolated"]
+                                           else ""))
+        head.append(f"ranks per node: {node['ranks_per_node']}; measured sharing "
+                    "(predict --calibrate) applied: " + "; ".join(parts))
     untraced = max((r.get("untraced_ops", 0) for r in data["rows"]), default=0)
     tail = [f"{untraced} op(s) not in the trace were estimated (row chunks, bucket copies)"] \
         if untraced else []

@@ -1,0 +1,160 @@
+"""Ranks that share a node: what ``predict --calibrate`` measures of them
+and how the prediction applies it (``--ranks-per-node``).
+
+Two effects a model of one rank and a link misses when several ranks run
+on one host (docs/scaling.md, "Ranks sharing a node"):
+
+- **compute contention**: each rank's ops run slower, its cores, memory
+  bandwidth and caches shared with the other ranks of the node (and, as
+  ``base/threads.py`` divides the cores among them, fewer host-product
+  threads each). ``--calibrate`` times three kernel classes on 1 and on k
+  concurrent ranks of one host (``calibrate.contention``): ``gemm``
+  (host matrix products, ``ops/hostgemm.matmul`` at the threads a run of k
+  ranks on the node picks), ``elementwise`` (memory-bound float32 sums and
+  maxima over 4 MiB) and ``dispatch`` (microsecond NumPy calls on small
+  arrays: the interpreter-bound work of the dispatcher and of tiny ops).
+  ``compute_ratio[k][class]`` is the median time at k ranks over the time
+  alone.
+- **collective completion**: a collective ends on a rank when the rank
+  sees it finished; the dispatcher tests its requests every
+  ``poll_interval`` while idle, and the peers must all be scheduled to
+  progress it. ``collective_wait_s[k]`` is the median time of a small
+  Iallreduce over k ranks waited for the dispatcher's way, less the α–β
+  model's time for it: a fixed cost per collective beyond α.
+
+The prediction at N ranks from a trace of T ranks, with K ranks per node
+(``--ranks-per-node``; default the calibration's, else 1): the ranks on a
+node are c_N = min(N, K) and the trace's c_T = min(T, K) (the traced ranks
+ran on one host when K allows). A compute op of class ``x`` takes its
+traced time × ratio[c_N][x] / ratio[c_T][x] (an op with FLOPs is
+``gemm``, another ``elementwise``; the dispatcher's fitted cost per op and
+per iteration ``dispatch``); a collective adds collective_wait_s[c_N] when
+c_N >= 2 (or, with a calibration across hosts, whenever N >= 2). A k past
+the largest measured takes the largest measured (a lower bound, said in
+the output). A link without these measurements (an older file, the
+defaults) applies none: the prediction is the one before.
+"""
+from dataclasses import dataclass, field
+
+from ...base.errors import UserError
+
+#: the kernel classes of the compute measurement
+CLASSES = ("gemm", "elementwise", "dispatch")
+
+
+@dataclass
+class NodeModel:
+    """The measurements of a link file's ``node`` block."""
+
+    #: {k ranks on a node: {class: time at k / time alone}}
+    compute_ratio: dict = field(default_factory=dict)
+    #: {k ranks in the collective: seconds beyond the α–β model}
+    collective_wait: dict = field(default_factory=dict)
+    #: the calibration's ranks per host (the default of ``--ranks-per-node``)
+    ranks_per_node: int = 1
+    #: the calibration ran across hosts (its waits hold no sharing of a node)
+    across_hosts: bool = False
+    #: {k: seconds} of ``collective_wait``'s last part: from the test that
+    #: saw the collective done until the worker runs (not in a traced span)
+    handoff: dict = field(default_factory=dict)
+
+    def ratio(self, cls, k):
+        """(ratio of class ``cls`` at ``k`` ranks on a node, whether
+        measured): 1 at k <= 1; the largest measured k's past it."""
+        if k <= 1:
+            return 1.0, True
+        known = sorted(self.compute_ratio)
+        if not known:
+            return 1.0, False
+        if k in self.compute_ratio:
+            return float(self.compute_ratio[k][cls]), True
+        below = [j for j in known if j < k]
+        return float(self.compute_ratio[below[-1] if below else known[0]][cls]), False
+
+    def wait(self, k, table=None):
+        """(seconds per collective over ``k`` ranks, whether measured):
+        ``collective_wait``, or ``table`` (``handoff``)."""
+        table = self.collective_wait if table is None else table
+        if k <= 1 or not table:
+            return 0.0, k <= 1
+        if k in table:
+            return float(table[k]), True
+        below = [j for j in sorted(table) if j < k]
+        return float(table[below[-1] if below else min(table)]), False
+
+    def as_dict(self):
+        return {"ranks_per_node": self.ranks_per_node, "across_hosts": self.across_hosts,
+                "compute_ratio": {str(k): dict(v) for k, v in sorted(self.compute_ratio.items())},
+                "collective_wait_s": {str(k): v for k, v in sorted(self.collective_wait.items())},
+                "handoff_s": {str(k): v for k, v in sorted(self.handoff.items())}}
+
+
+def node_from_dict(data, path):
+    """A NodeModel from a link file's ``node`` object; a UserError naming
+    the file, the key and what is expected otherwise."""
+    where = f"--link {path}: key 'node'"
+    try:
+        ratio = {int(k): {c: float(v[c]) for c in CLASSES}
+                 for k, v in dict(data["compute_ratio"]).items()}
+        wait = {int(k): float(v) for k, v in dict(data.get("collective_wait_s", {})).items()}
+        handoff = {int(k): float(v) for k, v in dict(data.get("handoff_s", {})).items()}
+        rpn = int(data.get("ranks_per_node", 1))
+        across = bool(data.get("across_hosts", False))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{where}: expected compute_ratio {{k: {{{', '.join(CLASSES)}: "
+                        f"ratio}}}}, collective_wait_s {{k: seconds}} and ranks_per_node "
+                        f"(written by predict --calibrate); {type(exc).__name__}: {exc}") from None
+    import math
+    if rpn < 1 or any(k < 1 for k in ratio) or any(k < 2 for k in wait) or \
+            not all(math.isfinite(v) and v > 0 for r in ratio.values() for v in r.values()) or \
+            any(k < 2 for k in handoff) or \
+            not all(math.isfinite(v) and v >= 0 for v in (*wait.values(), *handoff.values())):
+        raise UserError(f"{where}: expected ranks_per_node >= 1, finite ratios > 0 at k >= 1 "
+                        "ranks and finite waits >= 0 at k >= 2 ranks")
+    return NodeModel(ratio, wait, rpn, across, handoff)
+
+
+@dataclass
+class NodeScale:
+    """The correction at one N: compute factors by class, the extra
+    seconds per collective, and what was not measured (said in the output)."""
+
+    factors: dict
+    wait: float
+    ranks_on_node: int
+    traced_on_node: int
+    extrapolated: bool = False
+    #: seconds a traced collective takes beyond its traced span (the
+    #: dispatcher's fit of a multi-rank trace: ``model.dispatch_overhead``)
+    handoff: float = 0.0
+
+    def as_dict(self):
+        return {"ranks_on_node": self.ranks_on_node, "traced_ranks_on_node": self.traced_on_node,
+                "compute_factor": {c: round(v, 4) for c, v in self.factors.items()},
+                "collective_wait_us": round(1e6 * self.wait, 2),
+                "extrapolated": self.extrapolated}
+
+
+NONE = NodeScale({c: 1.0 for c in CLASSES}, 0.0, 1, 1)
+
+
+def node_scale(node, n, traced_ranks, ranks_per_node):
+    """The NodeScale of ``n`` ranks from a trace of ``traced_ranks``,
+    ``ranks_per_node`` ranks a node (the module docstring); ``NONE``
+    (nothing changes) where ``node`` is None."""
+    if node is None:
+        return NONE
+    k = max(1, int(ranks_per_node))
+    c_n, c_t = min(int(n), k), min(int(traced_ranks), k)
+    factors, exact = {}, True
+    for cls in CLASSES:
+        (a, ea), (b, eb) = node.ratio(cls, c_n), node.ratio(cls, c_t)
+        factors[cls] = a / b
+        exact = exact and ea and eb
+    wait = handoff = 0.0
+    if n >= 2 and (c_n >= 2 or node.across_hosts):
+        k = int(n) if node.across_hosts else c_n
+        wait, ew = node.wait(k)
+        handoff = node.wait(k, node.handoff)[0]
+        exact = exact and ew
+    return NodeScale(factors, wait, c_n, c_t, not exact, handoff)
