@@ -58,11 +58,11 @@ def _resolve_soft(f, parent, target, depth=0, shown=None):
     if depth > _MAX_SOFT_DEPTH:
         return f"a soft link to '{shown}' that goes round in circles"
     path = target if target.startswith("/") else posixpath.join(parent or "/", target)
+    # HDF5 skips "." and empty components but takes ".." as a name like any
+    # other (a link named "..", not the parent: "../x" is dangling where the
+    # group holds no link of that name), so it is looked up as such here
     group, parts = "/", [p for p in path.split("/") if p and p != "."]
     for i, part in enumerate(parts):
-        if part == "..":
-            group = posixpath.dirname(group.rstrip("/")) or "/"
-            continue
         here = f[group]
         if not isinstance(here, h5py.Group) or part not in here.keys():
             return f"a dangling soft link to '{shown}' (nothing is there)"
