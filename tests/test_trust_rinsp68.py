@@ -50,6 +50,30 @@ def test_a_soft_link_through_dotdot_resolves_as_hdf5_resolves_it(tmp_path):
                                                                      "/p/t": "/p/a/w"}
 
 
+def test_a_soft_link_to_a_name_that_is_not_utf8_is_followed(tmp_path):
+    """Soft links whose targets are not UTF-8 (/g\\xff/caf\\xe9, /g\\xff),
+    read as HDF5 keeps them (bytes), are listed as aliases of those
+    objects; one through an external link is still refused naming it.
+    Before: refused as "a dangling soft link to 'b'/g\\xff/caf\\xe9''"
+    (h5py's SoftLink shows a value that is not UTF-8 as the text b'...')."""
+    path, out = tmp_path / "names.h5", tmp_path / "out.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group(b"params/g\xff")[b"caf\xe9"] = np.ones(2)
+        f.id.links.create_soft(b"params/s", b"/params/g\xff/caf\xe9")
+        f.id.links.create_soft(b"params/sg", b"/params/g\xff")
+    report = _json("inspect", path, "--json")
+    assert [d["name"] for d in report["datasets"]] == ["/params/g\\xff/caf\\xe9"]
+    assert [(a["name"], a["alias_of"]) for a in report["aliases"]] == [
+        ("/params/s", "/params/g\\xff/caf\\xe9"), ("/params/sg", "/params/g\\xff")]
+    with h5py.File(out, "w") as f:
+        f["params/w"] = np.ones(2)
+        f.id.links.create_external(b"params/e\xff", b"other\xff.h5", b"/x")
+        f.id.links.create_soft(b"params/s", b"/params/e\xff/y")
+    res = run_cli_here("inspect", out)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "external link" in res.stderr and "dangling" not in res.stderr, res.stderr
+
+
 def test_diff_of_int64_against_uint64_is_exact(tmp_path):
     """2**62 + 1 (int64) against 2**62 (uint64), which float64 cannot tell
     apart, differs by 1; a negative int64 against a uint64 differs; the
