@@ -431,20 +431,28 @@ def params_nbytes(path):
         return _group_nbytes(_params_group(f, path), "params", _root(f))
 
 
-def _group_nbytes(group, where, above=()):
+def _group_nbytes(group, where, above=(), done=None):
     """The bytes of the datasets under ``group`` (``where``: its name), by
-    name (``_read_group``'s walk and its refusal of a cycle)."""
+    name (``_read_group``'s walk and its refusal of a cycle); ``done``: the
+    total of each group already counted (the hash of its id: its object),
+    taken again under its other names, so that groups each linking twice to
+    the next (2**n names in n groups) cost n looks, not 2**n."""
     import h5py
-    above = above + ((hash(group.id), f"/{where}"),)
+    done = {} if done is None else done
+    key = hash(group.id)
+    if key in done:  # counted in full, no cycle below it (that would have ended the count)
+        return done[key]
+    above = above + ((key, f"/{where}"),)
     total = 0
     for name in group:
         obj = group[name]
         if isinstance(obj, h5py.Group):
             _not_a_parent(obj, above, f"{where}/{name}")
-            total += _group_nbytes(obj, f"{where}/{name}", above)
+            total += _group_nbytes(obj, f"{where}/{name}", above, done)
         elif isinstance(obj, h5py.Dataset):
             total += (obj.size or 0) * obj.dtype.itemsize
-    return int(total)
+    done[key] = int(total)
+    return done[key]
 
 
 def _root(f):
