@@ -1,12 +1,14 @@
 """A second read of session 68's aliases, diff status and folders through
 links (cca1868), by hostile files and paths: a soft link through ``..``
-(a link's name to HDF5, never the parent group), int64 against uint64 in
+(a link's name to HDF5, never the parent group) or to a name that is not
+UTF-8 (h5py shows its value as b'...'), int64 against uint64 in
 ``--diff`` (said "equal" where the values differ), a hard link to the root
 deep inside /params (named as the alias of '/', before the root's other
 groups are read through it), a download whose cache folder runs through a
 dangling link (its target made), and outputs through ``link/..`` (the
-folder made lexically beside the link). Each test failed on cca1868 (the
-assertion named in its text)."""
+folder made lexically beside the link), and groups each linking twice to
+the next (plan --init's count walked all 2**n names). Each test failed
+on cca1868 (the assertion named in its text)."""
 import hashlib
 import json
 import os
@@ -28,8 +30,9 @@ def _json(*args):
 def test_a_soft_link_through_dotdot_resolves_as_hdf5_resolves_it(tmp_path):
     """HDF5 takes ``..`` in a soft link's path as a link's name: ``../a/w``
     from /p/c dangles (refused in one line as dangling, the file not called
-    corrupt; /p/a/w exists, which a lexical ``..`` would reach), and ``../w`` where /p holds a group named ``..`` is a soft
-    link to /p/../w (listed as its alias, not refused). Before: "dangling"
+    corrupt; /p/a/w exists, which a lexical ``..`` would reach), and
+    ``../w`` where /p holds a group named ``..`` is a soft link to /p/../w
+    (listed as its alias, not refused). Before: "dangling"
     missing from the first refusal ("is corrupt: KeyError"), and the second
     file refused (exit 2)."""
     bad, good = tmp_path / "bad.h5", tmp_path / "good.h5"
