@@ -181,6 +181,15 @@ def _pathconf(folder, name, default):
         return default
 
 
+def folder_of(path):
+    """The folder that holds the file ``path``, as the system finds it: the
+    text before its last ``/`` (``.`` where none), never made absolute
+    lexically (``os.path.abspath`` reads ``link/../new/f`` as ``new``
+    beside the link; the system, and a folder made from this, beside the
+    link's target, where the file's own open looks)."""
+    return os.path.dirname(str(path)) or "."
+
+
 def missing_folders(path):
     """The folders ``os.makedirs(path)`` makes that do not exist yet, as
     the system finds them (``link/../new`` is ``new`` beside the link's
@@ -230,11 +239,8 @@ def check_writable(path):
     before it leaves no empty folder). A temporary file of that name left
     by a killed write (the same process id) is removed, as the write
     removes it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    made, head = [], folder  # the folders missing now, deepest first
-    while not os.path.lexists(head) and head != os.path.dirname(head):
-        made.append(head)
-        head = os.path.dirname(head)
+    folder = folder_of(path)
+    made = missing_folders(folder)  # the folders missing now, deepest first
     tmp = temp_name(path)
     ours = False  # from the open on: a file under that name is this check's
     try:

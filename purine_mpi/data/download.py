@@ -51,9 +51,16 @@ def fetch(url, path, md5, log=None, timeout=60):
     if os.path.isfile(path) and md5_of(path) == md5:
         log(f"{path}: already downloaded (MD5 {md5})")
         return path
-    # where the system writes ``path`` (``link/../new/file``: beside the link's
-    # target), not where its text reads lexically (abspath)
-    os.makedirs(os.path.dirname(os.path.realpath(path)), exist_ok=True)
+    # made as ``mkdir -p`` and the run folder's makedirs make it: each name
+    # resolved by the system (``link/../new/file``: beside the link's target,
+    # not lexically as abspath reads it), and a dangling link in the way
+    # refused, never its target made (realpath would make it)
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{folder}: cannot make this folder for the download "
+                        f"({exc.strerror or exc})") from None
     tmp = f"{path}.part"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:

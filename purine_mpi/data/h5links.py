@@ -50,35 +50,38 @@ def _dataset_outside(dset):
 
 
 def _resolve_soft(f, parent, target, depth=0, shown=None):
-    """Where a soft link in group ``parent`` to ``target`` leads: None if to
-    an object of the file through hard links only, else a text saying why
-    not (dangling, or through an external link). Never opens another file."""
+    """Where a soft link in group ``parent`` to ``target`` (bytes, as HDF5
+    keeps them: a name that is not UTF-8 too) leads: None if to an object
+    of the file through hard links only, else a text saying why not
+    (dangling, or through an external link). Never opens another file."""
     import h5py
     shown = shown or target
     if depth > _MAX_SOFT_DEPTH:
-        return f"a soft link to '{shown}' that goes round in circles"
-    path = target if target.startswith("/") else posixpath.join(parent or "/", target)
-    group, parts = "/", [p for p in path.split("/") if p and p != "."]
+        return f"a soft link to '{_name(shown)}' that goes round in circles"
+    path = target if target.startswith(b"/") else posixpath.join(parent or b"/", target)
+    # HDF5 skips "." and empty components but takes ".." as a name like any
+    # other (a link named "..", not the parent: "../x" is dangling where the
+    # group holds no link of that name), so it is looked up as such here
+    group, parts = b"/", [p for p in path.split(b"/") if p and p != b"."]
     for i, part in enumerate(parts):
-        if part == "..":
-            group = posixpath.dirname(group.rstrip("/")) or "/"
-            continue
-        here = f[group]
-        if not isinstance(here, h5py.Group) or part not in here.keys():
-            return f"a dangling soft link to '{shown}' (nothing is there)"
-        link = here.get(part, getlink=True)
+        here = h5py.h5o.open(f.id, group)
+        if not isinstance(here, h5py.h5g.GroupID) or not here.links.exists(part):
+            return f"a dangling soft link to '{_name(shown)}' (nothing is there)"
+        kind = here.links.get_info(part).type
         name = posixpath.join(group, part)
-        if isinstance(link, h5py.ExternalLink):
-            return (f"a soft link to '{shown}' through the external link '{name}' to "
-                    f"'{link.path}' in file '{link.filename}'")
-        if isinstance(link, h5py.SoftLink):
-            why = _resolve_soft(f, group, link.path, depth + 1, shown)
+        if kind == h5py.h5l.TYPE_EXTERNAL:
+            file, where = here.links.get_val(part)
+            return (f"a soft link to '{_name(shown)}' through the external link '{_name(name)}' "
+                    f"to '{_name(where)}' in file '{_name(file)}'")
+        if kind == h5py.h5l.TYPE_SOFT:
+            to = here.links.get_val(part)
+            why = _resolve_soft(f, group, to, depth + 1, shown)
             if why:
                 return why
-            rest = "/".join(parts[i + 1:])
-            return _resolve_soft(f, "/", posixpath.join(link.path if link.path.startswith("/")
-                                                        else posixpath.join(group, link.path),
-                                                        rest), depth + 1, shown) if rest else None
+            rest = b"/".join(parts[i + 1:])
+            return _resolve_soft(f, b"/", posixpath.join(to if to.startswith(b"/")
+                                                         else posixpath.join(group, to),
+                                                         rest), depth + 1, shown) if rest else None
         group = name
     return None
 
@@ -86,19 +89,26 @@ def _resolve_soft(f, parent, target, depth=0, shown=None):
 def link_outside(f, name):
     """What the link ``name`` (a full path of the open file ``f``, its
     parents hard links; text, or bytes for a name that is not UTF-8) points
-    to outside the file, or None."""
+    to outside the file, or None. Link values are read as HDF5 keeps them
+    (bytes: h5py's SoftLink and ExternalLink show a value that is not
+    UTF-8 as the text ``b'...'``, which names nothing)."""
     import h5py
-    sep = b"/" if isinstance(name, bytes) else "/"
-    parent, _, base = name.rstrip(sep).rpartition(sep)
-    parent = parent or sep
-    link = f[parent].get(base, getlink=True)
-    if isinstance(link, h5py.ExternalLink):
-        return f"an external link to '{link.path}' in file '{link.filename}'"
-    if isinstance(link, h5py.SoftLink):
-        return _resolve_soft(f, _name(parent), _name(link.path))
-    if link is None:
+    raw = name if isinstance(name, bytes) else name.encode("utf-8", "surrogateescape")
+    parent, _, base = raw.rstrip(b"/").rpartition(b"/")
+    parent = parent or b"/"
+    group = h5py.h5o.open(f.id, parent)  # held: its LinkProxy does not keep it open
+    links = group.links
+    if not links.exists(base):
         return None
-    obj = f[name]
+    kind = links.get_info(base).type
+    if kind == h5py.h5l.TYPE_EXTERNAL:
+        file, where = links.get_val(base)
+        return f"an external link to '{_name(where)}' in file '{_name(file)}'"
+    if kind == h5py.h5l.TYPE_SOFT:
+        return _resolve_soft(f, parent, links.get_val(base))
+    if kind != h5py.h5l.TYPE_HARD:  # a user-defined link: HDF5 resolves it, not this file
+        return f"a link of HDF5's user-defined type {kind}"
+    obj = f[raw]
     return _dataset_outside(obj) if isinstance(obj, h5py.Dataset) else None
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..base.backend import to_numpy
 from ..base.errors import UserError, one_line
-from ..base.runfiles import GuardedFile, disk_error, write_failed
+from ..base.runfiles import GuardedFile, disk_error, folder_of, write_failed
 from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
 from ..data.h5links import held_by, is_lock_error, refuse_outside
 
@@ -125,7 +125,7 @@ def replaced_atomically(path):
     file is removed, whatever the failure (a full disk, the file-size limit:
     a UserError naming the file; another error of the disk names it too).
     A link at ``path`` is replaced, never written through."""
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = folder_of(path)  # the folder the rename is in (link/.. resolved)
     tmp = f"{path}.tmp.{os.getpid()}"
     if os.path.lexists(tmp):
         os.remove(tmp)
@@ -155,7 +155,7 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
     (data/tokenizer.py), kept as the dataset ``/tokenizer``."""
     import h5py
     path = str(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    os.makedirs(folder_of(path), exist_ok=True)
     with replaced_atomically(path) as tmp, GuardedFile(tmp) as raw:
         # HDF5 writes through ``raw`` (created anew, never through a link): a
         # full disk is one line naming the file, not HDF5's errors
@@ -428,23 +428,38 @@ def params_nbytes(path):
     (``plan --init DATA.h5`` said it fits, where train exits 2), and so is
     a group that is an alias of one of its own parents."""
     with open_h5(path, "weights file") as f:
-        return _group_nbytes(_params_group(f, path), "params")
+        return _group_nbytes(_params_group(f, path), "params", _root(f))
 
 
-def _group_nbytes(group, where, above=()):
+def _group_nbytes(group, where, above=(), done=None):
     """The bytes of the datasets under ``group`` (``where``: its name), by
-    name (``_read_group``'s walk and its refusal of a cycle)."""
+    name (``_read_group``'s walk and its refusal of a cycle); ``done``: the
+    total of each group already counted (the hash of its id: its object),
+    taken again under its other names, so that groups each linking twice to
+    the next (2**n names in n groups) cost n looks, not 2**n."""
     import h5py
-    above = above + ((hash(group.id), f"/{where}"),)
+    done = {} if done is None else done
+    key = hash(group.id)
+    if key in done:  # counted in full, no cycle below it (that would have ended the count)
+        return done[key]
+    above = above + ((key, f"/{where}"),)
     total = 0
     for name in group:
         obj = group[name]
         if isinstance(obj, h5py.Group):
             _not_a_parent(obj, above, f"{where}/{name}")
-            total += _group_nbytes(obj, f"{where}/{name}", above)
+            total += _group_nbytes(obj, f"{where}/{name}", above, done)
         elif isinstance(obj, h5py.Dataset):
             total += (obj.size or 0) * obj.dtype.itemsize
-    return int(total)
+    done[key] = int(total)
+    return done[key]
+
+
+def _root(f):
+    """``above`` of a top-level group of the open file ``f``: the root, so
+    that a name under it linking back to the root is refused there, under
+    its own name, before the root's other groups are read through it."""
+    return ((hash(f["/"].id), "/"),)
 
 
 def _not_a_parent(group, above, where):
@@ -454,7 +469,7 @@ def _not_a_parent(group, above, where):
     parent = next((n for h, n in above if h == hash(group.id)), None)
     if parent is not None:
         raise ValueError(f"'/{one_line(where)}' is an alias of '{one_line(parent)}', one of its "
-                         "own parents (a cycle of hard links)")
+                         "own parents (a cycle of links)")
 
 
 @names_the_file("weights file")
@@ -483,7 +498,7 @@ def saved_tokenizer(path):
 def _read_section(f, section, path, checksummed=False):
     where = [section]
     try:
-        return _read_group(f[section], where, checksummed=checksummed)
+        return _read_group(f[section], where, checksummed=checksummed, above=_root(f))
     except Unchecked as e:
         raise e.user_error(path) from None
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:

@@ -526,6 +526,13 @@ def _difference(raw_x, raw_y, x, y):
         ux, uy = wx.astype(np.uint64), wy.astype(np.uint64)
         magnitude = np.where(wx >= wy, ux - uy, uy - ux).astype(np.float64)
         return np.where(wx >= wy, magnitude, -magnitude)
+    if kinds in ("iu", "ui"):  # int64 against uint64: exact where both are >= 0
+        nonneg = (raw_x >= 0) & (raw_y >= 0)
+        ux = np.where(nonneg, raw_x, 0).astype(np.uint64)
+        uy = np.where(nonneg, raw_y, 0).astype(np.uint64)
+        magnitude = np.where(ux >= uy, ux - uy, uy - ux).astype(np.float64)
+        # one negative, the other not: |x - y| >= 1 in float64 too, never 0
+        return np.where(nonneg, np.where(ux >= uy, magnitude, -magnitude), x - y)
     d = x - y
     same = (x == y) | (np.isnan(x) & np.isnan(y))
     return np.where(same, 0.0, d)
@@ -764,6 +771,8 @@ def _format_text(report):
                      + (f" ({how})" if how else ""))
     diff = report.get("diff")
     if diff:
+        # its rows' names too: a name reached through an alias is in no listing above
+        width = max([width] + [len(one_line(r["name"])) for r in diff["datasets"]])
         lines.append(f"diff against {one_line(diff['other'])}")
         lines.append(f"{'dataset':<{width}}  {'max_abs_diff':>13} {'rel_l2_diff':>13}")
         for row in diff["datasets"]:

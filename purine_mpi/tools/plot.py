@@ -29,6 +29,7 @@ import math
 import os
 
 from ..base.errors import UserError
+from ..base.runfiles import folder_of
 from ..job.metrics import FILE
 from ..job.outputs import check_out
 from ..job.rundir import numbered_runs
@@ -207,7 +208,7 @@ def plot_runs(args, out, loss_scale_choice="auto"):
         check_out(out, more=[("the metrics file", path)])  # nor a checkpoint
         runs.append((label, read_rows(path)))
     fig = draw(runs, loss_scale_choice)
-    folder = os.path.dirname(os.path.abspath(out))
+    folder = folder_of(out)
     try:
         os.makedirs(folder, exist_ok=True)
         fig.savefig(out)
