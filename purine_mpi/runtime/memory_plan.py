@@ -308,7 +308,8 @@ def _best_colouring(units, n_ops, link, align):
       live at it, may take the bytes the peak's units would have packed
       into: GPT-2 at two micro-batches, the final layer norm's dx born as
       the logits die);
-    - "squeaky wheel" orders: up to ``SQUEAKS`` times, from the best
+    - "squeaky wheel" orders: up to ``SQUEAKS`` times (stopping after
+      ``SQUEAK_PATIENCE`` in a row that take no fewer bytes), from the best
       colouring so far and then from the last one tried, the units that
       end above the peak moved to the front of its order, the others'
       order kept (cifar10_quick on a GPU reaches its peak at the first);
@@ -342,14 +343,16 @@ def _best_colouring(units, n_ops, link, align):
 
     def squeak(start):
         nonlocal last
-        last = start
+        last, stale = start, 0
         for _ in range(SQUEAKS):
-            if best[1] <= peak:
+            if best[1] <= peak or stale == SQUEAK_PATIENCE:
                 return
             offsets, _, _, order = last
             high = [u for u in order if offsets[u] + _aligned(units[u][4], align) > peak]
             moved = set(high)
+            was = best
             colour(high + [u for u in order if u not in moved])
+            stale = 0 if best is not was else stale + 1
 
     for key in (lambda u: (-units[u][4], units[u][2], u),     # largest first
                 lambda u: (units[u][2], -units[u][4], u),     # first used first
@@ -365,8 +368,10 @@ def _best_colouring(units, n_ops, link, align):
     return best[:3]
 
 
-#: the most "squeaky wheel" colourings ``_best_colouring`` tries above the live peak
+#: the most "squeaky wheel" orders ``_best_colouring`` colours in a row above the
+#: live peak, and how many of them in a row may leave the best as it was
 SQUEAKS = 8
+SQUEAK_PATIENCE = 3
 
 
 def _breadth(units, n_ops, align):
