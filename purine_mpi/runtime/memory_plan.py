@@ -76,9 +76,9 @@ peak moved to the front, the rest kept) from the best; by breadth (the
 most bytes live at a position of the unit's lifetime, most first:
 TFLite's greedy by breadth) and squeaky orders from it. A colouring
 replaces the best only with fewer bytes, or as many with fewer control
-edges, so no plan grows; where the three reach the peak (the
-transformers, NIN) nothing more is coloured. Which units may
-not share is found once for all the colourings (``_interference``): lifetimes that
+edges, so no plan grows; where the six colourings reach the peak (the
+transformers, NIN) nothing more is coloured. Which units may not share
+is found once for all the colourings (``_interference``): lifetimes that
 overlap in the schedule, an interval query, and of the others only the
 neighbours in the schedule, tested on windows of their bit sets; so the
 cost grows with the micro-batch copies, not their square. The results are
