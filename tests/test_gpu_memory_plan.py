@@ -230,17 +230,20 @@ def test_every_kind_net_captures_whole_on_a_real_gpu(tmp_path):
                                    err_msg=name)
 
 
-def test_a_bf16_gpt_is_laid_out_in_its_live_peak(monkeypatch, host_build_dir, tmp_path):
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_bf16_gpt_is_laid_out_in_its_live_peak(micro, monkeypatch, host_build_dir, tmp_path):
     """jobs/gpt_tiny.yaml in bf16 (bits storage) on GPU 0, as ``plan``
-    builds it (benchmarks/bf16_traffic.job_graph): its device arena is the
-    planned bytes live at their peak (runtime/footprint.arena_peak), with
-    the fourth order of the colouring (the units live at the peak first,
-    longest lived first: memory_plan._best_colouring), tried where the
-    three orders' best is above that peak. The three alone laid it out
-    1 MiB above (50,595,328 bytes against 49,546,752: the last block's
-    residual gradient born as the logits die took bytes the peak's units
-    would have packed into). The plan is sound and no larger than the
-    three orders'."""
+    builds it (benchmarks/bf16_traffic.job_graph), at 1 and 2
+    micro-batches: its device arena is the planned bytes live at their
+    peak (runtime/footprint.arena_peak), with the orders of the colouring
+    tried where the three orders' best is above that peak
+    (memory_plan._best_colouring). The three alone laid the one
+    micro-batch out 1 MiB above (50,595,328 bytes against 49,546,752: the
+    last block's residual gradient born as the logits die took bytes the
+    peak's units would have packed into), and with the peak-first order
+    the two micro-batches 723,456 bytes above (27,542,016 against
+    26,818,560; the orders by breadth and the squeaks reach it). The plan
+    is sound and no larger than the three orders'."""
     import importlib.util
 
     import purine_mpi.runtime.memory_plan as memory_plan
@@ -253,7 +256,8 @@ def test_a_bf16_gpt_is_laid_out_in_its_live_peak(monkeypatch, host_build_dir, tm
     bt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bt)
     data = text_h5(tmp_path)
-    sets = [f"data.train.path={data}", f"data.test.path={data}"]
+    sets = [f"data.train.path={data}", f"data.test.path={data}",
+            f"parallel.micro_batches={micro}"]
 
     def plan(four):
         with monkeypatch.context() as m:

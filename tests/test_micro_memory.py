@@ -228,11 +228,15 @@ def test_accumulation_keeps_activations_flat(name, text_h5):
     sum (at most the weights' bytes). Before: a copy's blobs aliased the
     buffers of copy 0 (one root live across every copy, nothing shared in
     between) and the M per-copy weight gradients lived until one final Sum:
-    M = 2 planned 2.4x (gpt_tiny) and 2.8x (cifar10_quick) the bytes of M = 1."""
+    M = 2 planned 2.4x (gpt_tiny) and 2.8x (cifar10_quick) the bytes of M = 1.
+    The arena is at most 1.05x M = 1's, or 1.2x M = 1's live peak: the
+    colouring lays cifar10_quick's M = 1 out at its live peak (20,233,408
+    bytes; 23,510,208 before the orders by breadth and the squeaks) and its
+    copies 2.8 and 3.3 MB above theirs (20,243,136) at M = 2 and 4."""
     act1, peak1, weights = _planned(name, 1, text_h5)
     for m in (2, 4):
         act, peak, _ = _planned(name, m, text_h5)
-        assert act <= 1.05 * act1, (m, act, act1)
+        assert act <= 1.05 * act1 or act <= 1.2 * peak1, (m, act, act1, peak1)
         assert peak <= 1.05 * peak1 and peak - peak1 <= weights, (m, peak, peak1, weights)
 
 

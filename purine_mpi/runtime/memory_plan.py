@@ -67,10 +67,18 @@ aligned offset (``HOST_ALIGN`` bytes on the host, ``ARENA_ALIGN`` on a GPU)
 where they overlap no unit already placed that
 they may not share with (the lowest such offset, or the tightest gap);
 three orders (largest first, first used first, longest lived first) times
-the two placements are tried and the smallest arena kept (where it is
-above the units' live peak, a fourth order too: the units live at the
-peak first, longest lived first). Which units may
-not share is found once for the six (``_interference``): lifetimes that
+the two placements are tried and the smallest arena kept. The units live
+at once at the peak of the schedule (each aligned) are a lower bound no
+placement goes below; where the best is above it, more orders, until one
+reaches it (``_best_colouring``): the units live at the peak first,
+longest lived first; "squeaky wheel" orders (the units that end above the
+peak moved to the front, the rest kept) from the best; by breadth (the
+most bytes live at a position of the unit's lifetime, most first:
+TFLite's greedy by breadth) and squeaky orders from it. A colouring
+replaces the best only with fewer bytes, or as many with fewer control
+edges, so no plan grows; where the six colourings reach the peak (the
+transformers, NIN) nothing more is coloured. Which units may not share
+is found once for all the colourings (``_interference``): lifetimes that
 overlap in the schedule, an interval query, and of the others only the
 neighbours in the schedule, tested on windows of their bit sets; so the
 cost grows with the micro-batch copies, not their square. The results are
@@ -291,33 +299,111 @@ def _best_colouring(units, n_ops, link, align):
     fit and best fit each, the fewest bytes, then the fewest edges
     (``_colour``'s ({unit: offset}, total, edges)). Where the fewest bytes
     are more than the units live at once at their peak (``_live_peak``,
-    each aligned: no colouring takes fewer), a fourth order too: the units
-    live at the peak first, longest lived first, then the others so (a
-    unit born after the peak, placed before a shorter one live at it, may
-    take the bytes the peak's units would have packed into: GPT-2 at two
-    micro-batches, the final layer norm's dx born as the logits die)."""
+    each aligned: no colouring takes fewer), more orders, each kept only
+    where it takes fewer bytes (or as many with fewer edges), until one
+    reaches the peak:
+
+    - the units live at the peak first, longest lived first, then the
+      others so (a unit born after the peak, placed before a shorter one
+      live at it, may take the bytes the peak's units would have packed
+      into: GPT-2 at two micro-batches, the final layer norm's dx born as
+      the logits die);
+    - "squeaky wheel" orders: up to ``SQUEAKS`` times (stopping after
+      ``SQUEAK_PATIENCE`` in a row that take no fewer bytes), from the best
+      colouring so far and then from the last one tried, the units that
+      end above the peak moved to the front of its order, the others'
+      order kept (cifar10_quick on a GPU reaches its peak at the first);
+    - by breadth (TFLite's "greedy by breadth"): the units by the most
+      bytes live at any position of their lifetime, most first (those of
+      the peak, then those of the next highest position, ...), each
+      position's largest first (``_breadth``: benchmarks/
+      cifar10_quick_wide.yaml, GoogLeNet at two micro-batches), then
+      squeaky orders from it (gpt_tiny in bf16 on a GPU at two
+      micro-batches, 723,456 bytes above its peak with the orders before;
+      cifar10_quick on the host).
+
+    Where the six reach the peak already (most plans: the transformers,
+    NIN) nothing more is coloured, so the plan and its time stay."""
     pairs = _interference(units, n_ops, link)
-    best = None
+    peak, at = _live_peak(units, n_ops, align)
+    best = last = None
 
     def longest(u):
         return units[u][2] - units[u][3], -units[u][4], u
 
-    def take(orders):
-        nonlocal best
-        for order in orders:
-            for best_fit in (False, True):
-                offsets, total, edges = _colour(units, sorted(units, key=order), pairs,
-                                                best_fit, align)
-                if best is None or (total, len(edges)) < (best[1], len(best[2])):
-                    best = (offsets, total, edges)
+    def colour(order):
+        nonlocal best, last
+        last = None
+        for best_fit in (False, True):
+            offsets, total, edges = _colour(units, order, pairs, best_fit, align)
+            if last is None or (total, len(edges)) < (last[1], len(last[2])):
+                last = (offsets, total, edges, order)
+        if best is None or (last[1], len(last[2])) < (best[1], len(best[2])):
+            best = last
 
-    take((lambda u: (-units[u][4], units[u][2], u),           # largest first
-          lambda u: (units[u][2], -units[u][4], u),           # first used first
-          longest))                                           # longest first
-    peak, at = _live_peak(units, n_ops, align)
+    def squeak(start):
+        nonlocal last
+        last, stale = start, 0
+        for _ in range(SQUEAKS):
+            if best[1] <= peak or stale == SQUEAK_PATIENCE:
+                return
+            offsets, _, _, order = last
+            high = [u for u in order if offsets[u] + _aligned(units[u][4], align) > peak]
+            moved = set(high)
+            was = best
+            colour(high + [u for u in order if u not in moved])
+            stale = 0 if best is not was else stale + 1
+
+    for key in (lambda u: (-units[u][4], units[u][2], u),     # largest first
+                lambda u: (units[u][2], -units[u][4], u),     # first used first
+                longest):                                     # longest first
+        colour(sorted(units, key=key))
     if best[1] > peak:   # the units live at the peak first
-        take((lambda u: (not units[u][2] <= at <= units[u][3],) + longest(u),))
-    return best
+        colour(sorted(units, key=lambda u: (not units[u][2] <= at <= units[u][3],) + longest(u)))
+    squeak(best)
+    if best[1] > peak:   # by breadth
+        wide = _breadth(units, n_ops, align)
+        colour(sorted(units, key=lambda u: wide[u] + (-units[u][4], units[u][2], u)))
+        squeak(last)
+    return best[:3]
+
+
+#: the most "squeaky wheel" orders ``_best_colouring`` colours in a row above the
+#: live peak, and how many of them in a row may leave the best as it was
+SQUEAKS = 8
+SQUEAK_PATIENCE = 3
+
+
+def _breadth(units, n_ops, align):
+    """{unit: (-bytes, position)}: the most bytes of ``units`` (each
+    aligned) live at one position of the unit's lifetime and the first
+    position where they are, by a sparse table of range maxima over the
+    schedule (a query costs the same for any lifetime: the long lifetimes
+    of M micro-batch copies cost no more)."""
+    live = np.zeros(n_ops + 1, dtype=np.int64)
+    for u in units.values():
+        live[u[2]] += _aligned(u[4], align)
+        live[u[3] + 1] -= _aligned(u[4], align)
+    live = np.cumsum(live[:-1])
+    # table[k][i]: the position of the maximum of live[i:i + 2**k], the first if several
+    table = [np.arange(n_ops, dtype=np.int64)]
+    k = 1
+    while (1 << k) <= n_ops:
+        prev, half = table[-1], 1 << (k - 1)
+        a, b = prev[:n_ops - (1 << k) + 1], prev[half:half + n_ops - (1 << k) + 1]
+        table.append(np.where(live[b] > live[a], b, a))
+        k += 1
+    names = list(units)
+    first = np.array([units[u][2] for u in names], dtype=np.int64)
+    last = np.array([units[u][3] for u in names], dtype=np.int64)
+    out = {}
+    for i, u in enumerate(names):
+        level = int(last[i] - first[i] + 1).bit_length() - 1
+        row = table[level]
+        a, b = row[first[i]], row[last[i] - (1 << level) + 1]
+        j = b if live[b] > live[a] else a
+        out[u] = (-int(live[j]), int(j))
+    return out
 
 
 def _live_peak(units, n_ops, align):
