@@ -152,3 +152,72 @@ def test_a_duplicate_whose_peer_never_comes_times_out_instead_of_hanging():
     assert 0.15 < time.monotonic() - t0 < 5
     done = type("Done", (), {"Test": lambda self: True})()
     assert world._dup_polled(type("C", (), {"Idup": lambda self: ("dup", done)})(), 1) == "dup"
+
+
+#: ``interrupted`` with a second Ctrl-C arriving during its flush (mpiexec
+#: passes the terminal's Ctrl-C on: one press comes twice, ms apart); no MPI
+SECOND_PRESS = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python's own, even in a
+# test run whose parent ignores SIGINT
+from purine_mpi.comm import early_abort, mpi_init
+
+def flush_as_the_second_press_comes():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # Python code runs: a handler answers here
+
+def no_mpi():
+    raise RuntimeError("no MPI here")
+
+mpi_init._flush = flush_as_the_second_press_comes
+mpi_init.import_mpi = no_mpi
+early_abort.interrupted()
+"""
+
+
+def test_a_second_ctrl_c_while_interrupted_flushes_changes_nothing():
+    """The SIGINT handler is replaced before the flush (which can wait on a
+    full pipe). Before, a second Ctrl-C there raised KeyboardInterrupt out
+    of ``interrupted`` (and out of the excepthook that called it): the rank
+    ended by the signal, without ending the job."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", SECOND_PRESS], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130, (res.returncode, res.stderr[-1500:])
+    assert "interrupted (SIGINT) before the run began" in res.stderr, res.stderr[-1500:]
+    assert "Traceback" not in res.stderr, res.stderr[-1500:]
+
+
+def test_a_ctrl_c_that_reaches_the_worlds_excepthook_ends_the_job_with_130(monkeypatch):
+    """A KeyboardInterrupt outside ``cli._run``'s handling (the second of one
+    press, raised while _run took the first) reaches the world's excepthook
+    (comm/world.py, ``install_abort_handler``) in a run of several ranks: it
+    ends the job as the first does (``early_abort.interrupted``: 130).
+    Before, the hook took it for a failure: "rank 0: KeyboardInterrupt" and
+    MPI_Abort(1)."""
+    import threading
+    from purine_mpi.comm import early_abort, world as world_mod
+    ended = []
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupted():
+        ended.append(130)
+        raise Interrupted  # never returns, as the real one
+
+    class World:
+        rank, size = 0, 2
+
+        def abort(self, code):
+            ended.append(code)
+
+    monkeypatch.setattr(early_abort, "interrupted", interrupted)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    handle = world_mod.install_abort_handler(World())
+    try:
+        handle(KeyboardInterrupt, KeyboardInterrupt(), None)
+    except Interrupted:
+        pass
+    assert ended == [130], ended

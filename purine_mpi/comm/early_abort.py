@@ -86,13 +86,18 @@ def interrupted():
     peer that never comes ends this rank 2 s on with its own line and 130
     (the launcher then kills the rest); MPI up, ``MPI_Abort(130)`` ends
     every rank at once. A second Ctrl-C meanwhile changes nothing."""
-    from .mpi_init import _flush, notice_received
-    _flush()
     if threading.current_thread() is threading.main_thread():
         try:  # callable: MPI_Init is watched for it; a second Ctrl-C is no exception here
             signal.signal(signal.SIGINT, lambda *_: None)
         except (ValueError, OSError):
             pass
+    # only then the flush, which can wait (a full pipe to the launcher): a
+    # second Ctrl-C there -- mpiexec passes the terminal's on, so one press
+    # comes twice -- raised a KeyboardInterrupt out of this function, and
+    # out of the excepthook that called it: the rank ended 1 without ending
+    # the job
+    from .mpi_init import _flush, notice_received
+    _flush()
     notice_received(signal.SIGINT)  # the watch's grace runs from now
     try:
         from .mpi_init import import_mpi
