@@ -221,3 +221,40 @@ def test_a_ctrl_c_that_reaches_the_worlds_excepthook_ends_the_job_with_130(monke
     except Interrupted:
         pass
     assert ended == [130], ended
+
+
+#: the start-up hook (comm/early_abort.py) given the world's StallError, its
+#: abort a plain exit (no MPI here)
+STALLED_AT_START = r"""
+import os, sys
+from purine_mpi.comm import early_abort
+from purine_mpi.base.errors import StallError
+early_abort.abort = os._exit
+try:
+    raise StallError("rank 0: the duplicate (MPI_Comm_idup) of MPI_COMM_WORLD stalled for "
+                     "more than 300 s at start-up: a peer rank never came")
+except StallError:
+    early_abort._handle(*sys.exc_info())
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_start_up_stall_is_one_line_naming_the_op(debug):
+    """A start-up duplicate a peer never came to (comm/world.py) reaches the
+    start-up hook as a StallError: one line naming the op, the traceback
+    only with --debug (as the world's own hook). Before, its ~15 lines of
+    traceback, then "StallError before the job started"."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PURINE_DEBUG", None)
+    if debug:
+        env["PURINE_DEBUG"] = "1"
+    res = subprocess.run([sys.executable, "-c", STALLED_AT_START], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, (res.returncode, res.stderr[-1500:])
+    lines = res.stderr.splitlines()
+    if debug:
+        assert "Traceback" in res.stderr, res.stderr[-1500:]
+    else:
+        assert lines == ["error: rank 0: the duplicate (MPI_Comm_idup) of MPI_COMM_WORLD stalled "
+                         "for more than 300 s at start-up: a peer rank never came; ending every "
+                         "rank (MPI_Abort)"], res.stderr[-1500:]
