@@ -258,3 +258,32 @@ def test_a_start_up_stall_is_one_line_naming_the_op(debug):
         assert lines == ["error: rank 0: the duplicate (MPI_Comm_idup) of MPI_COMM_WORLD stalled "
                          "for more than 300 s at start-up: a peer rank never came; ending every "
                          "rank (MPI_Abort)"], res.stderr[-1500:]
+
+
+#: mpi4py.MPI imported, MPI never initialised: where a Ctrl-C between
+#: import_mpi's import and its MPI_Init leaves it
+IMPORTED_NOT_STARTED = r"""
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+assert not MPI.Is_initialized()
+from purine_mpi.comm.mpi_init import import_mpi
+print("initialised", import_mpi().Is_initialized(), flush=True)
+if MPI.Is_initialized() and not MPI.Is_finalized():
+    MPI.Finalize()
+"""
+
+
+def test_import_mpi_initialises_an_mpi_imported_but_never_started():
+    """``import_mpi`` initialises MPI where mpi4py.MPI is imported but MPI
+    never started (comm/mpi_init.py). ``early_abort.interrupted`` calls it
+    right after a Ctrl-C that may have come between the two; before, it
+    returned the module as it was, and MPI_Abort was called on an MPI never
+    started, leaving the peers in MPI_Init for ever."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", IMPORTED_NOT_STARTED], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, (res.returncode, res.stderr[-1500:])
+    assert "initialised True" in res.stdout, (res.stdout, res.stderr[-1500:])
