@@ -40,7 +40,8 @@ def test_mpiexec_pmi_port_gives_the_rank_but_not_the_size():
 
 
 @pytest.mark.parametrize("ntasks", ["1", "4"])
-def test_slurms_task_count_does_not_speak_for_hydra_started_in_an_allocation(ntasks):
+def test_slurms_task_count_does_not_speak_for_hydra_started_in_an_allocation(ntasks,
+                                                                             monkeypatch):
     """Hydra in a Slurm allocation starts its proxies with srun: the ranks
     inherit that step's SLURM_NTASKS (its nodes, or the allocation's tasks),
     not the job's size. Before, under ``mpiexec -pmi-port`` (no PMI_SIZE) it
@@ -59,6 +60,11 @@ def test_slurms_task_count_does_not_speak_for_hydra_started_in_an_allocation(nta
     assert launcher.launched_size({"PMIX_RANK": "1", "SLURM_NTASKS": ntasks}) == int(ntasks)
     # Slurm's variables alone (a batch script's own process): no launch of several
     assert not several_launched({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"})
+    # Open MPI ranks there are caught: the size is asked of the launcher
+    monkeypatch.setattr(launcher, "_PORT_SIZES", {}, raising=False)
+    port, _ = _fake_hydra_port(2)
+    message = launcher.mismatch(dict(pmi_port, PMI_PORT=port), library="openmpi")
+    assert message is not None and "for 2 ranks" in message, message
 
 
 def test_mpich_under_a_pmix_launcher_is_named_with_the_fix():
