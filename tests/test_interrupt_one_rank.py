@@ -287,3 +287,43 @@ def test_import_mpi_initialises_an_mpi_imported_but_never_started():
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, (res.returncode, res.stderr[-1500:])
     assert "initialised True" in res.stdout, (res.stdout, res.stderr[-1500:])
+
+
+#: what a Ctrl-C during the package's own import (its 0.1 s load sample,
+#: base/threads.py) meets: the excepthook in place then
+HOOK_AT_IMPORT = r"""
+import sys, time
+sys.argv[0] = sys.argv[1]  # "-m": as while python -m purine_mpi imports the package
+seen = []
+real = time.sleep
+
+def sample(seconds):
+    seen.append(sys.excepthook)
+    real(0)
+
+time.sleep = sample
+import purine_mpi
+from purine_mpi.comm import early_abort
+time.sleep = real
+print("sampled", len(seen), "hooked", [h is early_abort._handle for h in seen], flush=True)
+"""
+
+
+@pytest.mark.parametrize("argv0, hooked", [("-m", True), ("/usr/bin/purine-mpi", True),
+                                           ("my_script.py", False)])
+def test_the_start_up_hook_is_in_place_before_the_packages_load_sample(argv0, hooked):
+    """Under a launcher of several ranks, ``python -m purine_mpi`` (and the
+    purine-mpi script) has the start-up hook (comm/early_abort.py) from the
+    package's import on, before its load sample (base/threads.py, 0.1 s);
+    a library user's own script keeps Python's. Before, cli.py installed it
+    only after the package's import: a Ctrl-C there was a traceback on every
+    rank it reached, and the job's status 2 or 11 (ranks killed by the
+    signal), not one line and 130."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PURINE_THREADS", "OMP_NUM_THREADS")}  # the load is sampled
+    env.update(PMI_RANK="1", PMI_SIZE="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", HOOK_AT_IMPORT, argv0], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert f"hooked [{hooked}]" in res.stdout, (res.stdout, res.stderr[-1500:])
