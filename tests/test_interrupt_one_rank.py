@@ -152,3 +152,178 @@ def test_a_duplicate_whose_peer_never_comes_times_out_instead_of_hanging():
     assert 0.15 < time.monotonic() - t0 < 5
     done = type("Done", (), {"Test": lambda self: True})()
     assert world._dup_polled(type("C", (), {"Idup": lambda self: ("dup", done)})(), 1) == "dup"
+
+
+#: ``interrupted`` with a second Ctrl-C arriving during its flush (mpiexec
+#: passes the terminal's Ctrl-C on: one press comes twice, ms apart); no MPI
+SECOND_PRESS = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python's own, even in a
+# test run whose parent ignores SIGINT
+from purine_mpi.comm import early_abort, mpi_init
+
+def flush_as_the_second_press_comes():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # Python code runs: a handler answers here
+
+def no_mpi():
+    raise RuntimeError("no MPI here")
+
+mpi_init._flush = flush_as_the_second_press_comes
+mpi_init.import_mpi = no_mpi
+early_abort.interrupted()
+"""
+
+
+def test_a_second_ctrl_c_while_interrupted_flushes_changes_nothing():
+    """The SIGINT handler is replaced before the flush (which can wait on a
+    full pipe). Before, a second Ctrl-C there raised KeyboardInterrupt out
+    of ``interrupted`` (and out of the excepthook that called it): the rank
+    ended by the signal, without ending the job."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", SECOND_PRESS], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130, (res.returncode, res.stderr[-1500:])
+    assert "interrupted (SIGINT) before the run began" in res.stderr, res.stderr[-1500:]
+    assert "Traceback" not in res.stderr, res.stderr[-1500:]
+
+
+def test_a_ctrl_c_that_reaches_the_worlds_excepthook_ends_the_job_with_130(monkeypatch):
+    """A KeyboardInterrupt outside ``cli._run``'s handling (the second of one
+    press, raised while _run took the first) reaches the world's excepthook
+    (comm/world.py, ``install_abort_handler``) in a run of several ranks: it
+    ends the job as the first does (``early_abort.interrupted``: 130).
+    Before, the hook took it for a failure: "rank 0: KeyboardInterrupt" and
+    MPI_Abort(1)."""
+    import threading
+    from purine_mpi.comm import early_abort, world as world_mod
+    ended = []
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupted():
+        ended.append(130)
+        raise Interrupted  # never returns, as the real one
+
+    class World:
+        rank, size = 0, 2
+
+        def abort(self, code):
+            ended.append(code)
+
+    monkeypatch.setattr(early_abort, "interrupted", interrupted)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    handle = world_mod.install_abort_handler(World())
+    try:
+        handle(KeyboardInterrupt, KeyboardInterrupt(), None)
+    except Interrupted:
+        pass
+    assert ended == [130], ended
+
+
+#: the start-up hook (comm/early_abort.py) given the world's StallError, its
+#: abort a plain exit (no MPI here)
+STALLED_AT_START = r"""
+import os, sys
+from purine_mpi.comm import early_abort
+from purine_mpi.base.errors import StallError
+early_abort.abort = os._exit
+try:
+    raise StallError("rank 0: the duplicate (MPI_Comm_idup) of MPI_COMM_WORLD stalled for "
+                     "more than 300 s at start-up: a peer rank never came")
+except StallError:
+    early_abort._handle(*sys.exc_info())
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_start_up_stall_is_one_line_naming_the_op(debug):
+    """A start-up duplicate a peer never came to (comm/world.py) reaches the
+    start-up hook as a StallError: one line naming the op, the traceback
+    only with --debug (as the world's own hook). Before, its ~15 lines of
+    traceback, then "StallError before the job started"."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PURINE_DEBUG", None)
+    if debug:
+        env["PURINE_DEBUG"] = "1"
+    res = subprocess.run([sys.executable, "-c", STALLED_AT_START], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, (res.returncode, res.stderr[-1500:])
+    lines = res.stderr.splitlines()
+    if debug:
+        assert "Traceback" in res.stderr, res.stderr[-1500:]
+    else:
+        assert lines == ["error: rank 0: the duplicate (MPI_Comm_idup) of MPI_COMM_WORLD stalled "
+                         "for more than 300 s at start-up: a peer rank never came; ending every "
+                         "rank (MPI_Abort)"], res.stderr[-1500:]
+
+
+#: mpi4py.MPI imported, MPI never initialised: where a Ctrl-C between
+#: import_mpi's import and its MPI_Init leaves it
+IMPORTED_NOT_STARTED = r"""
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+assert not MPI.Is_initialized()
+from purine_mpi.comm.mpi_init import import_mpi
+print("initialised", import_mpi().Is_initialized(), flush=True)
+if MPI.Is_initialized() and not MPI.Is_finalized():
+    MPI.Finalize()
+"""
+
+
+def test_import_mpi_initialises_an_mpi_imported_but_never_started():
+    """``import_mpi`` initialises MPI where mpi4py.MPI is imported but MPI
+    never started (comm/mpi_init.py). ``early_abort.interrupted`` calls it
+    right after a Ctrl-C that may have come between the two; before, it
+    returned the module as it was, and MPI_Abort was called on an MPI never
+    started, leaving the peers in MPI_Init for ever."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", IMPORTED_NOT_STARTED], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, (res.returncode, res.stderr[-1500:])
+    assert "initialised True" in res.stdout, (res.stdout, res.stderr[-1500:])
+
+
+#: what a Ctrl-C during the package's own import (its 0.1 s load sample,
+#: base/threads.py) meets: the excepthook in place then
+HOOK_AT_IMPORT = r"""
+import sys, time
+sys.argv[0] = sys.argv[1]  # "-m": as while python -m purine_mpi imports the package
+seen = []
+real = time.sleep
+
+def sample(seconds):
+    seen.append(sys.excepthook)
+    real(0)
+
+time.sleep = sample
+import purine_mpi
+from purine_mpi.comm import early_abort
+time.sleep = real
+print("sampled", len(seen), "hooked", [h is early_abort._handle for h in seen], flush=True)
+"""
+
+
+@pytest.mark.parametrize("argv0, hooked", [("-m", True), ("/usr/bin/purine-mpi", True),
+                                           ("my_script.py", False)])
+def test_the_start_up_hook_is_in_place_before_the_packages_load_sample(argv0, hooked):
+    """Under a launcher of several ranks, ``python -m purine_mpi`` (and the
+    purine-mpi script) has the start-up hook (comm/early_abort.py) from the
+    package's import on, before its load sample (base/threads.py, 0.1 s);
+    a library user's own script keeps Python's. Before, cli.py installed it
+    only after the package's import: a Ctrl-C there was a traceback on every
+    rank it reached, and the job's status 2 or 11 (ranks killed by the
+    signal), not one line and 130."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PURINE_THREADS", "OMP_NUM_THREADS")}  # the load is sampled
+    env.update(PMI_RANK="1", PMI_SIZE="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", HOOK_AT_IMPORT, argv0], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert f"hooked [{hooked}]" in res.stdout, (res.stdout, res.stderr[-1500:])

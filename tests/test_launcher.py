@@ -39,6 +39,34 @@ def test_mpiexec_pmi_port_gives_the_rank_but_not_the_size():
     launcher.check_world_size(2, pmi_port)  # not refused: the launcher gave no count
 
 
+@pytest.mark.parametrize("ntasks", ["1", "4"])
+def test_slurms_task_count_does_not_speak_for_hydra_started_in_an_allocation(ntasks,
+                                                                             monkeypatch):
+    """Hydra in a Slurm allocation starts its proxies with srun: the ranks
+    inherit that step's SLURM_NTASKS (its nodes, or the allocation's tasks),
+    not the job's size. Before, under ``mpiexec -pmi-port`` (no PMI_SIZE) it
+    was taken for the job's: with 1 a job of 2 counted as one rank (no
+    start-up abort, a Ctrl-C to one rank left the other in MPI_Init for
+    ever; a rank-0 command ran on every rank), with 4 a sound world of 2
+    was refused."""
+    from purine_mpi.comm.early_abort import several_launched
+    pmi_port = {"PMI_PORT": "vm:43799", "PMI_ID": "1", "MPI_LOCALNRANKS": "2",
+                "MPI_LOCALRANKID": "1", "SLURM_NTASKS": ntasks, "SLURM_PROCID": "0"}
+    assert launcher.size_untold(pmi_port)
+    assert several_launched(pmi_port)
+    launcher.check_world_size(2, pmi_port)  # not refused
+    # Hydra's own count still decides; and Slurm's, where srun started the rank
+    assert launcher.launched_size(dict(HYDRA_ENV, SLURM_NTASKS=ntasks)) == 2
+    assert launcher.launched_size({"PMIX_RANK": "1", "SLURM_NTASKS": ntasks}) == int(ntasks)
+    # Slurm's variables alone (a batch script's own process): no launch of several
+    assert not several_launched({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"})
+    # Open MPI ranks there are caught: the size is asked of the launcher
+    monkeypatch.setattr(launcher, "_PORT_SIZES", {}, raising=False)
+    port, _ = _fake_hydra_port(2)
+    message = launcher.mismatch(dict(pmi_port, PMI_PORT=port), library="openmpi")
+    assert message is not None and "for 2 ranks" in message, message
+
+
 def test_mpich_under_a_pmix_launcher_is_named_with_the_fix():
     message = launcher.mismatch(OPEN_MPI_ENV, library="mpich")
     assert "PMIx launcher" in message and "MPICH" in message and "mpiexec" in message

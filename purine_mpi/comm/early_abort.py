@@ -25,9 +25,14 @@ from .launcher import launched_rank, launched_size, size_untold
 def _handle(exc_type, exc, tb):
     if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C before the command ran (an import)
         interrupted()
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    text += (f"error: rank {launched_rank()}: {exc_type.__name__} before the job started; "
-             "ending every rank (MPI_Abort)\n")
+    if _stalled(exc_type) and not _debug():  # a peer that never came to a start-up
+        # collective (comm/world.py: the world's duplicates): the op, one line
+        # (a traceback only with --debug, as the world's own hook does)
+        text = f"error: {exc}; ending every rank (MPI_Abort)\n"
+    else:  # a bug, or an import that failed: its traceback
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        text += (f"error: rank {launched_rank()}: {exc_type.__name__} before the job started; "
+                 "ending every rank (MPI_Abort)\n")
     try:
         sys.stdout.flush()
     except Exception:
@@ -37,6 +42,27 @@ def _handle(exc_type, exc, tb):
     except OSError:
         pass
     abort(1)
+
+
+def _stalled(exc_type):
+    """Whether ``exc_type`` is a StallError (a collective a peer never came to)."""
+    try:
+        from ..base.errors import StallError
+    except BaseException:  # the failing import may be this one
+        return False
+    return issubclass(exc_type, StallError)
+
+
+def _debug():
+    """--debug (PURINE_DEBUG on; a bad value counts as on, as in comm/world.py)."""
+    try:
+        from ..base import env
+    except BaseException:
+        return True
+    try:
+        return bool(env.get("PURINE_DEBUG"))
+    except Exception:
+        return True
 
 
 def abort(code):
@@ -86,13 +112,18 @@ def interrupted():
     peer that never comes ends this rank 2 s on with its own line and 130
     (the launcher then kills the rest); MPI up, ``MPI_Abort(130)`` ends
     every rank at once. A second Ctrl-C meanwhile changes nothing."""
-    from .mpi_init import _flush, notice_received
-    _flush()
     if threading.current_thread() is threading.main_thread():
         try:  # callable: MPI_Init is watched for it; a second Ctrl-C is no exception here
             signal.signal(signal.SIGINT, lambda *_: None)
         except (ValueError, OSError):
             pass
+    # only then the flush, which can wait (a full pipe to the launcher): a
+    # second Ctrl-C there -- mpiexec passes the terminal's on, so one press
+    # comes twice -- raised a KeyboardInterrupt out of this function, and
+    # out of the excepthook that called it: the rank ended 1 without ending
+    # the job
+    from .mpi_init import _flush, notice_received
+    _flush()
     notice_received(signal.SIGINT)  # the watch's grace runs from now
     try:
         from .mpi_init import import_mpi

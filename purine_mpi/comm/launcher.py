@@ -27,6 +27,23 @@ PMIX_VARS = ("PMIX_RANK", "PMIX_NAMESPACE")
 PMI_VARS = ("PMI_FD", "PMI_PORT", "PMI_RANK")
 #: where the launcher says how many ranks it started
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+#: variables only MPICH's Hydra (or Intel MPI's, its fork) sets for its ranks
+#: (``PMI_PORT``: ``mpiexec -pmi-port``; Slurm's PMI-2 server sets none)
+HYDRA_OWN_VARS = ("MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PMI_PORT")
+
+
+def _size_vars(environ):
+    """``SIZE_VARS`` that speak for this launch: under Hydra, not
+    SLURM_NTASKS. Hydra run in a Slurm allocation starts its proxies with
+    srun, so its ranks inherit the srun step's SLURM_NTASKS (the number of
+    nodes, or the allocation's tasks), not the job's size; under ``mpiexec
+    -pmi-port`` (no PMI_SIZE) that count was taken for the job's: with 1,
+    a job of several ranks counted as one (no start-up abort hook, a Ctrl-C
+    to one rank left its peers in MPI_Init for ever), with 4 for a job of 2,
+    ``check_world_size`` refused a sound job."""
+    if any(v in environ for v in HYDRA_OWN_VARS):
+        return tuple(v for v in SIZE_VARS if v != "SLURM_NTASKS")
+    return SIZE_VARS
 #: where it says this process's rank (``PMI_ID``: Hydra's ``mpiexec
 #: -pmi-port``, which sets neither PMI_RANK nor PMI_SIZE)
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_ID")
@@ -46,7 +63,7 @@ def launched_size(environ=os.environ):
     """How many ranks the launcher started (1 without a launcher)."""
     if launcher_protocol(environ) is None:
         return 1
-    for var in SIZE_VARS:
+    for var in _size_vars(environ):
         try:
             n = int(environ.get(var, ""))
         except ValueError:
@@ -60,7 +77,7 @@ def size_untold(environ=os.environ):
     """Whether a launcher started this process without saying how many
     ranks (Hydra's ``mpiexec -pmi-port``: PMI_PORT and PMI_ID only)."""
     return launcher_protocol(environ) is not None and not any(
-        environ.get(v, "").strip().isdigit() for v in SIZE_VARS)
+        environ.get(v, "").strip().isdigit() for v in _size_vars(environ))
 
 
 def launched_rank(environ=os.environ):

@@ -280,8 +280,12 @@ def import_mpi():
     MPI_Init ends the process with one line and the status 70; a stop
     notice ends a rank whose MPI_Init waits for a peer (see above)."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None:
+    if mpi is not None and mpi.Is_initialized():
         return mpi
+    # not imported yet, or imported and never initialised: an exception (a
+    # Ctrl-C) between the import below and MPI_Init left it so, and
+    # early_abort.interrupted, which comes here next, then called
+    # MPI_Abort on an MPI never started: its peers waited in MPI_Init for ever
     set_mpi_environment()
     import mpi4py
     rc = mpi4py.rc

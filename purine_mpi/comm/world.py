@@ -662,6 +662,13 @@ def install_abort_handler(world=None):
     def handle(exc_type, exc, tb):
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and world.size == 1:
             return sys.__excepthook__(exc_type, exc, tb)
+        if issubclass(exc_type, KeyboardInterrupt):  # a Ctrl-C outside cli._run's own
+            # handling: the second of one press (mpiexec passes the terminal's
+            # on) that came while _run took the first, before the run's handler
+            # (runtime/stop.py) existed. 130 and the job's end, as for the
+            # first (early_abort.interrupted), not "KeyboardInterrupt" and 1
+            from .early_abort import interrupted
+            interrupted()
         text = describe_exception(exc, world.rank)
         trace = "".join(traceback.format_exception(exc_type, exc, tb)) \
             if not isinstance(exc, UserError) and _debug() else ""
