@@ -104,8 +104,41 @@ def test_a_link_file_round_trips_and_a_bad_one_is_named(tmp_path):
     data = json.loads(path.read_text())
     data["node"]["compute_ratio"]["2"].pop("gemm")
     path.write_text(json.dumps(data))
-    with pytest.raises(UserError, match="key 'node'.*gemm"):
+    with pytest.raises(UserError, match=r"key 'node\.compute_ratio\.2\.gemm': .* it is missing"):
         load_link(path)
+
+
+@pytest.mark.parametrize("key,value,said", [
+    ("compute_ratio.2.gemm", math.nan, "a finite number > 0"),
+    ("compute_ratio.2.dispatch", math.inf, "a finite number > 0"),
+    ("compute_ratio.2.elementwise", 0, "a finite number > 0"),
+    ("compute_ratio.2.gemm", "1.5", "a finite number > 0"),
+    ("collective_wait_s.2", -1e-3, "a finite number >= 0"),
+    ("collective_wait_s.2", math.inf, "a finite number >= 0"),
+    ("handoff_s.2", math.nan, "a finite number >= 0"),
+    ("ranks_per_node", math.inf, "a whole number >= 1"),
+    ("ranks_per_node", 2.5, "a whole number >= 1"),
+    ("across_hosts", "false", "true or false")])
+def test_a_hand_edited_node_figure_is_refused_naming_its_key(tmp_path, key, value, said):
+    """NaN, Infinity (JSON reads both as floats), a figure out of range, a
+    string or a fraction in a link file's ``node`` object: a UserError
+    naming the file, the key's whole path and what is expected. Before,
+    the error named only ``node``, Infinity ranks per node raised
+    OverflowError (a traceback) and ``"false"`` read as true."""
+    from purine_mpi.tools.scaling.node import NodeModel
+    path = tmp_path / "link.json"
+    save_link(path, Link(1e-5, 1e8, node=NodeModel(NODE_RATIOS, {2: 1e-3, 4: 2e-3}, 4,
+                                                   handoff={2: 1e-4, 4: 2e-4})))
+    data = json.loads(path.read_text())
+    *parents, last = key.split(".")
+    d = data["node"]
+    for p in parents:
+        d = d[p]
+    d[last] = value
+    path.write_text(json.dumps(data))  # NaN and Infinity as JSON's tokens
+    with pytest.raises(UserError) as err:
+        load_link(path)
+    assert f"--link {path}: key 'node.{key}': expected {said}" in str(err.value)
 
 
 # ------------------------------------------------------------ simulator
