@@ -481,6 +481,26 @@ def test_a_link_file_without_node_measurements_predicts_as_before(traced, tmp_pa
     assert bad.returncode == 2 and "--ranks-per-node: expected a whole number >= 1" in bad.stderr
 
 
+def test_a_calibration_across_hosts_prices_only_its_waits(traced, tmp_path):
+    """A link file calibrated with one rank a host (no compute ratios,
+    ``across_hosts``): its wait applies to every collective at N >= 2 (the
+    largest measured past it, flagged), each op is priced as traced at any
+    K, and predict says once that it measured no ranks sharing a host
+    where K > 1 (none at its default K = 1)."""
+    from purine_mpi.tools.scaling.node import NodeModel
+    path = tmp_path / "across.json"
+    save_link(path, Link(2e-5, 1.25e8, 0.0, "test", node=NodeModel(
+        {}, {2: 5e-4}, ranks_per_node=1, across_hosts=True)))
+    for extra, noted in (((), False), (("--ranks-per-node", 2), True)):
+        res = run_cli_here("predict", traced, "--np", "2,4", "--link", path, "--json", *extra)
+        assert res.returncode == 0, res.stderr
+        assert res.stderr.count("was calibrated with one rank a host") == int(noted), res.stderr
+        rows = json.loads(res.stdout)["rows"]
+        assert [r["node"]["collective_wait_us"] for r in rows] == [500.0, 500.0]
+        assert [r["node"]["extrapolated"] for r in rows] == [noted, True]
+        assert all(set(r["node"]["compute_factor"].values()) == {1.0} for r in rows)
+
+
 def test_a_slower_traced_rank_is_no_scaling_loss(traced):
     """A 2-rank data-parallel trace whose rank 1 ran every op 3 times
     slower than rank 0 (made from the 1-rank trace): at N > 1 rank 1 is
@@ -979,3 +999,44 @@ def test_plan_choose_prices_a_shards_update_and_the_clipping_norm_as_predict(tmp
                        ("clip.norm", 1e-3 * share)):
         assert predicted.ops[name].seconds == pytest.approx(want), name
         assert chosen.ops[name].seconds == pytest.approx(want), name
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 1, 4, 8])
+def test_plan_choose_applies_predicts_node_correction(tmp_path, monkeypatch, ranks_per_node):
+    """``plan --choose`` (choose.Predictor) and ``predict``
+    (model.predict_table) give one time per iteration for a setting from
+    one trace, link and N, also where the link file measured ranks sharing
+    a node (node.scales: each op's class factor, the dispatcher's costs by
+    the ``dispatch`` factor, a wait per collective): a 1-rank trace of
+    STAGE3 (ZeRO-3, clipping) whose iteration took 3 times its ops (a
+    dispatcher's cost to fit), at 2, 4 and 8 ranks with K the calibration's
+    (None: 2), 1, 4 and 8 (past the measured 4). Before, --choose priced
+    every rank as its trace ran: its time was predict's without the
+    correction."""
+    import dataclasses
+
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling import link as link_mod
+    from purine_mpi.tools.scaling.model import predict_table
+    from purine_mpi.tools.scaling.node import NodeModel
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    monkeypatch.setattr(link_mod, "reduce_cost_per_byte", lambda: 0.0)  # timed otherwise
+    job = load_job(str(write_config_file(tmp_path, STAGE3)), check_files=False)
+    ops = {name: 2e-5 for name in compose_for(job, 1, 0).ops}
+    durations = Durations({0: ops}, {0: 3 * sum(ops.values())}, 5)
+    plain = Link(2e-5, 1.25e8, 0.0, "test")
+    link = dataclasses.replace(plain, node=NodeModel(NODE_RATIOS, {2: 1e-3, 4: 3e-3},
+                                                     ranks_per_node=2))
+    nps = [2, 4, 8]
+    predicted = predict_table(job, durations, nps, link, "auto", ranks_per_node)
+    before = predict_table(job, durations, nps, plain, "auto")
+    chooser = Predictor(job, durations, link, add=0.0, ranks_per_node=ranks_per_node)
+    assert chooser.overhead == predicted["overhead_s"] > 0
+    for row, was in zip(predicted["rows"], before["rows"]):
+        assert chooser.predict(job, row["np"])[0] == pytest.approx(row["iter_s"], rel=1e-12)
+        if ranks_per_node != 1:  # the correction changes the time
+            assert row["iter_s"] > 1.2 * was["iter_s"], row["np"]
+        else:
+            assert row["iter_s"] == pytest.approx(was["iter_s"], rel=1e-12)

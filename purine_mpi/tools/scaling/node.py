@@ -168,6 +168,12 @@ class NodeScale:
                 "collective_wait_us": round(1e6 * self.wait, 2),
                 "extrapolated": self.extrapolated}
 
+    def dispatch(self, *seconds):
+        """The dispatcher's fitted costs (``model.dispatch_overhead``: per
+        op, per iteration, per comm op) at this N: each times the
+        ``dispatch`` factor."""
+        return tuple(s * self.factors["dispatch"] for s in seconds)
+
 
 NONE = NodeScale({c: 1.0 for c in CLASSES}, 0.0, 1, 1)
 
@@ -192,3 +198,46 @@ def node_scale(node, n, traced_ranks, ranks_per_node):
         handoff = node.wait(k, node.handoff)[0]
         exact = exact and ew
     return NodeScale(factors, wait, c_n, c_t, not exact, handoff)
+
+
+def ranks_per_node_of(link, given=None):
+    """K, the ranks a node: ``given`` (``--ranks-per-node``), else the link
+    file's calibration's ranks per host, else 1."""
+    if given is not None:
+        return int(given)
+    return link.node.ranks_per_node if link.node is not None else 1
+
+
+def scales(link, traced_ranks, ranks_per_node=None):
+    """(K, {N: the NodeScale at N, or None without measurements}) as a
+    function of N: the correction ``predict`` and ``plan --choose`` apply
+    (``model.predict_table``, ``choose.Predictor``) to a trace of
+    ``traced_ranks`` on ``link`` (its ``node``; None: no correction),
+    ``ranks_per_node`` as ``ranks_per_node_of`` reads it."""
+    k = ranks_per_node_of(link, ranks_per_node)
+
+    def scale(n):
+        return None if link.node is None else node_scale(link.node, n, traced_ranks, k)
+    return k, scale
+
+
+def notes(link, ranks_per_node, link_name=None, given=False):
+    """The notes (stderr, once) of what the correction cannot apply:
+    ``link`` (``link_name``: the option and file it came from, None: the
+    defaults) holds no ``node`` measurements; or it holds no compute ratios
+    (a calibration with one rank a host) while K = ``ranks_per_node`` > 1.
+    ``given``: K was given (``--ranks-per-node``)."""
+    if link.node is None:
+        if link_name is None and not given:
+            return []
+        return [f"note: {link_name or 'the link'} holds no measurement of ranks sharing a "
+                "node (written before predict --calibrate measured it, or no link file): "
+                "each rank is priced as its trace ran, whatever --ranks-per-node; run "
+                "predict --calibrate again to measure it"]
+    if ranks_per_node > 1 and not link.node.compute_ratio:
+        return [f"note: {link_name or 'the link'} was calibrated with one rank a host: "
+                f"it measured no ranks sharing a host, so at {ranks_per_node} ranks a node "
+                "each op is "
+                "priced as its trace ran (calibrate with several ranks a host to measure "
+                "it: mpiexec -n 2 on one host)"]
+    return []
