@@ -456,6 +456,40 @@ def test_predict_applies_the_node_correction(traced, monkeypatch):
     assert [r["iter_s"] for r in alone["rows"]] == [r["iter_s"] for r in plain["rows"]]
 
 
+def test_from_ranks_that_shared_a_node_one_rank_is_predicted_faster(traced, monkeypatch):
+    """c_T > c_N: from a 2-rank trace of ranks that shared a node (K = 2),
+    every class's ratio f at 2 ranks, one rank runs each op and the
+    dispatcher's costs in 1/f of the time (the compute-only simulation 1/f
+    times the uncorrected one, the iteration shorter), 2 and 4 ranks (c_N
+    = c_T = 2) compute as traced and add the wait w per collective. The
+    2-rank trace is the 1-rank one's medians on both ranks."""
+    import dataclasses
+
+    from purine_mpi.tools.scaling import link as link_mod
+    from purine_mpi.tools.scaling.model import predict_table
+    from purine_mpi.tools.scaling.node import CLASSES, NodeModel
+    from purine_mpi.tools.scaling.trace_reader import Durations, read_traces
+    monkeypatch.setattr(link_mod, "reduce_cost_per_byte", lambda: 1e-10)  # timed otherwise
+    one, job = read_traces(str(traced))
+    durations = Durations({r: dict(one.per_rank[0]) for r in (0, 1)},
+                          {r: one.iter_seconds[0] for r in (0, 1)}, one.iterations,
+                          {r: one.gaps[0] for r in (0, 1)})
+    base = Link(2e-5, 1.25e8, 0.0, "test")
+    f, w = 1.6, 3e-4
+    node = NodeModel({2: {c: f for c in CLASSES}}, {2: w}, ranks_per_node=2)
+    plain = predict_table(job, durations, [2, 4], base, "ring")
+    corr = predict_table(job, durations, [2, 4], dataclasses.replace(base, node=node), "ring")
+    assert corr["overhead_s"] == plain["overhead_s"] > 0  # no hand-off measured: one fit
+    p1, c1 = plain["one_rank"], corr["one_rank"]
+    assert c1["compute_s"] == pytest.approx(p1["compute_s"] / f, rel=1e-9)
+    assert c1["iter_s"] < p1["iter_s"]
+    assert c1["node"].factors == pytest.approx({c: 1 / f for c in CLASSES})
+    for p, c in zip(plain["rows"], corr["rows"]):
+        assert c["node"].factors == {c: 1.0 for c in CLASSES}
+        assert c["compute_s"] == pytest.approx(p["compute_s"], rel=1e-9)
+        assert c["comm_s"] == pytest.approx(p["comm_s"] + p["comm_ops"] * w, rel=1e-9)
+
+
 def test_a_link_file_without_node_measurements_predicts_as_before(traced, tmp_path):
     """A link file of the format before ``node`` (no such key) gives the
     prediction without the correction, the same as a calibration whose
@@ -524,6 +558,8 @@ def test_a_slower_traced_rank_is_no_scaling_loss(traced):
         # (the transfer delayed, the next compute op's CPU)
         dispatch = 2 * row["comm_ops"] * table["overhead_s"]
         assert one_ms / (one_ms + dispatch) - 1e-3 <= row["efficiency"] <= 1 + 1e-3, row
+
+
 @pytest.mark.parametrize("args,message", [
     (["--np", "2", "--out", "p.h5"], "takes no --out"),
     (["--bandwidth", "1gbit"], "needs --np"),
