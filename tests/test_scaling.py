@@ -537,6 +537,33 @@ def test_a_calibration_across_hosts_prices_only_its_waits(traced, tmp_path):
         assert [r["node"]["collective_wait_us"] for r in rows] == [500.0, 500.0]
         assert [r["node"]["extrapolated"] for r in rows] == [noted, True]
         assert all(set(r["node"]["compute_factor"].values()) == {1.0} for r in rows)
+    # the keys written are the ones formats.md's `node` rows name
+    data = json.loads(res.stdout)
+    top, row = _node_cells()
+    assert set(data["node"]) | set(data["node"]["calibration"]) <= top
+    assert set(rows[0]["node"]) | set(rows[0]["node"]["compute_factor"]) <= row
+    assert {"ranks_on_node", "traced_ranks_on_node", "compute_factor", "collective_wait_us",
+            "extrapolated"} == set(rows[0]["node"])
+
+
+def _node_cells():
+    """The backquoted words of docs/formats.md's `node` rows of ``predict
+    --json`` (the object's, with the link file's ``node`` keys it points
+    to, and a row's)."""
+    import re
+
+    from .test_docs import FORMATS_MD
+    with open(FORMATS_MD, encoding="utf-8") as f:
+        text = f.read()
+    part = text[text.index("N` does. `--json` prints one object:"):]
+    part, links = part.split("### Link files", 1)
+    cells = [line.split("|")[2] for line in part.splitlines()
+             if line.startswith("| `node` |")]
+    link_cell = next(line.split("|")[2] for line in links.splitlines()
+                     if line.startswith("| `node` |"))
+    words = [set(re.findall(r"`(\w+)`", c)) for c in (*cells, link_cell)]
+    assert len(words) == 3
+    return words[0] | words[2], words[1]
 
 
 def test_a_slower_traced_rank_is_no_scaling_loss(traced):
