@@ -186,7 +186,8 @@ def test_choose_applies_a_network_files_node_measurements(tmp_path, calibrated):
     save_link(old, Link(1e-6, 1.2e10, 0.0, "test"))
     shared, res = _choose(job, cal, "--network", link)
     alone, _ = _choose(job, cal, "--network", link, "--ranks-per-node", 1)
-    assert "ranks sharing" not in res.stderr
+    assert "holds no measurement" not in res.stderr
+    assert "ranks sharing a node: 2 a node, each setting corrected" in res.stderr
     times = {}
     for out in (shared, alone):
         for row in out["candidates"]:
