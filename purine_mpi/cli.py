@@ -364,10 +364,21 @@ def cmd_plan(args):
 def _plan_choose(args, job):
     from .tools.choose import best_yaml, choose, choice_json, default_calibration, format_choice
     from .tools.scaling.link import make_link
+    from .tools.scaling.node import notes, ranks_per_node_of
     link = make_link(args.bandwidth, args.latency, args.network)
+    limits = _memory_limits(args)  # a bad --ranks-per-node: exit 2 before the notes
+    # once, as predict says it: what the correction for ranks sharing a node
+    # cannot apply (--network's file measured none)
+    k = ranks_per_node_of(link, args.ranks_per_node)
+    for note in notes(link, k, f"--network {args.network}" if args.network else None):
+        print(note, file=sys.stderr, flush=True)
+    if link.node is not None and (k > 1 or link.node.across_hosts):
+        print(f"ranks sharing a node: {k} a node, each setting corrected by --network's "
+              f"measurements as predict --ranks-per-node {k} corrects it", file=sys.stderr,
+              flush=True)
     calibration = args.calibration or default_calibration(job)
-    choice = choose(args.config, _seeded(args), args.np, _memory_limits(args), link,
-                    calibration, log=lambda line: print(line, file=sys.stderr, flush=True),
+    choice = choose(args.config, _seeded(args), args.np, limits, link, calibration,
+                    log=lambda line: print(line, file=sys.stderr, flush=True),
                     every_count=args.choose_all)
     print(json.dumps(choice_json(choice)) if args.json else format_choice(choice))
     if choice.best is None:

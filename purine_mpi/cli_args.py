@@ -235,7 +235,10 @@ def build_parser():
                    help="the ranks that share a node, placed in blocks (node i: ranks "
                         "i*K .. i*K+K-1): their host needs summed are checked against the "
                         "node's memory (default: the launcher's count of the ranks on this "
-                        "node, e.g. SLURM_NTASKS_PER_NODE, else N)")
+                        "node, e.g. SLURM_NTASKS_PER_NODE, else N); with --choose and a "
+                        "--network file that measured ranks sharing a host, also the K of "
+                        "predict --ranks-per-node's correction of each setting's time "
+                        "(default there: the file's calibration's ranks per host, as predict)")
     p.add_argument("--resume", action="store_true",
                    help="count a --resume of this job's checkpoint: train reads it whole on "
                         "every rank before the first iteration (the start-up load)")

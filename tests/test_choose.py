@@ -169,6 +169,36 @@ def test_choose_predicts_the_same_figures_on_every_run(tmp_path, calibrated):
     assert outs[0] == outs[1]
 
 
+def test_choose_applies_a_network_files_node_measurements(tmp_path, calibrated):
+    """``plan --choose --network LINK.json`` where the file measured ranks
+    sharing a host (``node``, 2 ranks a host: every class 2 times slower,
+    a millisecond per collective): at its default K (the file's 2) every
+    possible setting of 2 ranks on a node is predicted slower than with
+    ``--ranks-per-node 1`` (one rank a node: no correction, predict's rule;
+    tests/test_scaling.py checks the figures equal predict's); without
+    ``node`` the file gets predict's note on stderr, once."""
+    from purine_mpi.tools.scaling.link import Link, save_link
+    from purine_mpi.tools.scaling.node import CLASSES, NodeModel
+    job, cal, _, _ = calibrated
+    link, old = tmp_path / "node.json", tmp_path / "old.json"
+    save_link(link, Link(1e-6, 1.2e10, 0.0, "test", node=NodeModel(
+        {2: {c: 2.0 for c in CLASSES}}, {2: 1e-3}, ranks_per_node=2)))
+    save_link(old, Link(1e-6, 1.2e10, 0.0, "test"))
+    shared, res = _choose(job, cal, "--network", link)
+    alone, _ = _choose(job, cal, "--network", link, "--ranks-per-node", 1)
+    assert "holds no measurement" not in res.stderr
+    assert "ranks sharing a node: 2 a node, each setting corrected" in res.stderr
+    times = {}
+    for out in (shared, alone):
+        for row in out["candidates"]:
+            if "iter_s" in row:
+                times.setdefault(row["label"], []).append(row["iter_s"])
+    assert times and all(len(t) == 2 and t[0] > 1.5 * t[1] for t in times.values()), times
+    _, res = _choose(job, cal, "--network", old)
+    assert res.stderr.count(f"--network {old} holds no measurement of ranks sharing a node") \
+        == 1, res.stderr
+
+
 def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):
     """With fewer stages than ranks, each hybrid setting also appears with
     its stage's replicas sharded; shards 1 and 2 need less than the hybrid

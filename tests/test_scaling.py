@@ -104,8 +104,41 @@ def test_a_link_file_round_trips_and_a_bad_one_is_named(tmp_path):
     data = json.loads(path.read_text())
     data["node"]["compute_ratio"]["2"].pop("gemm")
     path.write_text(json.dumps(data))
-    with pytest.raises(UserError, match="key 'node'.*gemm"):
+    with pytest.raises(UserError, match=r"key 'node\.compute_ratio\.2\.gemm': .* it is missing"):
         load_link(path)
+
+
+@pytest.mark.parametrize("key,value,said", [
+    ("compute_ratio.2.gemm", math.nan, "a finite number > 0"),
+    ("compute_ratio.2.dispatch", math.inf, "a finite number > 0"),
+    ("compute_ratio.2.elementwise", 0, "a finite number > 0"),
+    ("compute_ratio.2.gemm", "1.5", "a finite number > 0"),
+    ("collective_wait_s.2", -1e-3, "a finite number >= 0"),
+    ("collective_wait_s.2", math.inf, "a finite number >= 0"),
+    ("handoff_s.2", math.nan, "a finite number >= 0"),
+    ("ranks_per_node", math.inf, "a whole number >= 1"),
+    ("ranks_per_node", 2.5, "a whole number >= 1"),
+    ("across_hosts", "false", "true or false")])
+def test_a_hand_edited_node_figure_is_refused_naming_its_key(tmp_path, key, value, said):
+    """NaN, Infinity (JSON reads both as floats), a figure out of range, a
+    string or a fraction in a link file's ``node`` object: a UserError
+    naming the file, the key's whole path and what is expected. Before,
+    the error named only ``node``, Infinity ranks per node raised
+    OverflowError (a traceback) and ``"false"`` read as true."""
+    from purine_mpi.tools.scaling.node import NodeModel
+    path = tmp_path / "link.json"
+    save_link(path, Link(1e-5, 1e8, node=NodeModel(NODE_RATIOS, {2: 1e-3, 4: 2e-3}, 4,
+                                                   handoff={2: 1e-4, 4: 2e-4})))
+    data = json.loads(path.read_text())
+    *parents, last = key.split(".")
+    d = data["node"]
+    for p in parents:
+        d = d[p]
+    d[last] = value
+    path.write_text(json.dumps(data))  # NaN and Infinity as JSON's tokens
+    with pytest.raises(UserError) as err:
+        load_link(path)
+    assert f"--link {path}: key 'node.{key}': expected {said}" in str(err.value)
 
 
 # ------------------------------------------------------------ simulator
@@ -423,6 +456,44 @@ def test_predict_applies_the_node_correction(traced, monkeypatch):
     assert [r["iter_s"] for r in alone["rows"]] == [r["iter_s"] for r in plain["rows"]]
 
 
+def test_from_ranks_that_shared_a_node_one_rank_is_predicted_faster(traced, monkeypatch):
+    """c_T > c_N: from a 2-rank trace of ranks that shared a node (K = 2),
+    every class's ratio f at 2 ranks, one rank runs each op and the
+    dispatcher's costs in 1/f of the time (the compute-only simulation 1/f
+    times the uncorrected one, the iteration shorter), 2 and 4 ranks (c_N
+    = c_T = 2) as traced. The 2-rank trace is the 1-rank one's medians on
+    both ranks: it has no comm spans, so the fit of the dispatcher's cost
+    would price its collectives with the measured wait (none here: the
+    wait is test_predict_applies_the_node_correction's)."""
+    import dataclasses
+
+    from purine_mpi.tools.scaling import link as link_mod
+    from purine_mpi.tools.scaling.model import predict_table
+    from purine_mpi.tools.scaling.node import CLASSES, NodeModel
+    from purine_mpi.tools.scaling.trace_reader import Durations, read_traces
+    monkeypatch.setattr(link_mod, "reduce_cost_per_byte", lambda: 1e-10)  # timed otherwise
+    one, job = read_traces(str(traced))
+    durations = Durations({r: dict(one.per_rank[0]) for r in (0, 1)},
+                          {r: one.iter_seconds[0] for r in (0, 1)}, one.iterations,
+                          {r: one.gaps[0] for r in (0, 1)})
+    base = Link(1e-6, 1e11, 0.0, "fast")  # the traced iteration holds a dispatcher's cost
+    f = 1.6
+    node = NodeModel({2: {c: f for c in CLASSES}}, {2: 0.0}, ranks_per_node=2)
+    plain = predict_table(job, durations, [2, 4], base, "ring")
+    corr = predict_table(job, durations, [2, 4], dataclasses.replace(base, node=node), "ring")
+    # no wait or hand-off: one fit of the dispatcher's costs
+    assert corr["overhead_s"] == plain["overhead_s"]
+    assert corr["per_iteration_s"] == plain["per_iteration_s"]
+    assert corr["overhead_s"] + corr["per_iteration_s"] > 0
+    p1, c1 = plain["one_rank"], corr["one_rank"]
+    assert c1["compute_s"] == pytest.approx(p1["compute_s"] / f, rel=1e-9)
+    assert c1["iter_s"] < p1["iter_s"]
+    assert c1["node"].factors == pytest.approx({c: 1 / f for c in CLASSES})
+    for p, c in zip(plain["rows"], corr["rows"]):
+        assert c["node"].factors == {c: 1.0 for c in CLASSES}
+        assert c["iter_s"] == pytest.approx(p["iter_s"], rel=1e-9)
+
+
 def test_a_link_file_without_node_measurements_predicts_as_before(traced, tmp_path):
     """A link file of the format before ``node`` (no such key) gives the
     prediction without the correction, the same as a calibration whose
@@ -448,6 +519,53 @@ def test_a_link_file_without_node_measurements_predicts_as_before(traced, tmp_pa
     assert bad.returncode == 2 and "--ranks-per-node: expected a whole number >= 1" in bad.stderr
 
 
+def test_a_calibration_across_hosts_prices_only_its_waits(traced, tmp_path):
+    """A link file calibrated with one rank a host (no compute ratios,
+    ``across_hosts``): its wait applies to every collective at N >= 2 (the
+    largest measured past it, flagged), each op is priced as traced at any
+    K, and predict says once that it measured no ranks sharing a host
+    where K > 1 (none at its default K = 1)."""
+    from purine_mpi.tools.scaling.node import NodeModel
+    path = tmp_path / "across.json"
+    save_link(path, Link(2e-5, 1.25e8, 0.0, "test", node=NodeModel(
+        {}, {2: 5e-4}, ranks_per_node=1, across_hosts=True)))
+    for extra, noted in (((), False), (("--ranks-per-node", 2), True)):
+        res = run_cli_here("predict", traced, "--np", "2,4", "--link", path, "--json", *extra)
+        assert res.returncode == 0, res.stderr
+        assert res.stderr.count("was calibrated with one rank a host") == int(noted), res.stderr
+        rows = json.loads(res.stdout)["rows"]
+        assert [r["node"]["collective_wait_us"] for r in rows] == [500.0, 500.0]
+        assert [r["node"]["extrapolated"] for r in rows] == [noted, True]
+        assert all(set(r["node"]["compute_factor"].values()) == {1.0} for r in rows)
+    # the keys written are the ones formats.md's `node` rows name
+    data = json.loads(res.stdout)
+    top, row = _node_cells()
+    assert set(data["node"]) | set(data["node"]["calibration"]) <= top
+    assert set(rows[0]["node"]) | set(rows[0]["node"]["compute_factor"]) <= row
+    assert {"ranks_on_node", "traced_ranks_on_node", "compute_factor", "collective_wait_us",
+            "extrapolated"} == set(rows[0]["node"])
+
+
+def _node_cells():
+    """The backquoted words of docs/formats.md's `node` rows of ``predict
+    --json`` (the object's, with the link file's ``node`` keys it points
+    to, and a row's)."""
+    import re
+
+    from .test_docs import FORMATS_MD
+    with open(FORMATS_MD, encoding="utf-8") as f:
+        text = f.read()
+    part = text[text.index("N` does. `--json` prints one object:"):]
+    part, links = part.split("### Link files", 1)
+    cells = [line.split("|")[2] for line in part.splitlines()
+             if line.startswith("| `node` |")]
+    link_cell = next(line.split("|")[2] for line in links.splitlines()
+                     if line.startswith("| `node` |"))
+    words = [set(re.findall(r"`(\w+)`", c)) for c in (*cells, link_cell)]
+    assert len(words) == 3
+    return words[0] | words[2], words[1]
+
+
 def test_a_slower_traced_rank_is_no_scaling_loss(traced):
     """A 2-rank data-parallel trace whose rank 1 ran every op 3 times
     slower than rank 0 (made from the 1-rank trace): at N > 1 rank 1 is
@@ -471,6 +589,8 @@ def test_a_slower_traced_rank_is_no_scaling_loss(traced):
         # (the transfer delayed, the next compute op's CPU)
         dispatch = 2 * row["comm_ops"] * table["overhead_s"]
         assert one_ms / (one_ms + dispatch) - 1e-3 <= row["efficiency"] <= 1 + 1e-3, row
+
+
 @pytest.mark.parametrize("args,message", [
     (["--np", "2", "--out", "p.h5"], "takes no --out"),
     (["--bandwidth", "1gbit"], "needs --np"),
@@ -946,3 +1066,44 @@ def test_plan_choose_prices_a_shards_update_and_the_clipping_norm_as_predict(tmp
                        ("clip.norm", 1e-3 * share)):
         assert predicted.ops[name].seconds == pytest.approx(want), name
         assert chosen.ops[name].seconds == pytest.approx(want), name
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 1, 8])
+def test_plan_choose_applies_predicts_node_correction(tmp_path, monkeypatch, ranks_per_node):
+    """``plan --choose`` (choose.Predictor) and ``predict``
+    (model.predict_table) give one time per iteration for a setting from
+    one trace, link and N, also where the link file measured ranks sharing
+    a node (node.scales: each op's class factor, the dispatcher's costs by
+    the ``dispatch`` factor, a wait per collective): a 1-rank trace of
+    STAGE3 (ZeRO-3, clipping) whose iteration took 3 times its ops (a
+    dispatcher's cost to fit), at 2, 4 and 8 ranks with K the calibration's
+    (None: 2), 1 and 8 (past the measured 4). Before, --choose priced
+    every rank as its trace ran: its time was predict's without the
+    correction."""
+    import dataclasses
+
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling import link as link_mod
+    from purine_mpi.tools.scaling.model import predict_table
+    from purine_mpi.tools.scaling.node import NodeModel
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    monkeypatch.setattr(link_mod, "reduce_cost_per_byte", lambda: 0.0)  # timed otherwise
+    job = load_job(str(write_config_file(tmp_path, STAGE3)), check_files=False)
+    ops = {name: 2e-5 for name in compose_for(job, 1, 0).ops}
+    durations = Durations({0: ops}, {0: 3 * sum(ops.values())}, 5)
+    plain = Link(2e-5, 1.25e8, 0.0, "test")
+    link = dataclasses.replace(plain, node=NodeModel(NODE_RATIOS, {2: 1e-3, 4: 3e-3},
+                                                     ranks_per_node=2))
+    nps = [2, 4, 8]
+    predicted = predict_table(job, durations, nps, link, "auto", ranks_per_node)
+    before = predict_table(job, durations, nps, plain, "auto")
+    chooser = Predictor(job, durations, link, add=0.0, ranks_per_node=ranks_per_node)
+    assert chooser.overhead == predicted["overhead_s"] > 0
+    for row, was in zip(predicted["rows"], before["rows"]):
+        assert chooser.predict(job, row["np"])[0] == pytest.approx(row["iter_s"], rel=1e-12)
+        if ranks_per_node != 1:  # the correction changes the time
+            assert row["iter_s"] > 1.2 * was["iter_s"], row["np"]
+        else:
+            assert row["iter_s"] == pytest.approx(was["iter_s"], rel=1e-12)

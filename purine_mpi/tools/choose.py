@@ -890,17 +890,25 @@ def _touched(graph, name):
 class Predictor:
     """The scaling predictor, calibrated once, for any candidate job."""
 
-    def __init__(self, calib_job, durations, link, algorithm="auto", small=None, add=None):
+    def __init__(self, calib_job, durations, link, algorithm="auto", small=None, add=None,
+                 ranks_per_node=None):
         """``small``: (Durations, job) of the calibration's second trace at
         a smaller batch (``calibrate``), or None: the proportional rule;
-        ``add``: the host's add rate (``calibrate``), None: timed now."""
+        ``add``: the host's add rate (``calibrate``), None: timed now;
+        ``ranks_per_node``: K of the correction for ranks sharing a node
+        where ``link`` holds its measurements (``plan --ranks-per-node``;
+        None: the link file's calibration's, else 1), ``predict``'s rule
+        (``scaling/node.scales``)."""
         from .graph import compose_for
         from .scaling.link import reduce_cost_per_byte
         from .scaling.model import dispatch_overhead, trace_prices
+        from .scaling.node import scales
         self.durations, self.link, self.algorithm = durations, link, algorithm
         self.copy_cost = reduce_cost_per_byte() if add is None else add
+        traced_n = len(durations.per_rank)
+        self.ranks_per_node, self.scale = scales(link, traced_n, ranks_per_node)
         self.overhead, self.per_iteration = dispatch_overhead(
-            calib_job, durations, link, algorithm, self.copy_cost, {})
+            calib_job, durations, link, algorithm, self.copy_cost, {}, self.scale(traced_n))
         self.traced = compose_for(calib_job, 1, 0)
         small_d, small_job = small or (None, None)
         self.fit = affine_costs(durations, self.traced, small_d,
@@ -931,14 +939,18 @@ class Predictor:
         more = scenario.class_ranks({t.rank: t.graph for t in templates},
                                     self.durations.per_rank)
         templates += [Template(job, scenario, r, (built or {}).get(r)) for r in more]
+        # ranks sharing a node: predict's correction at n (scaling/node.py)
+        node = self.scale(n)
+        overhead, per_iteration, comm_overhead = (
+            (self.overhead, self.per_iteration, self.overhead) if node is None
+            else node.dispatch(self.overhead, self.per_iteration, self.overhead))
         for t in templates:
             g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,
                                                  self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,
-                                         overhead=self.overhead,
-                                         per_iteration=self.per_iteration,
-                                         comm_overhead=self.overhead, reads=self.reads,
-                                         fixed=self.fixed)
+                                         overhead=overhead, per_iteration=per_iteration,
+                                         comm_overhead=comm_overhead, reads=self.reads,
+                                         fixed=self.fixed, node=node)
             graphs.append(g)
             untraced.update(missing)
         return graphs, scenario.images, len(untraced)
@@ -1069,7 +1081,8 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     # content share their dependencies (graph/core.shared_dependencies), and
     # memory plans of one content their colouring (runtime/memory_plan.py)
     with shared_dependencies(), shared_colourings():
-        predictor = Predictor(calib_job, durations, link, algorithm, small, add)
+        predictor = Predictor(calib_job, durations, link, algorithm, small, add,
+                              getattr(limits, "ranks_per_node", None))
         cands = candidates(job, n, durations, predictor)
         variants = {}
         for c in cands:

@@ -341,9 +341,9 @@ def collective_wait(comm, link, nbytes=1024, repeats=40):
     dispatcher's way (runtime/dispatcher.py): posted, tested every
     ``poll_interval`` until done, then a worker thread woken (an Event) as
     the dispatcher wakes the worker whose op the transfer readies. The
-    first is the median time from the post until the worker runs, less the
-    α–β model's time for it (``link``): what a collective costs beyond α;
-    the second the median of its last part, from the test that saw it done
+    first is the mean time from the post until the worker runs, less the
+    α–β model's time for it (``link``; at least 0): what a collective costs
+    beyond α; the second the mean of its last part, from the test that saw it done
     until the worker runs (a trace's comm span ends at that test: the part
     a traced collective does not hold). node.py."""
     import inspect

@@ -118,13 +118,11 @@ def run_scaling(args):
             raise UserError(f"--ranks-per-node: expected a whole number >= 1, "
                             f"got {args.ranks_per_node!r}")
     link = make_link(args.bandwidth, args.latency, args.link)
-    if link.node is None and (args.link or rpn is not None):
-        # once: the prediction is the one without the correction
-        print(f"note: {'--link ' + args.link if args.link else 'the link'} holds no "
-              "measurement of ranks sharing a node (written before predict --calibrate "
-              "measured it, or no --link): each rank is priced as its trace ran, whatever "
-              "--ranks-per-node; run predict --calibrate again to measure it",
-              file=sys.stderr, flush=True)
+    from .node import notes, ranks_per_node_of
+    # once: what the correction for ranks sharing a node cannot apply
+    for note in notes(link, ranks_per_node_of(link, rpn),
+                      f"--link {args.link}" if args.link else None, rpn is not None):
+        print(note, file=sys.stderr, flush=True)
     durations, job = read_traces(args.config)
     if job.graph is not None:  # one composition already: no N to compose it for
         raise ConfigError(os.path.join(args.config, "config.yaml"), "graph",

@@ -663,9 +663,8 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
     ``overhead``, ``per_iteration`` and ``comm_overhead`` by its
     ``dispatch`` factor; None: no correction)."""
     if node is not None:
-        f = node.factors["dispatch"]
-        overhead, per_iteration, comm_overhead = (overhead * f, per_iteration * f,
-                                                  comm_overhead * f)
+        overhead, per_iteration, comm_overhead = node.dispatch(overhead, per_iteration,
+                                                               comm_overhead)
     scenario = Scenario(job, n)
     templates = _templates(job, scenario, cache, durations.per_rank)
     built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead,
@@ -754,13 +753,9 @@ def predict_table(job, durations, nps, link, algorithm="auto", ranks_per_node=No
     ``link.node`` holds measurements of that (node.py), each N's compute
     and collectives are corrected by them; none otherwise."""
     from .link import reduce_cost_per_byte
-    from .node import node_scale
-    if ranks_per_node is None:
-        ranks_per_node = link.node.ranks_per_node if link.node is not None else 1
+    from .node import scales
     traced_n = len(durations.per_rank)
-
-    def scale(n):
-        return None if link.node is None else node_scale(link.node, n, traced_n, ranks_per_node)
+    ranks_per_node, scale = scales(link, traced_n, ranks_per_node)
     t0 = time.perf_counter()
     copy_cost = reduce_cost_per_byte()
     cache = {}

@@ -11,16 +11,16 @@ on one host (docs/scaling.md, "Ranks sharing a node"):
   concurrent ranks of one host (``calibrate.contention``): ``gemm``
   (host matrix products, ``ops/hostgemm.matmul`` at the threads a run of k
   ranks on the node picks), ``elementwise`` (memory-bound float32 sums and
-  maxima over 4 MiB) and ``dispatch`` (microsecond NumPy calls on small
-  arrays: the interpreter-bound work of the dispatcher and of tiny ops).
-  ``compute_ratio[k][class]`` is the median time at k ranks over the time
-  alone.
+  maxima over 4 MiB) and ``dispatch`` (a small op handed to a worker
+  thread and back, an Event each way: the interpreter-bound work of the
+  dispatcher and a thread's wake-up). ``compute_ratio[k][class]`` (k >= 2)
+  is the median time a call takes at k ranks over the time alone.
 - **collective completion**: a collective ends on a rank when the rank
   sees it finished; the dispatcher tests its requests every
   ``poll_interval`` while idle, and the peers must all be scheduled to
-  progress it. ``collective_wait_s[k]`` is the median time of a small
+  progress it. ``collective_wait_s[k]`` is the mean time of a small
   Iallreduce over k ranks waited for the dispatcher's way, less the α–β
-  model's time for it: a fixed cost per collective beyond α.
+  model's time for it (at least 0): a fixed cost per collective beyond α.
 
 The prediction at N ranks from a trace of T ranks, with K ranks per node
 (``--ranks-per-node``; default the calibration's, else 1): the ranks on a
@@ -29,9 +29,10 @@ ran on one host when K allows). A compute op of class ``x`` takes its
 traced time × ratio[c_N][x] / ratio[c_T][x] (an op with FLOPs is
 ``gemm``, another ``elementwise``; the dispatcher's fitted cost per op and
 per iteration ``dispatch``); a collective adds collective_wait_s[c_N] when
-c_N >= 2 (or, with a calibration across hosts, whenever N >= 2). A k past
-the largest measured takes the largest measured (a lower bound, said in
-the output). A link without these measurements (an older file, the
+c_N >= 2 (or, with a calibration across hosts, whenever N >= 2). A k not
+measured takes the largest measured below it (past the largest: the
+largest, a lower bound where the slowdown grows with k; a file with no
+ratios: 1), said in the output (``extrapolated``). A link without these measurements (an older file, the
 defaults) applies none: the prediction is the one before.
 """
 from dataclasses import dataclass, field
@@ -91,26 +92,59 @@ class NodeModel:
 
 def node_from_dict(data, path):
     """A NodeModel from a link file's ``node`` object; a UserError naming
-    the file, the key and what is expected otherwise."""
-    where = f"--link {path}: key 'node'"
-    try:
-        ratio = {int(k): {c: float(v[c]) for c in CLASSES}
-                 for k, v in dict(data["compute_ratio"]).items()}
-        wait = {int(k): float(v) for k, v in dict(data.get("collective_wait_s", {})).items()}
-        handoff = {int(k): float(v) for k, v in dict(data.get("handoff_s", {})).items()}
-        rpn = int(data.get("ranks_per_node", 1))
-        across = bool(data.get("across_hosts", False))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UserError(f"{where}: expected compute_ratio {{k: {{{', '.join(CLASSES)}: "
-                        f"ratio}}}}, collective_wait_s {{k: seconds}} and ranks_per_node "
-                        f"(written by predict --calibrate); {type(exc).__name__}: {exc}") from None
+    the file, the key (``node.compute_ratio.2.gemm``) and what is expected
+    otherwise. Strict: a hand-edited figure that is not a finite JSON
+    number in range (NaN, Infinity, a string, a boolean) is refused, not
+    converted."""
     import math
-    if rpn < 1 or any(k < 1 for k in ratio) or any(k < 2 for k in wait) or \
-            not all(math.isfinite(v) and v > 0 for r in ratio.values() for v in r.values()) or \
-            any(k < 2 for k in handoff) or \
-            not all(math.isfinite(v) and v >= 0 for v in (*wait.values(), *handoff.values())):
-        raise UserError(f"{where}: expected ranks_per_node >= 1, finite ratios > 0 at k >= 1 "
-                        "ranks and finite waits >= 0 at k >= 2 ranks")
+
+    missing = object()
+
+    def bad(key, expected, got):
+        raise UserError(f"--link {path}: key '{key}': expected {expected} (written by "
+                        "predict --calibrate), "
+                        + ("it is missing" if got is missing else f"got {got!r}"))
+
+    def number(key, v, least, above):
+        """``v`` a finite number >= ``least`` (> where ``above``)."""
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v < least or (above and v == least):
+            bad(key, f"a finite number {'>' if above else '>='} {least:g}", v)
+        return float(v)
+
+    def table(key, least_k, required=False):
+        """{k: value} of ``node.<key>``, k a whole number >= ``least_k``."""
+        if key not in data and not required:
+            return {}
+        t = data.get(key, missing)
+        if not isinstance(t, dict):
+            bad(f"node.{key}", f"an object {{\"k\": ...}} (k >= {least_k} ranks)", t)
+        out = {}
+        for k, v in t.items():
+            if not (isinstance(k, str) and k.isdigit() and int(k) >= least_k):
+                bad(f"node.{key}", f"keys that are whole numbers of ranks >= {least_k}", k)
+            out[int(k)] = v
+        return out
+
+    if not isinstance(data, dict):
+        bad("node", "an object with compute_ratio, collective_wait_s, handoff_s, "
+            "ranks_per_node and across_hosts", data)
+    ratio = {}
+    for k, v in table("compute_ratio", 2, required=True).items():
+        if not isinstance(v, dict):
+            bad(f"node.compute_ratio.{k}", f"an object of {', '.join(CLASSES)}", v)
+        ratio[k] = {c: number(f"node.compute_ratio.{k}.{c}", v.get(c, missing), 0, True)
+                    for c in CLASSES}
+    wait = {k: number(f"node.collective_wait_s.{k}", v, 0, False)
+            for k, v in table("collective_wait_s", 2).items()}
+    handoff = {k: number(f"node.handoff_s.{k}", v, 0, False)
+               for k, v in table("handoff_s", 2).items()}
+    rpn = data.get("ranks_per_node", 1)
+    if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
+        bad("node.ranks_per_node", "a whole number >= 1", rpn)
+    across = data.get("across_hosts", False)
+    if not isinstance(across, bool):
+        bad("node.across_hosts", "true or false", across)
     return NodeModel(ratio, wait, rpn, across, handoff)
 
 
@@ -133,6 +167,12 @@ class NodeScale:
                 "compute_factor": {c: round(v, 4) for c, v in self.factors.items()},
                 "collective_wait_us": round(1e6 * self.wait, 2),
                 "extrapolated": self.extrapolated}
+
+    def dispatch(self, *seconds):
+        """The dispatcher's fitted costs (``model.dispatch_overhead``: per
+        op, per iteration, per comm op) at this N: each times the
+        ``dispatch`` factor."""
+        return tuple(s * self.factors["dispatch"] for s in seconds)
 
 
 NONE = NodeScale({c: 1.0 for c in CLASSES}, 0.0, 1, 1)
@@ -158,3 +198,46 @@ def node_scale(node, n, traced_ranks, ranks_per_node):
         handoff = node.wait(k, node.handoff)[0]
         exact = exact and ew
     return NodeScale(factors, wait, c_n, c_t, not exact, handoff)
+
+
+def ranks_per_node_of(link, given=None):
+    """K, the ranks a node: ``given`` (``--ranks-per-node``), else the link
+    file's calibration's ranks per host, else 1."""
+    if given is not None:
+        return int(given)
+    return link.node.ranks_per_node if link.node is not None else 1
+
+
+def scales(link, traced_ranks, ranks_per_node=None):
+    """(K, {N: the NodeScale at N, or None without measurements}) as a
+    function of N: the correction ``predict`` and ``plan --choose`` apply
+    (``model.predict_table``, ``choose.Predictor``) to a trace of
+    ``traced_ranks`` on ``link`` (its ``node``; None: no correction),
+    ``ranks_per_node`` as ``ranks_per_node_of`` reads it."""
+    k = ranks_per_node_of(link, ranks_per_node)
+
+    def scale(n):
+        return None if link.node is None else node_scale(link.node, n, traced_ranks, k)
+    return k, scale
+
+
+def notes(link, ranks_per_node, link_name=None, given=False):
+    """The notes (stderr, once) of what the correction cannot apply:
+    ``link`` (``link_name``: the option and file it came from, None: the
+    defaults) holds no ``node`` measurements; or it holds no compute ratios
+    (a calibration with one rank a host) while K = ``ranks_per_node`` > 1.
+    ``given``: K was given (``--ranks-per-node``)."""
+    if link.node is None:
+        if link_name is None and not given:
+            return []
+        return [f"note: {link_name or 'the link'} holds no measurement of ranks sharing a "
+                "node (written before predict --calibrate measured it, or no link file): "
+                "each rank is priced as its trace ran, whatever --ranks-per-node; run "
+                "predict --calibrate again to measure it"]
+    if ranks_per_node > 1 and not link.node.compute_ratio:
+        return [f"note: {link_name or 'the link'} was calibrated with one rank a host: "
+                f"it measured no ranks sharing a host, so at {ranks_per_node} ranks a node "
+                "each op is "
+                "priced as its trace ran (calibrate with several ranks a host to measure "
+                "it: mpiexec -n 2 on one host)"]
+    return []
