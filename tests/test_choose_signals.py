@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, cli_env
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
 
 #: wide enough that the calibration's 8 iterations outlast the test's look
 #: for the child (2048 x 2048 products at batch 256: about 0.3 s each here)
@@ -93,6 +93,71 @@ def test_a_signalled_choose_ends_its_calibration_child(tmp_path, sig):
         # the child's run folder is gone, and no calibration file was written
         assert not cal.exists()
         left = [p.name for p in cal.parent.iterdir()] if cal.parent.exists() else []
+        assert not [p for p in left if p.startswith(".calibration-")], left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _descendants(pid):
+    """Every PID under ``pid`` (children, theirs, ...: /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _calibration_child(pid):
+    """The PID of the calibration's ``train`` under ``pid`` (its command
+    line has ``--profile-iters``), or None."""
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"--profile-iters" in f.read():
+                    return p
+        except OSError:
+            pass
+    return None
+
+
+def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
+    """``parallel.scheme: auto`` under ``mpiexec -n 2`` (rank 0 calibrates,
+    rank 1 waits for its choice), Ctrl-C to mpiexec (which passes SIGINT
+    to every rank): 130, the calibration child gone when mpiexec returns,
+    no ``.calibration-*`` folder left in the run folder. Before, rank 1
+    aborted the job at once (``interrupted``, MPI_Abort) and rank 0 was
+    killed within its child's grace: mpiexec returned 130 while the child
+    still ran (this test's "outlived mpiexec" assertion), and the folder
+    stayed: ``['.calibration-<key>-<pid>', '.purine.lock']``)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    job = tmp_path / "job.yaml"
+    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
+    out = tmp_path / "run"
+
+    def ctrl_c_only():  # a background job's SIGINT may be ignored: Ctrl-C reaches mpiexec
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", str(job),
+                             "--out", str(out), "--iters", "20"],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_only)
+    try:
+        child, deadline = None, time.monotonic() + 90
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = _calibration_child(proc.pid)
+            time.sleep(0.05)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)
+        assert _alive(child), "the calibration ended before the signal: make NET larger"
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert not _alive(child), f"the calibration child {child} outlived mpiexec"
+        assert proc.returncode == 130, (proc.returncode, err)
+        assert "interrupted (SIGINT)" in err, err
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
         assert not [p for p in left if p.startswith(".calibration-")], left
     finally:
         if proc.poll() is None:
