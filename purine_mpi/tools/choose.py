@@ -395,7 +395,13 @@ def _end_group(proc, signalled):
     """End ``proc``'s process group (its own session, ``_run_child``): it
     has ``CHILD_GRACE_S`` when a signal was passed on to it, else none (an
     exception here: SIGTERM first, then the same grace); then SIGKILL to
-    whatever of the group is left, and the child reaped."""
+    whatever of the group is left, and the child reaped. The shared-memory
+    files under /dev/shm the processes killed so had mapped are removed
+    (``_group_shm``): a process ended by SIGKILL never removes its own,
+    and MPICH's singleton ``train`` keeps its segment (``mpich_shm_*``,
+    1 MiB) named until MPI_Finalize: before, a calibration whose iteration
+    outlasted the grace (SIGTERM stops ``train`` at the end of its
+    iteration) left one in /dev/shm at every stop."""
     import signal
     if proc.poll() is None and not signalled:
         try:
@@ -406,13 +412,72 @@ def _end_group(proc, signalled):
         proc.wait(timeout=CHILD_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
+    mapped = _group_shm(proc.pid)  # what the group still running holds
     try:  # the child's own children too: the group outlives its leader
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    if mapped:
+        _remove_shm(proc.pid, mapped)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+#: where the shared-memory files a killed calibration held live (Linux)
+SHM_DIR = "/dev/shm/"
+
+
+def _group_shm(pgid):
+    """{pid: the files under ``SHM_DIR`` it maps} of the processes of
+    process group ``pgid`` that are still running (``/proc``; {} where
+    there is none to read)."""
+    out = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] == "Z":
+                continue
+            with open(f"/proc/{entry}/maps") as f:
+                files = {line.split(None, 5)[5].strip() for line in f
+                         if len(line.split(None, 5)) == 6}
+        except (OSError, ValueError, IndexError):
+            continue
+        files = {p for p in files if p.startswith(SHM_DIR) and "/" not in p[len(SHM_DIR):]}
+        if files:
+            out[int(entry)] = files
+    return out
+
+
+def _remove_shm(pgid, mapped):
+    """Remove the files of ``mapped`` (``_group_shm``, read before the group
+    ``pgid`` was killed) that are still there, are this user's, and that no
+    process maps any more (none outside the group shared them)."""
+    files = set().union(*mapped.values())
+    uid = os.getuid()
+    still = set()
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return
+    for entry in entries:  # a file another process maps (outside the group) stays
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                still.update(p for p in (line.split(None, 5)[5].strip() for line in f
+                                         if len(line.split(None, 5)) == 6) if p in files)
+        except (OSError, IndexError):
+            continue
+    for path in sorted(files - still):
+        try:
+            if os.stat(path).st_uid == uid:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _calibration_job(path, overrides, sets=()):
