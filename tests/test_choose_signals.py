@@ -211,3 +211,41 @@ def test_a_child_killed_after_its_grace_leaves_no_shared_memory(monkeypatch):
         for name in (own, shared):
             if os.path.exists(name):
                 os.unlink(name)
+
+
+def test_a_signal_as_the_child_starts_still_ends_it(monkeypatch):
+    """``_run_child``: a SIGTERM whose handler runs after the child was
+    started but before ``_run_child`` holds it (inside ``Popen``, or between
+    its return and the assignment) is passed on to the child's group once
+    it is held, and the group ended. Before, the handler raised at once,
+    the Popen object was lost with it, and the child ran on, outside the
+    group ``_end_group`` ends (this test: the child still alive)."""
+    from purine_mpi.tools import choose
+    monkeypatch.setattr(choose, "CHILD_GRACE_S", 0.5)
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+        for _ in range(1000):
+            pass
+        return proc
+    monkeypatch.setattr(choose.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(choose._Forwarded) as got:
+            choose._run_child([PYTHON, "-c", "import time; time.sleep(60)"], dict(os.environ))
+        assert got.value.signum == signal.SIGTERM
+        assert len(started) == 1
+        child = started[0]
+        deadline = time.monotonic() + 5
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() is not None, "the child started as the signal came ran on"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()

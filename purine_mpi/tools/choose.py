@@ -348,7 +348,10 @@ def _run_child(cmd, env):
                 pass
         if state["got"] is None:  # once: a second one while the group ends is passed on only
             state["got"] = signum
-            raise _Forwarded(signum)
+            if proc is not None:
+                raise _Forwarded(signum)
+            # the child not held yet (its Popen under way): raised once it is,
+            # else the Popen object, and the child with it, were lost
     previous = {}
     try:
         if main:
@@ -363,6 +366,12 @@ def _run_child(cmd, env):
             state["proc"] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True,
                                              start_new_session=True)
+            if state["got"] is not None:  # a signal came while it started
+                try:
+                    os.killpg(state["proc"].pid, state["got"])
+                except (ProcessLookupError, PermissionError):
+                    pass
+                raise _Forwarded(state["got"])
             output, _ = state["proc"].communicate()
         except _Forwarded:
             pass
