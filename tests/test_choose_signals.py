@@ -249,3 +249,48 @@ def test_a_signal_as_the_child_starts_still_ends_it(monkeypatch):
             proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def test_the_calibration_child_dies_with_a_killed_parent(tmp_path):
+    """``plan --choose`` killed outright (SIGKILL: ``kill -9``, the OOM
+    killer, mpiexec's second Ctrl-C on ``parallel.scheme: auto``'s rank 0)
+    can pass nothing on: the child, in a session of its own, is ended by
+    the kernel at once (SIGKILL, Linux's parent-death signal: ``_run_child``),
+    writing nothing more; its folder stays (nothing is left to remove it).
+    Before, the orphan ran on until its next line met the closed pipe, then
+    stopped as on SIGTERM, with a checkpoint: this test's net, ``ckpt_1.h5``
+    and ``latest.h5`` (50 MB) in the folder left (the assertion on the
+    ``.h5`` files); mpiexec's double Ctrl-C on rank 0's auto choice of a
+    6144-wide net: 353 MB in OUT/.calibration-*."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    job = tmp_path / "job.yaml"
+    job.write_text(NET)
+    cal = tmp_path / "cal" / "calibration.json"
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
+                             "--choose", "--calibration", str(cal)],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = _calibration_child(proc.pid)
+            time.sleep(0.02)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)
+        assert _alive(child), "the calibration ended before the kill: make NET larger"
+        proc.kill()
+        proc.wait()
+        ended = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < ended:
+            time.sleep(0.05)
+        assert not _alive(child), f"the calibration child {child} outlived its killed parent"
+        written = [p.name for p in cal.parent.glob(".calibration-*/*.h5")]
+        assert not written, written
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)

@@ -363,7 +363,8 @@ def _run_child(cmd, env):
                     signal.signal(sig, forward)
         output = ""
         try:
-            state["proc"] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+            state["proc"] = subprocess.Popen(_dying_with_this(cmd) if main else cmd,
+                                             env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True,
                                              start_new_session=True)
             if state["got"] is not None:  # a signal came while it started
@@ -385,6 +386,38 @@ def _run_child(cmd, env):
     if state["got"] is not None:
         raise _Forwarded(state["got"])  # the caller cleans up, then ``_end_as_signalled``
     return state["proc"].returncode, output
+
+
+#: ``_dying_with_this``'s start of the child: the kernel's parent-death
+#: signal set (Linux's prctl PR_SET_PDEATHSIG, 1: SIGKILL), the child
+#: ended at once where its parent (argv[1]) has gone already, then the
+#: command (argv[2:]) run in its place; where there is no prctl, the
+#: command alone
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(128 + int(signal.SIGKILL))\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _dying_with_this(cmd):
+    """``cmd`` (its argv[0] an executable's path) started so that the kernel
+    kills it (SIGKILL) when this process ends without ending it: killed
+    outright (``kill -9``, the OOM killer, mpiexec's second Ctrl-C on rank
+    0 of ``parallel.scheme: auto``), where no handler runs to pass a signal
+    on. Before, the calibration child, in a session of its own, ran on
+    until its next line met the closed pipe, then stopped as on SIGTERM,
+    writing a checkpoint into its run folder (50 MB on
+    tests/test_choose_signals.py's net; 353 MB on a 6144-wide one). The
+    parent-death signal follows the thread that started the child: the
+    main thread only (``_run_child``)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def _end_as_signalled(signum):
