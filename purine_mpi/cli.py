@@ -161,10 +161,40 @@ def _resolve_auto(args, out_dir, limits):
             return None, ("parallel.scheme auto: no setting fits the ranks' memory; "
                           "python -m purine_mpi plan CONFIG --np N --choose shows the table")
         return (list(best.sets), lines), None
-    sets, lines = rank0_decides(world, decide, "parallel.scheme auto's choice", AUTO_WAIT_S)
+    try:
+        sets, lines = rank0_decides(world, decide, "parallel.scheme auto's choice",
+                                    AUTO_WAIT_S)
+    except KeyboardInterrupt:
+        if world.rank != 0:
+            _let_rank0_end_its_calibration()
+        raise
     import argparse
     chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + sets})
     return _load(chosen), tuple(lines)
+
+
+def _let_rank0_end_its_calibration():
+    """A Ctrl-C on a rank other than 0 while rank 0 chooses for ``parallel.
+    scheme: auto``: that rank's ``interrupted`` (MPI_Abort, every rank
+    killed) only after rank 0 has had the time to end its calibration child
+    and remove the child's run folder (``tools/choose._run_child``: the
+    child's grace, ``CHILD_GRACE_S``, and a margin), a second Ctrl-C
+    meanwhile ignored. mpiexec passes a Ctrl-C to every rank: rank 0 then
+    ends the job itself (its own ``interrupted``) once it has cleaned up,
+    this rank killed as it waits. Before, this rank aborted the job at once
+    and rank 0 was killed in the child's grace: its ``.calibration-*``
+    folder stayed in the run folder, the child ran on past mpiexec's end."""
+    import signal
+    import time
+    from .tools.choose import CHILD_GRACE_S
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError):  # not the main thread: no wait
+        return
+    try:
+        time.sleep(CHILD_GRACE_S + 2.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _memory_limits(args):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, cli_env
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
 
 #: wide enough that the calibration's 8 iterations outlast the test's look
 #: for the child (2048 x 2048 products at batch 256: about 0.3 s each here)
@@ -98,3 +98,199 @@ def test_a_signalled_choose_ends_its_calibration_child(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _descendants(pid):
+    """Every PID under ``pid`` (children, theirs, ...: /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _calibration_child(pid):
+    """The PID of the calibration's ``train`` under ``pid`` (its command
+    line has ``--profile-iters``), or None."""
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"--profile-iters" in f.read():
+                    return p
+        except OSError:
+            pass
+    return None
+
+
+def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
+    """``parallel.scheme: auto`` under ``mpiexec -n 2`` (rank 0 calibrates,
+    rank 1 waits for its choice), Ctrl-C to mpiexec (which passes SIGINT
+    to every rank): 130, the calibration child gone when mpiexec returns,
+    no ``.calibration-*`` folder left in the run folder. Before, rank 1
+    aborted the job at once (``interrupted``, MPI_Abort) and rank 0 was
+    killed within its child's grace: mpiexec returned 130 while the child
+    still ran (this test's "outlived mpiexec" assertion), and the folder
+    stayed: ``['.calibration-<key>-<pid>', '.purine.lock']``)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    job = tmp_path / "job.yaml"
+    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
+    out = tmp_path / "run"
+
+    def ctrl_c_only():  # a background job's SIGINT may be ignored: Ctrl-C reaches mpiexec
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", str(job),
+                             "--out", str(out), "--iters", "20"],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_only)
+    try:
+        child, deadline = None, time.monotonic() + 90
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = _calibration_child(proc.pid)
+            time.sleep(0.05)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)
+        assert _alive(child), "the calibration ended before the signal: make NET larger"
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert not _alive(child), f"the calibration child {child} outlived mpiexec"
+        assert proc.returncode == 130, (proc.returncode, err)
+        assert "interrupted (SIGINT)" in err, err
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        assert not [p for p in left if p.startswith(".calibration-")], left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_child_killed_after_its_grace_leaves_no_shared_memory(monkeypatch):
+    """``_end_group``: a calibration child still running after its grace is
+    killed (SIGKILL), and the files under /dev/shm it mapped are removed
+    (MPICH's singleton ``train`` keeps its ``mpich_shm_*`` segment named
+    until MPI_Finalize, which SIGKILL never reaches), but not one another
+    process maps too. Before, the segment stayed: ``plan --choose`` of a
+    net whose iteration outlasts the 3 s grace, SIGTERM: /dev/shm/
+    mpich_shm_21e9_0 (1 MiB) left (this test: its file still there)."""
+    import mmap
+    from purine_mpi.tools import choose
+    shm = "/dev/shm/"
+    if not os.path.isdir(shm):
+        pytest.skip("no /dev/shm")
+    monkeypatch.setattr(choose, "CHILD_GRACE_S", 0.3)
+    own = f"{shm}purine_test_own_{os.getpid()}"
+    shared = f"{shm}purine_test_shared_{os.getpid()}"
+    code = ("import mmap, os, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # a stop slower than the grace
+            "maps = []\n"
+            "for name in sys.argv[1:]:\n"
+            "    fd = os.open(name, os.O_CREAT | os.O_RDWR, 0o600)\n"
+            "    os.ftruncate(fd, 4096)\n"
+            "    maps.append(mmap.mmap(fd, 4096))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([PYTHON, "-c", code, own, shared], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    held = None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        fd = os.open(shared, os.O_RDWR)  # this process maps it too: it must stay
+        held = mmap.mmap(fd, 4096)
+        os.close(fd)
+        choose._end_group(proc, False)
+        assert proc.returncode == -signal.SIGKILL
+        assert not os.path.exists(own), "the killed child's shared memory stayed"
+        assert os.path.exists(shared), "a file another process maps was removed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if held is not None:
+            held.close()
+        for name in (own, shared):
+            if os.path.exists(name):
+                os.unlink(name)
+
+
+def test_a_signal_as_the_child_starts_still_ends_it(monkeypatch):
+    """``_run_child``: a SIGTERM whose handler runs after the child was
+    started but before ``_run_child`` holds it (inside ``Popen``, or between
+    its return and the assignment) is passed on to the child's group once
+    it is held, and the group ended. Before, the handler raised at once,
+    the Popen object was lost with it, and the child ran on, outside the
+    group ``_end_group`` ends (this test: the child still alive)."""
+    from purine_mpi.tools import choose
+    monkeypatch.setattr(choose, "CHILD_GRACE_S", 0.5)
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+        for _ in range(1000):
+            pass
+        return proc
+    monkeypatch.setattr(choose.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(choose._Forwarded) as got:
+            choose._run_child([PYTHON, "-c", "import time; time.sleep(60)"], dict(os.environ))
+        assert got.value.signum == signal.SIGTERM
+        assert len(started) == 1
+        child = started[0]
+        deadline = time.monotonic() + 5
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() is not None, "the child started as the signal came ran on"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def test_the_calibration_child_dies_with_a_killed_parent(tmp_path):
+    """``plan --choose`` killed outright (SIGKILL: ``kill -9``, the OOM
+    killer, mpiexec's second Ctrl-C on ``parallel.scheme: auto``'s rank 0)
+    can pass nothing on: the child, in a session of its own, is ended by
+    the kernel at once (SIGKILL, Linux's parent-death signal: ``_run_child``),
+    writing nothing more; its folder stays (nothing is left to remove it).
+    Before, the orphan ran on until its next line met the closed pipe, then
+    stopped as on SIGTERM, with a checkpoint: this test's net, ``ckpt_1.h5``
+    and ``latest.h5`` (50 MB) in the folder left (the assertion on the
+    ``.h5`` files); mpiexec's double Ctrl-C on rank 0's auto choice of a
+    6144-wide net: 353 MB in OUT/.calibration-*."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    job = tmp_path / "job.yaml"
+    job.write_text(NET)
+    cal = tmp_path / "cal" / "calibration.json"
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
+                             "--choose", "--calibration", str(cal)],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = _calibration_child(proc.pid)
+            time.sleep(0.02)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)
+        assert _alive(child), "the calibration ended before the kill: make NET larger"
+        proc.kill()
+        proc.wait()
+        ended = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < ended:
+            time.sleep(0.05)
+        assert not _alive(child), f"the calibration child {child} outlived its killed parent"
+        written = [p.name for p in cal.parent.glob(".calibration-*/*.h5")]
+        assert not written, written
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)

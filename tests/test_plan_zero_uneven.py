@@ -52,3 +52,71 @@ def test_plan_rows_under_zero_are_each_rank_built_alone(tmp_path, shard):
                                                           own.get(where))
     # the shards do differ: the last rank holds less optimizer state than rank 1
     assert alone[n - 1].host["optimizer_state"] < alone[1].host["optimizer_state"]
+
+
+#: a net tensor parallelism splits (each fc's outputs divide by 2), its
+#: parameter counts 5*14+14, 14*6+6 (neither divides by 3, 5 or 9)
+WIDE = NET.replace("num_output: 13", "num_output: 14").replace("classes: 7", "classes: 6") \
+    .replace("num_output: 7", "num_output: 6")
+
+
+def _rows(job, n, limits):
+    """{rank: its row of ``plan --json``}, and the ranks plan built."""
+    from purine_mpi.tools import plan as plan_mod
+    built = []
+    real = plan_mod._offline_graphs
+
+    def counted(job, size, rank):
+        built.append(rank)
+        return real(job, size, rank)
+    import unittest.mock
+    with unittest.mock.patch.object(plan_mod, "_offline_graphs", counted):
+        out, _ = run_plan(job, n, limits, as_json=True)
+    return {r: k for k in json.loads(out)["ranks"] for r in k["ranks"]}, built
+
+
+@pytest.mark.parametrize("text,sets,n,per_node", [
+    (NET, ("parallel.shard=1",), 16, None),       # 16 replicas: ranks alike and not
+    (NET, ("parallel.shard=2",), 12, 5),          # nodes of 5, 5 and 2 ranks
+    (NET, ("parallel.shard=3", "parallel.transport=one_sided"), 10, None),
+    # one bucket of 176 = 16 x 11: every shard of 11 elements, but the
+    # parameters' pieces differ (rank 8: 3, 7, 1 and 0 elements of them, its
+    # update ops 3): a key of the shard sizes alone took every rank for rank 1
+    (NET, ("parallel.shard=2", "parallel.min_buckets=1"), 16, None),
+    (WIDE, ("parallel.shard=2", "parallel.tensor_parallel=2"), 18, None),
+    (NET, ("parallel.shard=1", "parallel.stages=2"), 18, None),
+    # not ZeRO: a replica of 2 stages x 2 tensor shards, its 4 ranks
+    (WIDE, ("parallel.scheme=hybrid", "parallel.stages=2", "parallel.tensor_parallel=2"),
+     12, None),
+])
+def test_ranks_not_built_are_like_the_rank_they_are_taken_for(tmp_path, text, sets, n,
+                                                              per_node):
+    """``plan._alike``'s ranks not built: each one's row of ``plan --json``
+    is that rank built alone (``offline_footprints`` of every rank), under
+    ZeRO where the shards are cut unevenly (the ranks whose cuts differ
+    built, the others not) and where a replica is stages x tensor shards
+    (before, ``_alike`` took a replica for the larger of the two: on 12
+    ranks of 2 stages x 2 tensor shards it built ranks 0-3 and took rank 4,
+    replica 1's stage 0, for rank 2, replica 0's stage 1: its row said
+    weights 192 bytes, rank 4 holds 168). Under ZeRO before, every rank was
+    built (16 builds for 16 ranks: gpt_small on 64 ranks took 49 s)."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text.replace("SHARD", "1"))
+    job = load_job(str(path), tuple(sets), check_files=False)
+    limits = MemoryLimits(check=False, ranks_per_node=per_node or n)
+    rows, built = _rows(job, n, limits)
+    assert sorted(rows) == list(range(n))
+    alone, _ = offline_footprints(job, n, list(range(n)), limits=limits)
+    set_transports(alone, n, limits)
+    for r in range(n):
+        own = alone[r].as_dict()
+        row = {k: v for k, v in rows[r].items() if k not in ("ranks", "fits")}
+        own["rank"] = row["rank"]  # the first rank of its row's group
+        assert row == own, (r, {k: (row.get(k), own.get(k)) for k in set(row) | set(own)
+                                if row.get(k) != own.get(k)})
+    if "parallel.shard=1" in sets and "parallel.stages=2" not in sets:
+        # 16 replicas of the buckets of 91, 7, 65 and 13 elements (one
+        # parameter each): shards of 6, 1, 5 and 1, so ranks 1-6 hold all
+        # four, ranks 7-12 none of the second, 13 and 14 only the first
+        # (6 elements), rank 15 one element of it: ranks 0, 1, 7, 13, 15 built
+        assert sorted(set(built)) == [0, 1, 7, 13, 15], sorted(set(built))

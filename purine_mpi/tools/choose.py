@@ -348,7 +348,10 @@ def _run_child(cmd, env):
                 pass
         if state["got"] is None:  # once: a second one while the group ends is passed on only
             state["got"] = signum
-            raise _Forwarded(signum)
+            if proc is not None:
+                raise _Forwarded(signum)
+            # the child not held yet (its Popen under way): raised once it is,
+            # else the Popen object, and the child with it, were lost
     previous = {}
     try:
         if main:
@@ -360,9 +363,16 @@ def _run_child(cmd, env):
                     signal.signal(sig, forward)
         output = ""
         try:
-            state["proc"] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+            state["proc"] = subprocess.Popen(_dying_with_this(cmd) if main else cmd,
+                                             env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True,
                                              start_new_session=True)
+            if state["got"] is not None:  # a signal came while it started
+                try:
+                    os.killpg(state["proc"].pid, state["got"])
+                except (ProcessLookupError, PermissionError):
+                    pass
+                raise _Forwarded(state["got"])
             output, _ = state["proc"].communicate()
         except _Forwarded:
             pass
@@ -376,6 +386,38 @@ def _run_child(cmd, env):
     if state["got"] is not None:
         raise _Forwarded(state["got"])  # the caller cleans up, then ``_end_as_signalled``
     return state["proc"].returncode, output
+
+
+#: ``_dying_with_this``'s start of the child: the kernel's parent-death
+#: signal set (Linux's prctl PR_SET_PDEATHSIG, 1: SIGKILL), the child
+#: ended at once where its parent (argv[1]) has gone already, then the
+#: command (argv[2:]) run in its place; where there is no prctl, the
+#: command alone
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(128 + int(signal.SIGKILL))\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _dying_with_this(cmd):
+    """``cmd`` (its argv[0] an executable's path) started so that the kernel
+    kills it (SIGKILL) when this process ends without ending it: killed
+    outright (``kill -9``, the OOM killer, mpiexec's second Ctrl-C on rank
+    0 of ``parallel.scheme: auto``), where no handler runs to pass a signal
+    on. Before, the calibration child, in a session of its own, ran on
+    until its next line met the closed pipe, then stopped as on SIGTERM,
+    writing a checkpoint into its run folder (50 MB on
+    tests/test_choose_signals.py's net; 353 MB on a 6144-wide one). The
+    parent-death signal follows the thread that started the child: the
+    main thread only (``_run_child``)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def _end_as_signalled(signum):
@@ -395,7 +437,13 @@ def _end_group(proc, signalled):
     """End ``proc``'s process group (its own session, ``_run_child``): it
     has ``CHILD_GRACE_S`` when a signal was passed on to it, else none (an
     exception here: SIGTERM first, then the same grace); then SIGKILL to
-    whatever of the group is left, and the child reaped."""
+    whatever of the group is left, and the child reaped. The shared-memory
+    files under /dev/shm the processes killed so had mapped are removed
+    (``_group_shm``): a process ended by SIGKILL never removes its own,
+    and MPICH's singleton ``train`` keeps its segment (``mpich_shm_*``,
+    1 MiB) named until MPI_Finalize: before, a calibration whose iteration
+    outlasted the grace (SIGTERM stops ``train`` at the end of its
+    iteration) left one in /dev/shm at every stop."""
     import signal
     if proc.poll() is None and not signalled:
         try:
@@ -406,13 +454,72 @@ def _end_group(proc, signalled):
         proc.wait(timeout=CHILD_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
+    mapped = _group_shm(proc.pid)  # what the group still running holds
     try:  # the child's own children too: the group outlives its leader
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    if mapped:
+        _remove_shm(proc.pid, mapped)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+#: where the shared-memory files a killed calibration held live (Linux)
+SHM_DIR = "/dev/shm/"
+
+
+def _group_shm(pgid):
+    """{pid: the files under ``SHM_DIR`` it maps} of the processes of
+    process group ``pgid`` that are still running (``/proc``; {} where
+    there is none to read)."""
+    out = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] == "Z":
+                continue
+            with open(f"/proc/{entry}/maps") as f:
+                files = {line.split(None, 5)[5].strip() for line in f
+                         if len(line.split(None, 5)) == 6}
+        except (OSError, ValueError, IndexError):
+            continue
+        files = {p for p in files if p.startswith(SHM_DIR) and "/" not in p[len(SHM_DIR):]}
+        if files:
+            out[int(entry)] = files
+    return out
+
+
+def _remove_shm(pgid, mapped):
+    """Remove the files of ``mapped`` (``_group_shm``, read before the group
+    ``pgid`` was killed) that are still there, are this user's, and that no
+    process maps any more (none outside the group shared them)."""
+    files = set().union(*mapped.values())
+    uid = os.getuid()
+    still = set()
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return
+    for entry in entries:  # a file another process maps (outside the group) stays
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                still.update(p for p in (line.split(None, 5)[5].strip() for line in f
+                                         if len(line.split(None, 5)) == 6) if p in files)
+        except (OSError, IndexError):
+            continue
+    for path in sorted(files - still):
+        try:
+            if os.stat(path).st_uid == uid:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _calibration_job(path, overrides, sets=()):

@@ -7,9 +7,10 @@ Each rank's graphs are built as the trainer builds them
 as ``graph --np N --rank R``), laid out by the trainer's memory plans, and
 counted by ``runtime/footprint.py``. With more than ``ALL_RANKS`` ranks only
 the ranks of the first two replicas are built: the other replicas hold what
-the second one holds (same stages, same tensor shards, same buckets); not
-under ZeRO (scheme sharded), whose shards of a bucket differ in size where
-it does not divide by the ranks (``_alike``): every rank is built there.
+the second one holds (same stages, same tensor shards, same buckets); under
+ZeRO (scheme sharded), whose shards of a bucket differ in size where it
+does not divide by the ranks, a rank whose shards are cut as no rank built
+is cut is built too (``_alike``).
 
 The memory a rank may use: ``--host-memory`` (each rank's) /
 ``--device-memory`` when given, and the GPU's total memory when the rank
@@ -535,14 +536,13 @@ def ranks_to_build(job, size, limits=None):
 
 def _alike(job, size):
     """The ranks ``plan`` builds, and {rank not built: the rank it is like},
-    by their place in the job alone (``ranks_to_build`` adds their nodes).
-    Under ZeRO (scheme sharded) every rank: a shard is ``comm.ops.
-    shard_range``'s ``[r*c, min(n, (r+1)*c))``, ``c = ceil(n/N)``, so where
-    a bucket's n does not divide by the shards the last ranks hold less of
-    it or none, and their rows differ from rank 1's, some of them up (on 9
-    ranks of tests/test_plan_zero_uneven.py's net rank 7's kept blobs 32
-    bytes, rank 1's 16; before, ranks 2..8 were taken as like rank 1)."""
-    if size <= ALL_RANKS or job.parallel.scheme == "sharded":
+    by their place in the job alone (``ranks_to_build`` adds their nodes):
+    the ranks of the first two replicas (a replica's ranks: its stages x
+    tensor shards; before, the larger of the two, so with both a rank was
+    taken as like a rank of another stage), each other rank like the rank
+    at its place in the second. Under ZeRO (scheme sharded) a rank is like
+    it only where their shards are cut alike (``_zero_alike``)."""
+    if size <= ALL_RANKS:
         return list(range(size)), {}
     if job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
         from ..parallel.param_server import ps_layout
@@ -552,9 +552,76 @@ def _alike(job, size):
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
     lay = layout_of(job, _OfflineWorld(0, size))
-    per = max(lay.stages, lay.tensor, 1)  # the ranks of one replica
+    per = max(lay.stages * lay.tensor, 1)  # the ranks of one replica
     built = list(range(min(size, 2 * per)))
-    return built, {r: per + r % per for r in range(len(built), size)}
+    like = {r: per + r % per for r in range(len(built), size)}
+    if job.parallel.scheme == "sharded" and like:
+        return _zero_alike(job, size, per, built, like)
+    return built, like
+
+
+#: ``_zero_alike``'s answers, the last few jobs' ((job, size), answer):
+#: ``_alike`` is asked several times of one job (``ranks_to_build``,
+#: ``save_metas``, ``run_plan``'s last line), each answer a graph build
+_ZERO_ALIKE = []
+
+
+def _zero_alike(job, size, per, built, like):
+    """``_alike`` under ZeRO: a shard is ``comm.ops.shard_range``'s
+    ``[r*c, min(n, (r+1)*c))``, ``c = ceil(n/N)``, so where a bucket's n does
+    not divide by the N replicas the last ones hold less of it or none,
+    and their rows differ (optimizer state, stage 2's gradients, stage 3's
+    weights, and what the memory plan colours around them: on 9 ranks of
+    tests/test_plan_zero_uneven.py's net rank 7's kept blobs 32 bytes,
+    rank 1's 16). A rank is like the first rank at its place in the
+    replica (stage and tensor shard) whose shards are cut alike: in each
+    bucket the same size, and the same size of each parameter's piece of
+    it (``_cut_of``: which update ops the rank has, and on how much); a
+    rank like none built is built. The buckets of each place read from
+    the graphs of replica 0's rank there: ``per`` more builds, where
+    building every rank cost one per rank (gpt_small, 64 ranks: 6
+    distinct cuts)."""
+    for (j, n), answer in _ZERO_ALIKE:
+        if j is job and n == size:
+            return list(answer[0]), dict(answer[1])
+    buckets = {q: _buckets_of(_offline_graphs(job, size, q)) for q in range(per)}
+    replicas = size // per
+    first = {}  # (place, cut) -> the first rank with it, of the second replica on
+    for r in built[per:]:
+        first.setdefault((r % per, _cut_of(buckets[r % per], replicas, r // per)), r)
+    built, like = list(built), {}
+    for r in range(len(built), size):
+        key = (r % per, _cut_of(buckets[r % per], replicas, r // per))
+        if key in first:
+            like[r] = first[key]
+        else:
+            first[key] = r
+            built.append(r)
+    _ZERO_ALIKE[:] = _ZERO_ALIKE[-3:] + [((job, size), (built, like))]
+    return list(built), dict(like)
+
+
+def _buckets_of(graphs):
+    """[(n, [(offset, size) of each parameter])] of each ZeRO bucket of a
+    rank's ``graphs`` (its shard plan, ``parallel/sharding.compose_zero1``:
+    the same at every replica of its place)."""
+    blobs = graphs.graph.blobs
+    plan = getattr(getattr(graphs, "composition", None), "shard_plan", None) or []
+    return [(int(blobs[e["weights"]].size),
+             tuple((int(o), int(blobs[p].size)) for p, o in zip(e["params"], e["offsets"])))
+            for e in plan]
+
+
+def _cut_of(buckets, replicas, replica):
+    """How replica ``replica`` of ``replicas`` cuts ``buckets``
+    (``_buckets_of``): per bucket its shard's size and the size of each
+    parameter's piece of the shard."""
+    from ..comm.ops import shard_range
+    out = []
+    for n, spans in buckets:
+        lo, hi = shard_range(n, replicas, replica)
+        out.append((hi - lo, tuple(max(0, min(hi, o + k) - max(lo, o)) for o, k in spans)))
+    return tuple(out)
 
 
 # ------------------------------------------------------------- suggestions
@@ -921,7 +988,10 @@ def run_plan(job, size, limits, as_json=False, restore=None):
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
                      ("worker rank 1 holds" if per == "worker" else
-                      "the rank of the second replica at its place holds") +
+                      "the rank of the second replica at its place holds"
+                      if job.parallel.scheme != "sharded" else
+                      "the first rank past the first replica at its place whose ZeRO "
+                      "shards are cut alike holds") +
                      (" (on a node of another count of ranks, what the rank built for "
                       "that count holds)" if set(like.values()) - set(_alike(job, size)[0])
                       else ""))
