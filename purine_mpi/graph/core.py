@@ -305,7 +305,7 @@ class Graph:
         # cycle or an unknown control input, a search per writer
         writers = [op.name for op in self.ops.values()
                    if any(self.blobs[out].alias_of is not None for out in op.outputs)]
-        upstream = _upstream_bits(deps, writers)
+        upstream = _upstream_bits(deps, writers) if writers else None
         war = defaultdict(set)
         extent = {}
         for op in self.ops.values():
