@@ -385,8 +385,15 @@ def cmd_plan(args):
         print(note, file=sys.stderr)
     if choose:
         return _plan_choose(args, job)
-    text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
-                            restore={"init": args.init, "resume": True if args.resume else None})
+    from .graph.core import shared_dependencies
+    from .runtime.memory_plan import shared_colourings
+    # the ranks' compositions of one net (--np N: data parallelism's N
+    # replicas) share their dependencies and memory plans' colourings by
+    # content, as plan --choose's settings do: equal content, equal answer
+    with shared_dependencies(), shared_colourings():
+        text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
+                                restore={"init": args.init,
+                                         "resume": True if args.resume else None})
     print(text)
     return status
 

@@ -297,6 +297,15 @@ class Graph:
         for n, d in deps.items():
             for p in d:
                 succ[p].add(n)
+        # whether a reader is downstream of an alias writer: one sweep over
+        # the data and control edges in a topological order gives each op
+        # the set of alias writers upstream of it, as bits (a search from
+        # each writer instead costs writers x ops: quadratic in the
+        # micro-batches, whose running sums each write a view); with a
+        # cycle or an unknown control input, a search per writer
+        writers = [op.name for op in self.ops.values()
+                   if any(self.blobs[out].alias_of is not None for out in op.outputs)]
+        upstream = _upstream_bits(deps, writers) if writers else None
         war = defaultdict(set)
         extent = {}
         for op in self.ops.values():
@@ -310,6 +319,10 @@ class Graph:
                         continue
                     for reader in cons[other]:
                         if reader.name == op.name:
+                            continue
+                        if upstream is not None:
+                            if not upstream[1][reader.name] >> upstream[0][op.name] & 1:
+                                war[op.name].add(reader.name)
                             continue
                         if downstream is None:
                             downstream = reachable(op.name, succ)
@@ -544,6 +557,39 @@ def _kahn(ops, deps):
         raise GraphError("the graph has a cycle through ops: " +
                          ", ".join(sorted(stuck)[:10]))
     return order
+
+
+def _upstream_bits(deps, sources):
+    """({source: bit index}, {op: bits of the ``sources`` it is downstream
+    of}) over ``deps`` ({op: its predecessors}): op n's bit set has source
+    s's bit exactly when n is in ``reachable(s, successors)``; None where
+    ``deps`` has a cycle or names an op it has no entry for (there is no
+    topological order to sweep in)."""
+    indeg = {}
+    succ = defaultdict(list)
+    for n, d in deps.items():
+        indeg[n] = len(d)
+        for p in d:
+            if p not in deps:
+                return None
+            succ[p].append(n)
+    order = [n for n, k in indeg.items() if k == 0]
+    for n in order:  # grows as it goes: Kahn's algorithm, any order will do
+        for s in succ[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                order.append(s)
+    if len(order) != len(deps):
+        return None
+    bit = {s: i for i, s in enumerate(sources)}
+    mine = {s: 1 << i for s, i in bit.items()}
+    up = {}
+    for n in order:
+        b = 0
+        for p in deps[n]:
+            b |= up[p] | mine.get(p, 0)
+        up[n] = b
+    return bit, up
 
 
 def reachable(start, succ):

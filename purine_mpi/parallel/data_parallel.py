@@ -362,6 +362,9 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
         grads = split_large_params(graph, grads, bucket_cap(graph, grads, bucket_mb, min_buckets),
                                    split_min_bytes)
     producers = graph.producers()
+    # the update ops, found once (the buckets add none): a sweep of every
+    # op per bucket was buckets x ops, and the ops grow with micro-batches
+    updates = [op for op in graph.ops.values() if op.op_type in UPDATE_OP_TYPES]
     seq = next_seq(graph)
     plan = []
     for i, b in enumerate(plan_buckets(graph, grads, bucket_mb, first_bucket_mb,
@@ -379,8 +382,8 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
         op = graph.add_op(f"{name}.allreduce", "Allreduce", ins, outs,
                           {"seq": seq, "bucket": name, **wire_attrs(wire_dtype, world_size)},
                           location=b["location"], thread=thread)
-        _rewire_updates(graph, dict(zip(ins, outs)), {grads[p]: v for p, v in
-                                                     zip(b["params"], ins)}, world_size)
+        _rewire_updates(updates, dict(zip(ins, outs)), {grads[p]: v for p, v in
+                                                       zip(b["params"], ins)}, world_size)
         plan.append({"name": name, "op": op.name, "seq": seq, "params": list(b["params"]),
                      "grads": ins, "bytes": int(total * np.dtype(b["dtype"]).itemsize)})
         seq += 1
@@ -472,11 +475,10 @@ def gradients_first(graph, grads):
     return len(added)
 
 
-def _rewire_updates(graph, summed, renamed, world_size):
-    """Update ops read the reduced gradient, scaled by 1/world_size."""
-    for op in graph.ops.values():
-        if op.op_type not in UPDATE_OP_TYPES:
-            continue
+def _rewire_updates(updates, summed, renamed, world_size):
+    """Update ops (``updates``, the graph's, in its order) read the reduced
+    gradient, scaled by 1/world_size."""
+    for op in updates:
         g = renamed.get(op.inputs[1], op.inputs[1])
         if g in summed:
             op.inputs[1] = summed[g]
