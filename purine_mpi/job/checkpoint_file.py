@@ -22,6 +22,7 @@ renamed over ``path``, so a crash never leaves a partial checkpoint under the
 final name.
 """
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -406,7 +407,7 @@ def load_params(path):
     {name: array}; other groups and attributes are optional."""
     with open_h5(path, "weights file") as f:
         _params_group(f, path)
-        return _read_section(f, "params", path)
+        return _read_section(f, "params", path, what="weights file")
 
 
 def _params_group(f, path):
@@ -495,44 +496,110 @@ def saved_tokenizer(path):
     return text
 
 
-def _read_section(f, section, path, checksummed=False):
+def _read_section(f, section, path, checksummed=False, what="checkpoint"):
     where = [section]
     try:
-        return _read_group(f[section], where, checksummed=checksummed, above=_root(f))
+        reader = _Reader(checksummed)
+        names = reader.walk(f[section], where, _root(f))
     except Unchecked as e:
         raise e.user_error(path) from None
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(f"checkpoint '{path}' is corrupt: reading '/{one_line(where[-1])}' "
                         f"failed ({type(e).__name__}: {one_line(e)})") from None
+    if names > MAX_SECTION_NAMES:  # counted, never listed: 2**n names in n groups
+        raise UserError(f"{what} '{path}' is refused: '/{section}' holds {names:,} names "
+                        f"through second names (hard or soft links) of its "
+                        f"{len(reader.groups):,} groups, more than the {MAX_SECTION_NAMES:,} a "
+                        "section may hold; a purine_mpi file names each value once")
+    return reader.values(f[section])
+
+
+#: the most names (values, as a read returns them) one section of a
+#: checkpoint or weights file (/params, /solver, /state) may hold; a big
+#: net has a few thousand. A group hard-linked under several names has its
+#: names under each: groups each linking twice to the next hold 2**n names
+#: in n groups, which are counted (each group looked at once) and refused
+MAX_SECTION_NAMES = 100_000
+
+
+class _Reader:
+    """One section's read: ``walk`` looks at each group once (by its
+    address: the hash of its id), reads each dataset once, refuses a group
+    that is an alias of one of its own parents (a cycle) and counts the
+    names (values) the section holds; ``values`` then makes {name: value}
+    from what the walk kept, a value under a second name a copy of the
+    first (a caller may change one in place)."""
+
+    def __init__(self, checksummed):
+        self.checksummed = checksummed
+        self.groups = {}   # group's key: [(name, what, key or value)], what "group", "dict", "data"
+        self.counts = {}   # group's key: its names
+        self.read = {}     # dataset's key: its value
+
+    def walk(self, group, where, above=()):
+        """The names under ``group`` (``where``, a list, ends with its name:
+        the error's); ``above``: (key, name) of the groups on the way."""
+        import h5py
+        key = hash(group.id)
+        if key in self.counts:  # walked in full (a cycle below it would have ended it)
+            return self.counts[key]
+        above = above + ((key, f"/{where[-1]}".rstrip("/") or "/"),)
+        entries, total = [], 0
+        for name in group:
+            where.append(f"{group.name.lstrip('/')}/{name}")
+            obj = group[name]
+            kind = plain_attr(obj.attrs.get(KIND))
+            if isinstance(obj, h5py.Group):
+                _not_a_parent(obj, above, where[-1])
+                count = self.walk(obj, where, above)
+                what = "dict" if kind == "dict" else "group"
+                entries.append((name, what, hash(obj.id)))
+                total += 1 if what == "dict" else count
+            else:
+                dkey = hash(obj.id)
+                if dkey not in self.read:
+                    if self.checksummed and kind is None and obj.ndim > 0 and obj.size > 0 \
+                            and not obj.fletcher32:
+                        raise Unchecked(where[-1])
+                    self.read[dkey] = _read_dataset(obj, kind)
+                entries.append((name, "data", dkey))
+                total += 1
+            where.pop()
+        self.groups[key], self.counts[key] = entries, total
+        return total
+
+    def values(self, group):
+        """{name: value} of the walked ``group``, as ``_read_group`` gives them."""
+        out, given = {}, set()
+
+        def fill(key, prefix, into):
+            for name, what, below in self.groups[key]:
+                if what == "group":  # a plain group: a '/' inside the names below
+                    fill(below, f"{prefix}{name}/", into)
+                elif what == "dict":
+                    into[prefix + name] = sub = {}
+                    fill(below, "", sub)
+                else:
+                    value = self.read[below]
+                    if below in given:
+                        value = copy.deepcopy(value)
+                    given.add(below)
+                    into[prefix + name] = value
+        fill(hash(group.id), "", out)
+        return out
 
 
 def _read_group(group, where, prefix="", checksummed=False, above=()):
-    """The values under ``group`` ({name: value}); ``where``, a list, ends
-    with the name being read (for the error); ``above``: the groups on the
-    way here (their ids' hashes, HDF5's object addresses), so that a group
-    hard-linked into itself (a cycle, which no file we write has) is an
-    error, not a recursion without end."""
-    import h5py
-    out = {}
-    above = above + ((hash(group.id), f"/{where[-1]}".rstrip("/") or "/"),)
-    for name in group:
-        where.append(f"{group.name.lstrip('/')}/{name}")
-        obj = group[name]
-        kind = plain_attr(obj.attrs.get(KIND))
-        if isinstance(obj, h5py.Group):
-            _not_a_parent(obj, above, where[-1])
-            if kind == "dict":
-                out[prefix + name] = _read_group(obj, where, checksummed=checksummed,
-                                                 above=above)
-            else:  # a plain group: a '/' inside the names of the values below
-                out.update(_read_group(obj, where, f"{prefix}{name}/", checksummed, above))
-        else:
-            if checksummed and kind is None and obj.ndim > 0 and obj.size > 0 \
-                    and not obj.fletcher32:
-                raise Unchecked(where[-1])
-            out[prefix + name] = _read_dataset(obj, kind)
-        where.pop()
-    return out
+    """The values under ``group`` ({name: value}, ``prefix`` before each
+    name); ``where``, a list, ends with the name being read (for the
+    error); ``above``: the groups on the way here (their ids' hashes,
+    HDF5's object addresses), so that a group hard-linked into itself (a
+    cycle, which no file we write has) is an error, not a recursion without
+    end. Each group is looked at once and each dataset read once
+    (``_Reader``)."""
+    reader = _Reader(checksummed)
+    reader.walk(group, where, above)
+    return {prefix + k: v for k, v in reader.values(group).items()}
 
 
 def _read_dataset(dset, kind):

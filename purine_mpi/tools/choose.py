@@ -253,7 +253,8 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
         log(f"calibration: timing the ops of {job.name} on one rank at {batches} "
             f"({CALIBRATION_ITERS} iterations each, data parallel) ...")
     t0 = time.perf_counter()
-    base = os.path.dirname(os.path.abspath(cache)) if cache else "/tmp"
+    from ..base.runfiles import folder_of  # link/.. as the system reads it, not lexically
+    base = folder_of(cache) if cache else "/tmp"
     durations = _traced_run(path, overrides, (), os.path.join(
         base, f".calibration-{key}-{os.getpid()}"))
     small = None
@@ -261,7 +262,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
         small = _traced_run(path, overrides, small_sets,
                             os.path.join(base, f".calibration-{key}-{os.getpid()}-small"))
     if cache:
-        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+        os.makedirs(folder_of(cache), exist_ok=True)
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,

@@ -16,6 +16,7 @@ import difflib
 import os
 import sys
 
+from ..base.runfiles import folder_of
 from .docgen_sections import SchemaDocError, sections
 
 #: the repository's docs/config.md (this file is purine_mpi/tools/docgen.py)
@@ -77,7 +78,7 @@ def main(argv=None):
         print(f"{args.path} is up to date")
         return 0
     if args.write:
-        os.makedirs(os.path.dirname(os.path.abspath(args.path)), exist_ok=True)
+        os.makedirs(folder_of(args.path), exist_ok=True)  # link/.. as the system reads it
         with open(args.path, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {args.path}")
