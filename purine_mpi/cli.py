@@ -155,8 +155,8 @@ def _resolve_auto(args, out_dir, limits):
             lines = [f"parallel.scheme auto: {choice.why()}"]
             if args.debug:
                 lines += format_choice(choice).splitlines()
-        except UserError as exc:
-            return None, f"parallel.scheme auto: {exc}"
+        except UserError as exc:  # its status too (a stopped calibration: 128 + the signal)
+            return None, (f"parallel.scheme auto: {exc}", exc.exit_code)
         if best is None:
             return None, ("parallel.scheme auto: no setting fits the ranks' memory; "
                           "python -m purine_mpi plan CONFIG --np N --choose shows the table")

@@ -165,6 +165,45 @@ def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
             proc.communicate()
 
 
+def test_sigterm_during_the_auto_choice_ends_train_with_143(tmp_path):
+    """``train`` under ``parallel.scheme: auto``, one rank, SIGTERM while
+    its calibration child runs (a batch system's stop before the run
+    began): the child ended and its folder removed, and ``train`` ends with
+    143 as a SIGTERM anywhere else in ``train`` does. Before, the choice's
+    UserError ended it with 2, a config error's status, and the line said
+    "plan --choose:" inside ``train`` (this test: ``assert 2 == 143``)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", str(job),
+                             "--out", str(out), "--iters", "20"],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        child, deadline = None, time.monotonic() + 90
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = _calibration_child(proc.pid)
+            time.sleep(0.05)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)
+        assert _alive(child), "the calibration ended before the signal: make NET larger"
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        ended = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < ended:
+            time.sleep(0.05)
+        assert not _alive(child), f"the calibration child {child} outlived train"
+        assert proc.returncode == 143, (proc.returncode, err)
+        assert "stopped by SIGTERM" in err and "plan --choose:" not in err, err
+        assert "Traceback" not in err, err
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        assert not [p for p in left if p.startswith(".calibration-")], left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_a_child_killed_after_its_grace_leaves_no_shared_memory(monkeypatch):
     """``_end_group``: a calibration child still running after its grace is
     killed (SIGKILL), and the files under /dev/shm it mapped are removed

@@ -88,7 +88,8 @@ def set_world(world):
 
 def rank0_decides(world, decide, what, wait=None):
     """A decision rank 0 alone makes, taken by every rank: rank 0 calls
-    ``decide()`` -> (value, None) or (anything, the message of a UserError);
+    ``decide()`` -> (value, None) or (anything, the message of a UserError,
+    or (that message, its exit status));
     with more than one rank, one ``allgather_object`` (named ``what``, under
     ``wait`` seconds of stall timeout where given, else the world's) brings
     rank 0's answer to all. Every rank then returns the same value or raises
@@ -107,7 +108,10 @@ def rank0_decides(world, decide, what, wait=None):
             world.stall_timeout = saved
     value, error = answer
     if error is not None:
-        raise UserError(error)
+        message, code = error if isinstance(error, tuple) else (error, UserError.exit_code)
+        exc = UserError(message)
+        exc.exit_code = code
+        raise exc
     return value
 
 

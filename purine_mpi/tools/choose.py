@@ -430,8 +430,22 @@ def _end_as_signalled(signum):
     scheme: auto``), a UserError ends the choice."""
     import signal
     signal.raise_signal(signum)
-    raise UserError(f"plan --choose: the calibration run was stopped by "
-                    f"{signal.Signals(signum).name}")
+    raise CalibrationStopped(signum)
+
+
+class CalibrationStopped(UserError):
+    """The calibration's child stopped by a signal that this process only
+    records (``train``'s early stop handler under ``parallel.scheme:
+    auto``): the job ends with the signal's status, 128 + its number (143
+    for SIGTERM, as ``train`` stopped anywhere else), not a config error's
+    2, so a batch script that requeues on 143 sees the stop it asked for."""
+
+    def __init__(self, signum):
+        import signal
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(f"the calibration run was stopped by "
+                         f"{signal.Signals(signum).name} before the run began")
 
 
 def _end_group(proc, signalled):
