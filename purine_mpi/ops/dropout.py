@@ -16,8 +16,12 @@ With the attr ``packed_mask`` (set by activation recompute,
 graph/recompute.py) the forward writes the mask bit-packed instead: one bit
 an element, ``np.packbits`` of the flat keep-mask (big bit order), a uint8
 blob of ceil(n / 8) bytes (1/32 of a float32 mask), that ``DropoutGrad``
-(same attr) and a recompute copy (``DropoutReplay``) unpack instead of
-drawing Philox again.
+(same attr) and a recompute copy (``DropoutReplay``) read instead of
+drawing Philox again: on a GPU one kernel each (cuda/dropout.cu
+``dropout_forward_packed``, ``dropout_backward_packed``) that writes or
+reads the bits where it multiplies, so no float or unpacked mask is made
+and nothing is allocated (a CUDA graph captures them); on the host NumPy
+packs and unpacks (the kernels' ``host_temporaries``).
 
 The run seed is the dispatcher's per-rank seed (``seed`` of the config and
 the rank), handed over through the runtime's per-op generator hook
@@ -179,6 +183,43 @@ def dropout_backward(dy, mask, ratio, out, copy=None, scratch=None):
         to_bf16_bits(out, copy, scratch)
 
 
+def dropout_forward_packed(x, it, ratio, keys, y, bits, split=None):
+    """``dropout_forward`` with the mask written bit-packed into ``bits``
+    (uint8, :func:`packed_shape`; ``pack_mask`` of the keep-mask). On a GPU
+    one kernel (``dropout_forward_packed`` of cuda/dropout.cu: the same
+    Philox words, y bit for bit, the bits written per byte, no float mask
+    and nothing allocated, so a CUDA graph captures it); on the host
+    ``dropout_forward`` into a float mask (x's shape and dtype), then
+    ``pack_mask`` of it (``Dropout.host_temporaries`` counts both)."""
+    k = raw_kernels(get_xp(x), x)
+    if k is None or split:
+        mask = get_xp(x).empty_like(x)
+        dropout_forward(x, it, ratio, keys, y, mask, split)
+        bits[...] = pack_mask(mask)
+        return
+    key0, key1, ctr1 = keys
+    if get_xp(it) is np:
+        it = _iteration_value(it)
+    k.dropout_forward_packed(x, it, ratio, key0, key1, ctr1, out=(y, bits.reshape(-1)))
+
+
+def dropout_backward_packed(dy, bits, ratio, out, copy=None, scratch=None):
+    """``dropout_backward`` with the mask its packed bits (uint8,
+    :func:`packed_shape`): out = (dy * bit_i) / (1 - ratio), out may be dy.
+    On a GPU one kernel (``dropout_backward_packed`` of cuda/dropout.cu,
+    ``dropout_backward_packed_copy_f32`` with ``copy``) reads each bit
+    where it multiplies: no unpacked mask is made and nothing allocated;
+    the bits ``dropout_backward`` gives from the unpacked mask. On the host
+    ``unpack_mask`` (a new mask in dy's dtype, ``unpack_temporaries``),
+    then ``dropout_backward``. Also ``DropoutReplay``'s y = (x * mask) *
+    scale, the forward's product."""
+    k = raw_kernels(get_xp(dy), dy)
+    if k is not None:
+        k.dropout_backward_packed(dy, bits.reshape(-1), ratio, out=out, copy=copy)
+        return
+    dropout_backward(dy, unpack_mask(bits, dy.shape, dy.dtype), ratio, out, copy, scratch)
+
+
 class PhiloxStream:
     """What a kernel drawing Dropout's Philox masks shares (a mixin before
     OpKernel): the run seed from the dispatcher's per-op generator hook
@@ -289,12 +330,10 @@ class Dropout(PhiloxStream, OpKernel):
             dropout_apply(x, ins[1], ratio, self.keys, outs[0], self.split)
             return
         y, mask = outs
-        packed = bool(self.attrs.get("packed_mask"))
-        if packed:  # the float mask is scratch; the packed bits are the output
-            bits, mask = mask, xp.empty_like(x)
+        if self.attrs.get("packed_mask"):   # the packed bits are the output
+            dropout_forward_packed(x, ins[1], ratio, self.keys, y, mask, self.split)
+            return
         dropout_forward(x, ins[1], ratio, self.keys, y, mask, self.split)
-        if packed:
-            bits[...] = pack_mask(mask)
 
 
 @register
@@ -321,19 +360,18 @@ class DropoutReplay(OpKernel):
         return unpack_temporaries(ins[0].shape, ins[0].dtype)
 
     def run(self, ins, outs):
+        # as Dropout computes y: x * mask, then the scale -- dropout_backward's
+        # product with x for dy (on a GPU read from the bits: nothing allocated)
         x, bits = ins
-        xp = get_xp(x)
-        mask = unpack_mask(bits, x.shape, x.dtype)
-        # as Dropout computes y: x * mask, then the scale
-        xp.multiply(x, mask, out=outs[0])
-        outs[0] *= 1.0 / (1.0 - _ratio(self.attrs))
+        dropout_backward_packed(x, bits, _ratio(self.attrs), outs[0])
 
 
 @register
 class DropoutGrad(OpKernel):
     """[dy, mask] -> [dx]: dx = dy * mask / (1 - ratio). With the attr
     ``packed_mask``, mask is the bit-packed uint8 blob of a Dropout with
-    that attr (unpacked here).
+    that attr (``dropout_backward_packed``: on a GPU read bit by bit in the
+    product's kernel, on the host unpacked first).
 
     With attr ``bits_copy: [0]`` (bf16 storage, parallel/precision.
     fold_copies: a dropout's dx read as float32 by a bias gradient and, as
@@ -363,8 +401,9 @@ class DropoutGrad(OpKernel):
         return [ins[0]] + [(ins[0][0], BITS)] * len(copy)
 
     def host_temporaries(self, ins, outs):
-        """With ``packed_mask`` the mask unpacked (its bytes and dy's dtype
-        copy); else none (dy * mask is written into dx); for dx's bits copy
+        """With ``packed_mask`` the host's unpacked mask (its bytes and dy's
+        dtype copy; a GPU reads the bits in its kernel: no temporary); else
+        none (dy * mask is written into dx); for dx's bits copy
         (``bits_copy``) to_bf16_bits's scratch."""
         specs = []
         if self.attrs.get("packed_mask"):
@@ -376,12 +415,13 @@ class DropoutGrad(OpKernel):
     def run(self, ins, outs):
         dy, mask = ins
         ratio = _ratio(self.attrs)
-        if self.attrs.get("packed_mask"):
-            mask = unpack_mask(mask, dy.shape, dy.dtype)
         copy = outs[1] if len(outs) > 1 else None
         scratch = None
         if copy is not None and get_xp(outs[0]) is np:
             (scratch,) = self.temporaries(outs[0], self.host_temporaries(ins, outs)[-1])
+        if self.attrs.get("packed_mask"):   # on a GPU the bits read in the product's pass
+            dropout_backward_packed(dy, mask, ratio, outs[0], copy, scratch)
+            return
         dropout_backward(dy, mask, ratio, outs[0], copy, scratch)
 
 

@@ -250,7 +250,7 @@ _C_SCALARS = {"long long": (np.int64, ctypes.c_longlong), "int": (np.int32, ctyp
               "float": (np.float32, ctypes.c_float), "double": (np.float64, ctypes.c_double)}
 _C_POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32,
                "long long": np.int64, "unsigned int": np.uint32, "unsigned short": np.uint16,
-               "unsigned long long": np.uint64}
+               "unsigned long long": np.uint64, "unsigned char": np.uint8}
 _SIGNATURE = re.compile(r'extern "C" void (\w+)\s*\(([^)]*)\)')
 #: g++ -E's text of each source by its digest (prelude, defines, code): a
 #: kernel module is built again by every test that makes a backend, and

@@ -31,6 +31,7 @@ from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, ad
                    clip_scale_multi,
                    all_finite, adaptive_update)
 from .elementwise import (dropout_forward, dropout_apply, dropout_backward, philox_words,  # noqa: F401
+                          dropout_forward_packed, dropout_backward_packed,
                           relu_forward,
                           relu_backward, bias_act, bias_bits, add_bits, add_copy, gelu_forward,
                           gelu_forward_bits, gelu_backward,

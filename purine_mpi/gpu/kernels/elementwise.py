@@ -91,6 +91,68 @@ def dropout_backward(dy, mask, ratio, out=None, copy=None):
     return _finish(dx, target)
 
 
+def _packed_bits(cupy, bits, size, what):
+    """A C-contiguous uint8 CuPy array of ceil(size / 8) bytes: the packed
+    mask of ``size`` elements (np.packbits' big bit order)."""
+    if not isinstance(bits, cupy.ndarray):
+        raise TypeError(f"{what}: expected a CuPy array, got {type(bits).__name__}")
+    if np.dtype(bits.dtype) != np.dtype(np.uint8) or bits.size != -(-int(size) // 8) or \
+            not bits.flags.c_contiguous:
+        raise ValueError(f"{what}: the packed mask of {size} elements is a C-contiguous uint8 "
+                         f"array of {-(-int(size) // 8)} bytes, got {bits.dtype} of shape "
+                         f"{tuple(bits.shape)}")
+    return bits
+
+
+def dropout_forward_packed(x, iteration, ratio, key0, key1, ctr1=0, out=None):
+    """``dropout_forward`` with the mask written bit-packed -> ``(y, bits)``:
+    y as ``dropout_forward``'s, bit for bit, and ``bits`` (uint8, ceil(n /
+    8) bytes, C-contiguous) np.packbits of its keep-mask, in one kernel
+    (``dropout_forward_packed``: one thread per byte), no float mask made.
+    ``out``: (y, bits); y may be x."""
+    from ...base.philox import keep_threshold
+    cupy = import_cupy()
+    threshold = keep_threshold(ratio)
+    x = _input(cupy, x, "dropout_forward_packed: x")
+    y_out, bits = _outs(out, 2)
+    y, y_target = _output(cupy, y_out, x.shape, x.dtype, "dropout_forward_packed (y)")
+    nbytes = -(-x.size // 8)
+    if bits is None:
+        bits = cupy.empty((nbytes,), dtype=np.uint8)
+    bits = _packed_bits(cupy, bits, x.size, "dropout_forward_packed (bits)")
+    it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    u32 = np.uint32
+    _base._launch("dropout", "dropout_forward_packed", x.dtype, nbytes,
+                  (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
+                   u32(int(ctr1) & 0xFFFFFFFF), u32(threshold),
+                   x.dtype.type(1.0 / (1.0 - float(ratio))), y, bits))
+    return _finish(y, y_target), bits
+
+
+def dropout_backward_packed(dy, bits, ratio, out=None, copy=None):
+    """dx = (dy * bit_i) / (1 - ratio), the mask read straight from its
+    packed bits (uint8, ceil(n / 8) bytes, np.packbits' big bit order): one
+    kernel, no unpacked mask (``dropout_backward`` of the unpacked mask,
+    bit for bit). ``copy`` as ``dropout_backward``'s
+    (``dropout_backward_packed_copy_f32``). ``out`` may be dy."""
+    cupy = import_cupy()
+    if not 0.0 <= float(ratio) < 1.0:
+        raise ValueError(f"dropout_backward_packed: ratio must be in [0, 1), got {ratio}")
+    dy = _input(cupy, dy, "dropout_backward_packed: dy")
+    bits = _packed_bits(cupy, bits, dy.size, "dropout_backward_packed: bits")
+    if copy is not None:
+        _check_copy("dropout_backward_packed", "dy", dy, out, copy)
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward_packed")
+    scale = dy.dtype.type(1.0 / (1.0 - float(ratio)))
+    if copy is not None:
+        _base._launch("dropout", "dropout_backward_packed_copy_f32", None, dy.size,
+                      (dy, bits, scale, dx, copy))
+    else:
+        _base._launch("dropout", "dropout_backward_packed", dy.dtype, dy.size,
+                      (dy, bits, scale, dx))
+    return _finish(dx, target)
+
+
 def philox_words(counter, key, blocks=1, rounds=10):
     """Philox4x32-``rounds`` of the counters ``(counter[0] + b, counter[1],
     counter[2], counter[3])``, b < ``blocks``, under ``key``: a uint32 CuPy
