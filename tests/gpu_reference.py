@@ -214,3 +214,46 @@ def dropout_forward(x, keep, ratio):
     """Inverted dropout with a given boolean keep-mask -> (y, mask)."""
     mask = keep.astype(x.dtype)
     return (x * mask) * x.dtype.type(1.0 / (1.0 - ratio)), mask
+
+
+# ------------------------------------------------ the GPU's float32 bits ---
+
+def nan_positions(a):
+    """Where ``a`` (float, or bfloat16 bits as uint16) holds a NaN."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return ((a & 0x7F80) == 0x7F80) & ((a & 0x7F) != 0)
+    return np.isnan(a)
+
+
+def same_bits_any_nan(a, b):
+    """The same bits, a NaN anywhere one is in the other (its payload and
+    sign aside: inf * 0 or NaN + x is 0xFFC00000 or the operand's NaN on
+    x86, the canonical 0x7FFFFFFF in a GPU's float32 arithmetic)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    nan = nan_positions(a)
+    if not np.array_equal(nan, nan_positions(b)):
+        return False
+    return np.array_equal(a.view(f"u{a.dtype.itemsize}")[~nan],
+                          b.view(f"u{b.dtype.itemsize}")[~nan])
+
+
+#: why a kernel's float32 result can differ from NumPy's on a real GPU at a
+#: subnormal: CuPy compiles every RawModule with ``-ftz=true`` (appended
+#: unconditionally by cupy/cuda/compiler.py's ``_compile_with_cache_cuda``),
+#: so float32 arithmetic there flushes subnormal operands and results to
+#: zero. Seen on an H200 (2026-11-30): the bf16 copy kernels' adversarial
+#: tests got -0 / 0 where NumPy's rounding of the subnormal is 0x8080.
+CUPY_FTZ = ("CuPy compiles our kernels with -ftz=true: float32 arithmetic on the GPU "
+            "flushes subnormals that NumPy keeps (known, not yet fixed)")
+
+
+def xfail_on_cupy_ftz(request, device):
+    """Mark the running test an expected failure (strict) when ``device``
+    (tests/emulated_gpu/fixtures.py) is real CuPy: the day the kernels
+    compile without CuPy's -ftz=true it passes, fails as XPASS, and the
+    mark goes."""
+    import pytest
+    if getattr(device, "name", None) == "cupy":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=CUPY_FTZ))

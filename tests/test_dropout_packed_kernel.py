@@ -27,6 +27,7 @@ from purine_mpi.base.philox import dropout_keys, keep_mask
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
 from tests.emulated_gpu import Allocations, DeviceArray, SimulatedRuntime
+from tests.gpu_reference import same_bits_any_nan
 
 RATIO = 0.3
 SHAPES = [(37,), (3, 5, 7), (2, 8)]
@@ -69,25 +70,6 @@ def _inputs(shape, dtype, seed):
     return dy, keep.reshape(shape), np.packbits(keep)
 
 
-def _nan(a):
-    """Where ``a`` (float, or bfloat16 bits as uint16) holds a NaN."""
-    if a.dtype == np.uint16:
-        return ((a & 0x7F80) == 0x7F80) & ((a & 0x7F) != 0)
-    return np.isnan(a)
-
-
-def _same_bits(a, b):
-    """The same bits, a NaN anywhere one is in the other (its payload aside:
-    inf * 0 is 0xFFC00000 on x86, 0x7FFFFFFF in a GPU's float32 product)."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape
-    nan = _nan(a)
-    if not np.array_equal(nan, _nan(b)):
-        return False
-    return np.array_equal(a.view(f"u{a.dtype.itemsize}")[~nan],
-                          b.view(f"u{b.dtype.itemsize}")[~nan])
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_packed_backward_kernel_is_the_unpacked_product(device, shape, dtype):
@@ -96,13 +78,13 @@ def test_the_packed_backward_kernel_is_the_unpacked_product(device, shape, dtype
     dy, keep, bits = _inputs(shape, dtype, 1)
     want = _reference_backward(dy, bits, RATIO)
     with np.errstate(invalid="ignore"):
-        assert not _same_bits(want, dy * keep)   # the scale and the mask both show
+        assert not same_bits_any_nan(want, dy * keep)   # the scale and the mask both show
     got = kernels.dropout_backward_packed(on(dy), on(bits), RATIO)
     unpacked = kernels.dropout_backward(on(dy), on(keep.astype(dtype)), RATIO)
-    assert _same_bits(back(got), want) and _same_bits(back(unpacked), want)
+    assert same_bits_any_nan(back(got), want) and same_bits_any_nan(back(unpacked), want)
     inplace = on(dy)   # dx over dy (DropoutGrad's in_place)
     kernels.dropout_backward_packed(inplace, on(bits), RATIO, out=inplace)
-    assert _same_bits(back(inplace), want)
+    assert same_bits_any_nan(back(inplace), want)
     assert device.launched.count("dropout_backward_packed") == 2
 
 
@@ -115,12 +97,12 @@ def test_the_packed_backward_copy_kernel_writes_the_bf16_bits(device, shape):
     dx, copy = on(np.full(shape, 7, np.float32)), on(np.zeros(shape, np.uint16))
     kernels.dropout_backward_packed(on(dy), on(bits), RATIO, out=dx, copy=copy)
     assert device.launched == ["dropout_backward_packed_copy_f32"]
-    assert _same_bits(back(dx), want)
-    assert _same_bits(back(copy), _bf16_bits_reference(want))
+    assert same_bits_any_nan(back(dx), want)
+    assert same_bits_any_nan(back(copy), _bf16_bits_reference(want))
     dx2, copy2 = on(np.zeros(shape, np.float32)), on(np.zeros(shape, np.uint16))
     kernels.dropout_backward(on(dy), on(keep.astype(np.float32)), RATIO, out=dx2,
                              copy=copy2)
-    assert _same_bits(back(dx2), back(dx)) and _same_bits(back(copy2), back(copy))
+    assert same_bits_any_nan(back(dx2), back(dx)) and same_bits_any_nan(back(copy2), back(copy))
 
 
 def test_the_packed_kernels_refuse_a_wrong_mask(device):
@@ -148,8 +130,8 @@ def test_the_packed_forward_kernel_draws_dropouts_mask(device, shape, dtype):
     y, bits, y_ref, mask = back(y), back(bits), back(y_ref), back(mask)
     assert np.array_equal(bits, np.packbits(keep.reshape(-1)))
     assert np.array_equal(mask.astype(bool), keep)
-    assert _same_bits(y, y_ref)
-    assert _same_bits(y, ((x * keep.astype(dtype)) * dtype(1 / (1 - RATIO))))
+    assert same_bits_any_nan(y, y_ref)
+    assert same_bits_any_nan(y, ((x * keep.astype(dtype)) * dtype(1 / (1 - RATIO))))
 
 
 def _op_kernel(op_type, attrs):
@@ -191,11 +173,11 @@ def test_the_packed_ops_on_the_device_are_the_cpu_ops(emulated, copy):
         return [np.array(a) for a in [y, bits, y2] + outs]
 
     host, device = run(False), run(True)
-    assert all(_same_bits(h, d) for h, d in zip(host, device))
+    assert all(same_bits_any_nan(h, d) for h, d in zip(host, device))
     y, bits, y2, dx = host[:4]
-    assert _same_bits(y2, y) and _same_bits(dx, _reference_backward(dy, bits, RATIO))
+    assert same_bits_any_nan(y2, y) and same_bits_any_nan(dx, _reference_backward(dy, bits, RATIO))
     if copy:
-        assert _same_bits(host[4], _bf16_bits_reference(dx))
+        assert same_bits_any_nan(host[4], _bf16_bits_reference(dx))
 
 
 # ------------------------------------------- a captured iteration, recompute
@@ -261,5 +243,5 @@ def test_a_recompute_iteration_with_packed_masks_is_captured_and_allocates_nothi
     assert eager_log == [], eager_log
     _, _, _, none = _gpt_on_the_emulated_device(monkeypatch, precision, "none", True)
     assert sorted(none) == sorted(full) == sorted(eager) and len(none) > 10
-    assert [k for k in none if not (_same_bits(none[k], full[k]) and
-                                    _same_bits(none[k], eager[k]))] == []
+    assert [k for k in none if not (same_bits_any_nan(none[k], full[k]) and
+                                    same_bits_any_nan(none[k], eager[k]))] == []
