@@ -51,9 +51,11 @@ def fetch(url, path, md5, log=None, timeout=60):
     if os.path.isfile(path) and md5_of(path) == md5:
         log(f"{path}: already downloaded (MD5 {md5})")
         return path
-    # where the system writes ``path`` (``link/../new/file``: beside the link's
-    # target), not where its text reads lexically (abspath)
-    os.makedirs(os.path.dirname(os.path.realpath(path)), exist_ok=True)
+    # the folder as written, which the system finds where it writes ``path``
+    # (``link/../new/file``: beside the link's target), not where its text
+    # reads lexically (abspath); and every folder on the way (``a/b/../c``
+    # makes ``a/b``), as runfiles.missing_folders names them for the caller
+    os.makedirs(os.path.dirname(path) or os.curdir, exist_ok=True)
     tmp = f"{path}.part"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
@@ -161,6 +163,8 @@ def download_cifar10(cache_dir, log=None):
         for folder in made:  # the folders this run made, innermost first, if left empty
             try:
                 os.rmdir(folder)
+            except FileNotFoundError:
+                continue  # not made: the transfer failed before (a folder refused)
             except OSError:
                 break
         raise

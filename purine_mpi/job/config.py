@@ -92,13 +92,23 @@ def key_line(key, lines):
     """The line of the config key ``key`` (as an error names it:
     ``solver.base_lr``, ``net[2].stride``, ``net.3.block.0.name``) or of its
     nearest parent in ``lines`` (yamlread.read_yaml_lines' table); None
-    when not even its first part is there."""
-    parts = tuple(p.strip() for p in re.sub(r"\[(-?\d+)\]", r".\1", str(key)).split("."))
+    when not even its first part is there. A key of the file may hold a dot
+    (``solver.a.b`` is the key ``a.b`` of ``solver`` when the file has no
+    ``a``), and a path through an alias's later use reads on at its
+    anchor's value (``lines.aliases``): the line where that text is."""
+    parts = [p.strip() for p in re.sub(r"\[(-?\d+)\]", r".\1", str(key)).split(".")]
+    aliases = getattr(lines, "aliases", {})
+    path, line = (), None
     while parts:
-        if parts in lines:
-            return lines[parts]
-        parts = parts[:-1]
-    return None
+        for n in range(len(parts), 0, -1):  # the longest step the file has: 'a.b' before 'a'
+            step = path + (".".join(parts[:n]),)
+            if step in lines:
+                path, line, parts = step, lines[step], parts[n:]
+                break
+        else:
+            return line
+        path = aliases.get(path, path)  # what an alias holds: read on at its anchor
+    return line
 
 
 def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):

@@ -1,0 +1,114 @@
+"""Review of the config-line change (job/yamlread.read_yaml_lines,
+job/config.key_line) and of the folder rule the CIFAR-10 download shares
+with the run folders (base/runfiles.missing_folders): the line of a key
+under an anchor that an alias repeats later, of a key written through an
+alias's later use, of a key that is not a string (``yes:``) or holds a dot,
+after a quoted string holding U+2028; a failed download into ``a/b/../c``
+leaves no folder."""
+import os
+import textwrap
+
+import pytest
+
+from purine_mpi.base.errors import ConfigError, UserError
+from purine_mpi.job.config import key_line, load_job
+from purine_mpi.job.yamlread import read_yaml, read_yaml_lines
+
+HEAD = """\
+name: x
+data:
+  train: {source: synthetic, shape: [1, 8, 8], classes: 10, batch_size: 4}
+"""
+TAIL = """\
+net:
+  - {type: fc, name: fc, bottom: data, top: fc, num_output: 10}
+  - {type: softmax_loss, name: loss, bottom: [fc, label], top: loss}
+solver:
+  base_lr: 0.1
+  max_iter: 3
+"""
+
+
+def _refusal(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_job(str(path), check_files=False)
+    return str(e.value).replace(str(path), name)
+
+
+def test_a_key_under_an_anchor_an_alias_repeats_names_its_own_line(tmp_path):
+    """The table was walked last key first, so an alias's later use took
+    the anchor's value and the anchor's own keys fell back to the line of
+    their parent."""
+    text = HEAD.replace("  train: {source: synthetic, shape: [1, 8, 8], classes: 10, "
+                        "batch_size: 4}\n",
+                        "  train: &t\n"
+                        "    source: synthetic\n"
+                        "    shape: [1, 8, 8]\n"
+                        "    classes: 10\n"
+                        "    batch_size: 0\n"
+                        "  test: *t\n") + TAIL
+    # before: job.yaml:3 (the line of 'train: &t')
+    assert _refusal(tmp_path, text).startswith("job.yaml:7: key 'data.train.batch_size': ")
+    text = HEAD + textwrap.dedent("""\
+        net:
+          - type: fc
+            name: fc
+            bottom: data
+            top: fc
+            num_output: 10
+            weight_filler: &f
+              type: gaussian
+              std: -1
+          - {type: fc, name: fc2, bottom: fc, top: fc2, num_output: 10, weight_filler: *f}
+          - {type: softmax_loss, name: loss, bottom: [fc2, label], top: loss}
+        solver: {base_lr: 0.1, max_iter: 3}
+        """)
+    # before: job.yaml:10 (the line of 'weight_filler: &f')
+    assert _refusal(tmp_path, text).startswith("job.yaml:12: key 'net[0].weight_filler.std': ")
+
+
+def test_a_key_through_an_alias_names_the_line_of_its_text():
+    text = "a: &x\n  b:\n    c: 1\nd: *x\ne:\n  <<: *x\n"
+    data, lines = read_yaml_lines(text, "t.yaml")
+    assert data == read_yaml(text, "t.yaml")
+    assert key_line("a.b.c", lines) == 3
+    # before: 4 ('d: *x'), 2 (the merged 'b:', its c not followed)
+    assert key_line("d.b.c", lines) == 3 and key_line("d.b", lines) == 2
+    assert key_line("e.b.c", lines) == 3
+    assert key_line("d.b.nope", lines) == 2 and key_line("d", lines) == 4
+
+
+def test_keys_that_are_not_plain_names_name_their_line(tmp_path):
+    solver_extra = TAIL + "  yes: 1\n"  # line 10: an error names it 'solver.True'
+    # before: job.yaml:7, the line of 'solver:'
+    assert _refusal(tmp_path, HEAD + solver_extra).startswith("job.yaml:10: key 'solver.True': ")
+    assert _refusal(tmp_path, HEAD + TAIL + "  ~: 1\n").startswith(
+        "job.yaml:10: key 'solver.None': ")
+    assert _refusal(tmp_path, HEAD + TAIL + "  a.b: 1\n").startswith(
+        "job.yaml:10: key 'solver.a.b': ")
+
+
+def test_a_line_separator_in_a_quoted_string_does_not_shift_the_lines(tmp_path):
+    """PyYAML counts NEL, U+2028 and U+2029 as line breaks; an editor, grep
+    and sed do not."""
+    text = HEAD.replace("name: x", 'name: "x\u2028y\x85z"') + TAIL.replace("base_lr: 0.1",
+                                                                           "base_lr: -1")
+    # before: job.yaml:10
+    assert _refusal(tmp_path, text).startswith("job.yaml:8: key 'solver.base_lr': ")
+    assert _refusal(tmp_path, text.replace("\n", "\r\n"), "crlf.yaml").startswith(
+        "crlf.yaml:8: key 'solver.base_lr': ")
+
+
+def test_a_failed_download_into_a_dotdot_cache_leaves_no_folder(tmp_path, monkeypatch):
+    """``--download --from a/b/../c``: the download made a and a/c (the
+    real path), the cleanup removed a/c, then stopped at a/b, which
+    missing_folders names and nothing made: a stayed, empty."""
+    from purine_mpi.data.download import download_cifar10
+    monkeypatch.setenv("PURINE_CIFAR10_URL", (tmp_path / "none.tar.gz").as_uri())
+    cache = os.path.join(str(tmp_path), "a", "b", "..", "c")
+    with pytest.raises(UserError, match="could not download"):
+        download_cifar10(cache)
+    # before: ['a']
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)
