@@ -112,3 +112,19 @@ def test_a_failed_download_into_a_dotdot_cache_leaves_no_folder(tmp_path, monkey
         download_cifar10(cache)
     # before: ['a']
     assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)
+
+
+def test_a_malformed_set_names_the_set_not_a_line_of_the_file(tmp_path):
+    """load_job (the API the converters and tools use) put the file and the
+    line of 'net:' on a --set that cannot be applied; the CLI's
+    blame_override hid it. Now both name the --set."""
+    path = tmp_path / "job.yaml"
+    path.write_text(HEAD + TAIL)
+    for text, start in [("net.x.name=a", "--set net.x.name=a: key 'net.x.name': bad --set "),
+                        ("solver.base_lr", "--set solver.base_lr: bad --set override"),
+                        ("name.sub=1", "--set name.sub=1: key 'name.sub': bad --set ")]:
+        with pytest.raises(ConfigError) as e:
+            load_job(str(path), [text], check_files=False)
+        # before: f"{path}:4: key 'net.x.name': bad --set ..." (and f"{path}: bad --set ...")
+        assert str(e.value).startswith(start), str(e.value)
+        assert e.value.line is None

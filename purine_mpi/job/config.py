@@ -236,7 +236,11 @@ def _resolve(raw, path="<config>", overrides=(), iters=None, check_files=True, b
                                       f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
     config = copy.deepcopy(raw)
     for text in overrides or ():
-        apply_override(config, text, path)
+        try:
+            apply_override(config, text, path)
+        except ConfigError as exc:  # the --set's own fault: name it, not the file (nor a line)
+            raise ConfigError(f"--set {excerpt(text, quote=False)}", exc.key, exc.problem,
+                              exc.also) from None
     if iters is not None:
         config.setdefault("solver", {})
         if not isinstance(config["solver"], dict):
