@@ -128,3 +128,45 @@ def test_a_malformed_set_names_the_set_not_a_line_of_the_file(tmp_path):
         # before: f"{path}:4: key 'net.x.name': bad --set ..." (and f"{path}: bad --set ...")
         assert str(e.value).startswith(start), str(e.value)
         assert e.value.line is None
+
+
+GRAPH_JOB = HEAD + """\
+net:
+  - {type: conv, name: conv1, bottom: data, top: conv1, num_output: 4, kernel: 3}
+  - type: conv
+    name: conv2
+    bottom: conv1
+    top: conv2
+    num_output: 4
+    kernel: 30
+  - {type: fc, name: fc, bottom: conv2, top: fc, num_output: 10}
+  - {type: softmax_loss, name: loss, bottom: [fc, label], top: loss}
+solver: {base_lr: 0.1, max_iter: 3}
+"""
+
+
+def test_an_error_found_later_is_placed_in_the_text_the_job_was_loaded_from(tmp_path):
+    """blame_override read the file again: one edited since the job was
+    loaded gave the line of its new text, and a pipe (``<(...)``,
+    ``/dev/stdin``), empty on a second read, gave no line and lost the
+    ``--set`` that wrote the key."""
+    import subprocess
+    import sys
+    from purine_mpi.job.config import blame_override
+    from tests.conftest import REPO, cli_env
+    path = tmp_path / "job.yaml"
+    path.write_text(GRAPH_JOB)
+    load_job(str(path), check_files=False)  # kernel 30 does not fit: found building the graph
+    path.write_text("# edited\n\n\n" + GRAPH_JOB)
+    late = ConfigError(str(path), "net[1].kernel", "does not fit")
+    # before: 14, the line in the edited file
+    assert blame_override(late, str(path), ()).line == 11
+    for args, start in [((), "error: /dev/stdin:11: key 'net[1].kernel': "),
+                        (("--set", "net.1.kernel=40"),
+                         "error: --set net.1.kernel=40: key 'net[1].kernel': ")]:
+        res = subprocess.run([sys.executable, "-m", "purine_mpi", "graph", "/dev/stdin", *args],
+                             input=GRAPH_JOB, cwd=REPO, env=cli_env(), capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 2, res.stderr
+        # before: "error: /dev/stdin: key 'net[1].kernel': ..." both times
+        assert res.stderr.startswith(start), res.stderr

@@ -183,7 +183,18 @@ def _read_lines(path):
                                       "(a binary file given as the config?)") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
+    while len(_READ) >= 8:
+        del _READ[next(iter(_READ))]
+    _READ.pop(path, None)
+    _READ[path] = text
     return _parse_lines(text, path)
+
+
+#: path -> the text last read from it, of the last few config files read:
+#: ``blame_override`` places an error found later in the text the job was
+#: loaded from, not in the file as it is now (edited since, or a pipe,
+#: ``<(...)`` or ``/dev/stdin``, that a second read finds empty)
+_READ = {}
 
 
 #: (text, path) -> its parsed YAML, of the last few configs read: ``plan
@@ -275,7 +286,8 @@ def blame_override(exc, path, overrides):
     if not isinstance(exc, ConfigError) or path is None or str(exc.path) != str(path):
         return exc
     try:
-        raw, lines = _read_lines(path)
+        text = _READ.get(str(path))
+        raw, lines = _read_lines(path) if text is None else _parse_lines(text, str(path))
     except ConfigError:
         return exc
     source = _blamed_override(exc, overrides, raw) if overrides else None
