@@ -170,3 +170,17 @@ def test_an_error_found_later_is_placed_in_the_text_the_job_was_loaded_from(tmp_
         assert res.returncode == 2, res.stderr
         # before: "error: /dev/stdin: key 'net[1].kernel': ..." both times
         assert res.stderr.startswith(start), res.stderr
+
+
+def test_a_key_with_a_line_break_or_an_escape_is_printed_on_one_line(tmp_path):
+    """The message's ``key '...'`` printed a YAML key as it is: ``"a\\nb\\e[31m": 1``
+    split the one-line error in two and sent the escape to the terminal."""
+    from tests.conftest import run_cli_here
+    path = tmp_path / "job.yaml"
+    path.write_text(HEAD + TAIL + '  "a\\nb\\e[31m": 1\n')
+    res = run_cli_here("graph", str(path))
+    assert res.returncode == 2, res.stderr
+    # before: "error: ...job.yaml:10: key 'solver.a" then "b\x1b[31m': unknown key ..."
+    assert res.stderr.count("\n") == 1 and "\x1b" not in res.stderr, repr(res.stderr)
+    assert res.stderr.startswith(f"error: {path}:10: key 'solver.a\\nb\\x1b[31m': unknown key "), \
+        repr(res.stderr)
