@@ -184,3 +184,34 @@ def test_a_key_with_a_line_break_or_an_escape_is_printed_on_one_line(tmp_path):
     assert res.stderr.count("\n") == 1 and "\x1b" not in res.stderr, repr(res.stderr)
     assert res.stderr.startswith(f"error: {path}:10: key 'solver.a\\nb\\x1b[31m': unknown key "), \
         repr(res.stderr)
+
+
+@pytest.mark.parametrize("where", ["net", "graph"])
+def test_a_thread_name_refuses_control_characters(where):
+    """``graph`` prints each op's thread beside it (``(rank 0, thread NAME)``):
+    a layer's or a ``graph:`` op's thread name with ESC or a line break
+    acted on the terminal as the names the change covered did."""
+    from purine_mpi.job.config import resolve_config
+    if where == "net":
+        config = {"data": {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
+                                     "batch_size": 4}},
+                  "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
+                           "num_output": 10, "thread": "t\x1b[31m"},
+                          {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                           "top": "loss"}],
+                  "solver": {"base_lr": 0.1, "max_iter": 1}}
+        key = "net.0.thread"
+    else:
+        config = {"graph": [{"type": "blob", "name": "a", "size": [2]},
+                            {"type": "blob", "name": "b", "size": [2],
+                             "attrs": {"loss_weight": 1.0}},
+                            {"type": "op", "name": "relu", "op_type": "Relu", "inputs": ["a"],
+                             "outputs": ["b"], "thread": "t\nx"}],
+                  "solver": {"base_lr": 0.1, "max_iter": 1}}
+        key = "graph.2.thread"
+    # before: accepted, and `graph` printed "(rank 0, thread t\x1b[31m)"
+    with pytest.raises(ConfigError, match="control character") as e:
+        resolve_config(config, "t.yaml")
+    assert e.value.key == key
+    config[where][0 if where == "net" else 2]["thread"] = "io2"
+    resolve_config(config, "t.yaml")  # a printable name stays accepted

@@ -687,7 +687,7 @@ def _check_net(net, path):
             if not isinstance(layer.get(field), str) or not layer[field]:
                 raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' string, "
                                                           f"got {excerpt(layer.get(field))}")
-        _check_names(layer, ("name", "top", "bottom"), key, path)
+        _check_names(layer, ("name", "top", "bottom", "thread"), key, path)
         parts = layer["name"].split("/")
         if any(part in ("", ".", "..") for part in parts):
             # its parameters '<name>/weight' are HDF5 paths of the checkpoint:
@@ -729,8 +729,9 @@ def _check_names(entry, fields, key, path):
                                             "print as it is; names must be printable")
 
 
-#: the keys of a ``graph:`` entry that hold blob or op names (graph/seed_yaml.py)
-_GRAPH_NAME_KEYS = ("name", "inputs", "outputs", "alias_of", "control_inputs")
+#: the keys of a ``graph:`` entry that hold blob, op or thread names (graph/seed_yaml.py;
+#: ``graph`` prints an op's thread beside it)
+_GRAPH_NAME_KEYS = ("name", "inputs", "outputs", "alias_of", "control_inputs", "thread")
 
 
 def _check_graph(graph, path):
