@@ -215,3 +215,21 @@ def test_a_thread_name_refuses_control_characters(where):
     assert e.value.key == key
     config[where][0 if where == "net" else 2]["thread"] = "io2"
     resolve_config(config, "t.yaml")  # a printable name stays accepted
+
+
+def test_the_yaml_refusals_count_lines_as_an_editor_does():
+    """The duplicate-key refusal and a malformed-YAML error after a quoted
+    U+2028 named the next line (PyYAML counts it as a line break)."""
+    from purine_mpi.job.config import _parse_text
+    with pytest.raises(ConfigError) as e:
+        _parse_text('a: "x\u2028y"\nb: 1\nb: 2\n', "f.yaml")
+    # before: "at f.yaml:3 and at f.yaml:4"
+    assert "at f.yaml:2 and at f.yaml:3" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _parse_text('a: "x\u2028y"\nb: [1,\n', "f.yaml")
+    # before: "line 4, column 1"
+    assert "malformed YAML at line 3, column 1: " in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:  # a comment: PyYAML ends it at the NEL
+        _parse_text("a: 1 # c\x85d\nb: 2\n", "f.yaml")
+    # before: "(started at line 2, column 1)"
+    assert "(started at line 1, column 10)" in str(e.value), str(e.value)

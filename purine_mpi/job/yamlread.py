@@ -68,11 +68,11 @@ def _at(loader, mark):
     """``NAME:LINE`` of a mark (``column C`` of a nameless one-line text, a
     ``--set`` value; else ``line L, column C``)."""
     if loader.source:
-        return f"{loader.source}:{mark.line + 1}"
+        return f"{loader.source}:{_line(mark)}"
     buffer = mark.buffer
     if buffer is not None and mark.line == 0 and "\n" not in buffer.rstrip("\0\n"):
         return f"column {mark.column + 1}"
-    return f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"line {_line(mark)}, column {_column(mark)}"
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -282,6 +282,29 @@ def _line_counter(text):
     return lambda mark: bisect.bisect_right(starts, mark.index)
 
 
+def _line(mark):
+    """The 1-based line of ``mark`` as an editor counts it (``_line_counter``),
+    for a message."""
+    return _place(mark)[0]
+
+
+def _column(mark):
+    """The 1-based column of ``mark`` in its line as an editor counts it."""
+    return _place(mark)[1]
+
+
+def _place(mark):
+    """(line, column) of ``mark``, 1-based, as an editor counts them: the
+    text it lies in (PyYAML keeps it whole in ``mark.buffer``) is read
+    again where it holds a NEL, U+2028 or U+2029."""
+    buffer = getattr(mark, "buffer", None)
+    if not isinstance(buffer, str) or not _ODD_BREAKS.search(buffer):
+        return mark.line + 1, mark.column + 1
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", buffer)]
+    line = bisect.bisect_right(starts, mark.index)
+    return line, mark.index - starts[line - 1] + 1
+
+
 def key_lines(root, line_of=lambda mark: mark.line + 1, construct=None):
     """The ``lines`` table (``KeyLines``) of ``read_yaml_lines`` for a
     composed (and constructed) node graph: one visit per distinct node, in
@@ -325,11 +348,11 @@ def where(error):
     if not isinstance(error, yaml.MarkedYAMLError):
         return str(error).splitlines()[0] if str(error) else type(error).__name__
     mark = error.problem_mark or error.context_mark
-    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    at = f"line {_line(mark)}, column {_column(mark)}: " if mark else ""
     what = error.problem or ""
     if error.context:
         start = error.context_mark
-        started = (f" (started at line {start.line + 1}, column {start.column + 1})"
+        started = (f" (started at line {_line(start)}, column {_column(start)})"
                    if start is not None and start is not mark else "")
         what = f"{error.context}{started}: {what}"
     return f"{at}{what}"
