@@ -233,3 +233,31 @@ def test_the_yaml_refusals_count_lines_as_an_editor_does():
         _parse_text("a: 1 # c\x85d\nb: 2\n", "f.yaml")
     # before: "(started at line 2, column 1)"
     assert "(started at line 1, column 10)" in str(e.value), str(e.value)
+
+
+def test_an_output_file_through_dotdot_is_written_where_the_system_puts_it(tmp_path):
+    """``--out a/b/../c/t.h5`` (``data``, ``predict``, ``export onnx``): its
+    folder was made from its abspath, ``a/c``, but the file opened as
+    written needs ``a/b`` too: refused ("No such file or directory") with
+    ``a/c`` left; ``link/../x/t.h5`` made ``x`` beside the link, not beside
+    its target where the file goes. check_writable (predict's up-front
+    check of --out) refused both alike."""
+    from purine_mpi.base.runfiles import check_writable
+    from tests.conftest import run_cli_here
+    (tmp_path / "real" / "t").mkdir(parents=True)
+    os.symlink(tmp_path / "real" / "t", tmp_path / "link")
+    for out in ("a/b/../c/p.h5", "link/../x/p.h5"):
+        # before: UserError "...: cannot be written there (No such file or directory)"
+        check_writable(os.path.join(str(tmp_path), out))
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]  # nothing left by the check
+    assert os.listdir(tmp_path / "real") == ["t"]
+    (tmp_path / "t.txt").write_text("some text to read as bytes. " * 50)
+    res = run_cli_here("data", "text", "--from", str(tmp_path / "t.txt"), "--out",
+                       os.path.join(str(tmp_path), "a", "b", "..", "c", "t.h5"))
+    # before: exit 2, "cannot be written there (No such file or directory)", a/c left
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "a" / "c" / "t.h5").is_file() and (tmp_path / "a" / "b").is_dir()
+    res = run_cli_here("data", "text", "--from", str(tmp_path / "t.txt"), "--out",
+                       os.path.join(str(tmp_path), "link", "..", "x", "t.h5"))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "real" / "x" / "t.h5").is_file() and not (tmp_path / "x").exists()

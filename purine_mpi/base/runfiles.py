@@ -203,6 +203,16 @@ def missing_folders(path):
     return ([target] if target in missing else []) + rest
 
 
+def folder_of(path):
+    """The folder of the file ``path`` as written (``a/b/../c`` of
+    ``a/b/../c/x.h5``; ``.`` of a bare name), which ``make_folder`` makes
+    as the system finds it, as the file's open does: its ``abspath`` reads
+    ``..`` lexically, so ``a/c`` was made where the open needs ``a/b`` too
+    (refused: no such file or directory, and ``a/c`` left), and
+    ``link/../x`` was made beside the link, not beside its target."""
+    return os.path.dirname(str(path)) or os.curdir
+
+
 def make_folder(path):
     """``os.makedirs(path, exist_ok=True)`` for an output the user named;
     a folder that cannot be made there is one line naming it (exit 2)."""
@@ -230,11 +240,8 @@ def check_writable(path):
     before it leaves no empty folder). A temporary file of that name left
     by a killed write (the same process id) is removed, as the write
     removes it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    made, head = [], folder  # the folders missing now, deepest first
-    while not os.path.lexists(head) and head != os.path.dirname(head):
-        made.append(head)
-        head = os.path.dirname(head)
+    folder = folder_of(path)
+    made = missing_folders(folder)  # the folders missing now, deepest first
     tmp = temp_name(path)
     ours = False  # from the open on: a file under that name is this check's
     try:
@@ -254,6 +261,8 @@ def check_writable(path):
         for f in made:  # deepest first; one another process filled stays
             try:
                 os.rmdir(f)
+            except FileNotFoundError:
+                continue  # not made: make_folder was refused on its way
             except OSError:
                 break
 
