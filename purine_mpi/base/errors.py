@@ -63,8 +63,12 @@ class ConfigError(UserError):
         self.path, self.key, self.problem = path, key, message
         self.also = tuple(also)
         self.line = line if path else None
-        where = (f"{path}:{line}: " if self.line else f"{path}: ") if path else ""
-        keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
+        # the key (and file) as one printable line: a YAML key may hold a line
+        # break or an escape sequence ("a\nb": 1), which the one-line message
+        # would print as it is, acting on the terminal
+        where = (f"{one_line(path)}:{line}: " if self.line else f"{one_line(path)}: ") \
+            if path else ""
+        keytxt = f"key '{one_line(excerpt(key, quote=False))}': " if key else ""
         super().__init__(f"{where}{keytxt}{message}")
 
     def at_line(self, line):

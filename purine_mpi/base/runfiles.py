@@ -260,6 +260,8 @@ def check_writable(path):
         for f in made:  # deepest first; one another process filled stays
             try:
                 os.rmdir(f)
+            except FileNotFoundError:
+                continue  # not made: make_folder was refused on its way
             except OSError:
                 break
 

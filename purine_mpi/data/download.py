@@ -168,6 +168,8 @@ def download_cifar10(cache_dir, log=None):
         for folder in made:  # the folders this run made, innermost first, if left empty
             try:
                 os.rmdir(folder)
+            except FileNotFoundError:
+                continue  # not made: the transfer failed before (a folder refused)
             except OSError:
                 break
         raise

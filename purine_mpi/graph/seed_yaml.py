@@ -33,7 +33,7 @@ OP_DOC = {
     "outputs": "list of blob names written",
     "attrs": "mapping of the kernel's attributes",
     "location": "as for a blob",
-    "thread": "worker thread number or name (a CUDA stream on a GPU)",
+    "thread": "worker thread number or name, printable (a CUDA stream on a GPU)",
     "accumulate": "add into the outputs: several writers of one blob must all accumulate "
                   "(the blob is zeroed before each iteration)",
     "control_inputs": "ops that must finish before this one (no data edge)",

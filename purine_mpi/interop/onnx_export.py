@@ -32,7 +32,6 @@ is the transformed batch, as before. Either way the model's metadata
 the model applies, and the summary line says it.
 """
 import json
-import os
 
 import numpy as np
 

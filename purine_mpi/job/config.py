@@ -92,13 +92,23 @@ def key_line(key, lines):
     """The line of the config key ``key`` (as an error names it:
     ``solver.base_lr``, ``net[2].stride``, ``net.3.block.0.name``) or of its
     nearest parent in ``lines`` (yamlread.read_yaml_lines' table); None
-    when not even its first part is there."""
-    parts = tuple(p.strip() for p in re.sub(r"\[(-?\d+)\]", r".\1", str(key)).split("."))
+    when not even its first part is there. A key of the file may hold a dot
+    (``solver.a.b`` is the key ``a.b`` of ``solver`` when the file has no
+    ``a``), and a path through an alias's later use reads on at its
+    anchor's value (``lines.aliases``): the line where that text is."""
+    parts = [p.strip() for p in re.sub(r"\[(-?\d+)\]", r".\1", str(key)).split(".")]
+    aliases = getattr(lines, "aliases", {})
+    path, line = (), None
     while parts:
-        if parts in lines:
-            return lines[parts]
-        parts = parts[:-1]
-    return None
+        for n in range(len(parts), 0, -1):  # the longest step the file has: 'a.b' before 'a'
+            step = path + (".".join(parts[:n]),)
+            if step in lines:
+                path, line, parts = step, lines[step], parts[n:]
+                break
+        else:
+            return line
+        path = aliases.get(path, path)  # what an alias holds: read on at its anchor
+    return line
 
 
 def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
@@ -173,7 +183,18 @@ def _read_lines(path):
                                       "(a binary file given as the config?)") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
+    while len(_READ) >= 8:
+        del _READ[next(iter(_READ))]
+    _READ.pop(path, None)
+    _READ[path] = text
     return _parse_lines(text, path)
+
+
+#: path -> the text last read from it, of the last few config files read:
+#: ``blame_override`` places an error found later in the text the job was
+#: loaded from, not in the file as it is now (edited since, or a pipe,
+#: ``<(...)`` or ``/dev/stdin``, that a second read finds empty)
+_READ = {}
 
 
 #: (text, path) -> its parsed YAML, of the last few configs read: ``plan
@@ -226,7 +247,11 @@ def _resolve(raw, path="<config>", overrides=(), iters=None, check_files=True, b
                                       f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
     config = copy.deepcopy(raw)
     for text in overrides or ():
-        apply_override(config, text, path)
+        try:
+            apply_override(config, text, path)
+        except ConfigError as exc:  # the --set's own fault: name it, not the file (nor a line)
+            raise ConfigError(f"--set {excerpt(text, quote=False)}", exc.key, exc.problem,
+                              exc.also) from None
     if iters is not None:
         config.setdefault("solver", {})
         if not isinstance(config["solver"], dict):
@@ -261,7 +286,8 @@ def blame_override(exc, path, overrides):
     if not isinstance(exc, ConfigError) or path is None or str(exc.path) != str(path):
         return exc
     try:
-        raw, lines = _read_lines(path)
+        text = _READ.get(str(path))
+        raw, lines = _read_lines(path) if text is None else _parse_lines(text, str(path))
     except ConfigError:
         return exc
     source = _blamed_override(exc, overrides, raw) if overrides else None
@@ -661,7 +687,7 @@ def _check_net(net, path):
             if not isinstance(layer.get(field), str) or not layer[field]:
                 raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' string, "
                                                           f"got {excerpt(layer.get(field))}")
-        _check_names(layer, ("name", "top", "bottom"), key, path)
+        _check_names(layer, ("name", "top", "bottom", "thread"), key, path)
         parts = layer["name"].split("/")
         if any(part in ("", ".", "..") for part in parts):
             # its parameters '<name>/weight' are HDF5 paths of the checkpoint:
@@ -703,8 +729,9 @@ def _check_names(entry, fields, key, path):
                                             "print as it is; names must be printable")
 
 
-#: the keys of a ``graph:`` entry that hold blob or op names (graph/seed_yaml.py)
-_GRAPH_NAME_KEYS = ("name", "inputs", "outputs", "alias_of", "control_inputs")
+#: the keys of a ``graph:`` entry that hold blob, op or thread names (graph/seed_yaml.py;
+#: ``graph`` prints an op's thread beside it)
+_GRAPH_NAME_KEYS = ("name", "inputs", "outputs", "alias_of", "control_inputs", "thread")
 
 
 def _check_graph(graph, path):

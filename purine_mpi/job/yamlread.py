@@ -33,6 +33,7 @@ The limits are checked on the composed node graph (aliases are shared
 nodes there, so the check costs the size of the text), before Python
 objects are made.
 """
+import bisect
 import re
 
 import yaml
@@ -67,11 +68,11 @@ def _at(loader, mark):
     """``NAME:LINE`` of a mark (``column C`` of a nameless one-line text, a
     ``--set`` value; else ``line L, column C``)."""
     if loader.source:
-        return f"{loader.source}:{mark.line + 1}"
+        return f"{loader.source}:{_line(mark)}"
     buffer = mark.buffer
     if buffer is not None and mark.line == 0 and "\n" not in buffer.rstrip("\0\n"):
         return f"column {mark.column + 1}"
-    return f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"line {_line(mark)}, column {_column(mark)}"
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -237,45 +238,106 @@ def read_yaml(text, source=None):
 def read_yaml_lines(text, source=None):
     """``read_yaml`` with the line of each key: ``(data, lines)``, ``lines``
     a dict from a key path (a tuple of strings: a mapping's keys as written,
-    a list's indices as ``"3"``) to the 1-based line where that key (or list
-    item) is written. ``data`` is what ``read_yaml`` returns (plain dicts,
-    lists, strings, numbers): the lines lie beside it, never in it. A key
-    that a ``<<`` merge or an alias brings has the line of the text it
-    comes from; what lies under an alias's value is recorded once, at the
-    anchor (a path through a second use of it falls back to its key)."""
+    a list's indices as ``"3"``; a key that is not a string, ``yes:`` or
+    ``1.5:``, as ``str`` of its value, as an error names it) to the 1-based
+    line where that key (or list item) is written, as an editor counts
+    lines (only line feeds and carriage returns end one: PyYAML also counts
+    NEL, U+2028 and U+2029, which a quoted string may hold). ``data`` is
+    what ``read_yaml`` returns (plain dicts, lists, strings, numbers): the
+    lines lie beside it, never in it. A key that a ``<<`` merge or an alias
+    brings has the line of the text it comes from: what lies under an
+    alias's value is recorded once, at its anchor (the first place the
+    text holds it), and ``lines.aliases`` maps the path of each later use
+    to the anchor's path (``key_line`` in job/config.py follows it)."""
     loader = StrictLoader(text, source)
     try:
         node = loader.get_single_node()
         if node is None:
-            return None, {}
+            return None, KeyLines()
         data = loader.construct_document(node)  # flattens the '<<' merges in the nodes
-        return data, key_lines(node)
+        return data, key_lines(node, _line_counter(text), loader.construct_object)
     finally:
         loader.dispose()
 
 
-def key_lines(root):
-    """The ``lines`` table of ``read_yaml_lines`` for a composed (and
-    constructed) node graph: one visit per distinct node."""
-    lines, seen = {}, set()
+class KeyLines(dict):
+    """``read_yaml_lines``' table: key path -> line; ``aliases``: the path
+    of an alias's later use -> the path where its anchor's value is."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.aliases = {}
+
+
+_STR = "tag:yaml.org,2002:str"
+#: what PyYAML counts as a line break and an editor does not
+_ODD_BREAKS = re.compile("[\x85\u2028\u2029]")
+
+
+def _line_counter(text):
+    """mark -> its 1-based line as an editor counts it in ``text``."""
+    if not isinstance(text, str) or not _ODD_BREAKS.search(text):
+        return lambda mark: mark.line + 1
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]
+    return lambda mark: bisect.bisect_right(starts, mark.index)
+
+
+def _line(mark):
+    """The 1-based line of ``mark`` as an editor counts it (``_line_counter``),
+    for a message."""
+    return _place(mark)[0]
+
+
+def _column(mark):
+    """The 1-based column of ``mark`` in its line as an editor counts it."""
+    return _place(mark)[1]
+
+
+def _place(mark):
+    """(line, column) of ``mark``, 1-based, as an editor counts them: the
+    text it lies in (PyYAML keeps it whole in ``mark.buffer``) is read
+    again where it holds a NEL, U+2028 or U+2029."""
+    buffer = getattr(mark, "buffer", None)
+    if not isinstance(buffer, str) or not _ODD_BREAKS.search(buffer):
+        return mark.line + 1, mark.column + 1
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", buffer)]
+    line = bisect.bisect_right(starts, mark.index)
+    return line, mark.index - starts[line - 1] + 1
+
+
+def key_lines(root, line_of=lambda mark: mark.line + 1, construct=None):
+    """The ``lines`` table (``KeyLines``) of ``read_yaml_lines`` for a
+    composed (and constructed) node graph: one visit per distinct node, in
+    the order of the text, so that an anchor's value is recorded where it
+    is written, not where an alias repeats it. ``construct``: a key node ->
+    its value, for the keys that are not strings."""
+    lines, seen = KeyLines(), {}
     stack = [(root, ())]
     while stack:
         node, path = stack.pop()
         if id(node) in seen:
-            continue  # an alias's second use: its key's line stands for what it holds
-        seen.add(id(node))
+            if isinstance(node, (SequenceNode, MappingNode)) and seen[id(node)] != path:
+                lines.aliases[path] = seen[id(node)]  # what it holds: there
+            continue
+        seen[id(node)] = path
         if isinstance(node, SequenceNode):
             entries = [(str(i), item, item) for i, item in enumerate(node.value)]
         elif isinstance(node, MappingNode):
             last = {}  # the last of a key given twice (a merged one, then its own)
             for key_node, value_node in node.value:
                 if isinstance(key_node, ScalarNode) and key_node.tag != _MERGE:
-                    last[key_node.value] = (key_node, value_node)
+                    step = key_node.value
+                    if key_node.tag != _STR and construct is not None:
+                        try:
+                            step = str(construct(key_node))  # yes: 'True', ~: 'None'
+                        except yaml.YAMLError:
+                            pass
+                    last[step] = (key_node, value_node)
             entries = [(step, key, value) for step, (key, value) in last.items()]
         else:
             continue
-        for step, marked, child in entries:
-            lines[path + (step,)] = marked.start_mark.line + 1
+        for step, marked, child in reversed(entries):  # the first popped first
+            lines[path + (step,)] = line_of(marked.start_mark)
             stack.append((child, path + (step,)))
     return lines
 
@@ -286,11 +348,11 @@ def where(error):
     if not isinstance(error, yaml.MarkedYAMLError):
         return str(error).splitlines()[0] if str(error) else type(error).__name__
     mark = error.problem_mark or error.context_mark
-    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    at = f"line {_line(mark)}, column {_column(mark)}: " if mark else ""
     what = error.problem or ""
     if error.context:
         start = error.context_mark
-        started = (f" (started at line {start.line + 1}, column {start.column + 1})"
+        started = (f" (started at line {_line(start)}, column {_column(start)})"
                    if start is not None and start is not mark else "")
         what = f"{error.context}{started}: {what}"
     return f"{at}{what}"

@@ -137,7 +137,7 @@ KIND_DOC = {
     "str": "string", "int": "integer", "posint": "integer > 0", "nonneg": "integer >= 0",
     "number": "number", "bool": "true/false", "pair": "int or [h, w]",
     "blobs": "blob name or list", "ints": "list of integers", "numbers": "list of numbers",
-    "filler": "filler", "thread": "integer >= 0 or a name",
+    "filler": "filler", "thread": "integer >= 0 or a printable name",
     "params": "list of {lr_mult, decay_mult}",
 }
 #: the numeric kinds: each key of one declares its range (``Key.range``),

@@ -17,7 +17,6 @@ place is its newest version (``newest_version``), and each requested blob
 keeps memory of its own in the test graph's memory plan.
 """
 import dataclasses
-import os
 
 import numpy as np
 
