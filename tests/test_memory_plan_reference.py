@@ -76,9 +76,9 @@ def _reference_plan(monkeypatch, graph, **kw):
         schedule["n_ops"], schedule["link"] = n_ops, link
         return link
 
-    def dynamic(units, link, align, tie):
+    def dynamic(units, link, align, tie, limit=None):
         pairs = real_interference(units, schedule["n_ops"], schedule["link"])
-        return real_dynamic(units, pairs, align, tie)
+        return real_dynamic(units, pairs, align, tie, limit)
     with monkeypatch.context() as m:
         m.setattr(mp, "_interference", interference)
         m.setattr(mp, "_dynamic_order", dynamic)

@@ -74,7 +74,9 @@ reaches it (``_best_colouring``): the units live at the peak first,
 longest lived first; "squeaky wheel" orders (the units that end above the
 peak moved to the front, the rest kept) from the best; by breadth (the
 most bytes live at a position of the unit's lifetime, most first:
-TFLite's greedy by breadth) and squeaky orders from it. A colouring
+TFLite's greedy by breadth) and squeaky orders from it; last a dynamic
+first fit (at each step the unit that goes lowest, longest lived first:
+Sekiyama et al.'s best fit, ``_dynamic_order``). A colouring
 replaces the best only with fewer bytes, or as many with fewer control
 edges, so no plan grows; where the six colourings reach the peak (the
 transformers, NIN) nothing more is coloured. Which units may not share
@@ -321,7 +323,12 @@ def _best_colouring(units, n_ops, link, align):
       cifar10_quick_wide.yaml, GoogLeNet at two micro-batches), then
       squeaky orders from it (gpt_tiny in bf16 on a GPU at two
       micro-batches, 723,456 bytes above its peak with the orders before;
-      cifar10_quick on the host).
+      cifar10_quick on the host);
+    - the dynamic first fit (``_dynamic_order``): at each step the unit
+      that goes lowest beside those placed, longest lived first, there
+      (cifar10_quick at 2 and 4 micro-batches of 100, and on a GPU at 2 of
+      50; GoogLeNet; NIN with ``recompute: full``), given up where it would
+      not take fewer bytes or past its bound of searches.
 
     Where the six reach the peak already (most plans: the transformers,
     NIN) nothing more is coloured, so the plan and its time stay."""
@@ -366,12 +373,8 @@ def _best_colouring(units, n_ops, link, align):
         wide = _breadth(units, n_ops, align)
         colour(sorted(units, key=lambda u: wide[u] + (-units[u][4], units[u][2], u)))
         squeak(last)
-    # dynamic: at each step the unit that goes lowest, ties longest lived first, then
-    # first used first
-    for tie in (lambda u: longest(u) + (units[u][2],), lambda u: (units[u][2], -units[u][4], u)):
-        if best[1] <= peak:
-            break
-        order = _dynamic_order(units, pairs, align, tie)
+    if best[1] > peak:   # dynamic: at each step the unit that goes lowest, longest lived first
+        order = _dynamic_order(units, pairs, align, longest, best[1])
         if order is not None:
             colour(order)
     return best[:3]
@@ -389,7 +392,7 @@ SQUEAK_PATIENCE = 3
 DYNAMIC_SEARCHES = 128
 
 
-def _dynamic_order(units, pairs, align, tie):
+def _dynamic_order(units, pairs, align, tie, limit=None):
     """The order of a dynamic first fit (Sekiyama et al., "Profile-guided
     memory optimization for deep neural networks", 2018: the best fit that
     places whichever block goes lowest): at each step, of the units not yet
@@ -401,7 +404,9 @@ def _dynamic_order(units, pairs, align, tie):
     as units are placed, so a heap keeps each unit's last one found and
     searches again only the unit at its top (lazily): it is placed where its
     offset is still the one found. None after ``DYNAMIC_SEARCHES`` searches
-    per unit (planning time stays bounded; deterministic: no clock)."""
+    per unit (planning time stays bounded; deterministic: no clock), or
+    as soon as a unit ends above ``limit`` bytes (the best arena so far:
+    this order would not take fewer)."""
     names = list(pairs.index)
     n = len(names)
     size = np.array([_aligned(units[u][4], align) for u in names], dtype=np.int64)
@@ -421,6 +426,8 @@ def _dynamic_order(units, pairs, align, tie):
         if offset > found:
             heapq.heapreplace(heap, (offset, key, i))
             continue
+        if limit is not None and offset + size[i] > limit:
+            return None
         heapq.heappop(heap)
         placed[i], off_of[i], end_of[i] = True, offset, offset + size[i]
         order.append(names[i])
