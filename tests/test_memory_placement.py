@@ -197,7 +197,8 @@ def test_the_dynamic_order_is_the_dynamic_first_fit(seed):
     intervals = []
     for _ in range(40):
         f = rng.randrange(n_ops)
-        intervals.append((f, min(n_ops - 1, f + rng.randrange(6)), rng.choice((64, 100, 192, 640, 1000))))
+        intervals.append((f, min(n_ops - 1, f + rng.randrange(6)),
+                          rng.choice((64, 100, 192, 640, 1000))))
     units = _chain_units(intervals)
     pairs = mp._interference(units, n_ops, None)
     tie = lambda u: (units[u][2] - units[u][3], -units[u][4], u)  # noqa: E731
