@@ -386,7 +386,7 @@ SQUEAKS = 8
 SQUEAK_PATIENCE = 3
 
 #: ``_dynamic_order`` gives up after this many offset searches per unit (on
-#: the jobs it ends after 30 to 70; one search costs about what placing the
+#: the jobs it ends after 5 to 70; one search costs about what placing the
 #: unit costs in ``_colour``, so the bound is about the time of this many
 #: colourings)
 DYNAMIC_SEARCHES = 128
