@@ -177,18 +177,29 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
     return params, rows, arena, plans
 
 
-@pytest.mark.parametrize("net,cuda_graph", [("every_kind", False), ("every_kind", True),
-                                            ("tiny", True)])
+@pytest.mark.parametrize("net,cuda_graph,every_order", [
+    ("every_kind", False, False), ("every_kind", True, False), ("tiny", True, False),
+    ("every_kind", True, True)])
 def test_training_with_the_device_plan_is_bitwise_without_it(
-        host_build_dir, monkeypatch, tmp_path, net, cuda_graph):
+        host_build_dir, monkeypatch, tmp_path, net, cuda_graph, every_order):
     """The net of every kind of layer (batch norm, eltwise, concat, LRN,
     tanh, sigmoid, both poolings, dropout, softmax), eager and with CUDA graphs: the
     training iteration captured whole, one launch, as is the tiny net of the
-    CUDA-graph tests; the test graph but its Accuracy."""
+    CUDA-graph tests; the test graph but its Accuracy. ``every_order``: the
+    live peak taken a byte lower, so every order of the colouring runs
+    (memory_plan._best_colouring: the squeaks, by breadth, the dynamic
+    first fits) and the best of them, with its control edges, is the plan."""
     import json
 
     import purine_mpi.gpu as gpu
+    import purine_mpi.runtime.memory_plan as memory_plan
     emulated_trainer_env(monkeypatch, host_build_dir)
+    dynamic = []
+    if every_order:
+        peak, order = memory_plan._live_peak, memory_plan._dynamic_order
+        monkeypatch.setattr(memory_plan, "_live_peak", lambda *a: (peak(*a)[0] - 1, peak(*a)[1]))
+        monkeypatch.setattr(memory_plan, "_dynamic_order",
+                            lambda *a: dynamic.append(1) or order(*a))
     if net == "tiny":
         raw = tiny_raw(device=0, cuda_graph=True)
         raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
@@ -214,6 +225,7 @@ def test_training_with_the_device_plan_is_bitwise_without_it(
     assert train_plan.total_bytes < train_plan.unplanned_bytes
     assert train_plan.in_place or net == "tiny"   # the tiny net's ReLU is fused in its conv
     assert test_plan.offsets
+    assert bool(dynamic) == every_order
 
 
 @pytest.mark.gpu

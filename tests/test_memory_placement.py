@@ -1,11 +1,14 @@
 """The memory plan's placement above the live peak (runtime/memory_plan.py,
 ``_best_colouring``): where the six colourings and the peak-first order
 leave the arena above the units live at once at their peak, the orders by
-breadth and the "squeaky wheel" ones may take fewer bytes, and whichever
+breadth, the "squeaky wheel" ones and the dynamic first fit may take
+fewer bytes, and whichever
 plan they make is sound -- no two blobs whose lifetimes meet share a byte
 (``_assert_sound``: from the schedule alone, and ``check_plan``: from the
 graph's ancestors) -- on the jobs' graphs, where they win and where they
 are forced to run though the six are at the peak already."""
+import random
+
 import pytest
 
 from purine_mpi.job.config import resolve_config
@@ -87,6 +90,9 @@ def _plans(monkeypatch, name, np_, sets, data, force):
 
 @pytest.mark.parametrize("name,np_,sets,wins", [
     ("cifar10_quick.yaml", 1, {}, True),
+    # the orders before the dynamic first fit left it 2.9 MB above its peak
+    ("cifar10_quick.yaml", 1, {"parallel.micro_batches": 2, "data.train.batch_size": 200},
+     True),
     ("cifar10_quick.yaml", 1, {"data.train.batch_size": 8}, False),
     ("digits_lenet.yaml", 1, {}, False),
     ("gpt_tiny.yaml", 1, {"parallel.micro_batches": 2}, False),
@@ -116,7 +122,8 @@ def test_the_new_orders_are_sound_and_never_worse(name, np_, sets, wins, monkeyp
 ])
 def test_forced_new_orders_plan_soundly(name, np_, sets, monkeypatch, digits_h5, text_h5):
     """With the live peak taken a byte lower every order runs (breadth, two
-    runs of squeaks, each until SQUEAK_PATIENCE leave the best) and
+    runs of squeaks, each until SQUEAK_PATIENCE leave the best, the
+    dynamic first fit) and
     whichever wins, the plan is sound (control edges,
     point-to-point waits of a pipeline's stages, micro-batch copies)."""
     data = text_h5 if name.startswith("gpt") else digits_h5
@@ -125,7 +132,7 @@ def test_forced_new_orders_plan_soundly(name, np_, sets, monkeypatch, digits_h5,
             continue
         _assert_sound(graph, plan)
         # breadth and at least the squeaks of patience, from the best and from breadth
-        assert len(totals) >= OLD + 2 * (1 + 2 * mp.SQUEAK_PATIENCE), len(totals)
+        assert len(totals) >= OLD + 2 * (1 + 2 * mp.SQUEAK_PATIENCE) + 2, len(totals)
         assert plan.total_bytes <= min(totals[:OLD])
 
 
@@ -149,3 +156,120 @@ def _aligned_peak(plan):
         at += v
         best = max(best, at)
     return best
+
+
+def _naive_dynamic(intervals, tie, align):
+    """The dynamic first fit by its definition, for units of a chain (two
+    share bytes exactly when their lifetimes do not meet): at each step
+    every unplaced unit's lowest aligned offset beside the placed units
+    whose lifetimes meet its own, found by trying 0 and the end of each of
+    them, and of the lowest (ties by ``tie``) the first placed there.
+    Returns ([unit], {unit: offset})."""
+    placed, order = {}, []
+    names = [f"u{k}" for k in range(len(intervals))]
+
+    def lowest(k):
+        f, l_, b = intervals[k]
+        size = -(-b // align) * align
+        meet = [(placed[n], placed[n] + -(-intervals[j][2] // align) * align)
+                for j, n in enumerate(names) if n in placed
+                and intervals[j][0] <= l_ and f <= intervals[j][1]]
+        for c in sorted({0} | {e for _, e in meet}):
+            if all(c + size <= o or e <= c for o, e in meet):
+                return c
+
+    while len(order) < len(names):
+        k = min((k for k, n in enumerate(names) if n not in placed),
+                key=lambda k: (lowest(k), tie(names[k])))
+        placed[names[k]] = lowest(k)
+        order.append(names[k])
+    return order, placed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dynamic_order_is_the_dynamic_first_fit(seed):
+    """``_dynamic_order`` (a heap searching lazily) gives the order of the
+    dynamic first fit computed by its definition (``_naive_dynamic``) on
+    random lifetimes of a chain, and ``_colour``'s first fit of that order
+    puts every unit where the dynamic fit did."""
+    rng = random.Random(seed)
+    n_ops = 30
+    intervals = []
+    for _ in range(40):
+        f = rng.randrange(n_ops)
+        intervals.append((f, min(n_ops - 1, f + rng.randrange(6)),
+                          rng.choice((64, 100, 192, 640, 1000))))
+    units = _chain_units(intervals)
+    pairs = mp._interference(units, n_ops, None)
+    tie = lambda u: (units[u][2] - units[u][3], -units[u][4], u)  # noqa: E731
+    order = mp._dynamic_order(units, pairs, 64, tie)
+    want, offsets = _naive_dynamic(intervals, tie, 64)
+    assert order == want
+    got, total, edges = mp._colour(units, order, pairs, False, 64)
+    assert got == offsets and edges == []
+    assert total == max(o + -(-units[u][4] // 64) * 64 for u, o in offsets.items())
+
+
+def test_the_dynamic_order_gives_up_past_its_bound(monkeypatch):
+    """Past ``DYNAMIC_SEARCHES`` offset searches per unit it returns None
+    (no clock: every rank gives up alike), and as soon as a unit ends above
+    ``limit`` (the best arena so far); the plan keeps the best of the other
+    orders."""
+    intervals = [(1, 2, 128), (4, 4, 256), (3, 3, 320), (1, 1, 192), (0, 0, 256), (0, 1, 128)]
+    units = _chain_units(intervals)
+    pairs = mp._interference(units, 5, None)
+    tie = lambda u: (units[u][2] - units[u][3], -units[u][4], u)  # noqa: E731
+    order = mp._dynamic_order(units, pairs, 64, tie)
+    total = mp._colour(units, order, pairs, False, 64)[1]
+    assert total == 448   # the live peak
+    assert mp._dynamic_order(units, pairs, 64, tie, total) == order
+    assert mp._dynamic_order(units, pairs, 64, tie, total - 1) is None
+    monkeypatch.setattr(mp, "DYNAMIC_SEARCHES", 1)   # 6 searches: not one unit searched twice
+    assert mp._dynamic_order(units, pairs, 64, tie) is None
+
+
+def test_forced_plans_are_deterministic_and_alike_on_data_parallel_ranks(monkeypatch,
+                                                                         digits_h5):
+    """Every order forced to run (the live peak taken a byte lower), the
+    two ranks of a data-parallel job plan alike -- the same offsets, sizes
+    and control edges -- and a second plan of a graph is the first's."""
+    plans = [(g, p) for g, p, _ in _plans(monkeypatch, "digits_lenet.yaml", 2,
+                                          {"parallel.micro_batches": 2}, digits_h5, True)]
+    (g0, p0), (g1, p1) = plans
+    assert p0.offsets and p0.offsets == p1.offsets and p0.sizes == p1.sizes
+    assert p0.edges == p1.edges and p0.total_bytes == p1.total_bytes
+    again = mp.plan_memory(g0, keep=mp.batch_blobs(g0), order_ops=True)
+    assert (again.offsets, again.total_bytes) == (p0.offsets, p0.total_bytes)
+    assert again.edges == []   # the first plan's edges are in the graph already: nothing to add
+
+
+@pytest.mark.parametrize("name,np_,sets", [
+    ("digits_hybrid.yaml", 4, {}),
+    ("gpt_tiny.yaml", 2, {"parallel.scheme": "tensor", "parallel.tensor_parallel": 2}),
+])
+def test_forced_edges_keep_the_schedule_and_the_collectives_order(name, np_, sets, monkeypatch,
+                                                                  digits_h5, text_h5):
+    """Every order forced to run, the control edges of the plan (whichever
+    order won) join compute ops of one thread, each to one later in the
+    schedule: the schedule is the same with them, and the collectives,
+    posted in ``seq`` order on every rank, lie in the schedule in that
+    order -- so no edge makes an op wait, through a collective posted
+    after another, for an op it precedes (no cycle across the posting
+    order, nor across ranks: pipeline stages, tensor shards)."""
+    from purine_mpi.ops.catalog import get_kernel_class
+    data = text_h5 if name.startswith("gpt") else digits_h5
+    edges = 0
+    for graph, plan, _ in _plans(monkeypatch, name, np_, sets, data, True):
+        order = [op.name for op in graph.topo_order()]
+        assert order == plan.order
+        pos = {n: i for i, n in enumerate(order)}
+        kind = {n: get_kernel_class(op.op_type, n) for n, op in graph.ops.items()}
+        for a, b in plan.edges:
+            oa, ob = graph.ops[a], graph.ops[b]
+            assert pos[a] < pos[b] and kind[a].category != "comm" != kind[b].category
+            assert (oa.location, str(oa.thread)) == (ob.location, str(ob.thread))
+        edges += len(plan.edges)
+        posted = [n for n in order if kind[n].category == "comm" and kind[n].seq_ordered
+                  and "seq" in graph.ops[n].attrs]
+        assert posted == sorted(posted, key=lambda n: (graph.ops[n].attrs["seq"], pos[n]))
+    assert edges

@@ -65,9 +65,23 @@ def _reference_colour(units, order, best_fit, link, align):
 
 
 def _reference_plan(monkeypatch, graph, **kw):
-    """``plan_memory`` with the reference colouring in place of the fast one."""
+    """``plan_memory`` with the reference colouring in place of the fast one.
+    The dynamic first fit (``_dynamic_order``), an order the colourings are
+    given, is computed from the fast pairs: the reference colours that
+    order as the fast colouring does."""
+    real_interference, real_dynamic = mp._interference, mp._dynamic_order
+    schedule = {}
+
+    def interference(units, n_ops, link=None):
+        schedule["n_ops"], schedule["link"] = n_ops, link
+        return link
+
+    def dynamic(units, link, align, tie, limit=None):
+        pairs = real_interference(units, schedule["n_ops"], schedule["link"])
+        return real_dynamic(units, pairs, align, tie, limit)
     with monkeypatch.context() as m:
-        m.setattr(mp, "_interference", lambda units, n_ops, link=None: link)
+        m.setattr(mp, "_interference", interference)
+        m.setattr(mp, "_dynamic_order", dynamic)
 
         def colour(units, order, link, best_fit=False, align=mp.HOST_ALIGN):
             offsets, total, edges = _reference_colour(units, order, best_fit, link, align)

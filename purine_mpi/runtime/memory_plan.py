@@ -74,7 +74,9 @@ reaches it (``_best_colouring``): the units live at the peak first,
 longest lived first; "squeaky wheel" orders (the units that end above the
 peak moved to the front, the rest kept) from the best; by breadth (the
 most bytes live at a position of the unit's lifetime, most first:
-TFLite's greedy by breadth) and squeaky orders from it. A colouring
+TFLite's greedy by breadth) and squeaky orders from it; last a dynamic
+first fit (at each step the unit that goes lowest, longest lived first:
+Sekiyama et al.'s best fit, ``_dynamic_order``). A colouring
 replaces the best only with fewer bytes, or as many with fewer control
 edges, so no plan grows; where the six colourings reach the peak (the
 transformers, NIN) nothing more is coloured. Which units may not share
@@ -101,6 +103,7 @@ host's does between those of one thread: a stream runs its work in order
 anyway. ``memory_plan: false`` gives every root
 its own bytes of the arena, on the host and the devices alike.
 """
+import heapq
 from array import array
 from dataclasses import dataclass, field
 
@@ -320,7 +323,12 @@ def _best_colouring(units, n_ops, link, align):
       cifar10_quick_wide.yaml, GoogLeNet at two micro-batches), then
       squeaky orders from it (gpt_tiny in bf16 on a GPU at two
       micro-batches, 723,456 bytes above its peak with the orders before;
-      cifar10_quick on the host).
+      cifar10_quick on the host);
+    - the dynamic first fit (``_dynamic_order``): at each step the unit
+      that goes lowest beside those placed, longest lived first, there
+      (cifar10_quick at 2 and 4 micro-batches of 100, and on a GPU at 2 of
+      50; GoogLeNet; NIN with ``recompute: full``), given up where it would
+      not take fewer bytes or past its bound of searches.
 
     Where the six reach the peak already (most plans: the transformers,
     NIN) nothing more is coloured, so the plan and its time stay."""
@@ -365,6 +373,10 @@ def _best_colouring(units, n_ops, link, align):
         wide = _breadth(units, n_ops, align)
         colour(sorted(units, key=lambda u: wide[u] + (-units[u][4], units[u][2], u)))
         squeak(last)
+    if best[1] > peak:   # dynamic: at each step the unit that goes lowest, longest lived first
+        order = _dynamic_order(units, pairs, align, longest, best[1])
+        if order is not None:
+            colour(order)
     return best[:3]
 
 
@@ -372,6 +384,54 @@ def _best_colouring(units, n_ops, link, align):
 #: live peak, and how many of them in a row may leave the best as it was
 SQUEAKS = 8
 SQUEAK_PATIENCE = 3
+
+#: ``_dynamic_order`` gives up after this many offset searches per unit (on
+#: the jobs it ends after 5 to 70; one search costs about what placing the
+#: unit costs in ``_colour``, so the bound is about the time of this many
+#: colourings)
+DYNAMIC_SEARCHES = 128
+
+
+def _dynamic_order(units, pairs, align, tie, limit=None):
+    """The order of a dynamic first fit (Sekiyama et al., "Profile-guided
+    memory optimization for deep neural networks", 2018: the best fit that
+    places whichever block goes lowest): at each step, of the units not yet
+    placed, the one whose lowest offset beside those placed (``_fit``, the
+    units it may share no byte with: ``_hard``) is the lowest, ties by
+    ``tie`` (a key of the unit), placed there. ``_colour`` with first fit
+    places the units of this order where it did (each at its lowest
+    offset), and adds the control edges. A unit's lowest offset only grows
+    as units are placed, so a heap keeps each unit's last one found and
+    searches again only the unit at its top (lazily): it is placed where its
+    offset is still the one found. None after ``DYNAMIC_SEARCHES`` searches
+    per unit (planning time stays bounded; deterministic: no clock), or
+    as soon as a unit ends above ``limit`` bytes (the best arena so far:
+    this order would not take fewer)."""
+    names = list(pairs.index)
+    n = len(names)
+    size = np.array([_aligned(units[u][4], align) for u in names], dtype=np.int64)
+    hard = [_hard(pairs, i) for i in range(n)]
+    placed = np.zeros(n, dtype=bool)
+    off_of = np.zeros(n, dtype=np.int64)
+    end_of = np.zeros(n, dtype=np.int64)
+    heap = [(0, tie(u), i) for i, u in enumerate(names)]
+    heapq.heapify(heap)
+    order = []
+    for _ in range(DYNAMIC_SEARCHES * n):
+        if not heap:
+            return order
+        found, key, i = heap[0]
+        busy = hard[i][placed[hard[i]]]
+        offset = _fit(off_of[busy], end_of[busy], size[i])
+        if offset > found:
+            heapq.heapreplace(heap, (offset, key, i))
+            continue
+        if limit is not None and offset + size[i] > limit:
+            return None
+        heapq.heappop(heap)
+        placed[i], off_of[i], end_of[i] = True, offset, offset + size[i]
+        order.append(names[i])
+    return order if not heap else None
 
 
 def _breadth(units, n_ops, align):
@@ -617,32 +677,11 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
         i = pairs.index[unit]
         size = _aligned(units[unit][4], align)
         f, l_ = first[i], last[i]
-        # lifetimes that overlap: the short units by first op, then the long ones
-        a = np.searchsorted(pairs.first_sorted, f - pairs.span, "left")
-        b = np.searchsorted(pairs.first_sorted, l_, "right")
-        near = pairs.by_first[a:b][pairs.last_by_first[a:b] >= f]
-        other = pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]]
-        soft = pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]
-        busy = (near, other[~soft])
-        if len(pairs.long):
-            busy += (pairs.long[(first[pairs.long] <= l_) & (last[pairs.long] >= f)],)
-        busy = np.concatenate(busy)
+        busy = _hard(pairs, i)
         busy = busy[where[busy] >= 0]
-        offset = 0
-        if len(busy):
-            s = np.lexsort((end_of[busy], off_of[busy]))
-            o, e = off_of[busy][s], end_of[busy][s]
-            run = np.maximum.accumulate(e)
-            at = np.concatenate(([0], run[:-1]))
-            gaps = o - at
-            fits = gaps >= size
-            if not fits.any():
-                offset = int(run[-1])
-            elif best_fit:
-                offset = int(at[np.argmin(np.where(fits, gaps, np.iinfo(np.int64).max))])
-            else:
-                offset = int(at[np.argmax(fits)])
-        other = other[soft]
+        offset = _fit(off_of[busy], end_of[busy], size, best_fit)
+        other = pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]]
+        other = other[pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]]
         other = other[where[other] >= 0]
         meet = other[(off_of[other] < offset + size) & (offset < end_of[other])]
         for j in meet[np.argsort(where[meet], kind="stable")].tolist():
@@ -655,6 +694,43 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
+
+
+def _hard(pairs, i):
+    """The units unit ``i`` may share no byte with however they are placed
+    (index array, ``i`` itself among them): those whose lifetimes overlap
+    its own (the short units by first op, then the long ones) and those the
+    graph does not order apart from it and control edges cannot."""
+    f, l_ = pairs.first[i], pairs.last[i]
+    a = np.searchsorted(pairs.first_sorted, f - pairs.span, "left")
+    b = np.searchsorted(pairs.first_sorted, l_, "right")
+    near = pairs.by_first[a:b][pairs.last_by_first[a:b] >= f]
+    other = pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]]
+    soft = pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]
+    busy = (near, other[~soft])
+    if len(pairs.long):
+        long = pairs.long
+        busy += (long[(pairs.first[long] <= l_) & (pairs.last[long] >= f)],)
+    return np.concatenate(busy)
+
+
+def _fit(off, end, size, best_fit=False):
+    """The offset a unit of ``size`` bytes takes beside blocks [off, end)
+    (arrays): the lowest gap that holds it, or with ``best_fit`` the
+    smallest (the lowest of those), else the end of the highest block."""
+    if not len(off):
+        return 0
+    s = np.lexsort((end, off))
+    o, e = off[s], end[s]
+    run = np.maximum.accumulate(e)
+    at = np.concatenate(([0], run[:-1]))
+    gaps = o - at
+    fits = gaps >= size
+    if not fits.any():
+        return int(run[-1])
+    if best_fit:
+        return int(at[np.argmin(np.where(fits, gaps, np.iinfo(np.int64).max))])
+    return int(at[np.argmax(fits)])
 
 
 def _waits(link, ops):
