@@ -4,7 +4,8 @@
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/choose_vs_real.py \\
         [--configs benchmarks/cifar10_quick_wide.yaml jobs/gpt_small.yaml] [--ranks 2] \\
-        [--rounds 3] [--top K] [--iters 10] [--warmup 3] [--set KEY=VALUE ...] [--with-ps]
+        [--rounds 3] [--top K] [--iters 10] [--warmup 3] [--set KEY=VALUE ...] [--with-ps] \\
+        [--calibrate-link | --network LINK.json [--ranks-per-node K]] [--compare]
 
 Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
 ``--set``):
@@ -22,7 +23,21 @@ Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
    length);
 4. ``--with-ps``: the settings ``plan`` lists unranked (parameter servers)
    run in the same rounds too; their predicted and measured figures come
-   under ``not_ranked``, out of every ranking figure below.
+   under ``not_ranked``, out of every ranking figure below;
+5. ranks sharing a node (docs/scaling.md "Ranks sharing a node"): by
+   default plan gets no link file (its default link, no node correction).
+   ``--calibrate-link`` first runs ``mpiexec -n RANKS python -m purine_mpi
+   predict --calibrate`` per config into the temporary folder (in the
+   ranks' environment below) and passes it to plan as ``--network`` with
+   ``--ranks-per-node RANKS`` (every rank on this host); ``--network
+   LINK.json`` passes a given file instead (``--ranks-per-node K``: plan's,
+   else the file's calibration's ranks per host). The file's contents come
+   under ``network``. ``--compare`` (with either) also ranks with plan's
+   default link (``default``) and with the same file less its ``node``
+   object (``link_without_node``: the same α and β, no node correction);
+   every plan's settings (the union, with ``--top`` the first K of each)
+   run in the same rounds, and each other plan's ranking figures come
+   under ``compare``, by name.
 
 Prints one JSON object: per config, each setting's predicted and measured
 time per iteration and throughput, its predicted and measured rank, the
@@ -30,7 +45,8 @@ setting ranked first and the fastest measured, ``first_vs_fastest`` (the
 first-ranked setting's measured throughput over the fastest's: the target
 is ≥ 0.90; ``first_vs_round_best``: the same within each round, against
 that round's best, and its median), and the rank correlation (Spearman) of prediction and
-measurement. The ranks' environment is benchmarks/sharded.py's (one BLAS
+measurement (the top-level ones: the plan with the link file where one is
+given). The ranks' environment is benchmarks/sharded.py's (one BLAS
 thread a rank, OpenBLAS's core-type pins taken out). Timing is wall clock:
 compare within one run.
 """
@@ -51,13 +67,19 @@ DEFAULT_CONFIGS = [os.path.join("benchmarks", "cifar10_quick_wide.yaml"),
                    os.path.join("jobs", "gpt_small.yaml")]
 
 
-def ranked(config, sets, ranks, folder):
+def ranked(config, sets, ranks, folder, link=None):
     """``plan --choose --json``'s ranked candidates that fit, best first
     (not the unranked parameter servers, ``"ranked": false``: listed after
-    every ranked setting whatever their prediction, never the choice)."""
+    every ranked setting whatever their prediction, never the choice).
+    ``link``: None (plan's default link, no node correction) or (FILE,
+    K): ``--network FILE`` and, when K, ``--ranks-per-node K``."""
     name = os.path.splitext(os.path.basename(config))[0]
     args = ["plan", config, "--np", str(ranks), "--choose", "--json",
             "--calibration", os.path.join(folder, f"calibration_{name}.json")]
+    if link is not None:
+        args += ["--network", link[0]]
+        if link[1]:
+            args += ["--ranks-per-node", str(link[1])]
     for s in sets:
         args += ["--set", s]
     res = subprocess.run([sys.executable, "-m", "purine_mpi", *args], cwd=sharded.ROOT,
@@ -101,21 +123,38 @@ def measure(config, base, candidates, a):
     return runs
 
 
-def config_figures(config, a, folder):
-    if not os.path.exists(config):   # a path relative to the repository
-        config = os.path.join(sharded.ROOT, config)
-    config = os.path.abspath(config)
-    base = sharded.base_sets(config, a.set, folder)
-    candidates, unit, unranked = ranked(config, base, a.ranks, folder)
-    if a.top:
-        candidates = candidates[:a.top]
-    if len(candidates) < 2:
-        sys.exit(f"plan --choose ranked {len(candidates)} fitting settings of {config}")
-    extra = unranked if a.with_ps else []
-    print(f"{config}: {len(candidates)} settings (+{len(extra)} unranked), {a.rounds} rounds",
-          file=sys.stderr)
-    runs = measure(config, base, candidates + extra, a)
-    key = "tokens_per_s" if unit == "tokens" else "images_per_s"   # plan's unit
+def links(config, a, folder):
+    """The plans to rank under, {name: None or (FILE, K)}, the first the
+    primary one (the top-level figures): ``default`` (no ``--network``:
+    plan's default link, no node correction) without ``--network`` or
+    ``--calibrate-link``; else ``link`` (the file, K = ``--ranks-per-node``,
+    or RANKS for a calibration made here), and with ``--compare`` also
+    ``default`` and ``link_without_node`` (the same file less its ``node``
+    object: the same α and β, no node correction)."""
+    network, calibrate = getattr(a, "network", None), getattr(a, "calibrate_link", False)
+    if not (network or calibrate):
+        return {"default": None}, None
+    name = os.path.splitext(os.path.basename(config))[0]
+    if calibrate:
+        path, k = os.path.join(folder, f"link_{name}.json"), a.ranks
+        sharded.run(a.ranks, ["predict", "--calibrate", path], "predict --calibrate")
+    else:
+        path, k = os.path.abspath(network), getattr(a, "ranks_per_node", 0)
+    with open(path) as f:
+        link = json.load(f)
+    out = {"link": (path, k)}
+    if getattr(a, "compare", False):
+        bare = os.path.join(folder, f"link_without_node_{name}.json")
+        with open(bare, "w") as f:
+            json.dump({key: v for key, v in link.items() if key != "node"}, f)
+        out["default"] = None
+        out["link_without_node"] = (bare, k)
+    return out, link
+
+
+def ranking(candidates, runs, key, rounds):
+    """One plan's ranking against the measured runs: its settings' predicted
+    and measured figures, the first-ranked against the fastest, Spearman."""
     rows = []
     for rank, c in enumerate(candidates, 1):
         got = runs[c["label"]]
@@ -129,6 +168,59 @@ def config_figures(config, a, folder):
             "measured_samples_per_s_rounds": [round(g[key], 2) for g in got],
             "predicted_over_measured": round(c["samples_per_s"] / per_s, 3),
         })
+    by_speed = sorted(rows, key=lambda r: -r["measured_samples_per_s"])
+    for i, r in enumerate(by_speed, 1):
+        r["measured_rank"] = i
+    first, fastest = rows[0], by_speed[0]
+    # per round: the first-ranked setting's figure over that round's best
+    # (the rounds' load differs; within a round every setting ran back to back)
+    per_round = [first["measured_samples_per_s_rounds"][r]
+                 / max(row["measured_samples_per_s_rounds"][r] for row in rows)
+                 for r in range(rounds)]
+    return {
+        "settings": rows,
+        "first_ranked": first["label"], "fastest_measured": fastest["label"],
+        "first_vs_fastest": round(first["measured_samples_per_s"]
+                                  / fastest["measured_samples_per_s"], 3),
+        "within_10_percent": first["measured_samples_per_s"]
+        >= 0.9 * fastest["measured_samples_per_s"],
+        "first_vs_round_best": [round(x, 3) for x in per_round],
+        "first_vs_round_best_median": round(statistics.median(per_round), 3),
+        "spearman": spearman([-r["predicted_samples_per_s"] for r in rows],
+                             [-r["measured_samples_per_s"] for r in rows]),
+    }
+
+
+def config_figures(config, a, folder):
+    if not os.path.exists(config):   # a path relative to the repository
+        config = os.path.join(sharded.ROOT, config)
+    config = os.path.abspath(config)
+    base = sharded.base_sets(config, a.set, folder)
+    plans, link = links(config, a, folder)
+    chosen, unit, unranked = {}, "images", []
+    for name, l in plans.items():
+        cands, u, ps = ranked(config, base, a.ranks, folder, l)
+        if a.top:
+            cands = cands[:a.top]
+        if len(cands) < 2:
+            sys.exit(f"plan --choose ranked {len(cands)} fitting settings of {config}"
+                     + ("" if l is None else f" with --network {l[0]}"))
+        chosen[name] = cands
+        if not unranked:
+            unit, unranked = u, ps
+    # every plan's settings, measured once in the same rounds: the primary
+    # plan's first, in its order, then those only another plan ranked
+    seen, candidates = set(), []
+    for cands in chosen.values():
+        for c in cands:
+            if c["label"] not in seen:
+                seen.add(c["label"])
+                candidates.append(c)
+    extra = unranked if a.with_ps else []
+    print(f"{config}: {len(candidates)} settings (+{len(extra)} unranked), {a.rounds} rounds",
+          file=sys.stderr)
+    runs = measure(config, base, candidates + extra, a)
+    key = "tokens_per_s" if unit == "tokens" else "images_per_s"   # plan's unit
     # --with-ps: the unranked settings, measured in the same rounds (each
     # predicted figure against its measurement), out of every ranking figure
     not_ranked = []
@@ -143,28 +235,16 @@ def config_figures(config, a, folder):
             "measured_samples_per_s": round(per_s, 2),
             "measured_samples_per_s_rounds": [round(g[key], 2) for g in got],
             "predicted_over_measured": round(c["samples_per_s"] / per_s, 3)})
-    by_speed = sorted(rows, key=lambda r: -r["measured_samples_per_s"])
-    for i, r in enumerate(by_speed, 1):
-        r["measured_rank"] = i
-    first, fastest = rows[0], by_speed[0]
-    # per round: the first-ranked setting's figure over that round's best
-    # (the rounds' load differs; within a round every setting ran back to back)
-    per_round = [first["measured_samples_per_s_rounds"][r]
-                 / max(row["measured_samples_per_s_rounds"][r] for row in rows)
-                 for r in range(a.rounds)]
-    return {
-        "unit": unit, "ranks": a.ranks, "sets": base, "rounds": a.rounds, "iters": a.iters,
-        "settings": rows, "not_ranked": not_ranked,
-        "first_ranked": first["label"], "fastest_measured": fastest["label"],
-        "first_vs_fastest": round(first["measured_samples_per_s"]
-                                  / fastest["measured_samples_per_s"], 3),
-        "within_10_percent": first["measured_samples_per_s"]
-        >= 0.9 * fastest["measured_samples_per_s"],
-        "first_vs_round_best": [round(x, 3) for x in per_round],
-        "first_vs_round_best_median": round(statistics.median(per_round), 3),
-        "spearman": spearman([-r["predicted_samples_per_s"] for r in rows],
-                             [-r["measured_samples_per_s"] for r in rows]),
-    }
+    names = list(chosen)
+    out = {"unit": unit, "ranks": a.ranks, "sets": base, "rounds": a.rounds, "iters": a.iters}
+    out.update(ranking(chosen[names[0]], runs, key, a.rounds))
+    out["not_ranked"] = not_ranked
+    if link is not None:
+        out["network"] = {"file": plans["link"][0], "ranks_per_node": plans["link"][1],
+                          "link": link}
+    if len(names) > 1:
+        out["compare"] = {n: ranking(chosen[n], runs, key, a.rounds) for n in names[1:]}
+    return out
 
 
 def main(argv=None):
@@ -180,7 +260,30 @@ def main(argv=None):
     p.add_argument("--with-ps", action="store_true",
                    help="also run the unranked settings (parameter servers) in every round: "
                         "their predicted and measured figures, under not_ranked")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--network", metavar="LINK.json",
+                   help="pass this predict --calibrate file to plan (--network): its node "
+                        "object corrects for ranks sharing a node")
+    g.add_argument("--calibrate-link", action="store_true",
+                   help="per config, first run mpiexec -n RANKS python -m purine_mpi predict "
+                        "--calibrate into the temporary folder and pass it to plan with "
+                        "--ranks-per-node RANKS")
+    p.add_argument("--ranks-per-node", type=int, default=0, metavar="K",
+                   help="with --network: plan's --ranks-per-node (default: the file's "
+                        "calibration's ranks per host)")
+    p.add_argument("--compare", action="store_true",
+                   help="with --network or --calibrate-link: also rank with plan's default "
+                        "link and with the file less its node object, every plan's settings "
+                        "measured in the same rounds (figures under compare)")
     a = p.parse_args(argv)
+    if (a.compare or a.ranks_per_node) and not (a.network or a.calibrate_link):
+        p.error("--compare and --ranks-per-node need --network or --calibrate-link")
+    if a.ranks_per_node and a.calibrate_link:
+        p.error("--ranks-per-node goes with --network (--calibrate-link uses --ranks)")
+    if a.ranks_per_node < 0:
+        p.error("--ranks-per-node must be at least 1")
+    if a.network and not os.path.isfile(a.network):
+        p.error(f"--network {a.network}: no such file")
     out = {}
     with tempfile.TemporaryDirectory(prefix="choose_vs_real_") as folder:
         for config in a.configs:

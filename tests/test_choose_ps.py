@@ -281,3 +281,64 @@ def test_choose_vs_real_with_ps_measures_them_out_of_the_ranking(monkeypatch, tm
     assert ps["predicted_over_measured"] == 1.0 and len(ps["measured_samples_per_s_rounds"]) == 2
     args.with_ps = False
     assert mod.config_figures(str(tmp_path / "job.yaml"), args, str(tmp_path))["not_ranked"] == []
+
+
+def test_choose_vs_real_link_options_reach_plan(monkeypatch, tmp_path):
+    """benchmarks/choose_vs_real.py's ``--network`` / ``--calibrate-link``:
+    plan gets ``--network FILE`` (and ``--ranks-per-node K``); ``--compare``
+    adds plan's default (no ``--network``) and the file less its ``node``;
+    without either, plan gets no link file, as before; the options that
+    need a link file are refused without one (exit 2)."""
+    import json
+    import subprocess
+    import pytest
+    mod = _choose_vs_real(monkeypatch, "choose_vs_real_link")
+    link = tmp_path / "l.json"
+    link.write_text(json.dumps({"alpha_s": 3e-6, "beta_bytes_per_s": 1e10,
+                                "node": {"ranks_per_node": 2}}))
+    calls = []
+    rows = [{"label": "data", "set": ["parallel.scheme=data"], "fits": True}]
+    out = json.dumps({"candidates": rows, "unit": "images"})
+
+    def fake_run(cmd, **k):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+
+    def args(*argv):
+        ns = []
+        monkeypatch.setattr(mod, "config_figures", lambda c, a, f: ns.append(a) or {})
+        mod.main(["--configs", "job.yaml", *argv])
+        return ns[0]
+    a = args()
+    plans, got = mod.links("job.yaml", a, str(tmp_path))
+    assert plans == {"default": None} and got is None
+    mod.ranked("job.yaml", [], 2, str(tmp_path), plans["default"])
+    assert "--network" not in calls[-1]
+    a = args("--network", str(link), "--ranks-per-node", "2", "--compare")
+    plans, got = mod.links("job.yaml", a, str(tmp_path))
+    assert list(plans) == ["link", "default", "link_without_node"] and got["node"]
+    assert plans["link"] == (str(link), 2) and plans["default"] is None
+    bare = json.loads(open(plans["link_without_node"][0]).read())
+    assert "node" not in bare and bare["alpha_s"] == 3e-6
+    mod.ranked("job.yaml", [], 2, str(tmp_path), plans["link"])
+    i = calls[-1].index("--network")
+    assert calls[-1][i + 1:i + 4] == [str(link), "--ranks-per-node", "2"]
+    # --calibrate-link: predict --calibrate on RANKS ranks, K = RANKS
+    ran = []
+
+    def fake_calibrate(ranks, argv, what):
+        ran.append((ranks, argv))
+        open(argv[-1], "w").write(link.read_text())
+    monkeypatch.setattr(mod.sharded, "run", fake_calibrate)
+    a = args("--calibrate-link", "--ranks", "3")
+    plans, _ = mod.links("job.yaml", a, str(tmp_path))
+    assert ran == [(3, ["predict", "--calibrate", plans["link"][0]])]
+    assert list(plans) == ["link"] and plans["link"][1] == 3
+    for bad in (["--compare"], ["--ranks-per-node", "2"],
+                ["--calibrate-link", "--network", str(link)],
+                ["--calibrate-link", "--ranks-per-node", "2"],
+                ["--network", str(tmp_path / "absent.json")]):
+        with pytest.raises(SystemExit) as e:
+            args(*bad)
+        assert e.value.code == 2, bad
