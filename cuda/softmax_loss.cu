@@ -315,9 +315,19 @@ template <>
 __device__ __forceinline__ void vec_online<float>(const float* p, int vectors, float& m,
                                                   float& d) {
   const purine_float4* xv = (const purine_float4*)(const void*)p;
-  for (int k = threadIdx.x; k < vectors; k += blockDim.x) {
-    const purine_float4 v = xv[k];
-    online_four(v.x, v.y, v.z, v.w, m, d);
+  const int threads = blockDim.x;
+  int k = threadIdx.x;
+  // two chunks' loads in flight before their updates (the same order of
+  // updates, so the same bits, as one chunk at a time)
+  for (; k + threads < vectors; k += 2 * threads) {
+    const purine_float4 a = xv[k];
+    const purine_float4 b = xv[k + threads];
+    online_four(a.x, a.y, a.z, a.w, m, d);
+    online_four(b.x, b.y, b.z, b.w, m, d);
+  }
+  if (k < vectors) {
+    const purine_float4 a = xv[k];
+    online_four(a.x, a.y, a.z, a.w, m, d);
   }
 }
 template <typename T>
@@ -415,9 +425,14 @@ __device__ void softmax_loss_backward_vec_impl(long long total, const T* prob,
   const int threads = blockDim.x, tid = threadIdx.x;
   const long long span = 4LL * threads;                    // elements a tile
   const long long tiles = (channels + span - 1) / span;    // tiles a row
-  for (long long t = blockIdx.x; t < rows * tiles; t += gridDim.x) {
-    const long long row = t / tiles;
-    const long long tile = t - row * tiles;
+  // tile t = row * tiles + tile, stepped by gridDim.x without a division a tile
+  const long long step_rows = gridDim.x / tiles, step_tiles = gridDim.x % tiles;
+  long long row = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  for (; row < rows; row += step_rows, tile += step_tiles) {
+    if (tile >= tiles) {
+      tile -= tiles;
+      if (++row >= rows) break;
+    }
     const long long base = row * (long long)channels;
     const long long label = labels[row];
     const T s = skipped(label, ignore_label, has_ignore, pad_label, has_pad) ? T(0) : scale;
