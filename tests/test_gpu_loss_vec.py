@@ -159,3 +159,23 @@ def test_which_backward_kernel(device):
     assert launched == ["softmax_loss_backward_vec", "softmax_loss_forward_vec",
                         "softmax_loss_backward", "softmax_loss_forward",
                         "softmax_loss_backward", "softmax_loss_forward"]
+
+
+@pytest.mark.parametrize("channels", [300, 1027])
+def test_the_loss_ops_take_the_vec_kernels_and_match_the_cpu_op(device, channels):
+    """SoftmaxLoss and SoftmaxLossGrad on GPT's layout ((batch, tokens,
+    vocabulary), axis -1) with the adversarial finite rows and an ignored
+    position: the GPU branch (the vec kernels) against the CPU op."""
+    from tests.emulated_gpu.helpers import compare
+    rng = np.random.default_rng(channels + 2)
+    x, labels = _adversarial(rng, channels, np.float32)
+    keep = [0, 1, 2, 3, 4, 5, 8, 10]            # no NaN, no +inf, no bad label
+    x, labels = x[keep], labels[keep]
+    labels[3] = 6                                # a finite class of the -inf row
+    x, labels = x.reshape(2, 4, channels), labels.reshape(2, 4)
+    attrs = {"axis": -1, "ignore_label": IGNORE}
+    (loss, prob), _ = compare(device, "SoftmaxLoss", attrs, [x, labels],
+                              ["softmax_loss_forward_vec", "softmax_loss_mean"], np.float32)
+    assert np.isfinite(loss)
+    compare(device, "SoftmaxLossGrad", attrs, [np.asarray(0.7, np.float32), prob, labels],
+            ["softmax_loss_count", "softmax_loss_backward_vec"], np.float32, host_inputs=(0,))
