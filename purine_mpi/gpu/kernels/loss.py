@@ -80,7 +80,8 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None,
     loss = log(sum(exp(x - max))) - (x[label] - max) (-log prob[label],
     exact however small prob[label] is, as the CPU op), valid = 1, both 0 where
     label == ignore_label or pad_label. The batch-mean loss is
-    sum(loss) / sum(valid)."""
+    sum(loss) / sum(valid). ``rows_kernel``: the kernel for (N, C) rows of
+    at least ROW_BLOCK_CLASSES classes (cuda/softmax_loss.cu)."""
     cupy = import_cupy()
     x, labels, n, channels, inner = _class_layout(cupy, x, labels, "softmax_loss_forward",
                                                   "x", "logits")
@@ -100,14 +101,17 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None,
 
 
 def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, count=None,
-                          scale_factor=1.0, pad_label=None, rows_kernel="softmax_loss_backward_vec"):
+                          scale_factor=1.0, pad_label=None,
+                          rows_kernel="softmax_loss_backward_vec"):
     """Gradient of the summed loss times ``scale * scale_factor / count``:
     dx = scale * scale_factor / count * (prob - onehot), 0 at ignored
     positions (label ``ignore_label`` or ``pad_label``). ``scale`` is a
     number or a one-element CuPy array (e.g. the top gradient;
     ``scale_factor`` a number, e.g. 1 / positions), ``count``
     None or a one-element CuPy array (the valid count of
-    :func:`softmax_loss_count`): both stay on the device."""
+    :func:`softmax_loss_count`): both stay on the device. ``rows_kernel``:
+    the kernel for (N, C) rows of at least ROW_BLOCK_CLASSES classes (None:
+    the one-thread-per-element kernel, as for the other layouts)."""
     cupy = import_cupy()
     prob, labels, n, channels, inner = _class_layout(cupy, prob, labels,
                                                      "softmax_loss_backward", "prob", "prob")
