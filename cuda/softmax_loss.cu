@@ -233,6 +233,238 @@ __device__ void softmax_loss_backward_impl(long long total, const T* prob,
   }
 }
 
+// ------------------------------------------------ vectorized row kernels ---
+// softmax_loss_forward_vec / softmax_loss_backward_vec: the loss's kernels
+// for rows of many classes (inner == 1, C >= the block size: GPT's 16384 x
+// 50304 logits), made memory-bound; the `_rows` forward and the
+// one-thread-per-element backward stay (inner > 1, few classes, and
+// benchmarks/loss_kernel_gpu.py times old against new). Per row, a float
+// row whose base is 16-byte aligned the same way in x and in the output is
+// read and written four floats at a time (float4), each thread its own
+// chunks of four: a scalar head up to the first aligned element and a
+// scalar tail of fewer than four (C not a multiple of 4, an unaligned
+// base; a double row, or x and the output misaligned differently: all of
+// it the scalar way). Forward: each thread keeps a float maximum m and
+// sum d of exp(x - m), rescaled once per chunk of four (the chunk's
+// maximum first), not per element; the block combines the threads' (m,
+// d) in double in the fixed-order trees as `_rows` (the same bits every
+// run), then writes prob = exp(x - max) * (1 / sum) by the same chunks.
+// Each thread writes only what it read, after the trees' barriers, so
+// prob may be x. Backward: one block per tile of a row (4 * blockDim.x
+// elements; grid-stride over rows x tiles), the label read once per tile,
+// dx = scale * (prob - onehot) four at a time; dx may be prob.
+
+#ifdef __CUDACC__
+typedef float4 purine_float4;
+#else
+struct alignas(16) purine_float4 { float x, y, z, w; };
+#endif
+
+// How many elements of a row (x's at xr, the output's at yr) go the scalar
+// way before the first element where both are 16-byte aligned: C when the
+// row is not vectorized (a double, or x and y misaligned differently).
+template <typename T>
+__device__ __forceinline__ int vec_head(const T* xr, const T* yr, int channels) {
+  return channels;
+}
+template <>
+__device__ __forceinline__ int vec_head<float>(const float* xr, const float* yr,
+                                               int channels) {
+  const unsigned long long a = (unsigned long long)(const void*)xr;
+  const unsigned long long b = (unsigned long long)(const void*)yr;
+  if (((a ^ b) & 15ULL) != 0 || (a & 3ULL) != 0) return channels;
+  const int head = (int)(((16ULL - (a & 15ULL)) & 15ULL) / 4ULL);
+  return head < channels ? head : channels;
+}
+
+// One value into a thread's online (m, d): float, as the chunks.
+template <typename T>
+__device__ __forceinline__ void online_one(T v, T& m, T& d) {
+  if (v > m) {
+    d = d * exponential(m - v) + T(1);
+    m = v;
+  } else if (v != negative_infinity<T>()) {   // -inf adds 0 (not exp(-inf + inf))
+    d += exponential(v - m);
+  }
+}
+
+// Four values: their maximum first, one rescale of d, then four exps. A
+// NaN is passed over by the maximum and makes d NaN in the sum (as the
+// element-wise update: the row's loss and prob are NaN).
+__device__ __forceinline__ void online_four(float v0, float v1, float v2, float v3,
+                                            float& m, float& d) {
+  float lm = v0 > v1 ? v0 : v1;
+  const float l2 = v2 > v3 ? v2 : v3;
+  lm = lm > l2 ? lm : l2;
+  if (lm > m) {
+    d = d * expf(m - lm);   // m = -inf: 0 * 0
+    m = lm;
+  }
+  const float ninf = negative_infinity<float>();
+  d += (v0 != ninf ? expf(v0 - m) : 0.0f) + (v1 != ninf ? expf(v1 - m) : 0.0f) +
+       (v2 != ninf ? expf(v2 - m) : 0.0f) + (v3 != ninf ? expf(v3 - m) : 0.0f);
+}
+
+
+// The vector loops: this thread's chunks k = tid, tid + blockDim.x, ... of
+// `vectors` chunks of four at p (16-byte aligned); nothing for a double
+// (vec_head makes every double row scalar).
+template <typename T>
+__device__ __forceinline__ void vec_online(const T* p, int vectors, T& m, T& d) {}
+template <>
+__device__ __forceinline__ void vec_online<float>(const float* p, int vectors, float& m,
+                                                  float& d) {
+  const purine_float4* xv = (const purine_float4*)(const void*)p;
+  const int threads = blockDim.x;
+  int k = threadIdx.x;
+  // two chunks' loads in flight before their updates (the same order of
+  // updates, so the same bits, as one chunk at a time)
+  for (; k + threads < vectors; k += 2 * threads) {
+    const purine_float4 a = xv[k];
+    const purine_float4 b = xv[k + threads];
+    online_four(a.x, a.y, a.z, a.w, m, d);
+    online_four(b.x, b.y, b.z, b.w, m, d);
+  }
+  if (k < vectors) {
+    const purine_float4 a = xv[k];
+    online_four(a.x, a.y, a.z, a.w, m, d);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void vec_write(const T* p, int vectors, T largest, T inv_sum,
+                                          T* y) {}
+template <>
+__device__ __forceinline__ void vec_write<float>(const float* p, int vectors, float largest,
+                                                 float inv_sum, float* y) {
+  const purine_float4* xv = (const purine_float4*)(const void*)p;
+  purine_float4* yv = (purine_float4*)(void*)y;
+  for (int k = threadIdx.x; k < vectors; k += blockDim.x) {
+    purine_float4 v = xv[k];
+    v.x = expf(v.x - largest) * inv_sum;
+    v.y = expf(v.y - largest) * inv_sum;
+    v.z = expf(v.z - largest) * inv_sum;
+    v.w = expf(v.w - largest) * inv_sum;
+    yv[k] = v;
+  }
+}
+// chunk k (classes c0 .. c0 + 3) of dx = s * (prob - onehot(label))
+template <typename T>
+__device__ __forceinline__ void vec_grad(const T* p, long long k, long long c0,
+                                         long long label, T s, T* dx) {}
+template <>
+__device__ __forceinline__ void vec_grad<float>(const float* p, long long k, long long c0,
+                                                long long label, float s, float* dx) {
+  purine_float4 v = ((const purine_float4*)(const void*)p)[k];
+  v.x = s * (v.x - (c0 == label ? 1.0f : 0.0f));
+  v.y = s * (v.y - (c0 + 1 == label ? 1.0f : 0.0f));
+  v.z = s * (v.z - (c0 + 2 == label ? 1.0f : 0.0f));
+  v.w = s * (v.w - (c0 + 3 == label ? 1.0f : 0.0f));
+  ((purine_float4*)(void*)dx)[k] = v;
+}
+
+template <typename T>
+__device__ __forceinline__ T softmax_row_vec(const T* xr, int channels, T* yr,
+                                             double* shared, T* largest_out) {
+  const int head = vec_head(xr, yr, channels);
+  const int vectors = (channels - head) / 4;
+  const int tail = head + 4 * vectors;
+  const int tid = threadIdx.x, threads = blockDim.x;
+  T m = negative_infinity<T>();
+  T d = T(0);
+  for (int c = tid; c < head; c += threads) online_one(xr[c], m, d);
+  vec_online(xr + head, vectors, m, d);
+  for (int c = tail + tid; c < channels; c += threads) online_one(xr[c], m, d);
+  const double big = purine_block_max((double)m, shared);
+  const double sum = purine_block_sum((double)d * exp((double)m - big), shared);
+  const T largest = (T)big;
+  const T inv_sum = (T)(1.0 / sum);
+  for (int c = tid; c < head; c += threads) yr[c] = exponential(xr[c] - largest) * inv_sum;
+  vec_write(xr + head, vectors, largest, inv_sum, yr + head);
+  for (int c = tail + tid; c < channels; c += threads)
+    yr[c] = exponential(xr[c] - largest) * inv_sum;
+  *largest_out = largest;
+  return (T)log(sum);
+}
+
+// (N, C) rows only (inner 1); the arguments of softmax_loss_forward.
+template <typename T>
+__device__ void softmax_loss_forward_vec_impl(long long total, const T* x,
+                                              const long long* labels, int channels,
+                                              int inner, int ignore_label,
+                                              int has_ignore, int pad_label, int has_pad,
+                                              T* prob, T* loss, T* valid) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const long long base = index * (long long)channels;
+    const long long label = labels[index];
+    const bool skip = skipped(label, ignore_label, has_ignore, pad_label, has_pad);
+    const bool counted = !skip && label >= 0 && label < channels;
+    // read before the trees' barriers, so before any thread writes the row
+    const T picked = (counted && threadIdx.x == 0) ? x[base + label] : T(0);
+    T largest;
+    const T log_sum = softmax_row_vec(x + base, channels, prob + base, shared, &largest);
+    if (threadIdx.x == 0) {
+      position_loss(index, label, channels, skip, picked, log_sum, largest, loss, valid);
+    }
+  }
+}
+
+// (N, C) rows only; the arguments of softmax_loss_backward (total: N * C).
+// Launched with blockDim.x threads, grid-stride over N * tiles tiles.
+template <typename T>
+__device__ void softmax_loss_backward_vec_impl(long long total, const T* prob,
+                                               const long long* labels, int channels,
+                                               int inner, int ignore_label,
+                                               int has_ignore, int pad_label, int has_pad,
+                                               T scale_value, const T* scale_ptr,
+                                               int has_scale_ptr, const T* count_ptr,
+                                               int has_count_ptr, T* dx) {
+  T scale = has_scale_ptr ? scale_value * scale_ptr[0] : scale_value;
+  if (has_count_ptr) scale = scale / count_ptr[0];
+  const long long rows = total / channels;
+  const int threads = blockDim.x, tid = threadIdx.x;
+  const long long span = 4LL * threads;                    // elements a tile
+  const long long tiles = (channels + span - 1) / span;    // tiles a row
+  // tile t = row * tiles + tile, stepped by gridDim.x without a division a tile
+  const long long step_rows = gridDim.x / tiles, step_tiles = gridDim.x % tiles;
+  long long row = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  for (; row < rows; row += step_rows, tile += step_tiles) {
+    if (tile >= tiles) {
+      tile -= tiles;
+      if (++row >= rows) break;
+    }
+    const long long base = row * (long long)channels;
+    const long long label = labels[row];
+    const T s = skipped(label, ignore_label, has_ignore, pad_label, has_pad) ? T(0) : scale;
+    const T* pr = prob + base;
+    T* dr = dx + base;
+    const int head = vec_head(pr, (const T*)dr, channels);
+    const int vectors = (channels - head) / 4;
+    const int tail = head + 4 * vectors;
+    // tile `tile` covers vectors [tile * threads, (tile + 1) * threads), the
+    // first tile the head too, the last the tail; a tile past the vectors
+    // (a scalar row) covers elements [tile * span, (tile + 1) * span)
+    if (vectors == 0) {
+      for (long long c = tile * span + tid; c < channels && c < (tile + 1) * span;
+           c += threads)
+        dr[c] = s * (pr[c] - (c == label ? T(1) : T(0)));
+      continue;
+    }
+    if (tile == 0) {
+      for (int c = tid; c < head; c += threads)
+        dr[c] = s * (pr[c] - (c == label ? T(1) : T(0)));
+    }
+    if (tile == tiles - 1) {
+      for (int c = tail + tid; c < channels; c += threads)
+        dr[c] = s * (pr[c] - (c == label ? T(1) : T(0)));
+    }
+    const long long k = tile * threads + tid;
+    if (k < vectors) {
+      vec_grad(pr + head, k, head + 4 * k, label, s, dr + head);
+    }
+  }
+}
+
 // The batch mean in one block (a fixed-order tree in double, no atomics):
 //   out_loss = sum(loss) / max(sum(valid), 1)
 // and, when has_count, out_count = max(sum(valid), 1). Launched with one
@@ -508,6 +740,25 @@ PURINE_ACCURACY_ENTRY(f64, double)
                                   scale_value,                                  \
                                   scale_ptr, has_scale_ptr, count_ptr,          \
                                   has_count_ptr, dx);                           \
+  }                                                                             \
+  extern "C" __global__ void softmax_loss_forward_vec_##SUFFIX(                 \
+      long long total, const T* x, const long long* labels, int channels, int inner,  \
+      int ignore_label, int has_ignore, int pad_label, int has_pad, T* prob,    \
+      T* loss, T* valid) {                                                      \
+    softmax_loss_forward_vec_impl<T>(total, x, labels, channels, inner,         \
+                                     ignore_label, has_ignore, pad_label,       \
+                                     has_pad, prob, loss, valid);               \
+  }                                                                             \
+  extern "C" __global__ void softmax_loss_backward_vec_##SUFFIX(                \
+      long long total, const T* prob, const long long* labels, int channels,          \
+      int inner, int ignore_label, int has_ignore, int pad_label, int has_pad,  \
+      T scale_value, const T* scale_ptr, int has_scale_ptr, const T* count_ptr, \
+      int has_count_ptr, T* dx) {                                               \
+    softmax_loss_backward_vec_impl<T>(total, prob, labels, channels, inner,     \
+                                      ignore_label, has_ignore, pad_label,      \
+                                      has_pad, scale_value, scale_ptr,          \
+                                      has_scale_ptr, count_ptr, has_count_ptr,  \
+                                      dx);                                      \
   }                                                                             \
   extern "C" __global__ void softmax_loss_mean_##SUFFIX(                        \
       long long total, const T* loss, const T* valid, T* out_loss,              \

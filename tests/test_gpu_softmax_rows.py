@@ -48,7 +48,10 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("channels,n", [(300, 6), (1000, 6), (50304, 3)])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_softmax_loss_rows(device, channels, n, dtype, in_place):
+@pytest.mark.parametrize("kernel", ["softmax_loss_forward_vec", "softmax_loss_forward_rows"])
+def test_softmax_loss_rows(device, channels, n, dtype, in_place, kernel):
+    """The loss's kernel (the vectorized one) and the one before it (kept
+    for benchmarks/loss_kernel_gpu.py)."""
     rng = np.random.default_rng(channels)
     x = _logits(rng, n, channels, dtype)
     # labels owned by thread 0 of the emulator's 3-thread blocks (c % 3 ==
@@ -68,8 +71,8 @@ def test_softmax_loss_rows(device, channels, n, dtype, in_place):
     device.launched.clear()
     prob, loss, valid = kernels.softmax_loss_forward(
         xd, device.to_device(labels), IGNORE, out=(xd, None, None) if in_place else None,
-        pad_label=PAD)
-    assert device.launched == ["softmax_loss_forward_rows"]
+        pad_label=PAD, rows_kernel=kernel)
+    assert device.launched == [kernel]
     if in_place:
         assert prob is xd
     _close(device.to_host(prob), prob_want, dtype, "prob")
@@ -78,7 +81,7 @@ def test_softmax_loss_rows(device, channels, n, dtype, in_place):
     assert np.isnan(device.to_host(loss)).sum() == 1     # only the bad label
     if not in_place:   # a second run: the same bits (fixed-order trees, no atomics)
         again = kernels.softmax_loss_forward(xd, device.to_device(labels), IGNORE,
-                                             pad_label=PAD)
+                                             pad_label=PAD, rows_kernel=kernel)
         for a, b in zip((prob, loss, valid), again):
             np.testing.assert_array_equal(device.to_host(a), device.to_host(b))
 
@@ -169,7 +172,7 @@ def test_softmax_loss_op_takes_the_rows_kernel(device):
     x = (4 * rng.standard_normal((2, 3, 400))).astype(np.float32)
     label = rng.integers(0, 400, (2, 3))
     compare(device, "SoftmaxLoss", {"axis": -1}, [x, label],
-            ["softmax_loss_forward_rows", "softmax_loss_mean"], np.float32)
+            ["softmax_loss_forward_vec", "softmax_loss_mean"], np.float32)
 
 
 @pytest.mark.parametrize("channels", [12, 300])
@@ -201,7 +204,7 @@ def test_the_loss_ops_in_place_give_the_bits_of_separate_outputs(device, channel
         device.launched.clear()
         fwd.run([xd, lab], [loss, prob])
         assert (device.launched[:1] == ["softmax_loss_forward" + (
-            "_rows" if channels >= 256 else "")]) == on_device, device.launched
+            "_vec" if channels >= 256 else "")]) == on_device, device.launched
         got = {"loss": np.array(get(loss)), "prob": np.array(get(prob))}
         dloss = put(np.full((), 0.5, np.float32))
         dx = prob if in_place else put(np.full(x.shape, np.nan, np.float32))

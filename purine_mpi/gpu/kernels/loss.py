@@ -17,14 +17,22 @@ from .base import (_MAX_BLOCKS, _REDUCE_THREADS, _finish, _input, _int, _output,
 ROW_BLOCK_CLASSES = _REDUCE_THREADS
 
 
-def _per_position(func, dtype, channels, inner, positions, args):
+def _rows(channels, inner):
+    """Whether a position is a block's work: (N, C) rows of at least
+    ROW_BLOCK_CLASSES classes."""
+    return inner == 1 and channels >= ROW_BLOCK_CLASSES
+
+
+def _per_position(func, dtype, channels, inner, positions, args, rows_func=None):
     """Launch kernel ``func`` of cuda/softmax_loss.cu over ``positions``
     positions of ``channels`` classes (``args`` after the count): one block a
-    position (its ``_rows`` twin, same arguments) for rows of at least
-    ROW_BLOCK_CLASSES classes, else one thread a position."""
-    if inner == 1 and channels >= ROW_BLOCK_CLASSES and positions > 0:
-        _base._launch_blocks("softmax_loss", f"{func}_rows", dtype, min(positions, _MAX_BLOCKS),
-                             _REDUCE_THREADS, (np.int64(positions),) + tuple(args))
+    position (``rows_func``, by default its ``_rows`` twin, same arguments)
+    for rows of at least ROW_BLOCK_CLASSES classes, else one thread a
+    position."""
+    if _rows(channels, inner) and positions > 0:
+        _base._launch_blocks("softmax_loss", rows_func or f"{func}_rows", dtype,
+                             min(positions, _MAX_BLOCKS), _REDUCE_THREADS,
+                             (np.int64(positions),) + tuple(args))
     else:
         _base._launch("softmax_loss", func, dtype, positions, args)
 
@@ -63,7 +71,8 @@ def _class_layout(cupy, a, labels, func, arg, what):
     return a, _labels(cupy, labels, n * inner, func), n, channels, inner
 
 
-def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None):
+def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None,
+                         rows_kernel="softmax_loss_forward_vec"):
     """Fused softmax over axis 1 and cross-entropy -> ``(prob, loss, valid)``.
 
     ``x`` is (N, C, ...), ``labels`` holds one class per position (N, ...).
@@ -71,7 +80,8 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None)
     loss = log(sum(exp(x - max))) - (x[label] - max) (-log prob[label],
     exact however small prob[label] is, as the CPU op), valid = 1, both 0 where
     label == ignore_label or pad_label. The batch-mean loss is
-    sum(loss) / sum(valid)."""
+    sum(loss) / sum(valid). ``rows_kernel``: the kernel for (N, C) rows of
+    at least ROW_BLOCK_CLASSES classes (cuda/softmax_loss.cu)."""
     cupy = import_cupy()
     x, labels, n, channels, inner = _class_layout(cupy, x, labels, "softmax_loss_forward",
                                                   "x", "logits")
@@ -81,21 +91,27 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None)
     loss, loss_t = _output(cupy, loss_out, pos_shape, x.dtype, "softmax_loss_forward (loss)")
     valid, valid_t = _output(cupy, valid_out, pos_shape, x.dtype,
                              "softmax_loss_forward (valid)")
+    # rows of many classes: the vectorized kernel (``rows_kernel``
+    # "softmax_loss_forward_rows": the one before it, for
+    # benchmarks/loss_kernel_gpu.py)
     _per_position("softmax_loss_forward", x.dtype, channels, inner, n * inner,
                   (x, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
-                   prob, loss, valid))
+                   prob, loss, valid), rows_func=rows_kernel)
     return _finish(prob, prob_t), _finish(loss, loss_t), _finish(valid, valid_t)
 
 
 def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, count=None,
-                          scale_factor=1.0, pad_label=None):
+                          scale_factor=1.0, pad_label=None,
+                          rows_kernel="softmax_loss_backward_vec"):
     """Gradient of the summed loss times ``scale * scale_factor / count``:
     dx = scale * scale_factor / count * (prob - onehot), 0 at ignored
     positions (label ``ignore_label`` or ``pad_label``). ``scale`` is a
     number or a one-element CuPy array (e.g. the top gradient;
     ``scale_factor`` a number, e.g. 1 / positions), ``count``
     None or a one-element CuPy array (the valid count of
-    :func:`softmax_loss_count`): both stay on the device."""
+    :func:`softmax_loss_count`): both stay on the device. ``rows_kernel``:
+    the kernel for (N, C) rows of at least ROW_BLOCK_CLASSES classes (None:
+    the one-thread-per-element kernel, as for the other layouts)."""
     cupy = import_cupy()
     prob, labels, n, channels, inner = _class_layout(cupy, prob, labels,
                                                      "softmax_loss_backward", "prob", "prob")
@@ -107,9 +123,17 @@ def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, 
     else:
         _, count_ptr, has_count = _scalar_or_device(cupy, count, prob.dtype, prob,
                                                     "softmax_loss_backward: count")
-    _base._launch("softmax_loss", "softmax_loss_backward", prob.dtype, prob.size,
-            (prob, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
-             scale_value, scale_ptr, has_scale_ptr, count_ptr, has_count, dx))
+    args = (prob, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
+            scale_value, scale_ptr, has_scale_ptr, count_ptr, has_count, dx)
+    if _rows(channels, inner) and rows_kernel is not None and prob.size > 0:
+        # (N, C) rows of many classes: a block a tile of 4 * _REDUCE_THREADS
+        # classes of a row, four a thread (``rows_kernel`` None: one thread
+        # an element, the kernel before it, for benchmarks/loss_kernel_gpu.py)
+        tiles = n * (-(-channels // (4 * _REDUCE_THREADS)))
+        _base._launch_blocks("softmax_loss", rows_kernel, prob.dtype, min(tiles, _MAX_BLOCKS),
+                             _REDUCE_THREADS, (np.int64(prob.size),) + args)
+    else:
+        _base._launch("softmax_loss", "softmax_loss_backward", prob.dtype, prob.size, args)
     return _finish(dx, target)
 
 

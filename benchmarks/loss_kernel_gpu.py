@@ -1,0 +1,133 @@
+"""The GPT loss kernels on a GPU, the vectorized ones against the ones before
+them (cuda/softmax_loss.cu): forward ``softmax_loss_forward_vec`` against
+``softmax_loss_forward_rows``, backward ``softmax_loss_backward_vec``
+against the one-thread-per-element ``softmax_loss_backward``, on GPT-2's
+logits (16384 positions x 50304 classes, float32), interleaved in one
+process (CuPy events; rounds of ``--reps`` launches of each kernel in
+turn). JSON on stdout: per kernel the median ms of a launch over the
+rounds, the GB/s of the bytes it must move (forward: x read twice, prob
+written once, 12 bytes an element; backward: prob read, dx written, 8) and
+that rate's fraction of ``--bound-gbs`` (4800: an H200's HBM3e); and the
+new kernels' agreement with the old (prob and loss max abs difference over
+the first rows, dx bit for bit).
+
+    python benchmarks/loss_kernel_gpu.py [--rows 16384 --classes 50304]
+
+Needs CuPy and a GPU: without them it says so and exits 2."""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+FORWARD = ("softmax_loss_forward_rows", "softmax_loss_forward_vec")
+BACKWARD = (None, "softmax_loss_backward_vec")   # None: softmax_loss_backward
+
+
+def _timed(cupy, launch, reps):
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        launch()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / reps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=16384)
+    ap.add_argument("--classes", type=int, default=50304)
+    ap.add_argument("--reps", type=int, default=20, help="launches a kernel a round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bound-gbs", type=float, default=4800.0,
+                    help="the memory bound in GB/s (default an H200's 4800)")
+    ap.add_argument("--budget-s", type=float, default=60.0,
+                    help="no round starts after this many seconds (at least one runs)")
+    args = ap.parse_args(argv)
+    if min(args.rows, args.classes, args.reps, args.rounds) < 1:
+        print("loss_kernel_gpu.py: --rows, --classes, --reps and --rounds must be >= 1",
+              file=sys.stderr)
+        return 2
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:   # no CuPy, or no GPU
+        print(f"loss_kernel_gpu.py: needs CuPy and a GPU ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    from purine_mpi.gpu import kernels
+
+    began = time.monotonic()
+    n, c = args.rows, args.classes
+    # logits of spread +-3 made on the device (no host array of 3.3 GB):
+    # sin of a multiple of the index, the labels spread over the classes
+    x = cupy.asarray(3 * cupy.sin(cupy.arange(n * c, dtype=np.float32) * np.float32(0.7)))
+    x = x.reshape(n, c)
+    labels = cupy.asarray((cupy.arange(n, dtype=np.int64) * 7919) % c)
+    prob = cupy.empty_like(x)
+    dx = cupy.empty_like(x)
+    loss = cupy.empty((n,), np.float32)
+    valid = cupy.empty((n,), np.float32)
+    top = cupy.asarray(cupy.full((1,), 1.0, np.float32))   # the top gradient, on the device
+
+    def forward(kernel):
+        return lambda: kernels.softmax_loss_forward(x, labels, out=(prob, loss, valid),
+                                                    rows_kernel=kernel)
+
+    def backward(kernel):
+        return lambda: kernels.softmax_loss_backward(prob, labels, top, out=dx,
+                                                     scale_factor=1.0 / n, rows_kernel=kernel)
+
+    # agreement (and the first compile of each kernel)
+    check_rows = min(n, 512)
+    got = {}
+    for fk in FORWARD:
+        forward(fk)()
+        got[fk] = (cupy.asnumpy(prob[:check_rows]), cupy.asnumpy(loss))
+    for bk in BACKWARD:   # both of the same prob (the new forward's)
+        backward(bk)()
+        got[bk or "softmax_loss_backward"] = cupy.asnumpy(dx[:check_rows])
+    old_p, old_l = got[FORWARD[0]]
+    new_p, new_l = got[FORWARD[1]]
+    agreement = {
+        "prob_max_abs_diff": float(np.abs(new_p.astype(np.float64) - old_p).max()),
+        "loss_max_abs_diff": float(np.abs(new_l.astype(np.float64) - old_l).max()),
+        "dx_bitwise_equal": bool(np.array_equal(got["softmax_loss_backward"].view(np.uint32),
+                                                got[BACKWARD[1]].view(np.uint32))),
+        "rows_checked": check_rows}
+
+    launches = {k: forward(k) for k in FORWARD}
+    launches.update({(k or "softmax_loss_backward"): backward(k) for k in BACKWARD})
+    moved = {k: (12 if k in FORWARD else 8) * n * c for k in launches}
+    for launch in launches.values():   # warm-up
+        launch()
+    times = {k: [] for k in launches}
+    rounds = 0
+    while rounds < args.rounds and (rounds == 0 or time.monotonic() - began < args.budget_s):
+        for name, launch in launches.items():   # interleaved: each kernel once a round
+            times[name].append(_timed(cupy, launch, args.reps))
+        rounds += 1
+    results = {}
+    for name, ms in times.items():
+        med = float(np.median(ms))
+        gbs = moved[name] / (med * 1e-3) / 1e9
+        results[name] = {"ms": round(med, 4), "ms_rounds": [round(t, 4) for t in ms],
+                         "bytes": moved[name], "gb_per_s": round(gbs, 1),
+                         "fraction_of_bound": round(gbs / args.bound_gbs, 3)}
+    report = {
+        "benchmark": "loss_kernel_gpu", "rows": n, "classes": c, "dtype": "float32",
+        "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
+        "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
+        "kernels": results,
+        "forward_speedup": round(results[FORWARD[0]]["ms"] / results[FORWARD[1]]["ms"], 3),
+        "backward_speedup": round(results["softmax_loss_backward"]["ms"]
+                                  / results[BACKWARD[1]]["ms"], 3),
+        "agreement": agreement}
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
