@@ -60,7 +60,13 @@ WIDE = NET.replace("num_output: 13", "num_output: 14").replace("classes: 7", "cl
 
 
 def _rows(job, n, limits):
-    """{rank: its row of ``plan --json``}, and the ranks plan built."""
+    """{rank: its row of ``plan --json``}, and the ranks plan built: as
+    ``cmd_plan`` runs it, the ranks' dependencies and memory plans'
+    colourings shared by content (``shared_dependencies``,
+    ``shared_colourings``: ranks of unlike graphs must not take each
+    other's answers)."""
+    from purine_mpi.graph.core import shared_dependencies
+    from purine_mpi.runtime.memory_plan import shared_colourings
     from purine_mpi.tools import plan as plan_mod
     built = []
     real = plan_mod._offline_graphs
@@ -69,7 +75,8 @@ def _rows(job, n, limits):
         built.append(rank)
         return real(job, size, rank)
     import unittest.mock
-    with unittest.mock.patch.object(plan_mod, "_offline_graphs", counted):
+    with unittest.mock.patch.object(plan_mod, "_offline_graphs", counted), \
+            shared_dependencies(), shared_colourings():
         out, _ = run_plan(job, n, limits, as_json=True)
     return {r: k for k in json.loads(out)["ranks"] for r in k["ranks"]}, built
 
