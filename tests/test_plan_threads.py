@@ -161,7 +161,7 @@ def test_plan_is_what_two_ranks_on_two_cores_keep(tmp_path):
 
 
 def test_a_rank_alone_on_the_last_node_is_planned_at_its_own_threads(tmp_path, host_of):
-    """Above ``plan.ALL_RANKS`` ranks plan builds two and takes the others
+    """plan builds two ranks of data parallelism and takes the others
     as like them; ``--np 9 --ranks-per-node 2`` on nodes of 2 cores puts
     rank 8 alone on the last node, where the run gives it both cores (2
     threads: a K-cut matrix a piece after the first, 448 KiB) and no

@@ -5,9 +5,10 @@ same figure for its own rank, made before the workspaces are allocated.
 Each rank's graphs are built as the trainer builds them
 (``parallel.rank_graphs.build_rank_graphs``) for an offline world (no MPI,
 as ``graph --np N --rank R``), laid out by the trainer's memory plans, and
-counted by ``runtime/footprint.py``. With more than ``ALL_RANKS`` ranks only
-the ranks of the first two replicas are built: the other replicas hold what
-the second one holds (same stages, same tensor shards, same buckets); under
+counted by ``runtime/footprint.py``. Only the ranks of the first two
+replicas are built (at any count of ranks; before, every rank up to 8: the
+8 data-parallel ranks of gpt2_124m built 8 alike graphs): the other
+replicas hold what the second one holds (same stages, same tensor shards, same buckets); under
 ZeRO (scheme sharded), whose shards of a bucket differ in size where it
 does not divide by the ranks, a rank whose shards are cut as no rank built
 is cut is built too (``_alike``).
@@ -31,8 +32,6 @@ from ..base.progress_bar import human_bytes, parse_size
 from ..comm.mpi_transport import transport_bytes, transport_note
 from ..runtime.footprint import LABELS  # row labels as printed (train's start-up block's too)
 
-#: up to this many ranks, ``plan`` builds every one
-ALL_RANKS = 8
 
 def parse_bytes(text, option):
     """``80GiB``, ``512MiB``, ``24G`` (binary), ``16GB`` (decimal), ``1000``
@@ -542,9 +541,7 @@ def _alike(job, size):
     taken as like a rank of another stage), each other rank like the rank
     at its place in the second. Under ZeRO (scheme sharded) a rank is like
     it only where their shards are cut alike (``_zero_alike``)."""
-    if size <= ALL_RANKS:
-        return list(range(size)), {}
-    if job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
+    if size > 1 and job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
         from ..parallel.param_server import ps_layout
         lay = ps_layout(size, job.parallel.ps_ranks, job.path)
         built = lay["workers"][:2] + lay["servers"]
