@@ -245,3 +245,28 @@ def test_a_recompute_iteration_with_packed_masks_is_captured_and_allocates_nothi
     assert sorted(none) == sorted(full) == sorted(eager) and len(none) > 10
     assert [k for k in none if not (same_bits_any_nan(none[k], full[k]) and
                                     same_bits_any_nan(none[k], eager[k]))] == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_packed_kernels_cover_more_than_their_grid(device, monkeypatch, dtype):
+    """review (rmisc): a grid of one block (``_MAX_BLOCKS`` 1: 256 threads)
+    over 6,149 elements (769 bytes, a tail of 5 bits): the forward's
+    grid-stride loop over bytes (4 rounds) and the backward's over elements
+    (25 rounds) reach every element and byte, as the launch over 2**25 + 3
+    elements on the real grid of 65,535 x 256 threads must (2**22 + 1 bytes
+    in 1 round: the forward's loop is only taken past 2**27 elements)."""
+    from purine_mpi.gpu import kernels
+    from purine_mpi.gpu.kernels import base
+    monkeypatch.setattr(base, "_MAX_BLOCKS", 1)
+    on, back = device.to_device, device.to_host
+    n = 8 * 256 * 3 + 5
+    x = np.random.default_rng(4).standard_normal(n).astype(dtype)
+    key0, key1, ctr1 = dropout_keys(6, "l.drop")
+    keep = keep_mask((n,), RATIO, key0, key1, ctr1, 9)
+    y, bits = kernels.dropout_forward_packed(on(x), on(np.array([9], np.int64)), RATIO,
+                                             key0, key1, ctr1)
+    assert np.array_equal(back(bits), np.packbits(keep))
+    assert same_bits_any_nan(back(y), (x * keep.astype(dtype)) * dtype(1 / (1 - RATIO)))
+    dy = np.random.default_rng(5).standard_normal(n).astype(dtype)
+    dx = kernels.dropout_backward_packed(on(dy), on(np.packbits(keep)), RATIO)
+    assert same_bits_any_nan(back(dx), _reference_backward(dy, np.packbits(keep), RATIO))
