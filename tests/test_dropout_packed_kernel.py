@@ -270,3 +270,37 @@ def test_the_packed_kernels_cover_more_than_their_grid(device, monkeypatch, dtyp
     dy = np.random.default_rng(5).standard_normal(n).astype(dtype)
     dx = kernels.dropout_backward_packed(on(dy), on(np.packbits(keep)), RATIO)
     assert same_bits_any_nan(back(dx), _reference_backward(dy, np.packbits(keep), RATIO))
+
+
+def test_float16_packed_ops_on_the_device_take_the_generic_path(emulated):
+    """review (rmisc): float16, which no raw dropout kernel takes
+    (gpu/raw.raw_kernels), keeps the path before the packed kernels on a
+    device: the CPU ops' bits, with a float mask allocated by the forward
+    and an unpacked one by the gradient and the copy (docs/running.md says
+    so: such an iteration is not captured)."""
+    shape = (3, 5, 7)
+    x = np.random.default_rng(6).standard_normal(shape).astype(np.float16)
+    dy = np.random.default_rng(7).standard_normal(shape).astype(np.float16)
+    it = np.array(4, np.int64)
+
+    def run(device):
+        conv = _dev if device else np.array
+        fwd = _op_kernel("Dropout", {"ratio": RATIO, "packed_mask": True, "seed": 9})
+        grad = _op_kernel("DropoutGrad", {"ratio": RATIO, "packed_mask": True})
+        replay = _op_kernel("DropoutReplay", {"ratio": RATIO})
+        y, bits = conv(np.zeros(shape, np.float16)), conv(np.zeros((14,), np.uint8))
+        dx, y2 = conv(np.zeros(shape, np.float16)), conv(np.zeros(shape, np.float16))
+        Allocations.log, Allocations.counting = [], device
+        try:
+            fwd.run([conv(x), conv(it.reshape(1)) if device else it], [y, bits])
+            grad.run([conv(dy), bits], [dx])
+            replay.run([conv(x), bits], [y2])
+        finally:
+            Allocations.counting = False
+        return [np.array(a) for a in (y, bits, dx, y2)], list(Allocations.log)
+
+    (host, _), (device, allocated) = run(False), run(True)
+    assert all(same_bits_any_nan(h, d) for h, d in zip(host, device))
+    y, bits, dx, y2 = host
+    assert same_bits_any_nan(y2, y) and same_bits_any_nan(dx, _reference_backward(dy, bits, RATIO))
+    assert allocated, "float16 took an allocation-free path: say so in docs/running.md"
