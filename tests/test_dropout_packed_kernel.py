@@ -245,3 +245,62 @@ def test_a_recompute_iteration_with_packed_masks_is_captured_and_allocates_nothi
     assert sorted(none) == sorted(full) == sorted(eager) and len(none) > 10
     assert [k for k in none if not (same_bits_any_nan(none[k], full[k]) and
                                     same_bits_any_nan(none[k], eager[k]))] == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_packed_kernels_cover_more_than_their_grid(device, monkeypatch, dtype):
+    """review (rmisc): a grid of one block (``_MAX_BLOCKS`` 1: 256 threads)
+    over 6,149 elements (769 bytes, a tail of 5 bits): the forward's
+    grid-stride loop over bytes (4 rounds) and the backward's over elements
+    (25 rounds) reach every element and byte, as the launch over 2**25 + 3
+    elements on the real grid of 65,535 x 256 threads must (2**22 + 1 bytes
+    in 1 round: the forward's loop is only taken past 2**27 elements)."""
+    from purine_mpi.gpu import kernels
+    from purine_mpi.gpu.kernels import base
+    monkeypatch.setattr(base, "_MAX_BLOCKS", 1)
+    on, back = device.to_device, device.to_host
+    n = 8 * 256 * 3 + 5
+    x = np.random.default_rng(4).standard_normal(n).astype(dtype)
+    key0, key1, ctr1 = dropout_keys(6, "l.drop")
+    keep = keep_mask((n,), RATIO, key0, key1, ctr1, 9)
+    y, bits = kernels.dropout_forward_packed(on(x), on(np.array([9], np.int64)), RATIO,
+                                             key0, key1, ctr1)
+    assert np.array_equal(back(bits), np.packbits(keep))
+    assert same_bits_any_nan(back(y), (x * keep.astype(dtype)) * dtype(1 / (1 - RATIO)))
+    dy = np.random.default_rng(5).standard_normal(n).astype(dtype)
+    dx = kernels.dropout_backward_packed(on(dy), on(np.packbits(keep)), RATIO)
+    assert same_bits_any_nan(back(dx), _reference_backward(dy, np.packbits(keep), RATIO))
+
+
+def test_float16_packed_ops_on_the_device_take_the_generic_path(emulated):
+    """review (rmisc): float16, which no raw dropout kernel takes
+    (gpu/raw.raw_kernels), keeps the path before the packed kernels on a
+    device: the CPU ops' bits, with a float mask allocated by the forward
+    and an unpacked one by the gradient and the copy (docs/running.md says
+    so: such an iteration is not captured)."""
+    shape = (3, 5, 7)
+    x = np.random.default_rng(6).standard_normal(shape).astype(np.float16)
+    dy = np.random.default_rng(7).standard_normal(shape).astype(np.float16)
+    it = np.array(4, np.int64)
+
+    def run(device):
+        conv = _dev if device else np.array
+        fwd = _op_kernel("Dropout", {"ratio": RATIO, "packed_mask": True, "seed": 9})
+        grad = _op_kernel("DropoutGrad", {"ratio": RATIO, "packed_mask": True})
+        replay = _op_kernel("DropoutReplay", {"ratio": RATIO})
+        y, bits = conv(np.zeros(shape, np.float16)), conv(np.zeros((14,), np.uint8))
+        dx, y2 = conv(np.zeros(shape, np.float16)), conv(np.zeros(shape, np.float16))
+        Allocations.log, Allocations.counting = [], device
+        try:
+            fwd.run([conv(x), conv(it.reshape(1)) if device else it], [y, bits])
+            grad.run([conv(dy), bits], [dx])
+            replay.run([conv(x), bits], [y2])
+        finally:
+            Allocations.counting = False
+        return [np.array(a) for a in (y, bits, dx, y2)], list(Allocations.log)
+
+    (host, _), (device, allocated) = run(False), run(True)
+    assert all(same_bits_any_nan(h, d) for h, d in zip(host, device))
+    y, bits, dx, y2 = host
+    assert same_bits_any_nan(y2, y) and same_bits_any_nan(dx, _reference_backward(dy, bits, RATIO))
+    assert allocated, "float16 took an allocation-free path: say so in docs/running.md"

@@ -170,3 +170,44 @@ def test_calibration_cache_through_link_dotdot(tmp_path, monkeypatch):
         [os.path.realpath(tmp_path / "far" / "new")], folders
     assert json.load(open(tmp_path / "far" / "new" / "cal.json"))["key"] == "k"
     assert sorted(os.listdir(tmp_path / "work")) == ["link"]
+
+
+def test_one_big_dataset_under_many_names_is_refused_before_its_copies(tmp_path):
+    """review (rmisc): an 8 MiB dataset under 127 names (7 doubling groups,
+    far under MAX_SECTION_NAMES) made 1,016 MiB of copies (100 MB under
+    1,000 names: 100 GB); now the copies may be at most the bytes stored:
+    refused in one line with both figures, nothing copied (the peak stays
+    near the one read). A dataset under two names (a tied weight) still
+    loads, each name its own array. Before: ``pytest.raises`` failed (the
+    127 names loaded, peak 1,016 MiB)."""
+    import tracemalloc
+    from purine_mpi.job.checkpoint_file import load_checkpoint, load_params
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        groups = [f.create_group(f"params/g{i}") for i in range(7)]
+        groups[-1].create_dataset("w", data=np.ones(1 << 20))  # 8 MiB
+        for here, below in zip(groups, groups[1:]):
+            here["a"] = below
+            here["b"] = below
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError) as e:
+            load_params(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "1,065,353,216 bytes" in str(e.value) and "8,388,608 bytes stored" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert peak < 3 * (8 << 20), peak
+    ck = _checkpoint_with_doubling(tmp_path / "ck.h5", 1)
+    with h5py.File(ck, "a") as f:
+        f.create_dataset("params/big", data=np.ones(1 << 18, np.float32), fletcher32=True)
+        for i in range(3):
+            f[f"params/alias{i}"] = f["params/big"]
+    with pytest.raises(UserError, match=r"'/params' holds 4,194,3\d\d bytes of values"):
+        load_checkpoint(ck)
+    with h5py.File(ck, "a") as f:
+        del f["params/alias1"], f["params/alias2"]
+    params = load_params(ck)
+    params["alias0"][0] = 5
+    assert params["big"][0] == 1 and params["alias0"].shape == (1 << 18,)

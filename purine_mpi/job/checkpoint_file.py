@@ -511,6 +511,13 @@ def _read_section(f, section, path, checksummed=False, what="checkpoint"):
                         f"through second names (hard or soft links) of its "
                         f"{len(reader.groups):,} groups, more than the {MAX_SECTION_NAMES:,} a "
                         "section may hold; a purine_mpi file names each value once")
+    stored, given = sum(reader.nbytes.values()), reader.bytes[hash(f[section].id)]
+    if given - stored > max(stored, MIN_COPY_BYTES):
+        raise UserError(f"{what} '{path}' is refused: '/{section}' holds {given:,} bytes of "
+                        f"values under all their names (second names, hard or soft links, "
+                        f"each get a copy) for {stored:,} bytes stored; the copies may be at "
+                        f"most the bytes stored (or {MIN_COPY_BYTES:,}); a purine_mpi file "
+                        "names each value once")
     return reader.values(f[section])
 
 
@@ -520,6 +527,12 @@ def _read_section(f, section, path, checksummed=False, what="checkpoint"):
 #: names under each: groups each linking twice to the next hold 2**n names
 #: in n groups, which are counted (each group looked at once) and refused
 MAX_SECTION_NAMES = 100_000
+
+#: the copies a section's second names cost are bounded too: at most the
+#: bytes its datasets hold (or this many bytes, whichever is more), so that
+#: one big dataset under many names (100 MB under 1,000 names: 100 GB of
+#: copies, within MAX_SECTION_NAMES) is refused before any copy is made
+MIN_COPY_BYTES = 1 << 20
 
 
 class _Reader:
@@ -535,6 +548,8 @@ class _Reader:
         self.groups = {}   # group's key: [(name, what, key or value)], what "group", "dict", "data"
         self.counts = {}   # group's key: its names
         self.read = {}     # dataset's key: its value
+        self.nbytes = {}   # dataset's key: the bytes of its value (read once)
+        self.bytes = {}    # group's key: the bytes of its values under all their names
 
     def walk(self, group, where, above=()):
         """The names under ``group`` (``where``, a list, ends with its name:
@@ -544,7 +559,7 @@ class _Reader:
         if key in self.counts:  # walked in full (a cycle below it would have ended it)
             return self.counts[key]
         above = above + ((key, f"/{where[-1]}".rstrip("/") or "/"),)
-        entries, total = [], 0
+        entries, total, nbytes = [], 0, 0
         for name in group:
             where.append(f"{group.name.lstrip('/')}/{name}")
             obj = group[name]
@@ -555,6 +570,7 @@ class _Reader:
                 what = "dict" if kind == "dict" else "group"
                 entries.append((name, what, hash(obj.id)))
                 total += 1 if what == "dict" else count
+                nbytes += self.bytes[hash(obj.id)]
             else:
                 dkey = hash(obj.id)
                 if dkey not in self.read:
@@ -562,10 +578,12 @@ class _Reader:
                             and not obj.fletcher32:
                         raise Unchecked(where[-1])
                     self.read[dkey] = _read_dataset(obj, kind)
+                    self.nbytes[dkey] = int(obj.size or 0) * obj.dtype.itemsize
                 entries.append((name, "data", dkey))
                 total += 1
+                nbytes += self.nbytes[dkey]
             where.pop()
-        self.groups[key], self.counts[key] = entries, total
+        self.groups[key], self.counts[key], self.bytes[key] = entries, total, nbytes
         return total
 
     def values(self, group):
