@@ -55,6 +55,10 @@
 #                       cache: they come back with the reports
 #   probe.txt/.json     the probe's lines
 #   status.txt          "<stage> <step> <exit status>" for every step
+#   (about 17 files and the cache folder: where a batch system or a lent
+#   machine hands back only a few files, write them elsewhere and archive
+#   them in one: OUT=/tmp/gs benchmarks/gpu_session.sh all; tar czf
+#   RESULTS/gpu_session.tgz -C /tmp/gs --exclude=cache .)
 # Knobs: PYTHON (default python3), PYTEST_ARGS, BENCH_ARGS (extra
 # gpu_throughput.py arguments), FETCH_PYTHON_VERSION (default: the pins
 # file's python-version), STAGE_BUDGET_S (a stage's budget in seconds instead
