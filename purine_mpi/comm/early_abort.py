@@ -152,7 +152,7 @@ def install(environ=os.environ):
     does not say how many: ``mpiexec -pmi-port``, where a job of one rank
     ends 1 through MPI_Abort as it would without), unless a hook other than
     Python's own is in place already; returns whether it did."""
-    if launched_size(environ) < 2 and not size_untold(environ):
+    if not several_launched(environ):
         return False
     if sys.excepthook is not sys.__excepthook__:
         return False
