@@ -29,7 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
 from .mpi_init import _flush, import_mpi, libmpi_function, watch_notices
-from .mpi_init import remove_mpi_shm
+from .mpi_init import _abort_job, remove_mpi_shm
 from ..base.errors import write_line
 
 _WORLD = None
@@ -586,24 +586,6 @@ def _exit_unfinalized(code):
     _flush()
     remove_mpi_shm()
     os._exit(code)
-
-
-def _abort_job(MPI, code):
-    """MPI_Abort of the whole job with ``code``, MPICH's own "Abort(N) on
-    node R" line silenced (our message says it all) and its /dev/shm segment
-    removed first (MPI_Abort leaves it)."""
-    _silence_stderr()
-    remove_mpi_shm()
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
-
-
-def _silence_stderr():
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-    except OSError:
-        pass
 
 
 def _wait_for(request, seconds):
