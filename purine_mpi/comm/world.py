@@ -138,15 +138,11 @@ class World:
         rank = base.Get_rank()
         if comm is None and _error_comm(MPI, self.stall_timeout) is None:  # before any
             # other collective: see report_user_error
-            raise StallError(f"rank {rank}: {_DUP_WHAT} of MPI_COMM_WORLD stalled for more "
-                             f"than {self.stall_timeout:g} s at start-up: a peer rank never "
-                             "came (hung or slow before it)")
+            raise _dup_stalled(rank, "MPI_COMM_WORLD", self.stall_timeout)
         self.world_comm = base
         self.comm = _dup_polled(base, self.stall_timeout)
         if self.comm is None:
-            raise StallError(f"rank {rank}: {_DUP_WHAT} of the world's communicator stalled "
-                             f"for more than {self.stall_timeout:g} s at start-up: a peer "
-                             "rank never came (hung or slow before it)")
+            raise _dup_stalled(rank, "the world's communicator", self.stall_timeout)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         if comm is None:
@@ -382,7 +378,12 @@ class World:
         os._exit(code)
 
 
-_DUP_WHAT = "the duplicate (MPI_Comm_idup)"
+def _dup_stalled(rank, what, seconds):
+    """The StallError of a start-up duplicate of ``what`` that a peer never
+    came to within ``seconds`` (``_dup_polled``'s None)."""
+    return StallError(f"rank {rank}: the duplicate (MPI_Comm_idup) of {what} stalled for more "
+                      f"than {seconds:g} s at start-up: a peer rank never came (hung or slow "
+                      "before it)")
 
 
 def _dup_polled(comm, seconds):
