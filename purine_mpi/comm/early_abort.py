@@ -69,15 +69,10 @@ def abort(code):
     """Initialise MPI if needed and abort the whole job with ``code``; exits
     this process with ``code`` where MPI cannot be had."""
     try:
-        from .mpi_init import import_mpi
+        from .mpi_init import _abort_job, import_mpi
         MPI = import_mpi()
         if not MPI.Is_finalized():
-            try:
-                from .world import _abort_job
-            except BaseException:  # the failing import may be world's own
-                MPI.COMM_WORLD.Abort(code)
-            else:
-                _abort_job(MPI, code)
+            _abort_job(MPI, code)
     except BaseException:
         pass
     os._exit(code)
@@ -122,7 +117,7 @@ def interrupted():
     # comes twice -- raised a KeyboardInterrupt out of this function, and
     # out of the excepthook that called it: the rank ended 1 without ending
     # the job
-    from .mpi_init import _flush, notice_received
+    from .mpi_init import _abort_job, _flush, notice_received
     _flush()
     notice_received(signal.SIGINT)  # the watch's grace runs from now
     try:
@@ -138,12 +133,7 @@ def interrupted():
     except OSError:
         pass
     if up:
-        try:
-            from .world import _abort_job
-        except BaseException:
-            MPI.COMM_WORLD.Abort(INTERRUPTED)
-        else:
-            _abort_job(MPI, INTERRUPTED)
+        _abort_job(MPI, INTERRUPTED)
     os._exit(INTERRUPTED)
 
 
@@ -152,7 +142,7 @@ def install(environ=os.environ):
     does not say how many: ``mpiexec -pmi-port``, where a job of one rank
     ends 1 through MPI_Abort as it would without), unless a hook other than
     Python's own is in place already; returns whether it did."""
-    if launched_size(environ) < 2 and not size_untold(environ):
+    if not several_launched(environ):
         return False
     if sys.excepthook is not sys.__excepthook__:
         return False

@@ -195,13 +195,7 @@ def _ask_port_size(port, pmiid, wait_s):
         try:
             deadline = time.monotonic() + wait_s
             sock.sendall(f"cmd=initack pmiid={pmiid}\n".encode())
-            answer = b""
-            while b"cmd=set debug=" not in answer and time.monotonic() < deadline:
-                sock.settimeout(max(deadline - time.monotonic(), 0.01))
-                got = sock.recv(4096)
-                if not got:
-                    break
-                answer += got
+            answer = _recv_until(sock, b"cmd=set debug=", deadline)
             for field in answer.decode("ascii", "replace").split():
                 if field.startswith("size="):
                     try:
@@ -209,16 +203,24 @@ def _ask_port_size(port, pmiid, wait_s):
                     except ValueError:
                         pass
             sock.sendall(b"cmd=finalize\n")  # this rank leaves on purpose (see above)
-            ack = b""
-            while b"\n" not in ack and time.monotonic() < deadline:
-                sock.settimeout(max(deadline - time.monotonic(), 0.01))
-                got = sock.recv(256)
-                if not got:
-                    break
-                ack += got
+            _recv_until(sock, b"\n", deadline)  # the ack, awaited (see above)
         except OSError:
             pass
     return size if size is not None and size > 0 else None
+
+
+def _recv_until(sock, marker, deadline):
+    """The bytes ``sock`` sends until they hold ``marker``, it closes, or
+    ``time.monotonic()`` passes ``deadline`` (a timeout: OSError)."""
+    import time
+    got = b""
+    while marker not in got and time.monotonic() < deadline:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        more = sock.recv(4096)
+        if not more:
+            break
+        got += more
+    return got
 
 
 def check_launcher(environ=os.environ):

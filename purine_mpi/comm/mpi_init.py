@@ -332,3 +332,23 @@ def remove_mpi_shm():
                 os.unlink(path)
             except OSError:  # another rank of the node was first
                 pass
+
+
+def _abort_job(MPI, code):
+    """MPI_Abort of the whole job with ``code``, MPICH's own "Abort(N) on
+    node R" line silenced (our message says it all) and its /dev/shm segment
+    removed first (MPI_Abort leaves it). Here, not in world.py, so that
+    early_abort (which world's hook calls) reaches it without importing
+    world: no import circle (tests/test_layers.py)."""
+    _silence_stderr()
+    remove_mpi_shm()
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def _silence_stderr():
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass

@@ -29,7 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
 from .mpi_init import _flush, import_mpi, libmpi_function, watch_notices
-from .mpi_init import remove_mpi_shm
+from .mpi_init import _abort_job, remove_mpi_shm
 from ..base.errors import write_line
 
 _WORLD = None
@@ -138,15 +138,11 @@ class World:
         rank = base.Get_rank()
         if comm is None and _error_comm(MPI, self.stall_timeout) is None:  # before any
             # other collective: see report_user_error
-            raise StallError(f"rank {rank}: {_DUP_WHAT} of MPI_COMM_WORLD stalled for more "
-                             f"than {self.stall_timeout:g} s at start-up: a peer rank never "
-                             "came (hung or slow before it)")
+            raise _dup_stalled(rank, "MPI_COMM_WORLD", self.stall_timeout)
         self.world_comm = base
         self.comm = _dup_polled(base, self.stall_timeout)
         if self.comm is None:
-            raise StallError(f"rank {rank}: {_DUP_WHAT} of the world's communicator stalled "
-                             f"for more than {self.stall_timeout:g} s at start-up: a peer "
-                             "rank never came (hung or slow before it)")
+            raise _dup_stalled(rank, "the world's communicator", self.stall_timeout)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         if comm is None:
@@ -382,7 +378,12 @@ class World:
         os._exit(code)
 
 
-_DUP_WHAT = "the duplicate (MPI_Comm_idup)"
+def _dup_stalled(rank, what, seconds):
+    """The StallError of a start-up duplicate of ``what`` that a peer never
+    came to within ``seconds`` (``_dup_polled``'s None)."""
+    return StallError(f"rank {rank}: the duplicate (MPI_Comm_idup) of {what} stalled for more "
+                      f"than {seconds:g} s at start-up: a peer rank never came (hung or slow "
+                      "before it)")
 
 
 def _dup_polled(comm, seconds):
@@ -586,24 +587,6 @@ def _exit_unfinalized(code):
     _flush()
     remove_mpi_shm()
     os._exit(code)
-
-
-def _abort_job(MPI, code):
-    """MPI_Abort of the whole job with ``code``, MPICH's own "Abort(N) on
-    node R" line silenced (our message says it all) and its /dev/shm segment
-    removed first (MPI_Abort leaves it)."""
-    _silence_stderr()
-    remove_mpi_shm()
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
-
-
-def _silence_stderr():
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-    except OSError:
-        pass
 
 
 def _wait_for(request, seconds):

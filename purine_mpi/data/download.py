@@ -27,7 +27,7 @@ import urllib.request
 from ..base import env
 from ..base.errors import UserError
 from ..base.progress_bar import progress
-from ..base.runfiles import missing_folders
+from ..base.runfiles import folder_of, missing_folders
 
 #: the official archive of CIFAR-10's python version and its MD5
 #: (https://www.cs.toronto.edu/~kriz/cifar.html)
@@ -55,7 +55,7 @@ def fetch(url, path, md5, log=None, timeout=60):
     # resolved by the system (``link/../new/file``: beside the link's target,
     # not lexically as abspath reads it), and a dangling link in the way
     # refused, never its target made (realpath would make it)
-    folder = os.path.dirname(path) or "."
+    folder = folder_of(path)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:

@@ -434,7 +434,7 @@ def params_nbytes(path):
 
 def _group_nbytes(group, where, above=(), done=None):
     """The bytes of the datasets under ``group`` (``where``: its name), by
-    name (``_read_group``'s walk and its refusal of a cycle); ``done``: the
+    name (``_Reader.walk``'s walk and its refusal of a cycle); ``done``: the
     total of each group already counted (the hash of its id: its object),
     taken again under its other names, so that groups each linking twice to
     the next (2**n names in n groups) cost n looks, not 2**n."""
@@ -607,17 +607,15 @@ class _Reader:
         return out
 
 
-def _read_group(group, where, prefix="", checksummed=False, above=()):
-    """The values under ``group`` ({name: value}, ``prefix`` before each
-    name); ``where``, a list, ends with the name being read (for the
-    error); ``above``: the groups on the way here (their ids' hashes,
-    HDF5's object addresses), so that a group hard-linked into itself (a
+def _read_group(group, where):
+    """The values under ``group`` ({name: value}); ``where``, a list, ends
+    with the name being read (for the error). Each group is looked at once
+    and each dataset read once, and a group hard-linked into itself (a
     cycle, which no file we write has) is an error, not a recursion without
-    end. Each group is looked at once and each dataset read once
-    (``_Reader``)."""
-    reader = _Reader(checksummed)
-    reader.walk(group, where, above)
-    return {prefix + k: v for k, v in reader.values(group).items()}
+    end (``_Reader``)."""
+    reader = _Reader(False)
+    reader.walk(group, where)
+    return reader.values(group)
 
 
 def _read_dataset(dset, kind):

@@ -164,11 +164,6 @@ def load_job_of_checkpoint(path, overrides=(), check_files=False):
     return resolve_job(_parse(text, name), name, overrides, None, check_files)
 
 
-def _read(path):
-    """The parsed YAML of the config file at ``path``."""
-    return _read_lines(path)[0]
-
-
 def _read_lines(path):
     """(the parsed YAML of the config file at ``path``, the line of each of
     its keys: yamlread.read_yaml_lines' table, shared: not to be changed)."""

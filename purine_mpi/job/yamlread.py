@@ -278,8 +278,14 @@ def _line_counter(text):
     """mark -> its 1-based line as an editor counts it in ``text``."""
     if not isinstance(text, str) or not _ODD_BREAKS.search(text):
         return lambda mark: mark.line + 1
-    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]
+    starts = _line_starts(text)
     return lambda mark: bisect.bisect_right(starts, mark.index)
+
+
+def _line_starts(text):
+    """The index where each line of ``text`` begins, as an editor counts
+    lines (a line feed, a carriage return, or both, end one)."""
+    return [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]
 
 
 def _line(mark):
@@ -300,7 +306,7 @@ def _place(mark):
     buffer = getattr(mark, "buffer", None)
     if not isinstance(buffer, str) or not _ODD_BREAKS.search(buffer):
         return mark.line + 1, mark.column + 1
-    starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", buffer)]
+    starts = _line_starts(buffer)
     line = bisect.bisect_right(starts, mark.index)
     return line, mark.index - starts[line - 1] + 1
 
