@@ -8,8 +8,9 @@ turn). JSON on stdout: per kernel the median ms of a launch over the
 rounds, the GB/s of the bytes it must move (forward: x read twice, prob
 written once, 12 bytes an element; backward: prob read, dx written, 8) and
 that rate's fraction of ``--bound-gbs`` (4800: an H200's HBM3e); and the
-new kernels' agreement with the old (prob and loss max abs difference over
-the first rows, dx bit for bit).
+new kernels' agreement with the old (prob's max abs difference over the
+first ``rows_checked`` rows, loss's over every row, dx bit for bit over the
+first rows).
 
     python benchmarks/loss_kernel_gpu.py [--rows 16384 --classes 50304]
 

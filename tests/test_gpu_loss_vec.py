@@ -179,3 +179,42 @@ def test_the_loss_ops_take_the_vec_kernels_and_match_the_cpu_op(device, channels
     assert np.isfinite(loss)
     compare(device, "SoftmaxLossGrad", attrs, [np.asarray(0.7, np.float32), prob, labels],
             ["softmax_loss_count", "softmax_loss_backward_vec"], np.float32, host_inputs=(0,))
+
+
+@pytest.mark.parametrize("grid", [1, 2, 5, 11])
+@pytest.mark.parametrize("channels", [300, 1027])
+def test_the_vec_kernels_on_a_grid_smaller_than_the_work(device, monkeypatch, grid, channels):
+    """The grid-stride loops of both vec kernels, as on GPT's logits (16384
+    rows x 13 tiles a row: more tiles than the 65,535 blocks of a launch):
+    the grid capped at ``grid`` blocks (fewer than a row's tiles, and more
+    than one row's but not a multiple of them), the same bits as the full
+    grid's and as the kernels before them. On a GPU (256 threads a block)
+    the other tests launch the full grid; the emulated device runs 2 blocks
+    whatever the launch asks, so there every test strides."""
+    from purine_mpi.gpu.kernels import loss as loss_kernels
+    rng = np.random.default_rng(channels + grid)
+    x, labels = _adversarial(rng, channels, np.float32)
+    prob = rng.random((7, channels)).astype(np.float32)
+    blabels = np.array([0, channels - 1, 3, IGNORE, PAD, channels + 2, channels // 2])
+    lab, blab = device.to_device(labels), device.to_device(blabels)
+
+    def run():
+        f = kernels.softmax_loss_forward(device.to_device(x), lab, IGNORE, pad_label=PAD)
+        b = kernels.softmax_loss_backward(device.to_device(prob), blab, 0.7, IGNORE,
+                                          scale_factor=0.5, pad_label=PAD)
+        return [np.array(device.to_host(a)) for a in (*f, b)]
+
+    def old():
+        f = kernels.softmax_loss_forward(device.to_device(x), lab, IGNORE, pad_label=PAD,
+                                         rows_kernel="softmax_loss_forward_rows")
+        b = kernels.softmax_loss_backward(device.to_device(prob), blab, 0.7, IGNORE,
+                                          scale_factor=0.5, pad_label=PAD, rows_kernel=None)
+        return [np.array(device.to_host(a)) for a in (*f, b)]
+
+    full, before = run(), old()
+    monkeypatch.setattr(loss_kernels, "_MAX_BLOCKS", grid)
+    capped = run()
+    for what, a, b in zip(("prob", "loss", "valid", "dx"), capped, full):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=what)
+    np.testing.assert_array_equal(capped[3].view(np.uint32), before[3].view(np.uint32))
+    _close(capped[0], before[0], np.float32, "prob")

@@ -476,7 +476,7 @@ def _end_group(proc, signalled):
         pass
     proc.wait()
     if mapped:
-        _remove_shm(proc.pid, mapped)
+        _remove_shm(mapped)
     if proc.stdout is not None:
         proc.stdout.close()
 
@@ -511,9 +511,9 @@ def _group_shm(pgid):
     return out
 
 
-def _remove_shm(pgid, mapped):
-    """Remove the files of ``mapped`` (``_group_shm``, read before the group
-    ``pgid`` was killed) that are still there, are this user's, and that no
+def _remove_shm(mapped):
+    """Remove the files of ``mapped`` (``_group_shm``, read before its
+    process group was killed) that are still there, are this user's, and that no
     process maps any more (none outside the group shared them)."""
     files = set().union(*mapped.values())
     uid = os.getuid()
