@@ -547,12 +547,13 @@ def _alike(job, size):
         built = lay["workers"][:2] + lay["servers"]
         return built, {r: 1 for r in lay["workers"][2:]}
     from ..parallel.compose import layout_of
+    from ..parallel.schemes import scheme_of
     from .graph import _OfflineWorld
     lay = layout_of(job, _OfflineWorld(0, size))
     per = max(lay.stages * lay.tensor, 1)  # the ranks of one replica
     built = list(range(min(size, 2 * per)))
     like = {r: per + r % per for r in range(len(built), size)}
-    if job.parallel.scheme == "sharded" and like:
+    if scheme_of(job).shards_state and like:
         return _zero_alike(job, size, per, built, like)
     return built, like
 
@@ -983,10 +984,11 @@ def run_plan(job, size, limits, as_json=False, restore=None):
                                         _transport_of(alone))
                                  if len(c["ranks"]) == 1 else NODE_ADVICE))
     if like:
+        from ..parallel.schemes import scheme_of
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
                      ("worker rank 1 holds" if per == "worker" else
                       "the rank of the second replica at its place holds"
-                      if job.parallel.scheme != "sharded" else
+                      if not scheme_of(job).shards_state else
                       "the first rank past the first replica at its place whose ZeRO "
                       "shards are cut alike holds") +
                      (" (on a node of another count of ranks, what the rank built for "

@@ -267,7 +267,7 @@ class Composition:
 #: the capability attributes of ``Scheme`` (callers ask these, never the name)
 CAPABILITIES = ("staged", "exchanges_gradients", "allreduces", "servers", "micro_batches",
                 "gpu", "nccl", "one_sided", "deferrable", "defer_loss_readback",
-                "defers_update")
+                "defers_update", "shards_state")
 
 
 class Capability:
@@ -349,6 +349,10 @@ class Scheme:
     #: the CPU event dispatcher may finish the last allreduces and updates
     #: while the next iteration starts (parallel.defer_update)
     defers_update = Capability(True)
+    #: ZeRO: each rank holds its own shards of the optimizer state (and of the
+    #: gradients, weights), cut per bucket: ranks differ by where their shard
+    #: falls (tools/plan.py builds each cut apart)
+    shards_state = Capability(False)
 
     def job_scheme(self, job):
         """The registered scheme this one stands for: itself, or (a stand-in:

@@ -119,6 +119,8 @@ class Sharded(Hybrid):
                           "schedule", "tensor_parallel", "reduce_scatter")
     #: stage 3 on one node: the weights in one shared window (parallel/zero3_windows.py)
     one_sided = True
+    #: each rank its shards of every bucket (ZeRO)
+    shards_state = True
     #: the deferred tail knows allreduce buckets only
     deferrable = False
     defers_update = False
