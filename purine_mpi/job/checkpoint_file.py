@@ -569,7 +569,10 @@ class _Reader:
                 count = self.walk(obj, where, above)
                 what = "dict" if kind == "dict" else "group"
                 entries.append((name, what, hash(obj.id)))
-                total += 1 if what == "dict" else count
+                # a dict's names are expanded as a plain group's are (``values``):
+                # counted alike, so a dict over a chain of doubling groups is
+                # refused as the plain chain is (it counted as one name)
+                total += max(count, 1) if what == "dict" else count
                 nbytes += self.bytes[hash(obj.id)]
             else:
                 dkey = hash(obj.id)

@@ -178,9 +178,9 @@ def _read_lines(path):
                                       "(a binary file given as the config?)") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
+    _READ.pop(path, None)   # first: a file read again is no other file's room
     while len(_READ) >= 8:
         del _READ[next(iter(_READ))]
-    _READ.pop(path, None)
     _READ[path] = text
     return _parse_lines(text, path)
 
