@@ -8,7 +8,6 @@ names the ``--set``. Also: the folders a refused ``--out a/b/../c`` made
 are all removed; the names of a ``graph:`` refuse control characters; the
 unused-data-keys note applies the ``--set`` values once."""
 import os
-import textwrap
 
 import pytest
 

@@ -321,7 +321,6 @@ class Dropout(PhiloxStream, OpKernel):
 
     def run(self, ins, outs):
         x = ins[0]
-        xp = get_xp(x)
         if not _train(self.attrs):
             outs[0][...] = x
             return

@@ -676,7 +676,7 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     for k, unit in enumerate(order):
         i = pairs.index[unit]
         size = _aligned(units[unit][4], align)
-        f, l_ = first[i], last[i]
+        f = first[i]
         busy = _hard(pairs, i)
         busy = busy[where[busy] >= 0]
         offset = _fit(off_of[busy], end_of[busy], size, best_fit)
