@@ -123,6 +123,42 @@ def _calibration_child(pid):
     return None
 
 
+def _signal_the_auto_choice(tmp_path, launch, sig, preexec_fn=None):
+    """``train`` of NET under ``parallel.scheme: auto`` started by
+    ``launch`` (the command before ``python -m purine_mpi``), ``sig`` sent
+    to that process while the calibration's child runs: (its status, its
+    stderr), once the child is gone (5 s given) and with no
+    ``.calibration-*`` folder left in the run folder (asserted)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*launch, PYTHON, "-m", "purine_mpi", "train", str(job),
+                             "--out", str(out), "--iters", "20"],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    try:
+        child, deadline = None, time.monotonic() + 90
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = _calibration_child(proc.pid)
+            time.sleep(0.05)
+        assert child is not None, "the calibration's train child was never seen"
+        time.sleep(0.5)
+        assert _alive(child), "the calibration ended before the signal: make NET larger"
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        ended = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < ended:
+            time.sleep(0.05)
+        assert not _alive(child), f"the calibration child {child} outlived {launch or 'train'}"
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        assert not [p for p in left if p.startswith(".calibration-")], left
+        return proc.returncode, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
     """``parallel.scheme: auto`` under ``mpiexec -n 2`` (rank 0 calibrates,
     rank 1 waits for its choice), Ctrl-C to mpiexec (which passes SIGINT
@@ -134,35 +170,13 @@ def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
     stayed: ``['.calibration-<key>-<pid>', '.purine.lock']``)."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    job = tmp_path / "job.yaml"
-    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
-    out = tmp_path / "run"
 
     def ctrl_c_only():  # a background job's SIGINT may be ignored: Ctrl-C reaches mpiexec
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", str(job),
-                             "--out", str(out), "--iters", "20"],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_only)
-    try:
-        child, deadline = None, time.monotonic() + 90
-        while child is None and time.monotonic() < deadline and proc.poll() is None:
-            child = _calibration_child(proc.pid)
-            time.sleep(0.05)
-        assert child is not None, "the calibration's train child was never seen"
-        time.sleep(0.5)
-        assert _alive(child), "the calibration ended before the signal: make NET larger"
-        os.kill(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert not _alive(child), f"the calibration child {child} outlived mpiexec"
-        assert proc.returncode == 130, (proc.returncode, err)
-        assert "interrupted (SIGINT)" in err, err
-        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        assert not [p for p in left if p.startswith(".calibration-")], left
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    status, err = _signal_the_auto_choice(tmp_path, [MPIEXEC, "-n", "2"], signal.SIGINT,
+                                          ctrl_c_only)
+    assert status == 130, (status, err)
+    assert "interrupted (SIGINT)" in err, err
 
 
 def test_sigterm_during_the_auto_choice_ends_train_with_143(tmp_path):
@@ -172,36 +186,10 @@ def test_sigterm_during_the_auto_choice_ends_train_with_143(tmp_path):
     143 as a SIGTERM anywhere else in ``train`` does. Before, the choice's
     UserError ended it with 2, a config error's status, and the line said
     "plan --choose:" inside ``train`` (this test: ``assert 2 == 143``)."""
-    job = tmp_path / "job.yaml"
-    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
-    out = tmp_path / "run"
-    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", str(job),
-                             "--out", str(out), "--iters", "20"],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        child, deadline = None, time.monotonic() + 90
-        while child is None and time.monotonic() < deadline and proc.poll() is None:
-            child = _calibration_child(proc.pid)
-            time.sleep(0.05)
-        assert child is not None, "the calibration's train child was never seen"
-        time.sleep(0.5)
-        assert _alive(child), "the calibration ended before the signal: make NET larger"
-        os.kill(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-        ended = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < ended:
-            time.sleep(0.05)
-        assert not _alive(child), f"the calibration child {child} outlived train"
-        assert proc.returncode == 143, (proc.returncode, err)
-        assert "stopped by SIGTERM" in err and "plan --choose:" not in err, err
-        assert "Traceback" not in err, err
-        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        assert not [p for p in left if p.startswith(".calibration-")], left
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    status, err = _signal_the_auto_choice(tmp_path, [], signal.SIGTERM)
+    assert status == 143, (status, err)
+    assert "stopped by SIGTERM" in err and "plan --choose:" not in err, err
+    assert "Traceback" not in err, err
 
 
 def test_a_child_killed_after_its_grace_leaves_no_shared_memory(monkeypatch):
