@@ -607,6 +607,11 @@ class _Reader:
                     given.add(below)
                     into[prefix + name] = value
         fill(hash(group.id), "", out)
+        # a recursive closure is a cycle (fill -> its cell -> fill) holding
+        # this reader and every array it read until the next garbage
+        # collection: a load's arrays lingered after their caller dropped
+        # them (a second load peaked at both; tests/test_plan_rss.py)
+        fill = None  # noqa: F841
         return out
 
 
