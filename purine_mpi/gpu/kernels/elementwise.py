@@ -73,21 +73,31 @@ def dropout_backward(dy, mask, ratio, out=None, copy=None):
     ``out`` float32): also the bits of the bfloat16 nearest each dx, in the
     same pass (``dropout_backward_copy_f32``: ``to_bf16_bits_device`` of dx
     bit for bit)."""
+    def check_mask(cupy, dy):
+        checked = _input(cupy, mask, "dropout_backward: mask")
+        _same_as("dropout_backward", "dy", dy, mask=checked)
+        return checked
+    return _dropout_grad("dropout_backward", dy, check_mask, ratio, out, copy)
+
+
+def _dropout_grad(kernel, dy, check_mask, ratio, out, copy):
+    """dx = (dy * mask) / (1 - ratio) through ``kernel`` (``dropout_backward``
+    or ``dropout_backward_packed``, also the wrapper's name in its errors;
+    ``kernel``_copy_f32 with ``copy``): ``check_mask(cupy, dy)`` -> the mask
+    operand, checked against dy."""
     cupy = import_cupy()
     if not 0.0 <= float(ratio) < 1.0:
-        raise ValueError(f"dropout_backward: ratio must be in [0, 1), got {ratio}")
-    dy = _input(cupy, dy, "dropout_backward: dy")
-    mask = _input(cupy, mask, "dropout_backward: mask")
-    _same_as("dropout_backward", "dy", dy, mask=mask)
+        raise ValueError(f"{kernel}: ratio must be in [0, 1), got {ratio}")
+    dy = _input(cupy, dy, f"{kernel}: dy")
+    mask = check_mask(cupy, dy)
     if copy is not None:
-        _check_copy("dropout_backward", "dy", dy, out, copy)
-    dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward")
+        _check_copy(kernel, "dy", dy, out, copy)
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, kernel)
     scale = dy.dtype.type(1.0 / (1.0 - float(ratio)))
     if copy is not None:
-        _base._launch("dropout", "dropout_backward_copy_f32", None, dy.size,
-                      (dy, mask, scale, dx, copy))
+        _base._launch("dropout", f"{kernel}_copy_f32", None, dy.size, (dy, mask, scale, dx, copy))
     else:
-        _base._launch("dropout", "dropout_backward", dy.dtype, dy.size, (dy, mask, scale, dx))
+        _base._launch("dropout", kernel, dy.dtype, dy.size, (dy, mask, scale, dx))
     return _finish(dx, target)
 
 
@@ -135,22 +145,10 @@ def dropout_backward_packed(dy, bits, ratio, out=None, copy=None):
     kernel, no unpacked mask (``dropout_backward`` of the unpacked mask,
     bit for bit). ``copy`` as ``dropout_backward``'s
     (``dropout_backward_packed_copy_f32``). ``out`` may be dy."""
-    cupy = import_cupy()
-    if not 0.0 <= float(ratio) < 1.0:
-        raise ValueError(f"dropout_backward_packed: ratio must be in [0, 1), got {ratio}")
-    dy = _input(cupy, dy, "dropout_backward_packed: dy")
-    bits = _packed_bits(cupy, bits, dy.size, "dropout_backward_packed: bits")
-    if copy is not None:
-        _check_copy("dropout_backward_packed", "dy", dy, out, copy)
-    dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward_packed")
-    scale = dy.dtype.type(1.0 / (1.0 - float(ratio)))
-    if copy is not None:
-        _base._launch("dropout", "dropout_backward_packed_copy_f32", None, dy.size,
-                      (dy, bits, scale, dx, copy))
-    else:
-        _base._launch("dropout", "dropout_backward_packed", dy.dtype, dy.size,
-                      (dy, bits, scale, dx))
-    return _finish(dx, target)
+    return _dropout_grad("dropout_backward_packed", dy,
+                         lambda cupy, dy: _packed_bits(cupy, bits, dy.size,
+                                                       "dropout_backward_packed: bits"),
+                         ratio, out, copy)
 
 
 def philox_words(counter, key, blocks=1, rounds=10):
