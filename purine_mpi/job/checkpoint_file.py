@@ -591,28 +591,29 @@ class _Reader:
 
     def values(self, group):
         """{name: value} of the walked ``group``, as ``_read_group`` gives them."""
-        out, given = {}, set()
-
-        def fill(key, prefix, into):
-            for name, what, below in self.groups[key]:
-                if what == "group":  # a plain group: a '/' inside the names below
-                    fill(below, f"{prefix}{name}/", into)
-                elif what == "dict":
-                    into[prefix + name] = sub = {}
-                    fill(below, "", sub)
-                else:
-                    value = self.read[below]
-                    if below in given:
-                        value = copy.deepcopy(value)
-                    given.add(below)
-                    into[prefix + name] = value
-        fill(hash(group.id), "", out)
-        # a recursive closure is a cycle (fill -> its cell -> fill) holding
-        # this reader and every array it read until the next garbage
-        # collection: a load's arrays lingered after their caller dropped
-        # them (a second load peaked at both; tests/test_plan_rss.py)
-        fill = None  # noqa: F841
+        out = {}
+        self._fill(hash(group.id), "", out, set())
         return out
+
+    def _fill(self, key, prefix, into, given):
+        """``into`` given the values under the walked group ``key``, names
+        after ``prefix``; a dataset already in ``given`` is copied. A method,
+        not a closure inside ``values``: a recursive closure is a cycle (the
+        function, its cell) that held this reader and every array it read
+        until the next garbage collection, so a load's arrays outlived their
+        caller (tests/test_plan_rss.py: a second load measured 0.5 MB)."""
+        for name, what, below in self.groups[key]:
+            if what == "group":  # a plain group: a '/' inside the names below
+                self._fill(below, f"{prefix}{name}/", into, given)
+            elif what == "dict":
+                into[prefix + name] = sub = {}
+                self._fill(below, "", sub, given)
+            else:
+                value = self.read[below]
+                if below in given:
+                    value = copy.deepcopy(value)
+                given.add(below)
+                into[prefix + name] = value
 
 
 def _read_group(group, where):
