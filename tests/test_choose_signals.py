@@ -65,39 +65,20 @@ def test_a_signalled_choose_ends_its_calibration_child(tmp_path, sig):
     job = tmp_path / "job.yaml"
     job.write_text(NET)
     cal = tmp_path / "cal" / "calibration.json"
-    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
-                             "--choose", "--calibration", str(cal)],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        child, deadline = None, time.monotonic() + 60
-        while child is None and time.monotonic() < deadline and proc.poll() is None:
-            found = _children(proc.pid)
-            child = found[0] if found else None
-            time.sleep(0.02)
-        assert child is not None, "the calibration's train child was never seen"
-        time.sleep(0.5)  # the child under way (its imports, its run folder)
-        assert _alive(child), "the calibration ended before the signal: make NET larger"
-        os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=30)
-        ended = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < ended:
-            time.sleep(0.05)
-        assert not _alive(child), f"the calibration child {child} outlived plan --choose"
-        # the parent ends as the signal asks: SIGTERM its default (-15, the
-        # shell's 143), Ctrl-C the CLI's "interrupted" and 130
-        if sig == signal.SIGTERM:
-            assert proc.returncode == -signal.SIGTERM, (proc.returncode, err)
-        else:
-            assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err)
-        # the child's run folder is gone, and no calibration file was written
-        assert not cal.exists()
-        left = [p.name for p in cal.parent.iterdir()] if cal.parent.exists() else []
-        assert not [p for p in left if p.startswith(".calibration-")], left
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    status, err = _signal_the_calibration(
+        [PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2", "--choose",
+         "--calibration", str(cal)], sig, "plan --choose",
+        lambda pid: (_children(pid) or [None])[0], seen_within=60, ends_within=30)
+    # the parent ends as the signal asks: SIGTERM its default (-15, the
+    # shell's 143), Ctrl-C the CLI's "interrupted" and 130
+    if sig == signal.SIGTERM:
+        assert status == -signal.SIGTERM, (status, err)
+    else:
+        assert status == 130 and "interrupted" in err, (status, err)
+    # the child's run folder is gone, and no calibration file was written
+    assert not cal.exists()
+    left = [p.name for p in cal.parent.iterdir()] if cal.parent.exists() else []
+    assert not [p for p in left if p.startswith(".calibration-")], left
 
 
 def _descendants(pid):
@@ -123,40 +104,50 @@ def _calibration_child(pid):
     return None
 
 
-def _signal_the_auto_choice(tmp_path, launch, sig, preexec_fn=None):
-    """``train`` of NET under ``parallel.scheme: auto`` started by
-    ``launch`` (the command before ``python -m purine_mpi``), ``sig`` sent
-    to that process while the calibration's child runs: (its status, its
-    stderr), once the child is gone (5 s given) and with no
-    ``.calibration-*`` folder left in the run folder (asserted)."""
-    job = tmp_path / "job.yaml"
-    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
-    out = tmp_path / "run"
-    proc = subprocess.Popen([*launch, PYTHON, "-m", "purine_mpi", "train", str(job),
-                             "--out", str(out), "--iters", "20"],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+def _signal_the_calibration(argv, sig, what, find, seen_within, ends_within, preexec_fn=None):
+    """``argv`` started, ``sig`` sent to it 0.5 s after ``find(its pid)``
+    names its calibration child (within ``seen_within`` s): (its status,
+    its stderr) once it has ended (``ends_within`` s) and the child is gone
+    (5 s given; asserted, ``what`` naming the parent)."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     try:
-        child, deadline = None, time.monotonic() + 90
+        child, deadline = None, time.monotonic() + seen_within
         while child is None and time.monotonic() < deadline and proc.poll() is None:
-            child = _calibration_child(proc.pid)
+            child = find(proc.pid)
             time.sleep(0.05)
         assert child is not None, "the calibration's train child was never seen"
-        time.sleep(0.5)
+        time.sleep(0.5)  # the child under way (its imports, its run folder)
         assert _alive(child), "the calibration ended before the signal: make NET larger"
         os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=ends_within)
         ended = time.monotonic() + 5
         while _alive(child) and time.monotonic() < ended:
             time.sleep(0.05)
-        assert not _alive(child), f"the calibration child {child} outlived {launch or 'train'}"
-        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        assert not [p for p in left if p.startswith(".calibration-")], left
+        assert not _alive(child), f"the calibration child {child} outlived {what}"
         return proc.returncode, err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _signal_the_auto_choice(tmp_path, launch, sig, preexec_fn=None):
+    """``train`` of NET under ``parallel.scheme: auto`` started by
+    ``launch`` (the command before ``python -m purine_mpi``), ``sig`` sent
+    to that process while the calibration's child runs: (its status, its
+    stderr), once the child is gone and with no ``.calibration-*`` folder
+    left in the run folder (asserted)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(NET.replace("parallel: {scheme: data}", "parallel: {scheme: auto}"))
+    out = tmp_path / "run"
+    status, err = _signal_the_calibration(
+        [*launch, PYTHON, "-m", "purine_mpi", "train", str(job), "--out", str(out),
+         "--iters", "20"], sig, launch[0] if launch else "train", _calibration_child,
+        seen_within=90, ends_within=60, preexec_fn=preexec_fn)
+    left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert not [p for p in left if p.startswith(".calibration-")], left
+    return status, err
 
 
 def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
