@@ -237,23 +237,3 @@ def same_bits_any_nan(a, b):
         return False
     return np.array_equal(a.view(f"u{a.dtype.itemsize}")[~nan],
                           b.view(f"u{b.dtype.itemsize}")[~nan])
-
-
-#: why a kernel's float32 result can differ from NumPy's on a real GPU at a
-#: subnormal: CuPy compiles every RawModule with ``-ftz=true`` (appended
-#: unconditionally by cupy/cuda/compiler.py's ``_compile_with_cache_cuda``),
-#: so float32 arithmetic there flushes subnormal operands and results to
-#: zero. Seen on an H200 (2026-11-30): the bf16 copy kernels' adversarial
-#: tests got -0 / 0 where NumPy's rounding of the subnormal is 0x8080.
-CUPY_FTZ = ("CuPy compiles our kernels with -ftz=true: float32 arithmetic on the GPU "
-            "flushes subnormals that NumPy keeps (known, not yet fixed)")
-
-
-def xfail_on_cupy_ftz(request, device):
-    """Mark the running test an expected failure (strict) when ``device``
-    (tests/emulated_gpu/fixtures.py) is real CuPy: the day the kernels
-    compile without CuPy's -ftz=true it passes, fails as XPASS, and the
-    mark goes."""
-    import pytest
-    if getattr(device, "name", None) == "cupy":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=CUPY_FTZ))

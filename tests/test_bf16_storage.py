@@ -44,7 +44,7 @@ from purine_mpi.graph.core import Op
 from purine_mpi.ops.registry import make_kernel
 from tests.emulated_gpu.fixtures import device  # noqa: F401
 from tests.test_precision_device import _adversarial
-from tests.gpu_reference import same_bits_any_nan, xfail_on_cupy_ftz
+from tests.gpu_reference import same_bits_any_nan
 
 BF16 = "bfloat16"
 
@@ -332,7 +332,7 @@ def test_gelus_gradient_writes_dx_s_bits_over_a_bits_dy_or_x(device, over):
         np.testing.assert_array_equal(get(outs[1]), want[1])
 
 
-def test_the_gelu_gradient_copy_kernels_on_adversarial_values(request, device):
+def test_the_gelu_gradient_copy_kernels_on_adversarial_values(device):
     """The ``_copy`` GELU gradient kernels (dy and x float32 or bits) against
     the float32 kernel followed by to_bf16_bits_device, bit for bit, at an
     odd length: dx the same float32 and the copy its bits. Where x is 20
@@ -341,7 +341,6 @@ def test_the_gelu_gradient_copy_kernels_on_adversarial_values(request, device):
     test_precision_device._adversarial (ties both ways, carries into
     infinity, subnormals, infinities, NaNs with payloads in the low
     bits); elsewhere x runs over them too."""
-    xfail_on_cupy_ftz(request, device)
     from purine_mpi.gpu import kernels
     v = _adversarial()
     n = v.size // 2 * 2 - 1   # odd
@@ -557,7 +556,7 @@ def test_the_layer_norm_gradient_writes_dx_and_its_bits_in_one_pass(device, monk
                             [(s, "float64") for s, _ in in_shapes])
 
 
-def test_the_layer_norm_gradient_copy_kernels_on_adversarial_values(request, device):
+def test_the_layer_norm_gradient_copy_kernels_on_adversarial_values(device):
     """The ``_copy`` layer norm gradient kernels (dy float32 or bits, with
     and without dy * xhat) against the float32 kernel followed by
     to_bf16_bits_device, bit for bit: dx and dyxhat the same float32 and
@@ -567,7 +566,6 @@ def test_the_layer_norm_gradient_copy_kernels_on_adversarial_values(request, dev
     test_precision_device._adversarial (ties both ways, carries into
     infinity, subnormals; an infinity's or NaN's row is NaN); rows of 300
     random columns take every thread of a block and the row sums' tree."""
-    xfail_on_cupy_ftz(request, device)
     from purine_mpi.gpu import kernels
     put, get = device.to_device, (lambda a: np.asarray(device.to_host(a)))
     v = _adversarial()
@@ -613,7 +611,7 @@ def test_the_layer_norm_gradient_copy_kernels_on_adversarial_values(request, dev
 
 
 @pytest.mark.parametrize("n", [1003, 4096])
-def test_the_redrawn_dropout_gradient_writes_dx_and_its_bits_in_one_pass(request, device, n):
+def test_the_redrawn_dropout_gradient_writes_dx_and_its_bits_in_one_pass(device, n):
     """DropoutRedrawGrad with ``bits_copy: [0]`` (parallel/precision.
     fold_copies: a residual dropout's dx, read as float32 by the projection's
     bias gradient and as bits by its data and weight gradients): dx the
@@ -624,7 +622,6 @@ def test_the_redrawn_dropout_gradient_writes_dx_and_its_bits_in_one_pass(request
     kernel against dropout_apply + to_bf16_bits_device on adversarial
     values (kept ones scaled, dropped ones 0 or NaN). The op infers a
     float32 dx and a bits copy; a copy of a float64 dx is refused."""
-    xfail_on_cupy_ftz(request, device)
     from purine_mpi.base.errors import ShapeError
     from purine_mpi.base.philox import dropout_keys
     from purine_mpi.gpu import kernels

@@ -20,7 +20,7 @@ from purine_mpi.gpu.kernels import ENTRY_POINTS, PLAIN_ENTRY_POINTS
 NVCC = shutil.which("nvcc")
 ARCHS = ("sm_80", "sm_90")
 SOURCES = sorted(path.stem for path in gpu.CUDA_DIR.glob("*.cu"))
-# CuPy compiles RawModules as C++14 unless told otherwise: compile the same.
+# C++14 (CuPy 14 compiles as C++17: the sources stay C++14-clean).
 NVCC_FLAGS = ("-std=c++14", "--ptx", "-Werror", "all-warnings")
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
@@ -28,8 +28,8 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 
 def _compile(name, arch, out_dir, extra=None, tag=""):
     """nvcc of cuda/<name>.cu with the loader's options for it
-    (``gpu.SOURCE_OPTIONS``), or ``extra`` instead."""
-    extra = gpu.SOURCE_OPTIONS.get(name, ()) if extra is None else extra
+    (``gpu.compile_options``: ``-ftz=false`` included), or ``extra`` instead."""
+    extra = gpu.compile_options(name) if extra is None else extra
     # One source file per (name, arch): the two archs of a file compile at the
     # same time, and a shared file could be read by one nvcc while the other
     # thread truncates and rewrites it (an empty PTX, seen in CI).
@@ -100,3 +100,24 @@ def test_the_solver_updates_round_every_operation(compiled, name, tmp_path):
     returncode, output, contracted = _compile(name, "sm_90", tmp_path, extra=(), tag=".fmad")
     assert returncode == 0, output
     assert _FMA.search(contracted), f"cuda/{name}.cu has no fma even with contraction"
+
+
+#: a float32 instruction that flushes subnormals (add.ftz.f32, setp.lt.ftz.f32, ...);
+#: not libdevice's approximations (ex2.approx.ftz.f32, rcp.approx.ftz.f32 inside
+#: expf and division: there with -ftz=false too, on arguments it scaled itself)
+_FTZ = re.compile(r"^\s*(?![\w.]*approx)[\w.]*\.ftz\.[\w.]*f32\b", re.MULTILINE)
+
+
+@needs_nvcc
+def test_no_source_flushes_subnormals(compiled, tmp_path):
+    """With the loader's options (``-ftz=false``, gpu.COMMON_OPTIONS) no
+    float32 instruction of any source flushes subnormals to zero, as NumPy
+    keeps them; compiled with CuPy's ``-ftz=true`` (what a RawModule adds
+    after the caller's options) the activations do: the check can fail."""
+    flushing = [name for (name, arch), (_, _, ptx) in compiled.items()
+                if arch == "sm_90" and _FTZ.search(ptx)]
+    assert not flushing, f"flush-to-zero float32 instructions in the PTX of {flushing}"
+    returncode, output, ptx = _compile("activation", "sm_90", tmp_path,
+                                       extra=("-ftz=false", "-ftz=true"), tag=".ftz")
+    assert returncode == 0, output
+    assert _FTZ.search(ptx), "-ftz=true gave no .ftz.f32 instruction in cuda/activation.cu"

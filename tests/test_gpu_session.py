@@ -8,15 +8,20 @@ import json
 import os
 import pathlib
 import re
+import signal
 import stat
 import subprocess
 import sys
+import tarfile
+import time
+
+import pytest
 
 from tests.conftest import REPO, cli_env
 
 BENCH = pathlib.Path(REPO) / "benchmarks"
 SCRIPT, PROBE, PINS = BENCH / "gpu_session.sh", BENCH / "gpu_probe.py", BENCH / "gpu_wheels.txt"
-STAGES = ["probe", "tests", "bench-quick", "bench", "dp", "plans", "gpt"]
+STAGES = ["tests", "gpt", "bench", "probe", "bench-quick", "dp", "plans"]   # `all`
 
 
 def _session(*args, env=None, timeout=120):
@@ -29,23 +34,38 @@ def _pins():
     return dict(line.split("==") for line in lines if line and not line.startswith("#"))
 
 
-def test_plan_lists_the_stages_in_order_within_their_budgets(tmp_path):
+def test_plan_lists_the_stages_in_order_and_the_calls_they_need(tmp_path):
     res = _session("--plan")
     assert res.returncode == 0, res.stderr
-    rows = [line.split() for line in res.stdout.splitlines()[1:]]
-    assert [r[0] for r in rows[:-1]] == STAGES and rows[-1][0] == "total"
-    budgets = [int(r[1].rstrip("s")) for r in rows[:-1]]
-    assert all(0 < b <= 600 for b in budgets) and budgets[0] <= 120   # install + probe
-    # all of them in one call: a lent machine's start costs minutes of a short lease
-    assert int(rows[-1][1].rstrip("s")) == sum(budgets) <= 600
-    for bad in (("bogus",), ("probe", "bogus"), ("all", "probe")):
-        res = _session(*bad)   # refused before any stage runs
+    lines = res.stdout.splitlines()
+    total_at = next(i for i, line in enumerate(lines) if line.startswith("total"))
+    rows = [line.split() for line in lines[1:total_at]]
+    assert [r[0] for r in rows] == STAGES
+    budgets = dict((r[0], int(r[1].rstrip("s"))) for r in rows)
+    assert all(0 < b <= 600 for b in budgets.values()) and budgets["probe"] <= 120
+    # each row says how long the stage took on an H200 (seconds, then when)
+    assert all(re.fullmatch(r"\d+[+?]?", r[2]) and r[3] == "s" for r in rows), rows
+    assert int(lines[total_at].split()[1].rstrip("s")) == sum(budgets.values())
+    # the calls: every stage once, in order, each call's budgets within 590 s
+    calls = [line.split()[1:] for line in lines[total_at + 2:]]
+    assert [line.split()[0] for line in lines[total_at + 2:]] == \
+        ["benchmarks/gpu_session.sh"] * len(calls)
+    assert sum(calls, []) == STAGES and len(calls) == 2
+    assert all(sum(budgets[s] for s in call) <= 590 for call in calls), calls
+    for bad in (("bogus",), ("probe", "bogus"), ("all", "probe"), ("--plan", "x"),
+                ("--stage",)):
+        res = _session(*bad, env={"OUT": str(tmp_path / "o"), "WORK": str(tmp_path / "w")})
         assert res.returncode == 2 and "usage" in res.stderr and not res.stdout, bad
-    for budget in ("abc", "0", "-5", "1.5"):   # refused before anything is written
-        res = _session("probe", env={"STAGE_BUDGET_S": budget, "OUT": str(tmp_path / "o")})
-        assert res.returncode == 2 and not res.stdout and not (tmp_path / "o").exists(), budget
-        assert res.stderr.strip().endswith(f"STAGE_BUDGET_S must be a whole number of "
-                                           f"seconds (> 0), not '{budget}'"), res.stderr
+        assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists(), bad
+    for name in ("STAGE_BUDGET_S", "CALL_BUDGET_S"):
+        for budget in ("abc", "0", "-5", "1.5"):   # refused before anything is written
+            res = _session("probe", env={name: budget, "OUT": str(tmp_path / "o"),
+                                         "WORK": str(tmp_path / "w")})
+            assert res.returncode == 2 and not res.stdout and not (tmp_path / "o").exists()
+            assert res.stderr.strip().endswith(f"{name} must be a whole number of "
+                                               f"seconds (> 0), not '{budget}'"), res.stderr
+    res = _session("probe", env={"OUT": str(tmp_path / "o"), "WORK": str(tmp_path / "o/w")})
+    assert res.returncode == 2 and "must not be inside OUT" in res.stderr
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
@@ -106,11 +126,22 @@ def test_probe_stage_installs_only_what_is_missing_and_records_the_environment(t
     60 s budget is a GPU machine's: on a loaded 2-core machine install +
     env.txt + probe took over it and the probe was cut (``probe probe 124``,
     no probe.json), so the stage gets 300 s here (STAGE_BUDGET_S)."""
-    out = tmp_path / "out"
-    res = _session("probe", env={"OUT": str(out), "WHEELS": str(tmp_path / "none"),
+    out, back = tmp_path / "work", tmp_path / "out"
+    res = _session("probe", env={"OUT": str(back), "WORK": str(out),
+                                 "WHEELS": str(tmp_path / "none"),
                                  "PYTHON": sys.executable, "PIP_FIND_LINKS": "",
                                  "STAGE_BUDGET_S": "300"}, timeout=330)
     assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr
+    # what comes back: the archive of the work folder (no cache) and the summary
+    assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]
+    with tarfile.open(back / "gpu_session.tgz") as tar:
+        names = {name.lstrip("./") for name in tar.getnames()}
+    assert {"install.log", "status.txt", "env.txt", "probe.txt", "probe.json",
+            "stages.txt", "summary.txt"} <= names and not any("cache" in n for n in names)
+    summary = (back / "summary.txt").read_text()
+    assert re.search(r"^probe failed\(1\) \d+ \(budget 300 s\)$", summary, re.M), summary
+    assert "probe install_deps 1" in summary and re.search(r"^probe: \d+ of 10 PASS$",
+                                                           summary, re.M), summary
     _check_lines(res.stdout.split("probe install")[0])
     log = (out / "install.log").read_text()
     assert "kept the image's 4.1.2 for mpi4py==4.1.2" in log
@@ -160,3 +191,100 @@ def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypa
     assert "cudaErrorStreamCaptureUnsupported" in results["abort-capture"][1], results
     blas.reset()
     cudnn.reset()
+
+
+def _stub_python(tmp_path, pytest_sleeps=False):
+    """An interpreter standing in for the GPU machine's: ``-m pytest``
+    records its pid, then writes a pytest tally and a JUnit XML (one
+    passing GPU-only check) or (``pytest_sleeps``) sleeps 300 s; pip (the
+    install, pip list) and env.txt's script say one line (seconds each on a
+    loaded CPU otherwise); anything else is the real interpreter."""
+    stub = tmp_path / "python"
+    act = "exec sleep 300" if pytest_sleeps else """
+  for a in "$@"; do case "$a" in --junitxml=*) xml="${a#--junitxml=}" ;; esac; done
+  echo '<testsuites><testsuite><testcase classname="tests.test_gpu_kernel_options" \
+name="test_a_kernel_keeps_subnormals_on_the_gpu"/></testsuite></testsuites>' > "$xml"
+  echo "1 passed in 0.01s"
+  exit 0"""
+    stub.write_text(f"""#!/bin/sh
+if [ "$1 $2" = "-m pip" ] || [ "$*" = "-" ]; then
+  cat > /dev/null; echo "stand-in python: $*"; exit 0
+fi
+if [ "$1 $2" = "-m pytest" ]; then
+  echo $$ > {tmp_path}/pytest.pid
+  {act}
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    return stub
+
+
+def _archived(back):
+    with tarfile.open(back / "gpu_session.tgz") as tar:
+        return {name.lstrip("./") for name in tar.getnames()}
+
+
+def _wait_for(predicate, runner, deadline):
+    while not predicate():
+        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+        time.sleep(0.5)
+
+
+def test_a_call_killed_mid_stage_still_leaves_the_stages_done_packed(tmp_path):
+    """``plans tests``: the plans stage ends (failing: no GPU here) and its
+    reports are packed at once; the call is killed (TERM, as the device
+    tool at its limit) while the tests stage's pytest runs: that pytest is
+    ended with it, and $OUT holds the archive (both stages' files so far,
+    no cache) and the summary saying so, nothing else."""
+    work, back = tmp_path / "work", tmp_path / "out"
+    env = dict(cli_env(), OUT=str(back), WORK=str(work),
+               PYTHON=str(_stub_python(tmp_path, pytest_sleeps=True)),
+               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
+    runner = subprocess.Popen(["bash", str(SCRIPT), "plans", "tests"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        _wait_for(lambda: (back / "summary.txt").is_file(), runner, deadline)
+        assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]
+        assert {"cudnn_plans.json", "cudnn_plans.log", "status.txt"} <= _archived(back)
+        _wait_for(lambda: (tmp_path / "pytest.pid").is_file(), runner, deadline)
+        runner.send_signal(signal.SIGTERM)
+        stdout, stderr = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == 143, (stdout, stderr)
+    assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]
+    names = _archived(back)
+    assert {"cudnn_plans.json", "env.txt", "stages.txt", "summary.txt"} <= names
+    assert not any("cache" in n for n in names), names
+    summary = (back / "summary.txt").read_text()
+    assert re.search(r"^plans failed\(\d+\) \d+ \(budget 200 s\)$", summary, re.M), summary
+    assert re.search(r"^tests killed\(TERM\) \d+$", summary, re.M), summary
+    assert "cudnn_plans.json: empty" in summary
+    time.sleep(1)
+    pid = int((tmp_path / "pytest.pid").read_text())
+    with pytest.raises(ProcessLookupError):   # the stage's pytest was ended too
+        os.kill(pid, 0)
+
+
+def test_a_stage_that_does_not_fit_the_call_is_skipped_and_said(tmp_path):
+    """CALL_BUDGET_S=20: the first stage gets the 20 s (not its 120), the
+    second has under 20 s left and is skipped, which the summary says, and
+    the exit status is 124."""
+    work, back = tmp_path / "work", tmp_path / "out"
+    res = _session("tests", "plans", env={
+        "OUT": str(back), "WORK": str(work), "PYTHON": str(_stub_python(tmp_path)),
+        "WHEELS": str(tmp_path / "none"), "PIP_FIND_LINKS": "", "CALL_BUDGET_S": "20"},
+        timeout=120)
+    assert res.returncode == 124, res.stderr
+    summary = (back / "summary.txt").read_text()
+    assert re.search(r"^tests ok \d+ \(budget 20 s\)$", summary, re.M), summary
+    assert re.search(r"^plans skipped\(call-budget\) 0 \(\d+ s of CALL_BUDGET_S=20 left\)$",
+                     summary, re.M), summary
+    assert not (work / "cudnn_plans.json").exists()
+    assert "pytest -m gpu: 1 passed in 0.01s" in summary
+    assert "GPU-only check test_gpu_kernel_options: 1 passed" in summary
+    assert "GPU-only check test_gpu_loss_vec: not run" in summary
+    assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]

@@ -159,7 +159,7 @@ VARS = {v.name: v for v in [
     Var("PURINE_CUBLAS_WORKSPACE_MB", "a number of MiB >= 0", 32.0, _non_negative_number,
         "each cuBLAS handle's workspace", gpu_only=True),
     Var("PURINE_CACHE_DIR", "a folder path", None, _text,
-        "the cache of timed cuDNN plans", gpu_only=True),
+        "the cache of timed cuDNN plans and compiled CUDA kernels", gpu_only=True),
     Var("PURINE_CUDA_DIR", "a folder path", None, _text,
         "the CUDA sources", gpu_only=True),
     Var("PURINE_CIFAR10_URL", "a URL", None, _text,

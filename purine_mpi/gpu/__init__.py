@@ -13,18 +13,24 @@ so the Python side picks a kernel by name without C++ name mangling::
     kernel = get_function(module, "maxpool_forward", x.dtype)
     kernel((blocks,), (256,), args)                      # on the current stream
 
-The source is compiled by NVRTC (through CuPy) on first use and cached per
-(name, device, options); CuPy also keeps the binary in its on-disk kernel
-cache, so later processes skip the compile. A ``#line 1 "<file>"`` directive
-is prepended so compile errors name the real file and line.
+The source is compiled by NVRTC (CuPy's ``compile_using_nvrtc``, with the
+options CuPy's RawModule would use, but without the ``-ftz=true`` CuPy adds
+to every RawModule: see ``COMMON_OPTIONS``) on first use, cached per (name,
+device, options) in the process and as a binary in
+``$PURINE_CACHE_DIR/kernels/`` (keyed by source, options, CuPy and NVRTC
+versions and the device's compute capability), which later processes load
+with ``cupy.RawModule(path=...)``. A ``#line 1 "<file>"`` directive is
+prepended so compile errors name the real file and line.
 
 Nothing here imports CuPy at import time: the package loads on CPU machines.
 The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
 ``cuda/`` folder at the repository root.
 """
+import hashlib
 import os
 import re
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -43,6 +49,18 @@ _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 #: (NumPy rounds each product). Without contraction every operation rounds
 #: as the CPU's does; the updates are memory-bound, so it costs nothing.
 SOURCE_OPTIONS = {name: ("--fmad=false",) for name in ("sgd", "adam", "adaptive")}
+
+#: NVRTC options every source compiles with, after its own and the caller's:
+#: IEEE float32 subnormals. CuPy appends ``-ftz=true`` to every RawModule's
+#: options (``cupy/cuda/compiler.py``, ``_compile_with_cache_cuda``), after
+#: the user's, and NVRTC takes the last of repeated options (with a warning,
+#: cupy/cupy#9576), so a RawModule cannot be told ``-ftz=false``: our
+#: float32 kernels flushed subnormal operands and results to zero, unlike
+#: NumPy and PyTorch (the bf16 copies of a subnormal gave 0 where NumPy
+#: gives 0x8080, on an H200). ``load_kernel`` therefore compiles through
+#: CuPy's ``compile_using_nvrtc`` (which adds only the architecture and
+#: ``--device-as-default-execution-space``) and loads the binary itself.
+COMMON_OPTIONS = ("-ftz=false",)
 
 _lock = threading.Lock()       # the dispatcher loads kernels from many threads
 _modules = {}                  # (name, device, options) -> cupy.RawModule
@@ -155,16 +173,88 @@ def _current_device(cupy):
     return cupy.cuda.runtime.getDevice()
 
 
+def compile_options(name, options=()):
+    """The NVRTC options ``cuda/<name>.cu`` compiles with: its
+    ``SOURCE_OPTIONS``, then ``options``, then ``COMMON_OPTIONS``."""
+    return SOURCE_OPTIONS.get(name, ()) + tuple(options) + COMMON_OPTIONS
+
+
+def kernel_cache_dir():
+    """Where compiled kernels are kept: ``$PURINE_CACHE_DIR/kernels``
+    (default ``~/.cache/purine_mpi/kernels``)."""
+    from .cudnn_tune import cache_dir
+    return Path(cache_dir()) / "kernels"
+
+
+def _cupy_assembled(options):
+    """``options`` as CuPy's RawModule hands them to its compiler (C++
+    standard, CCCL and CUDA include folders), less its ``-ftz=true``; as
+    they are where this CuPy has no such step."""
+    try:
+        from cupy._core.core import assemble_cupy_compiler_options
+    except ImportError:
+        return tuple(options)
+    return tuple(assemble_cupy_compiler_options(tuple(options)))
+
+
+def _write_once(path, data):
+    """``data`` into ``path`` atomically (ranks and test workers compile the
+    same kernel at once: a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+_private_dir = []   # the process's own kernel folder, where the cache is not writable
+
+
+def _build_module(cupy, name, options):
+    """``cuda/<name>.cu`` compiled by NVRTC with exactly ``options`` (plus
+    CuPy's assembly and the architecture), loaded as a RawModule."""
+    source = kernel_source(name)
+    full = _cupy_assembled(options)
+    device = _current_device(cupy)
+    identity = (getattr(cupy, "__version__", "?"), tuple(cupy.cuda.nvrtc.getVersion()),
+                str(cupy.cuda.Device(device).compute_capability),
+                os.environ.get("CUPY_COMPILE_WITH_PTX", ""))
+    digest = hashlib.sha256(repr((source, full, identity)).encode()).hexdigest()[:32]
+    file_name = f"{name}-{digest}.bin"    # a cubin or PTX: the driver tells them apart
+    for folder in [kernel_cache_dir()] + _private_dir:
+        if (folder / file_name).is_file():
+            return cupy.RawModule(path=str(folder / file_name))
+    binary = cupy.cuda.compiler.compile_using_nvrtc(source, full, filename=f"{name}.cu")
+    if isinstance(binary, tuple):         # CuPy 13+: (binary, name mapping)
+        binary = binary[0]
+    path = kernel_cache_dir() / file_name
+    try:
+        _write_once(path, binary)
+    except OSError as exc:
+        if not _private_dir:
+            _private_dir.append(Path(tempfile.mkdtemp(prefix="purine_mpi_kernels_")))
+            print(f"purine_mpi: kernel cache {path.parent} not writable ({exc}); compiled "
+                  f"kernels go to {_private_dir[0]} for this process", file=sys.stderr)
+        path = _private_dir[0] / file_name
+        _write_once(path, binary)
+    return cupy.RawModule(path=str(path))
+
+
 def load_kernel(name, options=()):
     """The ``cupy.RawModule`` for ``cuda/<name>.cu`` on the current device,
-    compiled with the source's ``SOURCE_OPTIONS`` and then ``options``."""
+    compiled with ``compile_options(name, options)`` (no flush to zero)."""
     cupy = import_cupy()
-    options = SOURCE_OPTIONS.get(name, ()) + tuple(options)
+    options = compile_options(name, options)
     key = (name, _current_device(cupy), options)
     with _lock:
         module = _modules.get(key)
         if module is None:
-            module = cupy.RawModule(code=kernel_source(name), options=options)
+            module = _build_module(cupy, name, options)
             _modules[key] = module
         return module
 

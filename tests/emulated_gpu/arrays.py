@@ -14,6 +14,7 @@ class NoDevice:
     """Stands for ``cupy.cuda.Device(...)``: a context manager doing nothing."""
 
     id = 0
+    compute_capability = "90"
 
     def __init__(self, *args):
         pass

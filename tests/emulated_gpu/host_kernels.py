@@ -4,7 +4,9 @@ a host cuBLAS, and the emulated ``nvmath.bindings.cublas``."""
 import ctypes
 import enum
 import hashlib
+import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -764,8 +766,14 @@ def use_emulated_nvmath(monkeypatch, enabled=True):
 
 
 #: the NVRTC options the host build knows, and its g++ flag for each
-#: (g++ for x86-64 contracts nothing without -mfma; said anyway)
-_NVRTC_TO_GXX = {"--fmad=false": "-ffp-contract=off"}
+#: (g++ for x86-64 contracts nothing without -mfma; said anyway; the host's
+#: float arithmetic keeps subnormals, as -ftz=false: no flag. -ftz=true,
+#: which CuPy's own RawModule adds, has no host equivalent: refused)
+_NVRTC_TO_GXX = {"--fmad=false": "-ffp-contract=off", "-ftz=false": None}
+#: the first line of an emulated "binary" (compile_using_nvrtc's output)
+_BINARY_MAGIC = b"purine-emulated-nvrtc-binary\n"
+#: every options tuple the emulated compile_using_nvrtc received (tests)
+COMPILED_OPTIONS = []
 
 
 def _host_flags(options):
@@ -775,14 +783,50 @@ def _host_flags(options):
     if unknown:
         raise ValueError(f"emulated RawModule: NVRTC options {unknown} have no host "
                          f"equivalent here (known: {sorted(_NVRTC_TO_GXX)})")
-    return [_NVRTC_TO_GXX[o] for o in options]
+    return [_NVRTC_TO_GXX[o] for o in options if _NVRTC_TO_GXX[o] is not None]
+
+
+def compile_using_nvrtc(source, options=(), arch=None, filename="kern.cu", **_):
+    """``cupy.cuda.compiler.compile_using_nvrtc``: the "binary" is the
+    options and the source (RawModule(path=...) builds it with g++); the
+    options are checked here, as NVRTC would."""
+    options = tuple(options)
+    _host_flags(options)
+    COMPILED_OPTIONS.append(options)
+    return _BINARY_MAGIC + json.dumps([list(options), source]).encode(), None
+
+
+class _HostDevice:
+    """``cupy.cuda.Device``: one device, no context to set."""
+    id = 0
+    compute_capability = "90"
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def use(self):
+        pass
 
 
 def host_cupy(build_dir):
     """A module standing in for cupy: NumPy arrays, RawModule built by g++."""
 
     class RawModule:
-        def __init__(self, code, options=()):
+        def __init__(self, code=None, options=(), path=None):
+            if (code is None) == (path is None):
+                raise TypeError("Exactly one of `code` and `path` keyword arguments must be "
+                                "given.")
+            if path is not None:   # what the emulated compile_using_nvrtc wrote
+                data = pathlib.Path(path).read_bytes()
+                if not data.startswith(_BINARY_MAGIC):
+                    raise ValueError(f"emulated RawModule: {path} is no emulated binary")
+                options, code = json.loads(data[len(_BINARY_MAGIC):])
             # read at each build: a test may build both ways in one process
             defines = ["-DPURINE_EMU_THREADED"] if os.environ.get(THREADED_ENV) == "1" else []
             defines += _host_flags(options)
@@ -829,10 +873,15 @@ def host_cupy(build_dir):
     fake.ascontiguousarray = np.ascontiguousarray
     fake.asarray = np.asarray
     fake.RawModule = RawModule
+    fake.__version__ = "emulated"
     fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
                                           getDevice=lambda: 0, CUDA_R_32F=CUDA_R_32F,
                                           CUDA_R_16F=CUDA_R_16F, CUDA_R_16BF=CUDA_R_16BF),
                                       cublas=HostCublas(),
+                                      compiler=types.SimpleNamespace(
+                                          compile_using_nvrtc=compile_using_nvrtc),
+                                      nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)),
+                                      Device=_HostDevice,
                                       device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
                                       get_current_stream=lambda: (capture.current_stream()
                                                                   or DEFAULT_STREAM))

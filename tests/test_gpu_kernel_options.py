@@ -1,0 +1,176 @@
+"""How ``purine_mpi.gpu.load_kernel`` compiles cuda/*.cu: without flush to zero.
+
+CuPy appends ``-ftz=true`` to every ``RawModule(code=...)``'s options, after
+the caller's (cupy/cuda/compiler.py, ``_compile_with_cache_cuda``), and NVRTC
+takes the last of repeated options, so a RawModule's float32 arithmetic
+flushes subnormals that NumPy and PyTorch keep. The loader compiles through
+``cupy.cuda.compiler.compile_using_nvrtc`` with ``-ftz=false`` and loads the
+binary with ``RawModule(path=...)``. Checked here without a GPU: the options
+the compiler gets (a stand-in for CuPy with CuPy 14's option assembly), the
+on-disk cache, and the emulated device; on a GPU (``gpu`` mark) a leaky
+ReLU's subnormal products against NumPy's, bit for bit.
+"""
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import purine_mpi.gpu as gpu
+from tests.conftest import cuda_cupy_or_skip
+
+
+class _StandInCupy:
+    """Just what ``load_kernel`` touches of CuPy 14, recording the compile
+    and refusing ``RawModule(code=...)`` (where CuPy adds ``-ftz=true``)."""
+
+    def __init__(self, monkeypatch):
+        self.compiled, self.loaded = [], []
+        cupy = types.ModuleType("cupy")
+        cupy.__path__ = []
+        cupy.__version__ = "14.2.0"
+        core_pkg = types.ModuleType("cupy._core")
+        core_pkg.__path__ = []
+        core = types.ModuleType("cupy._core.core")
+
+        def assemble_cupy_compiler_options(options):   # CuPy 14.2's, in short
+            assert isinstance(options, tuple)
+            return ("-I/cccl",) + options + ("--std=c++17", "-I/cupy/include")
+        core.assemble_cupy_compiler_options = assemble_cupy_compiler_options
+
+        def compile_using_nvrtc(source, options=(), arch=None, filename="kern.cu", **kw):
+            self.compiled.append((filename, tuple(options), source))
+            return b"cubin of " + filename.encode(), None
+
+        stand_in = self
+
+        class RawModule:
+            def __init__(self, code=None, options=(), path=None):
+                assert code is None, "RawModule(code=...): CuPy would add -ftz=true"
+                stand_in.loaded.append(path)
+                self.path = path
+
+        cupy.RawModule = RawModule
+        cupy.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
+            nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0)),
+            Device=lambda device: types.SimpleNamespace(compute_capability="90"))
+        for name, module in (("cupy", cupy), ("cupy._core", core_pkg),
+                             ("cupy._core.core", core)):
+            monkeypatch.setitem(sys.modules, name, module)
+        cupy._core, core_pkg.core = core_pkg, core
+        self.module = cupy
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
+    gpu.clear_kernel_cache()
+    yield _StandInCupy(monkeypatch)
+    gpu.clear_kernel_cache()
+
+
+def test_the_compiler_gets_ftz_false_after_every_other_option(stand_in, tmp_path):
+    """adam (``--fmad=false`` of its own) and a caller's option: NVRTC gets
+    CuPy's assembly of them and ``-ftz=false``, never ``-ftz=true``, and
+    the kernel is the binary it wrote, loaded by path."""
+    gpu.load_kernel("adam", options=("-DEXTRA=1",))
+    [(filename, options, source)] = stand_in.compiled
+    assert filename == "adam.cu" and source == gpu.kernel_source("adam")
+    assert options == ("-I/cccl", "--fmad=false", "-DEXTRA=1", "-ftz=false", "--std=c++17",
+                       "-I/cupy/include"), options
+    assert "-ftz=true" not in options and "--ftz=true" not in options
+    [path] = stand_in.loaded
+    assert path.startswith(str(tmp_path / "cache" / "kernels" / "adam-"))
+    assert open(path, "rb").read() == b"cubin of adam.cu"
+    assert gpu.compile_options("pooling") == ("-ftz=false",)
+    assert gpu.compile_options("sgd", ("-DX",)) == ("--fmad=false", "-DX", "-ftz=false")
+
+
+def test_a_compiled_kernel_is_loaded_from_the_cache_in_a_later_process(stand_in, monkeypatch):
+    """The binary is kept under $PURINE_CACHE_DIR/kernels: after the process
+    forgets its modules (a new process) it is loaded, not compiled again;
+    other options, another compute capability or another NVRTC compile anew."""
+    first = gpu.load_kernel("pooling")
+    assert gpu.load_kernel("pooling") is first and len(stand_in.compiled) == 1
+    gpu.clear_kernel_cache()
+    gpu.load_kernel("pooling")
+    assert len(stand_in.compiled) == 1 and stand_in.loaded[1] == stand_in.loaded[0]
+    gpu.load_kernel("pooling", options=("-DX",))
+    assert len(stand_in.compiled) == 2 and stand_in.loaded[2] != stand_in.loaded[0]
+    gpu.clear_kernel_cache()
+    monkeypatch.setattr(stand_in.module.cuda, "Device",
+                        lambda device: types.SimpleNamespace(compute_capability="80"))
+    gpu.load_kernel("pooling")
+    gpu.clear_kernel_cache()
+    monkeypatch.setattr(stand_in.module.cuda.nvrtc, "getVersion", lambda: (13, 2))
+    gpu.load_kernel("pooling")
+    assert len(stand_in.compiled) == 4 and len(set(stand_in.loaded)) == 4
+
+
+def test_an_unwritable_cache_compiles_into_a_folder_of_the_process(stand_in, monkeypatch,
+                                                                     tmp_path, capfd):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(blocker))   # kernels/ cannot be made
+    monkeypatch.setattr(gpu, "_private_dir", [])
+    gpu.load_kernel("pooling")
+    [path] = stand_in.loaded
+    assert open(path, "rb").read() == b"cubin of pooling.cu"
+    assert not path.startswith(str(blocker)) and "not writable" in capfd.readouterr().err
+
+
+def test_the_emulated_device_compiles_our_options_and_refuses_ftz_true(host_build_dir,
+                                                                       monkeypatch, tmp_path):
+    """The emulated CuPy's compile_using_nvrtc sees the loader's options
+    (``-ftz=false`` mapped to the host's IEEE arithmetic, no g++ flag) and
+    refuses ``-ftz=true``, which the host cannot emulate; its leaky ReLU
+    keeps subnormals as NumPy does."""
+    from tests.emulated_gpu import host_kernels
+    from tests.emulated_gpu.arrays import DeviceArray
+    from tests.emulated_gpu.cupy_module import use_emulated_cupy
+    from purine_mpi.gpu import kernels
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    before = len(host_kernels.COMPILED_OPTIONS)
+    gpu.load_kernel("activation")
+    assert host_kernels.COMPILED_OPTIONS[before:] == [("-ftz=false",)]
+    with pytest.raises(ValueError, match="-ftz=true"):
+        host_kernels.compile_using_nvrtc("", ("-ftz=true",))
+    x = _subnormal_products_input()
+    y = np.asarray(kernels.relu_forward(np.array(x).view(DeviceArray), negative_slope=0.5))
+    assert np.array_equal(y.view(np.uint32), _leaky_numpy(x).view(np.uint32))
+    gpu.clear_kernel_cache()
+
+
+def _subnormal_products_input():
+    """Negative float32 values whose halves are subnormal (or are already):
+    a flush to zero makes them -0."""
+    tiny = np.finfo(np.float32).tiny
+    x = -np.array([tiny, 1.5 * tiny, 1e-39, 2.9e-45, 3e-44, tiny / 3, 1.9 * tiny],
+                  dtype=np.float32)
+    assert np.all(np.abs(x * np.float32(0.5)) < tiny) and np.all(x * np.float32(0.5) != 0)
+    return x
+
+
+def _leaky_numpy(x):
+    return np.where(x > 0, x, np.float32(0.5) * x).astype(np.float32)
+
+
+@pytest.mark.gpu
+def test_a_kernel_keeps_subnormals_on_the_gpu(monkeypatch, tmp_path):
+    """On a real GPU: the leaky ReLU's float32 products that are subnormal
+    come out as NumPy's, bit for bit (with CuPy's -ftz=true they were -0),
+    both from a fresh compile and from the cached binary."""
+    cupy = cuda_cupy_or_skip()
+    from purine_mpi.gpu import kernels
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
+    x = _subnormal_products_input()
+    for _ in ("compiled", "loaded from the cache"):
+        gpu.clear_kernel_cache()
+        y = cupy.asnumpy(kernels.relu_forward(cupy.asarray(x), negative_slope=0.5))
+        assert np.array_equal(y.view(np.uint32), _leaky_numpy(x).view(np.uint32)), \
+            (y, _leaky_numpy(x))
+    assert len(list((tmp_path / "cache" / "kernels").glob("activation-*.bin"))) == 1
+    gpu.clear_kernel_cache()
