@@ -4,7 +4,7 @@ layernorm.cu, precision.cu).
 """
 import numpy as np
 
-from .. import dtype_suffix, get_function, import_cupy
+from .. import data_ptr, dtype_suffix, get_function, import_cupy
 from . import base as _base
 from .base import (_BLOCK, _MAX_BLOCKS, _REDUCE_THREADS, _finish, _input, _int, _iteration,
                    _output, _outs, _same_as)
@@ -221,13 +221,35 @@ def bias_act(y, bias=None, relu=False, negative_slope=0.0):
     return y
 
 
-def bias_bits(src, bias, out):
+#: the elements a thread of the ``_vec`` kernels owns (cuda/activation.cu:
+#: 16-byte loads and stores), and the base alignment they need in bytes
+VEC_ELEMENTS, VEC_ALIGN = 8, 16
+
+
+def _vec_ok(vec, *arrays):
+    """Whether a ``_vec`` kernel may take ``arrays``: ``vec`` true and every
+    base 16-byte aligned (a view's base may not be)."""
+    return bool(vec) and all(data_ptr(a) % VEC_ALIGN == 0 for a in arrays)
+
+
+def _launch_vec(func, total, args):
+    """cuda/activation.cu's ``func`` (a ``_vec`` entry point) over ``total``
+    elements: a grid of one thread per chunk of ``VEC_ELEMENTS`` (grid-stride
+    past ``_MAX_BLOCKS`` blocks; at least one thread per tail element)."""
+    chunks = max(total // VEC_ELEMENTS, total % VEC_ELEMENTS, 1)
+    blocks = min(-(-chunks // _BLOCK), _MAX_BLOCKS)
+    _base._launch_blocks("activation", func, None, blocks, _BLOCK, (np.int64(total), *args))
+
+
+def bias_bits(src, bias, out, vec=True):
     """``out`` (uint16, C-contiguous, ``src``'s shape) = the bfloat16 bits
     of the float32 ``src`` (rows, C) plus ``bias`` (C,) along its last axis,
     one kernel (cuda/activation.cu ``bias_bits_f32``): the bits of
     ``bias_act(src, bias)`` then ``round_in_place`` -- one rounding, after
     the bias (a fully connected output stored as bits, from its float32
-    product in scratch)."""
+    product in scratch). ``vec`` (default): ``bias_bits_vec_f32``, 8
+    elements a thread, where C is a multiple of 8 and every base 16-byte
+    aligned (the same bits); False, or else, the one-element kernel."""
     cupy = import_cupy()
     _bits_array(src, np.float32, "bias_bits: src")
     _bits_array(out, np.uint16, "bias_bits: out")
@@ -238,8 +260,11 @@ def bias_bits(src, bias, out):
     if bias.size != src.shape[1] or np.dtype(bias.dtype) != np.dtype(np.float32):
         raise ValueError(f"bias_bits: bias has shape {tuple(bias.shape)} {bias.dtype}, "
                          f"expected ({src.shape[1]},) float32")
-    _base._launch("activation", "bias_bits_f32", None,
-                  src.size, (src, bias, np.int64(src.shape[1]), out))
+    args = (src, bias, np.int64(src.shape[1]), out)
+    if src.shape[1] % VEC_ELEMENTS == 0 and _vec_ok(vec, src, bias, out):
+        _launch_vec("bias_bits_vec_f32", src.size, args)
+    else:
+        _base._launch("activation", "bias_bits_f32", None, src.size, args)
     return out
 
 
@@ -332,19 +357,25 @@ def gelu_forward(x, approximate="none", out=None, round_to=None):
     return _finish(y, target)
 
 
-def gelu_forward_bits(x, approximate, out):
+def gelu_forward_bits(x, approximate, out, vec=True):
     """``out`` (uint16, x's shape, C-contiguous) = the bfloat16 bits of
     ``gelu_forward(x, approximate)`` for float32 ``x``, one kernel
     (cuda/activation.cu ``gelu_forward_bits_f32``): the bits of the float32
     run followed by ``to_bf16_bits_device``, in the same pass. ``x`` may be
     bfloat16 bits (``gelu_forward_bx_bits_f32``: widened exactly; ``out``
-    may be ``x``)."""
+    may be ``x``; ``vec`` (default): ``gelu_forward_bx_bits_vec_f32``, 8
+    elements a thread, where both bases are 16-byte aligned, the same
+    bits)."""
     cupy = import_cupy()
     if _is_bits(x):
         tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, np.float32)
         _bits_array(out, np.uint16, "gelu_forward_bits")
         _bits_x(x, "gelu_forward_bits: x", like=out)
-        _base._launch("activation", "gelu_forward_bx_bits_f32", None, x.size, (x, tanh_form, out))
+        if _vec_ok(vec, x, out):
+            _launch_vec("gelu_forward_bx_bits_vec_f32", x.size, (x, tanh_form, out))
+        else:
+            _base._launch("activation", "gelu_forward_bx_bits_f32", None, x.size,
+                          (x, tanh_form, out))
         return out
     x = _input(cupy, x, "gelu_forward_bits: x")
     tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, x.dtype)
@@ -358,7 +389,7 @@ def gelu_forward_bits(x, approximate, out):
     return out
 
 
-def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None):
+def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None, vec=True):
     """dx = dy * dGELU/dx at ``x`` (``approximate`` as ``gelu_forward``), one
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
     ``gelu_forward``'s. ``x`` may be bfloat16 bits (uint16, C-contiguous, dy's
@@ -372,10 +403,12 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     float32 dx, in the same pass (the ``_copy`` entry points:
     ``to_bf16_bits_device`` of ``out`` bit for bit); ``out`` may be a float32
     ``dy``, ``copy`` a ``dy`` or ``x`` of bits (in place: each element is
-    read before it is written)."""
+    read before it is written). ``vec`` (default): with a bits ``dy`` or a ``copy``, the
+    ``_vec`` entry point of that kernel (8 elements a thread) where every
+    base is 16-byte aligned: the same bits."""
     cupy = import_cupy()
     if copy is not None or _is_bits(dy):
-        return _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy)
+        return _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy, vec)
     if _is_bits(x):
         dy = _input(cupy, dy, "gelu_backward: dy")
         if np.dtype(dy.dtype) != np.dtype(np.float32):
@@ -394,7 +427,7 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     return _finish(dx, target)
 
 
-def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy):
+def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy, vec=True):
     """``gelu_backward`` into a float32 ``out`` given, of a bits ``dy`` or
     with a bits ``copy`` of dx (or both): dy and x each float32 or bits of
     out's shape, one ``gelu_backward[_bdy][_bx][_copy]_f32`` launch."""
@@ -415,10 +448,14 @@ def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy):
                             f"shape, got {a.dtype} {tuple(a.shape)}")
         operands.append(a)
     func = "gelu_backward" + "_bdy" * _is_bits(dy) + "_bx" * _is_bits(x) + \
-        ("_copy_f32" if copy is not None else "_f32")
+        "_copy" * (copy is not None)
     args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
     extra = (copy,) if copy is not None else ()
-    _base._launch("activation", func, None, out.size, (*operands, *args, out, *extra))
+    if _vec_ok(vec, *operands, out, *extra):
+        _launch_vec(func + "_vec_f32", out.size, (*operands, *args, out, *extra))
+    else:
+        _base._launch("activation", func + "_f32", None, out.size,
+                      (*operands, *args, out, *extra))
     return out
 
 
