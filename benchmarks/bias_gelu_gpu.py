@@ -9,7 +9,8 @@ projection and MLP products, 2304 / 768 / 3072 columns; GELU on the MLP's
 median ms of a launch over the rounds, the GB/s of the bytes it must move
 (bias: float32 read, bits written, 6 bytes an element; GELU forward: bits
 in, bits out, 4; backward: dy and x bits read, float32 dx and its bits
-written, 10) and that rate's fraction of ``--bound-gbs`` (4800: an H200's
+written, 10; the bias gradients' column sums ``sum_rows``, old against
+``sum_rows_vec_f32`` / ``sum_rows_bits_vec_f32``: x read once, 4 or 2) and that rate's fraction of ``--bound-gbs`` (4800: an H200's
 HBM3e); each pair's speedup and whether new and old agree bit for bit.
 
     python benchmarks/bias_gelu_gpu.py [--rows 16384 --approximate none]
@@ -89,6 +90,17 @@ def main(argv=None):
     cases["gelu_backward_bdy_bx_copy"] = (
         lambda vec: kernels.gelu_backward(dy, x, args.approximate, out=dx, copy=copy, vec=vec),
         10 * n * m, (dx, copy))
+    # the bias gradients' column sums (cuda/reduce.cu sum_rows): float32 dys of
+    # the projection / fc2 and fc1, the qkv's dy as bits (sum_rows_bits)
+    for label, a in ((f"sum_rows_{w}", values(n * w, 1.0, 0.5).reshape(n, w)),
+                     (f"sum_rows_{m}", dx),
+                     (f"sum_rows_bits_{3 * w}", bits(values(n * 3 * w, 1.0, 0.6)
+                                                       .reshape(n, 3 * w)))):
+        db = cupy.empty((a.shape[1],), np.float32)
+        partial = cupy.empty(kernels.bias_grad_scratch(a.shape)[0], np.float64)
+        cases[label] = (
+            (lambda a, db, p: lambda vec: kernels.sum_rows(a, db, partial=p, vec=vec))(
+                a, db, partial), a.dtype.itemsize * a.size, (db, partial))
 
     agreement = {}
     for name, (launch, _, outs) in cases.items():   # also the first compile of each

@@ -159,6 +159,108 @@ extern "C" __global__ void sum_rows_bits_f32(long long cols, const unsigned shor
   sum_rows_impl<float, unsigned short>(cols, x, rows, splits, accumulate, partial, out);
 }
 
+// sum_rows_vec_f32 / sum_rows_bits_vec_f32: sum_rows_impl's sums bit for
+// bit (each column's rows split over the same row lanes, added in the same
+// order, the same tree, the same splits), four consecutive columns a thread:
+// one 16-byte load of four float32 (8 bytes of four bfloat16 bits) where
+// sum_rows took four 4-byte (2-byte) loads, so a block owns a tile of 4 x
+// PURINE_SUM_ROWS_TILE columns (4x fewer blocks, each 4x the bytes in
+// flight a load). For cols a multiple of 4 and x's base 16-byte (bits:
+// 8-byte) aligned, as the launcher checks; the splits are sum_rows's for
+// the shape (the tiles of 32 columns), so the partial sums are the same.
+#ifdef __CUDACC__
+typedef float4 purine_sum_f4;
+#else
+struct alignas(16) purine_sum_f4 { float x, y, z, w; };
+#endif
+
+__device__ __forceinline__ void purine_sum_load4(const float* x, long long i, double* v) {
+  const purine_sum_f4 a = *(const purine_sum_f4*)(const void*)(x + i);
+  v[0] = (double)a.x; v[1] = (double)a.y; v[2] = (double)a.z; v[3] = (double)a.w;
+}
+__device__ __forceinline__ void purine_sum_load4(const unsigned short* x, long long i,
+                                                 double* v) {
+  const uint2 a = *(const uint2*)(const void*)(x + i);
+  v[0] = (double)purine_bits_float(a.x << 16);
+  v[1] = (double)purine_bits_float(a.x & 0xffff0000u);
+  v[2] = (double)purine_bits_float(a.y << 16);
+  v[3] = (double)purine_bits_float(a.y & 0xffff0000u);
+}
+
+template <typename X>
+__device__ void sum_rows_vec_impl(long long cols, const X* x, long long rows, long long splits,
+                                  int accumulate, double* partial, float* out) {
+  __shared__ double sums[4][PURINE_REDUCE_THREADS];
+  const unsigned int tid = threadIdx.x;
+  const unsigned int lanes = blockDim.x < PURINE_SUM_ROWS_TILE ? blockDim.x
+                                                               : PURINE_SUM_ROWS_TILE;
+  const unsigned int depth = blockDim.x / lanes;   // row lanes, as sum_rows
+  const unsigned int lane = tid % lanes, row_lane = tid / lanes;
+  const long long tile_cols = 4 * PURINE_SUM_ROWS_TILE;
+  const long long tiles = (cols + tile_cols - 1) / tile_cols;
+  const long long d = depth;
+  for (long long job = blockIdx.x; job < tiles * splits; job += gridDim.x) {
+    const long long tile = job / splits, j = job - tile * splits;
+    const long long first = j * rows / splits, last = (j + 1) * rows / splits;
+    const long long start = tile * tile_cols;
+    const long long width = cols - start < tile_cols ? cols - start : tile_cols;
+    for (long long offset = 0; offset < width; offset += 4 * (long long)lanes) {
+      const long long c = start + offset + 4 * (long long)lane;   // columns c .. c + 3
+      const bool mine = row_lane < depth && offset + 4 * (long long)lane < width;
+      double sum[4] = {0.0, 0.0, 0.0, 0.0};
+      if (mine) {
+        long long i = first + row_lane;
+        for (; i + 3 * d < last; i += 4 * d) {   // four rows' loads, then their adds in order
+          double a[4], b[4], e[4], f[4];
+          purine_sum_load4(x, i * cols + c, a);
+          purine_sum_load4(x, (i + d) * cols + c, b);
+          purine_sum_load4(x, (i + 2 * d) * cols + c, e);
+          purine_sum_load4(x, (i + 3 * d) * cols + c, f);
+          for (int k = 0; k < 4; ++k) {
+            sum[k] += a[k];
+            sum[k] += b[k];
+            sum[k] += e[k];
+            sum[k] += f[k];
+          }
+        }
+        for (; i < last; i += d) {
+          double a[4];
+          purine_sum_load4(x, i * cols + c, a);
+          for (int k = 0; k < 4; ++k) sum[k] += a[k];
+        }
+      }
+      for (int k = 0; k < 4; ++k) sums[k][tid] = sum[k];
+      __syncthreads();
+      for (unsigned int stride = 1; stride < depth; stride <<= 1) {
+        if (row_lane % (2 * stride) == 0 && row_lane + stride < depth) {
+          for (int k = 0; k < 4; ++k) sums[k][tid] += sums[k][tid + stride * lanes];
+        }
+        __syncthreads();
+      }
+      if (mine && row_lane == 0) {
+        for (int k = 0; k < 4; ++k) {
+          const double total = sums[k][tid];
+          if (splits == 1) out[c + k] = (float)(accumulate ? (double)out[c + k] + total : total);
+          else partial[(c + k) * splits + j] = total;
+        }
+      }
+      __syncthreads();   // every total is read: sums may be reused
+    }
+  }
+}
+
+extern "C" __global__ void sum_rows_vec_f32(long long cols, const float* x, long long rows,
+                                            long long splits, int accumulate, double* partial,
+                                            float* out) {
+  sum_rows_vec_impl<float>(cols, x, rows, splits, accumulate, partial, out);
+}
+
+extern "C" __global__ void sum_rows_bits_vec_f32(long long cols, const unsigned short* x,
+                                                 long long rows, long long splits,
+                                                 int accumulate, double* partial, float* out) {
+  sum_rows_vec_impl<unsigned short>(cols, x, rows, splits, accumulate, partial, out);
+}
+
 // The bias gradient of a convolution, fast: db[c] = sum over n and s of
 // dy[n, c, s], dy (N, C, inner) contiguous, split over many blocks so the
 // whole GPU takes part (one block per channel used 32 of an H200's 132 SMs

@@ -139,3 +139,84 @@ def test_gelu_backward_vec_is_the_old_kernel(device, approximate, dy_bits, x_bit
     if copy:
         np.testing.assert_array_equal(got[True][1], got[False][1])
         np.testing.assert_array_equal(got[True][1], _bf16_bits(got[True][0].view(np.float32)))
+
+
+# ------------------------------------------------- column sums (sum_rows) ---
+
+def _spread32(rng, shape):
+    """float32 values over 16 decades: their double sums' bits depend on the order."""
+    return (rng.standard_normal(shape) * 10.0 ** rng.integers(-8, 8, size=shape)).astype(
+        np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1000, 40), (2053, 4), (5, 132), (300, 12), (7, 6)])
+@pytest.mark.parametrize("bits", [False, True])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_sum_rows_vec_is_the_old_kernel_and_its_order(device, shape, bits, offset):
+    """sum_rows_(bits_)vec_f32 (four columns a thread) against sum_rows_f32
+    / sum_rows_bits_f32: the same partial sums (doubles, in the scratch) and
+    the same float32 sums, bit for bit, and the model of their order
+    (tests/test_gpu_column_sum.py); cols not a multiple of 4 or a base off
+    the grid take the old kernel."""
+    from purine_mpi.gpu.kernels.base import _REDUCE_THREADS
+    from tests.emulated_gpu.host_kernels import _EMU_THREADS
+    from tests.test_gpu_column_sum import model
+    rng = np.random.default_rng(shape[0] + shape[1] + bits)
+    x = _spread32(rng, shape)
+    if bits:
+        x = _bf16_bits(x)
+    wide = ((x.astype(np.uint32) << 16).view(np.float32) if bits else x).astype(np.float64)
+    start = _spread32(rng, shape[1])
+    (size,), _ = kernels.bias_grad_scratch(shape)
+    threads = _REDUCE_THREADS if device.name == "cupy" else _EMU_THREADS
+    for accumulate in (False, True):
+        got = {}
+        for vec in (True, False):
+            out = device.to_device(start.copy())
+            partial = device.to_device(np.full(size, np.nan))
+            device.launched.clear()
+            kernels.sum_rows(_placed(device, x, offset), out, accumulate=accumulate,
+                             partial=partial, vec=vec)
+            name = "sum_rows" + "_bits" * bits + \
+                ("_vec_f32" if vec and offset == 0 and shape[1] % 4 == 0 else
+                 "_f32" if bits else "")
+            assert device.launched[0] == name
+            got[vec] = (_host(device, out), _host(device, partial))
+        np.testing.assert_array_equal(got[True][0].view(np.uint32), got[False][0].view(np.uint32))
+        np.testing.assert_array_equal(got[True][1].view(np.uint64), got[False][1].view(np.uint64))
+        want = model(wide, threads, start.astype(np.float64) if accumulate else None)
+        np.testing.assert_array_equal(got[True][0], want.astype(np.float32))
+
+
+def test_sum_rows_vec_in_whole_blocks_of_256_threads_has_the_old_bits(host_build_dir):
+    """The host-compiled kernels on blocks of the GPU's 256 threads (32 lanes
+    of four columns x 8 row lanes: the tree over the row lanes), 3 blocks
+    (the grid-stride loop over the jobs): the old kernel's partial sums."""
+    import ctypes
+
+    from purine_mpi.gpu import kernel_source
+    from purine_mpi.gpu.kernels.base import _REDUCE_THREADS
+    from purine_mpi.gpu.kernels.elementwise import bias_grad_splits
+    from tests.emulated_gpu.host_kernels import host_cupy
+    cupy = host_cupy(host_build_dir)
+    reduce = cupy.RawModule(code=kernel_source("reduce"))
+    rng = np.random.default_rng(11)
+    for shape in [(1000, 40), (2053, 4), (5, 260)]:
+        rows, cols = shape
+        splits = bias_grad_splits(rows, cols, 1)
+        x = _spread32(rng, shape)
+        got = []
+        for func in ("sum_rows_f32", "sum_rows_vec_f32"):
+            kernel = reduce.get_function(func)
+            if kernel._fiber_grid is None:
+                pytest.skip("the emulator runs blocks as fibers only where <ucontext.h> is")
+            out = np.zeros(cols, np.float32)
+            partial = np.full(kernels.bias_grad_scratch(shape)[0], np.nan)
+            args = (np.int64(cols), x, np.int64(rows), np.int64(splits), np.int32(0),
+                    partial, out)
+            c_args = [kernel._convert(i, a, p) for i, (a, p) in
+                      enumerate(zip(args, kernel.params))]
+            kernel._fiber_grid(ctypes.c_uint(3), ctypes.c_uint(_REDUCE_THREADS), *c_args)
+            got.append((out, partial))
+        np.testing.assert_array_equal(got[0][1].view(np.uint64), got[1][1].view(np.uint64))
+        np.testing.assert_array_equal(got[0][0].view(np.uint32), got[1][0].view(np.uint32))

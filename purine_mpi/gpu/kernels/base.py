@@ -53,7 +53,8 @@ PLAIN_ENTRY_POINTS = {
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",
                   "to_bf16_bits", "from_bf16_bits"),
-    "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32"),
+    "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32",
+               "sum_rows_vec_f32", "sum_rows_bits_vec_f32"),
 }
 
 _BLOCK = 256

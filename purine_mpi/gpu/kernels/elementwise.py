@@ -564,20 +564,27 @@ def bias_grad(dy, out=None, partial=None):
     return _finish(db, target)
 
 
-def _column_sum(x, out, accumulate, partial, what):
+def _column_sum(x, out, accumulate, partial, what, vec=True):
     """out (+)= the column sums of ``x`` (rows, cols), both C-contiguous:
     cuda/reduce.cu's ``sum_rows`` on (tile, row range) blocks, then with
     more than one range ``bias_grad_finish`` (``partial``: the scratch, or
-    None for a new array)."""
+    None for a new array). ``vec``: a float32 or bits ``x`` of cols a
+    multiple of 4, its base 16-byte (bits: 8-byte) aligned, takes
+    ``sum_rows_(bits_)vec_f32`` (four columns a thread, the same sums)."""
     rows, cols = int(x.shape[0]), int(x.shape[1])
     if cols == 0:
         return
     splits = bias_grad_splits(rows, cols, 1)
     partial = _partial(partial, x.shape, what)
-    blocks = min(-(-cols // SUM_ROWS_TILE) * splits, _MAX_BLOCKS)
     bits = _is_bits(x)   # bfloat16 bits into float32: the plain entry point
-    _base._launch_blocks("reduce", "sum_rows_bits_f32" if bits else "sum_rows",
-                         None if bits else x.dtype, blocks, _REDUCE_THREADS,
+    if vec and cols % 4 == 0 and (bits or np.dtype(x.dtype) == np.dtype(np.float32)) \
+            and data_ptr(x) % (8 if bits else 16) == 0:
+        blocks = min(-(-cols // (4 * SUM_ROWS_TILE)) * splits, _MAX_BLOCKS)
+        func, dtype = ("sum_rows_bits_vec_f32" if bits else "sum_rows_vec_f32"), None
+    else:
+        blocks = min(-(-cols // SUM_ROWS_TILE) * splits, _MAX_BLOCKS)
+        func, dtype = ("sum_rows_bits_f32", None) if bits else ("sum_rows", x.dtype)
+    _base._launch_blocks("reduce", func, dtype, blocks, _REDUCE_THREADS,
                          (np.int64(cols), x, np.int64(rows), np.int64(splits),
                           _int(bool(accumulate)), partial, out))
     if splits > 1:
@@ -585,7 +592,7 @@ def _column_sum(x, out, accumulate, partial, what):
                       (np.int64(splits), _int(bool(accumulate)), partial, out))
 
 
-def sum_rows(x, out, accumulate=False, partial=None):
+def sum_rows(x, out, accumulate=False, partial=None, vec=True):
     """out[j] (+)= sum_i x[i, j] for a C-contiguous 2-D ``x`` (rows, cols)
     into a C-contiguous ``out`` of cols elements, in deterministic kernels
     (cuda/reduce.cu ``sum_rows``: tiles of columns x ranges of rows, then
@@ -593,7 +600,9 @@ def sum_rows(x, out, accumulate=False, partial=None):
     ``bias_grad_scratch(x.shape)`` (None: a new device array). ``x`` may be
     bfloat16 bits (uint16, C-contiguous; bf16 storage), ``out`` float32:
     widened exactly in the kernel (``sum_rows_bits_f32``), the float32
-    ``x``'s sums bit for bit."""
+    ``x``'s sums bit for bit. ``vec`` (default): the ``_vec`` kernels
+    (four columns a thread, one wide load) where ``_column_sum`` allows,
+    the same sums in the same order: the same bits."""
     cupy = import_cupy()
     if _is_bits(x):
         _bits_array(x, np.uint16, "sum_rows: x")
@@ -608,7 +617,7 @@ def sum_rows(x, out, accumulate=False, partial=None):
             or not out.flags.c_contiguous:
         raise ValueError(f"sum_rows: out must be a C-contiguous {want} CuPy array of "
                          f"{cols} elements")
-    _column_sum(x, out, accumulate, partial, "sum_rows")
+    _column_sum(x, out, accumulate, partial, "sum_rows", vec)
     return out
 
 
