@@ -1871,7 +1871,11 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     # too (the projection's data gradient, written as bits by its GemmEx),
     # none without bits storage
     # and writes dx's bits beside its float32 dx (no Cast of dx)
-    # (a kernel with a _vec twin, cuda/activation.cu: the launches of both)
+    # every launch of the kernels with a _vec twin (cuda/activation.cu) takes
+    # the twin: the arena's blobs and the scratch are 256-byte aligned, the
+    # widths multiples of 8; below, the launches of both counted together
+    for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bdy_bx_copy_f32"):
+        assert first_on.get(func, 0) == 0 and first_on[func[:-4] + "_vec_f32"] > 0, func
     first_on, first_off = _with_vec(first_on), _with_vec(first_off)
     gelu = first_on["gelu_forward_bx_bits_f32"]
     assert gelu > 0 and first_on["gelu_backward_bdy_bx_copy_f32"] == gelu
