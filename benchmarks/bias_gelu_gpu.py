@@ -11,9 +11,11 @@ median ms of a launch over the rounds, the GB/s of the bytes it must move
 in, bits out, 4; backward: dy and x bits read, float32 dx and its bits
 written, 10; the bias gradients' column sums ``sum_rows``, old against
 ``sum_rows_vec_f32`` / ``sum_rows_bits_vec_f32``: x read once, 4 or 2) and that rate's fraction of ``--bound-gbs`` (4800: an H200's
-HBM3e); each pair's speedup and whether new and old agree bit for bit.
+HBM3e); each pair's speedup and whether new and old agree bit for bit;
+and ``ms_per_gpt2_step``: old, new and bound summed over a GPT-2 124M
+step's launches (48 bias adds, 12 GELUs each way).
 
-    python benchmarks/bias_gelu_gpu.py [--rows 16384 --approximate none]
+    python benchmarks/bias_gelu_gpu.py [--rows 16384 --approximate tanh]
 
 Needs CuPy and a GPU: without them it says so and exits 2."""
 import argparse
@@ -38,7 +40,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--width", type=int, default=768, help="the model width (qkv 3x, MLP 4x)")
-    ap.add_argument("--approximate", choices=("none", "tanh"), default="none")
+    ap.add_argument("--approximate", choices=("none", "tanh"), default="tanh",
+                    help="the GELU form (default GPT-2's, jobs/gpt2_124m.yaml)")
     ap.add_argument("--reps", type=int, default=20, help="launches a kernel a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bound-gbs", type=float, default=4800.0,
@@ -131,8 +134,20 @@ def main(argv=None):
                 "gb_per_s": round(gbs, 1), "fraction_of_bound": round(gbs / args.bound_gbs, 3)}
         entry["speedup"] = round(entry["old"]["ms"] / entry["new"]["ms"], 3)
         results[name] = entry
+    # a GPT-2 step's launches of each (12 blocks: the bias on qkv, the
+    # projection, fc1 and fc2; one GELU each way): old and new ms a step, to
+    # set beside a profile's per-kernel totals
+    per_step = {f"bias_bits_{3 * w}": 12, f"bias_bits_{w}": 24, f"bias_bits_{4 * w}": 12,
+                "gelu_forward_bits": 12, "gelu_backward_bdy_bx_copy": 12}
+    step = {}
+    for group, names in (("bias_bits", [k for k in per_step if k.startswith("bias_bits")]),
+                         ("gelu_forward_bits", ["gelu_forward_bits"]),
+                         ("gelu_backward_bdy_bx_copy", ["gelu_backward_bdy_bx_copy"])):
+        step[group] = {side: round(sum(per_step[k] * results[k][side]["ms"] for k in names), 3)
+                       for side in ("old", "new")}
+        step[group]["bound"] = round(sum(per_step[k] * results[k]["bound_ms"] for k in names), 3)
     report = {
-        "benchmark": "bias_gelu_gpu", "rows": n, "width": w, "approximate": args.approximate,
+        "benchmark": "bias_gelu_gpu", "ms_per_gpt2_step": step, "rows": n, "width": w, "approximate": args.approximate,
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
         "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
         "kernels": results}

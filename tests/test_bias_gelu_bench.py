@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.emulated_gpu.fixtures import emulated  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +31,13 @@ def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys):  # no
         for side in ("old", "new"):
             assert len(row[side]["ms_rounds"]) == 2
             assert row[side]["ms"] > 0 and row[side]["fraction_of_bound"] >= 0
+    step = report["ms_per_gpt2_step"]
+    assert set(step) == {"bias_bits", "gelu_forward_bits", "gelu_backward_bdy_bx_copy"}
+    bias = report["kernels"]
+    assert step["bias_bits"]["old"] == pytest.approx(
+        12 * bias["bias_bits_48"]["old"]["ms"] + 24 * bias["bias_bits_16"]["old"]["ms"]
+        + 12 * bias["bias_bits_64"]["old"]["ms"], abs=2e-3)
+    assert all(v["new"] > 0 and v["bound"] >= 0 for v in step.values())
 
 
 def test_without_cupy_it_refuses():
