@@ -10,8 +10,8 @@ median ms of a launch over the rounds, the GB/s of the bytes it must move
 (bias: float32 read, bits written, 6 bytes an element; GELU forward: bits
 in, bits out, 4; backward: dy and x bits read, float32 dx and its bits
 written, 10; the bias gradients' column sums ``sum_rows``, old against
-``sum_rows_vec_f32`` / ``sum_rows_bits_vec_f32``: x read once, 4 or 2) and that rate's fraction of ``--bound-gbs`` (4800: an H200's
-HBM3e); each pair's speedup and whether new and old agree bit for bit;
+``sum_rows_vec_f32`` / ``sum_rows_bits_vec_f32``: x read once, 4 or 2)
+and that rate's fraction of ``--bound-gbs`` (4800: an H200's HBM3e); each pair's speedup and whether new and old agree bit for bit;
 and ``ms_per_gpt2_step``: old, new and bound summed over a GPT-2 124M
 step's launches (48 bias adds, 12 GELUs each way).
 
@@ -147,7 +147,8 @@ def main(argv=None):
                        for side in ("old", "new")}
         step[group]["bound"] = round(sum(per_step[k] * results[k]["bound_ms"] for k in names), 3)
     report = {
-        "benchmark": "bias_gelu_gpu", "ms_per_gpt2_step": step, "rows": n, "width": w, "approximate": args.approximate,
+        "benchmark": "bias_gelu_gpu", "ms_per_gpt2_step": step, "rows": n, "width": w,
+        "approximate": args.approximate,
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
         "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
         "kernels": results}
