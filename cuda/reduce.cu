@@ -165,7 +165,7 @@ extern "C" __global__ void sum_rows_bits_f32(long long cols, const unsigned shor
 // one 16-byte load of four float32 (8 bytes of four bfloat16 bits) where
 // sum_rows took four 4-byte (2-byte) loads, so a block owns a tile of 4 x
 // PURINE_SUM_ROWS_TILE columns (4x fewer blocks, each 4x the bytes in
-// flight a load). For cols a multiple of 4 and x's base 16-byte (bits:
+// flight a load), a thread's loads of 8 rows issued before their adds. For cols a multiple of 4 and x's base 16-byte (bits:
 // 8-byte) aligned, as the launcher checks; the splits are sum_rows's for
 // the shape (the tiles of 32 columns), so the partial sums are the same.
 #ifdef __CUDACC__
@@ -174,18 +174,30 @@ typedef float4 purine_sum_f4;
 struct alignas(16) purine_sum_f4 { float x, y, z, w; };
 #endif
 
-__device__ __forceinline__ void purine_sum_load4(const float* x, long long i, double* v) {
-  const purine_sum_f4 a = *(const purine_sum_f4*)(const void*)(x + i);
-  v[0] = (double)a.x; v[1] = (double)a.y; v[2] = (double)a.z; v[3] = (double)a.w;
-}
-__device__ __forceinline__ void purine_sum_load4(const unsigned short* x, long long i,
-                                                 double* v) {
-  const uint2 a = *(const uint2*)(const void*)(x + i);
-  v[0] = (double)purine_bits_float(a.x << 16);
-  v[1] = (double)purine_bits_float(a.x & 0xffff0000u);
-  v[2] = (double)purine_bits_float(a.y << 16);
-  v[3] = (double)purine_bits_float(a.y & 0xffff0000u);
-}
+// Four consecutive elements of x at i: one load (kept narrow while loads
+// are in flight), then widened exactly to the doubles the sums add
+template <typename X> struct purine_sum_vec;
+template <> struct purine_sum_vec<float> {
+  typedef purine_sum_f4 type;
+  static __device__ __forceinline__ type load(const float* x, long long i) {
+    return *(const purine_sum_f4*)(const void*)(x + i);
+  }
+  static __device__ __forceinline__ double at(const type& a, int k) {
+    return (double)(k == 0 ? a.x : k == 1 ? a.y : k == 2 ? a.z : a.w);
+  }
+};
+template <> struct purine_sum_vec<unsigned short> {
+  typedef uint2 type;
+  static __device__ __forceinline__ type load(const unsigned short* x, long long i) {
+    return *(const uint2*)(const void*)(x + i);
+  }
+  static __device__ __forceinline__ double at(const type& a, int k) {
+    const unsigned int w = k < 2 ? a.x : a.y;
+    return (double)purine_bits_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
+  }
+};
+
+#define PURINE_SUM_ROWS_VEC_BATCH 8   // rows' loads in flight a thread
 
 template <typename X>
 __device__ void sum_rows_vec_impl(long long cols, const X* x, long long rows, long long splits,
@@ -209,24 +221,21 @@ __device__ void sum_rows_vec_impl(long long cols, const X* x, long long rows, lo
       const bool mine = row_lane < depth && offset + 4 * (long long)lane < width;
       double sum[4] = {0.0, 0.0, 0.0, 0.0};
       if (mine) {
+        typedef purine_sum_vec<X> V;
+        const int batch = PURINE_SUM_ROWS_VEC_BATCH;
         long long i = first + row_lane;
-        for (; i + 3 * d < last; i += 4 * d) {   // four rows' loads, then their adds in order
-          double a[4], b[4], e[4], f[4];
-          purine_sum_load4(x, i * cols + c, a);
-          purine_sum_load4(x, (i + d) * cols + c, b);
-          purine_sum_load4(x, (i + 2 * d) * cols + c, e);
-          purine_sum_load4(x, (i + 3 * d) * cols + c, f);
-          for (int k = 0; k < 4; ++k) {
-            sum[k] += a[k];
-            sum[k] += b[k];
-            sum[k] += e[k];
-            sum[k] += f[k];
+        // a batch of rows' loads, then their adds in row order (each column's
+        // sum the serial one over its rows, as sum_rows)
+        for (; i + (batch - 1) * d < last; i += batch * d) {
+          typename V::type r[PURINE_SUM_ROWS_VEC_BATCH];
+          for (int b = 0; b < batch; ++b) r[b] = V::load(x, (i + b * d) * cols + c);
+          for (int b = 0; b < batch; ++b) {
+            for (int k = 0; k < 4; ++k) sum[k] += V::at(r[b], k);
           }
         }
         for (; i < last; i += d) {
-          double a[4];
-          purine_sum_load4(x, i * cols + c, a);
-          for (int k = 0; k < 4; ++k) sum[k] += a[k];
+          const typename V::type r = V::load(x, i * cols + c);
+          for (int k = 0; k < 4; ++k) sum[k] += V::at(r, k);
         }
       }
       for (int k = 0; k < 4; ++k) sums[k][tid] = sum[k];
