@@ -245,7 +245,10 @@ def release_run_dirs():
     process, so the next run takes it all the same.
 
     A run folder this process made, for a run refused at start-up (exit 2,
-    ``logfile.end_status``) before it wrote anything but its lock and
+    ``logfile.end_status``) or stopped by a signal before it began (128 +
+    the signal: a SIGTERM during ``parallel.scheme: auto``'s calibration
+    left a folder holding only ``.purine.lock``), before it wrote anything
+    but its lock and
     train.log (the watched-metric check, the memory check, data a graph
     does not build on: all after the folder is chosen), is removed with
     the folders made for it, as the refusals before the folder leave
@@ -268,6 +271,15 @@ def release_run_dirs():
             f.close()  # closing the file releases its flock
 
 
+def _never_began(status):
+    """Whether a run that ended with ``status`` and left no file but its
+    lock and train.log never began: refused at start-up (2), or stopped by
+    a signal (128 + its number: a batch system's SIGTERM, a Ctrl-C) before
+    its first file was written, as during ``parallel.scheme: auto``'s
+    calibration. A bug's 1 keeps its train.log to be read."""
+    return status is not None and (status == 2 or status > 128)
+
+
 def _remove_refused(folder, lock_file=None):
     """Remove ``folder`` (and the folders made for it) when this process
     made it and a start-up refusal left only its lock and train.log there;
@@ -277,7 +289,7 @@ def _remove_refused(folder, lock_file=None):
     stays as ``.nfsXXXX`` until it is closed, and the folder would stay
     with it."""
     made = _made.pop(os.path.realpath(folder), None)
-    if not made or logfile.end_status() != 2:
+    if not made or not _never_began(logfile.end_status()):
         return False
     try:
         if not set(os.listdir(folder)) <= {LOCK_FILE, logfile.LOG_NAME}:
