@@ -222,10 +222,8 @@ def _cpu_device_memory_note(args, job):
 
 def _ranks_per_node(args):
     """plan's --ranks-per-node (None: not given; train has none: its launcher says)."""
-    k = getattr(args, "ranks_per_node", None)
-    if k is not None and k < 1:
-        raise UserError(f"--ranks-per-node {k}: give a number of ranks >= 1")
-    return k
+    from .tools.scaling.node import parse_ranks_per_node
+    return parse_ranks_per_node(getattr(args, "ranks_per_node", None))
 
 
 def cmd_test(args):
@@ -406,7 +404,7 @@ def _plan_choose(args, job):
     limits = _memory_limits(args)  # a bad --ranks-per-node: exit 2 before the notes
     # once, as predict says it: what the correction for ranks sharing a node
     # cannot apply (--network's file measured none)
-    k = ranks_per_node_of(link, args.ranks_per_node)
+    k = ranks_per_node_of(link, limits.ranks_per_node)
     for note in notes(link, k, f"--network {args.network}" if args.network else None):
         print(note, file=sys.stderr, flush=True)
     if link.node is not None and (k > 1 or link.node.across_hosts):
