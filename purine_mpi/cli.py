@@ -156,11 +156,13 @@ def _resolve_auto(args, out_dir, limits):
             if args.debug:
                 lines += format_choice(choice).splitlines()
         except UserError as exc:  # its status too (a stopped calibration: 128 + the signal)
-            return None, (f"parallel.scheme auto: {exc}", exc.exit_code)
+            said = UserError(f"parallel.scheme auto: {exc}")
+            said.exit_code = exc.exit_code
+            raise said from None
         if best is None:
-            return None, ("parallel.scheme auto: no setting fits the ranks' memory; "
-                          "python -m purine_mpi plan CONFIG --np N --choose shows the table")
-        return (list(best.sets), lines), None
+            raise UserError("parallel.scheme auto: no setting fits the ranks' memory; "
+                            "python -m purine_mpi plan CONFIG --np N --choose shows the table")
+        return list(best.sets), lines
     try:
         sets, lines = rank0_decides(world, decide, "parallel.scheme auto's choice",
                                     AUTO_WAIT_S)
@@ -322,14 +324,7 @@ def _check_written_by_rank0(out):
     from .base.runfiles import check_writable
     from .comm.world import rank0_decides
     from .train.collectives import get_world
-
-    def check():
-        try:
-            check_writable(out)
-        except UserError as exc:
-            return None, str(exc)
-        return None, None
-    rank0_decides(get_world(), check, "predict's check of --out")
+    rank0_decides(get_world(), lambda: check_writable(out), "predict's check of --out")
 
 
 def cmd_generate(args):

@@ -323,28 +323,26 @@ def refuse_linked_run_files(folder):
 
 
 def _set_up(name, out, resume, force, runs_root, init=None, job=None):
-    """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
+    """Rank 0's part of ``prepare_run_dir``: the path, or a UserError."""
     where = out or os.path.join(runs_root, name)
     blocker = where if os.path.lexists(where) and not os.path.isdir(where) else \
         file_in_the_way(where)
     if blocker is not None:  # not OSError's bare "File exists"
         given = "--out" if out else "--out, or another checkpoint.folder"
-        return None, (f"run folder {where}: {blocker} is a file, not a folder; give another "
-                      f"{given} (a folder, or a path where one can be made)")
+        raise UserError(f"run folder {where}: {blocker} is a file, not a folder; give another "
+                        f"{given} (a folder, or a path where one can be made)")
     try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
                                     lock=_lock_and_check, init=init, job=job)
-    except UserError as exc:
-        return None, str(exc)
     except OSError as exc:  # a read-only folder, --out under a file, a full disk
         err = disk_error(exc.filename or where, exc)
         at = f" ({exc.filename})" if exc.filename and exc.filename != where else ""
-        return None, str(err) if err is not None else (
-            f"run folder {where}: cannot set it up: {exc.strerror or exc}{at}")
+        raise (err if err is not None else UserError(
+            f"run folder {where}: cannot set it up: {exc.strerror or exc}{at}")) from None
     if note:
         print(note, flush=True)
-    return path, None
+    return path
 
 
 def _lock_and_check(folder):
