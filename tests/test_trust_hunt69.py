@@ -24,3 +24,23 @@ def test_plan_and_predict_refuse_a_bad_ranks_per_node_alike(value, tmp_path):
     assert plan.returncode == 2 and predict.returncode == 2, (plan.stderr, predict.stderr)
     assert plan.stderr.strip().splitlines()[-1] == want, plan.stderr
     assert predict.stderr.strip().splitlines()[-1] == want, predict.stderr
+
+
+def test_make_parent_makes_the_folder_of_a_file_or_says_why_not(tmp_path):
+    """``base/runfiles.make_parent``: the one helper the output writers call
+    (checkpoints, traces, data files, predict, convert, export onnx, plot,
+    the calibration cache) before writing a file: its folder made, as the
+    system finds it (``link/..``: beside the link's target), or one line
+    naming that folder (exit 2) where a file is in the way."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.base.runfiles import make_parent
+    assert make_parent(str(tmp_path / "a" / "b" / "f.h5")) == str(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "target" / "in").mkdir(parents=True)
+    os.symlink(tmp_path / "target" / "in", tmp_path / "link")
+    make_parent(str(tmp_path / "link" / ".." / "new" / "f.h5"))
+    assert (tmp_path / "target" / "new").is_dir() and not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError) as got:
+        make_parent(str(tmp_path / "file" / "f.h5"))
+    assert str(tmp_path / "file") in str(got.value) and got.value.exit_code == 2
