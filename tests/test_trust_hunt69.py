@@ -44,3 +44,35 @@ def test_make_parent_makes_the_folder_of_a_file_or_says_why_not(tmp_path):
     with pytest.raises(UserError) as got:
         make_parent(str(tmp_path / "file" / "f.h5"))
     assert str(tmp_path / "file") in str(got.value) and got.value.exit_code == 2
+
+
+def test_resume_of_what_is_no_checkpoint_into_its_run_folder_says_so(tmp_path):
+    """``train --out R --resume R`` (the run folder, not a checkpoint in it:
+    generate's --weights takes a folder, --resume does not) or ``--resume``
+    a file that is no checkpoint (a data file), into an --out that holds a
+    run: the one line says what is wrong with the file given, as it does
+    into another --out ("is a directory, not an HDF5 file"). Before, the
+    guard against resuming another run answered first: "--out R holds
+    another run (...) than --resume R (run unknown)", and told the user to
+    --force away the run they meant to continue (this test's first match)."""
+    import h5py
+    import numpy as np
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job.rundir import choose_run_dir
+    from purine_mpi.job.run_checkpoints import save_run_checkpoint
+    run = tmp_path / "run"
+    save_run_checkpoint(str(run), 5, keep=2, params={"w": np.ones(3, np.float32)},
+                        run_id="mine")
+    before = sorted(os.listdir(run))
+    with pytest.raises(UserError) as got:
+        choose_run_dir("j", out=str(run), resume=str(run))
+    assert "is a directory, not an HDF5 file" in str(got.value), got.value
+    assert "another run" not in str(got.value)
+    data = tmp_path / "data.h5"
+    with h5py.File(data, "w") as f:
+        f["train/data"] = np.zeros((2, 3), np.float32)
+    with pytest.raises(UserError) as got:
+        choose_run_dir("j", out=str(run), resume=str(data))
+    assert "is not a purine_mpi checkpoint" in str(got.value), got.value
+    assert sorted(os.listdir(run)) == before  # nothing written, nothing deleted

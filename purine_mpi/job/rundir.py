@@ -194,7 +194,8 @@ def check_resume_continues(out, resume, held=None):
     """``--resume FILE`` into an ``--out`` that holds a run is allowed only
     when FILE continues that run: FILE lies in that folder, or its ``run_id``
     is the folder's. Otherwise a UserError naming both (the folder's metrics
-    and checkpoints would be replaced by another run's)."""
+    and checkpoints would be replaced by another run's), or, where FILE is
+    no checkpoint (a folder, a data file), the load's own line saying so."""
     held = held if held is not None else run_files(out)
     if not held or not os.path.exists(resume):
         return  # nothing to protect; a missing FILE is reported where it is loaded
@@ -203,6 +204,8 @@ def check_resume_continues(out, resume, held=None):
     theirs, mine = folder_run_id(out), checkpoint_run_id(resume)
     if mine and theirs and mine == theirs:
         return
+    if not mine:  # a folder (the run's own), a data file, a damaged file: what it is, said
+        load_checkpoint(resume)  # as into another --out, not "another run (run unknown)"
     what = (f"run {theirs[:12]}" if theirs else "a run whose checkpoints name no run_id")
     raise UserError(f"--out {out} holds another run ({what}; {', '.join(held[:4])}"
                     f"{', ...' if len(held) > 4 else ''}) than --resume {resume} (run "
