@@ -76,3 +76,17 @@ def test_resume_of_what_is_no_checkpoint_into_its_run_folder_says_so(tmp_path):
         choose_run_dir("j", out=str(run), resume=str(data))
     assert "is not a purine_mpi checkpoint" in str(got.value), got.value
     assert sorted(os.listdir(run)) == before  # nothing written, nothing deleted
+
+
+def test_a_negative_set_index_is_blamed_on_its_set():
+    """``--set net.-1.num_output=3`` (a negative index counts from the end
+    of the file's list, as ``apply_override`` takes it) refused on the key
+    it wrote, ``net[10].num_output``: the line names the ``--set``. Before,
+    the blame compared ``net.-1`` with ``net.10`` literally and named the
+    file's line of the layer, which holds no num_output (``error:
+    digits_lenet.yaml:22: key 'net[10].num_output': ...``)."""
+    res = run_cli_here("plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "1",
+                       "--set", "net.-1.num_output=3")
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --set net.-1.num_output=3: key 'net[10].num_output'"), line
