@@ -298,7 +298,8 @@ def cmd_predict(args):
     form = form_of(args)
     if form == "scaling":
         return run_scaling(args)
-    if form == "calibrate":
+    if form == "calibrate":  # LINK.json writable: exit 2 before the measurements, not after
+        _check_written_by_rank0(args.calibrate)
         return run_calibrate(args)
     from .job.checkpoint_file import load_params
     from .tools.predict import predict_split
@@ -317,7 +318,8 @@ def cmd_predict(args):
 
 
 def _check_written_by_rank0(out):
-    """predict's --out, which rank 0 alone writes: checked up front, before
+    """predict's --out (or --calibrate's LINK.json), which rank 0 alone
+    writes: checked up front, before
     any evaluation, on rank 0, whose verdict every rank takes (one line by
     rank 0 and exit 2 on every rank, not rank 0's own ``error: rank 0: ...``
     and an abort after the whole pass)."""

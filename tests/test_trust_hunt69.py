@@ -90,3 +90,45 @@ def test_a_negative_set_index_is_blamed_on_its_set():
     assert res.returncode == 2, res.stderr
     line = res.stderr.strip().splitlines()[-1]
     assert line.startswith("error: --set net.-1.num_output=3: key 'net[10].num_output'"), line
+
+
+def test_save_link_makes_its_folder_and_never_writes_through_a_link(tmp_path):
+    """``predict --calibrate LINK.json`` writes through ``save_link`` as the
+    other outputs write: its folder made, the file replaced whole (a link
+    planted at LINK.json replaced, its target untouched). Before, a plain
+    ``open(path, "w")``: FileNotFoundError for a missing folder (a
+    traceback and exit 1 after the whole calibration) and a write through
+    the link into its target (this test's ``victim`` assertion)."""
+    import json
+
+    from purine_mpi.tools.scaling.link import Link, save_link
+    link = Link(2e-5, 1.25e8, 0.0, "test")
+    path = tmp_path / "new" / "deeper" / "link.json"
+    save_link(str(path), link)
+    assert json.loads(path.read_text())["format"] == "purine_mpi.link"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    os.symlink(victim, tmp_path / "planted.json")
+    save_link(str(tmp_path / "planted.json"), link)
+    assert victim.read_text() == "keep"
+    assert not os.path.islink(tmp_path / "planted.json")
+    assert json.loads((tmp_path / "planted.json").read_text())["beta_bytes_per_s"] == 1.25e8
+
+
+def test_calibrate_refuses_an_unwritable_link_file_before_measuring(tmp_path):
+    """``mpiexec -n 2 predict --calibrate FILE/x.json`` (a file where its
+    folder would be): one line naming it, exit 2 on every rank, before the
+    measurements (seconds). Before: the whole calibration, then rank 0's
+    ``NotADirectoryError`` traceback and an MPI_Abort, exit 1 (this test's
+    ``returncode == 2``)."""
+    import subprocess
+
+    from tests.conftest import MPIEXEC, PYTHON, cli_env
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    (tmp_path / "afile").write_text("x")
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "predict",
+                          "--calibrate", str(tmp_path / "afile" / "x.json")], cwd=REPO,
+                         env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and str(tmp_path / "afile") in res.stderr, res.stderr
