@@ -200,6 +200,21 @@ def node_scale(node, n, traced_ranks, ranks_per_node):
     return NodeScale(factors, wait, c_n, c_t, not exact, handoff)
 
 
+def parse_ranks_per_node(given):
+    """``--ranks-per-node K`` as given on the command line (``plan``'s and
+    ``predict``'s alike): None where not given, else K, a whole number >= 1;
+    anything else one line naming the option and the value (exit 2)."""
+    if given is None:
+        return None
+    try:
+        k = int(str(given).strip())
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise UserError(f"--ranks-per-node {given}: expected a whole number >= 1")
+    return k
+
+
 def ranks_per_node_of(link, given=None):
     """K, the ranks a node: ``given`` (``--ranks-per-node``), else the link
     file's calibration's ranks per host, else 1."""
