@@ -242,6 +242,17 @@ static inline T __shfl_down_sync(unsigned int mask, T var, unsigned int delta) {
   __syncthreads();
   return out;
 }
+template <typename T>
+static inline T __shfl_xor_sync(unsigned int mask, T var, int lane_mask) {
+  __shared__ T lanes[1024];
+  if (mask != 0xffffffffu || blockDim.x > 1024 || lane_mask < 0 || lane_mask > 31) abort();
+  lanes[threadIdx.x] = var;
+  __syncthreads();
+  const unsigned int source = threadIdx.x ^ (unsigned int)lane_mask;
+  const T out = source < blockDim.x ? lanes[source] : (T)NAN;
+  __syncthreads();
+  return out;
+}
 """
 _EMU_BLOCKS, _EMU_THREADS = 2, 3   # small grid: exercises the grid-stride loops
 _EMU_WARP_THREADS = 64   # kernels with warp shuffles: two whole warps per block
@@ -353,7 +364,7 @@ def _shuffling(expanded):
             end += 1
         bodies.setdefault(match.group(1), "")
         bodies[match.group(1)] += expanded[match.end():end]
-    reach = {"__shfl_down_sync"}
+    reach = {"__shfl_down_sync", "__shfl_xor_sync"}
     grown = True
     while grown:
         grown = False
