@@ -178,7 +178,8 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     assert "--sides purine purine_fc_cublaslt torch_eager torch_compile" in stage
     # the loss and layer-norm kernels, new against old, each under a timeout
     for script in ("loss_kernel_gpu.py", "layernorm_kernel_gpu.py"):
-        assert "timeout --kill-after=5 " in stage.split(f"benchmarks/{script}")[0].rsplit("\n", 2)[-1]
+        line = stage.split(f"benchmarks/{script}")[0].rsplit("\n", 1)[-1]
+        assert "timeout --kill-after=5 " in line, script
 
 
 def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
