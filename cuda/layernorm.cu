@@ -60,7 +60,6 @@
 
 #define PURINE_LN_THREADS 256
 
-#include "block_sum.cuh"
 #include "precision.cuh"
 
 // y's element: T itself, or (float32 into uint16) the bfloat16 bits

@@ -811,7 +811,8 @@ def host_cupy(build_dir):
                     base + [str(source), "-E", "-P"], check=True, capture_output=True,
                     text=True).stdout
             signatures = _SIGNATURE.findall(expanded)
-            self._threaded = "__syncthreads" in code
+            # a warp shuffle is two block barriers here (the prelude)
+            self._threaded = "__syncthreads" in code or "__shfl" in code
             if not library_path.exists():
                 built = source
                 if self._threaded:   # the kernels, then their fibers' entry points
