@@ -28,7 +28,7 @@
 // result is done by the same lane after the row's sums, so y may be x and dx
 // may be dy or x (in place). Why: a block of 256 threads per 768-wide row
 // took three elements a thread between two 8-level shared-memory trees with
-// 9 barriers each -- latency-bound, 134 us a launch at 16384 x 768 on an
+// 10 barriers each -- latency-bound, 134 us a launch at 16384 x 768 on an
 // H200 against a 16 us traffic bound (docs/gpu.md).
 //
 // Vectorised: for float32 x where cols % 4 == 0 and every row array (x, g, b,
@@ -47,8 +47,8 @@
 // gradient) and as bits by the products (ops/layernorm.py LayerNormGrad
 // with bits_copy, parallel/precision.fold_copies). copy is no input's bytes
 // but a bits dy's (the memory plan puts it there where dy dies at the op):
-// a row's dy is read in the first pass before the block's sums, and the
-// thread that writes copy[i] in the second has read dy[i] just before.
+// a row's dy is read in the first pass before the warp's sums, and the
+// lane that writes copy[i] in the second has read dy[i] just before.
 //
 // layernorm_forward_bits_f32 writes y as bfloat16 bits (uint16: the upper
 // halves of precision.cu's round_bf16 of the float32 y, precision.cuh), for a
