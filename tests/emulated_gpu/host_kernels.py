@@ -224,6 +224,7 @@ static inline double __longlong_as_double(long long i) {
 }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 // Warp shuffles: the lanes of a warp (32 consecutive threads of the block)
 // swap values through a table between two block-wide barriers, so every
 // thread of the block must call them together (our kernels never shuffle
