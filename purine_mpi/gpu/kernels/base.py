@@ -55,6 +55,9 @@ PLAIN_ENTRY_POINTS = {
                   "to_bf16_bits", "from_bf16_bits"),
     "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32",
                "sum_rows_vec_f32", "sum_rows_bits_vec_f32"),
+    # the from_logits loss on bfloat16 bits logits (dx as bits, or float32)
+    "softmax_loss": ("softmax_loss_forward_bits_f32", "softmax_loss_grad_bits_f32",
+                     "softmax_loss_grad_bx_f32"),
 }
 
 _BLOCK = 256

@@ -705,11 +705,20 @@ def _ln_rows(cupy, what, x, **arrays):
     return x, rows, cols
 
 
+def _ln_blocks(rows):
+    """The layer-norm kernels' grid: a warp per row, _REDUCE_THREADS / 32
+    rows a block (PURINE_LN_THREADS of cuda/layernorm.cu), grid-stride
+    beyond _MAX_BLOCKS blocks."""
+    per_block = _REDUCE_THREADS // 32
+    return min(-(-rows // per_block), _MAX_BLOCKS)
+
+
 def layernorm_forward(x, g, b, eps, y, mean, rstd):
     """Layer norm over the last axis of ``x`` (..., C) in one kernel
     (cuda/layernorm.cu): ``y`` = (x - mean) * rstd * g + b, and the rows'
     ``mean`` and ``rstd`` = 1 / sqrt(var + eps) (x.shape[:-1]), written in
-    place; ``y`` may be ``x``. Sums in double, fixed-order trees. A uint16
+    place; ``y`` may be ``x``. A warp per row, sums in double in a fixed
+    order (lanes, then a shuffle butterfly). A uint16
     ``y`` (float32 ``x``) gets the bfloat16 bits of y (bf16 storage), the
     bits of the float32 run followed by ``to_bf16_bits_device``."""
     cupy = import_cupy()
@@ -727,7 +736,7 @@ def layernorm_forward(x, g, b, eps, y, mean, rstd):
     if rows and cols:
         _base._launch_blocks("layernorm", "layernorm_forward_bits_f32" if bits
                              else "layernorm_forward", None if bits else x.dtype,
-                             min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             _ln_blocks(rows), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), x, g, b, np.float64(eps), y, mean,
                               rstd))
     return y
@@ -770,13 +779,13 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
                              rstd=(rstd, n), **outs)
     if rows and cols and copy is not None:
         _base._launch_blocks("layernorm", "layernorm_backward" + "_bdy" * bits + "_copy_f32",
-                             None, min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             None, _ln_blocks(rows), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd, dx,
                               x if dyxhat is None else dyxhat, _int(dyxhat is not None), copy))
     elif rows and cols and (dx is not None or dyxhat is not None):
         _base._launch_blocks("layernorm", "layernorm_backward_bdy_f32" if bits
                              else "layernorm_backward", None if bits else x.dtype,
-                             min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             _ln_blocks(rows), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd,
                               x if dx is None else dx, _int(dx is not None),
                               x if dyxhat is None else dyxhat, _int(dyxhat is not None)))
