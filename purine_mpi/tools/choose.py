@@ -1044,10 +1044,12 @@ class Predictor:
         """(seconds per iteration, samples per iteration, untraced op count).
         ``built``: {rank: its composed training graph} already at hand (the
         memory plan's, ``evaluate``), read instead of composing it again."""
+        from .scaling.concurrent import contended
         from .scaling.model import ITERATIONS
-        from .scaling.simulate import simulate
         graphs, images, untraced = self.rank_graphs(job, n, built)
-        return simulate(graphs, ITERATIONS).period(), images, untraced
+        # ranks sharing a node: each op at the contention of the ranks
+        # computing while it runs (scaling/concurrent.py)
+        return contended(graphs, self.scale(n), n, ITERATIONS).period(), images, untraced
 
     def rank_graphs(self, job, n, built=None):
         """([RankGraph] of the simulated ranks, samples per iteration,
