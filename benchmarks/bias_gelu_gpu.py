@@ -146,8 +146,17 @@ def main(argv=None):
         step[group] = {side: round(sum(per_step[k] * results[k][side]["ms"] for k in names), 3)
                        for side in ("old", "new")}
         step[group]["bound"] = round(sum(per_step[k] * results[k]["bound_ms"] for k in names), 3)
+    # flat, for gpu_session.sh's summary.txt (it reads scalars one level down,
+    # by key name): each pair's speedup and agreement, the step's ms
+    headline = {"all_bitwise_equal": all(agreement.values())}
+    for name, entry in results.items():
+        headline[f"{name}_speedup"] = entry["speedup"]
+        headline[f"{name}_bitwise_equal"] = entry["bitwise_equal"]
+    for group, ms in step.items():
+        headline.update({f"{group}_{side}_ms": ms[side] for side in ("old", "new", "bound")})
     report = {
-        "benchmark": "bias_gelu_gpu", "ms_per_gpt2_step": step, "rows": n, "width": w,
+        "benchmark": "bias_gelu_gpu", "headline": headline, "ms_per_gpt2_step": step,
+        "rows": n, "width": w,
         "approximate": args.approximate,
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
         "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
