@@ -119,8 +119,13 @@ def main(argv=None):
     times = {(name, vec): [] for name in cases for vec in (False, True)}
     rounds = 0
     while rounds < args.rounds and (rounds == 0 or time.monotonic() - began < args.budget_s):
-        for (name, vec), ms in times.items():   # interleaved: each kernel once a round
-            ms.append(_timed(cupy, lambda: cases[name][0](vec), args.reps))
+        # interleaved: each kernel once a round, old and new next to each other,
+        # which goes first alternating from round to round (neither always
+        # follows the other's traffic)
+        for name in cases:
+            for vec in ((False, True) if rounds % 2 == 0 else (True, False)):
+                times[(name, vec)].append(
+                    _timed(cupy, lambda: cases[name][0](vec), args.reps))
         rounds += 1
     results = {}
     for name, (_, moved, _) in cases.items():
