@@ -119,8 +119,13 @@ def main(argv=None):
     times = {(name, vec): [] for name in cases for vec in (False, True)}
     rounds = 0
     while rounds < args.rounds and (rounds == 0 or time.monotonic() - began < args.budget_s):
-        for (name, vec), ms in times.items():   # interleaved: each kernel once a round
-            ms.append(_timed(cupy, lambda: cases[name][0](vec), args.reps))
+        # interleaved: each kernel once a round, old and new next to each other,
+        # which goes first alternating from round to round (neither always
+        # follows the other's traffic)
+        for name in cases:
+            for vec in ((False, True) if rounds % 2 == 0 else (True, False)):
+                times[(name, vec)].append(
+                    _timed(cupy, lambda: cases[name][0](vec), args.reps))
         rounds += 1
     results = {}
     for name, (_, moved, _) in cases.items():
@@ -146,8 +151,17 @@ def main(argv=None):
         step[group] = {side: round(sum(per_step[k] * results[k][side]["ms"] for k in names), 3)
                        for side in ("old", "new")}
         step[group]["bound"] = round(sum(per_step[k] * results[k]["bound_ms"] for k in names), 3)
+    # flat, for gpu_session.sh's summary.txt (it reads scalars one level down,
+    # by key name): each pair's speedup and agreement, the step's ms
+    headline = {"all_bitwise_equal": all(agreement.values())}
+    for name, entry in results.items():
+        headline[f"{name}_speedup"] = entry["speedup"]
+        headline[f"{name}_bitwise_equal"] = entry["bitwise_equal"]
+    for group, ms in step.items():
+        headline.update({f"{group}_{side}_ms": ms[side] for side in ("old", "new", "bound")})
     report = {
-        "benchmark": "bias_gelu_gpu", "ms_per_gpt2_step": step, "rows": n, "width": w,
+        "benchmark": "bias_gelu_gpu", "headline": headline, "ms_per_gpt2_step": step,
+        "rows": n, "width": w,
         "approximate": args.approximate,
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
         "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,

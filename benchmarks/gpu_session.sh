@@ -36,13 +36,15 @@
 #   plans        30 s  benchmarks/cudnn_plans.py: every cuDNN plan of two convolutions
 #                      against a float64 reference, and the plan the set-up chose
 #                                                         -> cudnn_plans.json
-#   gpt         150 s  bf16 against PyTorch autocast: gpu_throughput.py --precision bf16
+#   gpt         245 s  bf16 against PyTorch autocast: gpu_throughput.py --precision bf16
 #                      (cifar10_quick and NIN at batch 128, channels-last, eager and
 #                      whole-step CUDA graph; 40 s at most) -> bench_bf16.json, then
 #                      benchmarks/gpt_gpu.py, jobs/gpt2_124m.yaml with precision bf16
 #                      (16 x 1024 tokens a step; ours also with PURINE_FC_EPILOGUE=
 #                      cublaslt) against nanoGPT's model in PyTorch, eager and
-#                      torch.compile, interleaved  -> gpt_gpu.json; before it
+#                      torch.compile, interleaved  -> gpt_gpu.json (its deadline
+#                      leaves the stage's last 90 s to the microbenchmarks, which
+#                      run after it and cannot starve it); then
 #                      benchmarks/loss_kernel_gpu.py (30 s at most): the GPT loss
 #                      kernels, vectorized against the old    -> loss_kernel_gpu.json;
 #                      benchmarks/bias_gelu_gpu.py (25 s at most): the bias and
@@ -90,7 +92,7 @@ bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|240|fp32 images/s and peak memory against PyTorch (issue 44's memory target): cifar10_quick 128, nin_cifar10 128, cifar10_quick 512, nin_cifar10 512, torch.compile too
 dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
 plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)
-gpt|150|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py)"
+gpt|245|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py)"
 
 # the order of `all`, the most valuable first (issue 45's GPT-2 and loss
 # kernels and the GPU-only tests, then issue 44's memory target; the probe's
@@ -105,7 +107,7 @@ bench-quick|15|2026-11-25
 bench|150+|2026-11-29 and 11-30: cut at its 150 s budget before nin_cifar10 finished
 dp|8|2026-11-25
 plans|30?|2026-11-29, not timed alone: a 216 s call of probe plans dp bench, less the others
-gpt|105|2026-11-30: a 153 s call of tests gpt, less tests' 48 s"
+gpt|105|2026-11-30: a 153 s call of tests gpt, less tests' 48 s (bench_bf16 and gpt_gpu only: the microbenchmarks' 90 s came after)"
 
 # a call's own limit: stages stop (each at its budget, or earlier where
 # the call's time runs out) so that the call ends before the device tool's
@@ -396,38 +398,58 @@ case "$MODE" in
     limit "$PYTHON" benchmarks/cudnn_plans.py > "$OUT/cudnn_plans.json" 2> "$OUT/cudnn_plans.log"
     step cudnn_plans $? ;;
   gpt)
+    # the headline (gpt_gpu.py) first after the short bf16 bench, the kernel
+    # microbenchmarks after it in the stage's last micro_s seconds (their caps
+    # + 5 s each to be killed): they cannot starve it. A new microbenchmark
+    # adds its cap here and to the stage's budget in PLAN.
+    micro_s=$(( (30 + 5) + (25 + 5) + (20 + 5) ))
     # shellcheck disable=SC2086
     timeout --kill-after=5 40 "$PYTHON" benchmarks/gpu_throughput.py \
         --configs jobs/cifar10_quick.yaml jobs/nin_cifar10.yaml --batches 128 --iters 30 \
         --warmup 5 --no-compile --precision bf16 $BENCH_ARGS \
         > "$OUT/bench_bf16.json" 2> "$OUT/bench_bf16.log"
     step gpu_throughput_bf16 $?
-    # the GPT loss kernels, vectorized against the ones before them, on
-    # 16384 x 50304 float32 logits (ms, GB/s, fraction of 4.8 TB/s; under 30 s)
-    timeout --kill-after=5 30 "$PYTHON" benchmarks/loss_kernel_gpu.py --budget-s 15 \
-        > "$OUT/loss_kernel_gpu.json" 2> "$OUT/loss_kernel_gpu.log"
-    step loss_kernel_gpu $?
-    # the bias and GELU kernels, vectorized against the ones before them, at
-    # GPT-2's shapes (ms, GB/s, fraction of 4.8 TB/s, bitwise agreement; under 25 s)
-    timeout --kill-after=5 25 "$PYTHON" benchmarks/bias_gelu_gpu.py --budget-s 10 \
-        > "$OUT/bias_gelu_gpu.json" 2> "$OUT/bias_gelu_gpu.log"
-    step bias_gelu_gpu $?
-    # the layer-norm kernels, a warp per row against the block per row before
-    # them, on 16384 x 768 (GPT-2's activations: ms, GB/s, fraction of 4.8 TB/s,
-    # the outputs' agreement; under 20 s)
-    timeout --kill-after=5 20 "$PYTHON" benchmarks/layernorm_kernel_gpu.py --budget-s 10 \
-        > "$OUT/layernorm_kernel_gpu.json" 2> "$OUT/layernorm_kernel_gpu.log"
-    step layernorm_kernel_gpu $?
-    # the rounds after the first, and the profiles, stop 20 s before the stage's end
-    # (its JSON comes back); a profile of ours begins only where it fits before the end
+    # the rounds after the first, and the profiles, stop 20 s before its deadline,
+    # micro_s before the stage's end (its JSON comes back); a profile of ours begins
+    # only where it fits before the deadline
     # ours with PURINE_FC_EPILOGUE=cublaslt beside the default, interleaved in the
     # same run (purine_fc_cublaslt_vs_purine: the biased fc outputs as one cuBLASLt
     # product each, the bias rounded to bf16 in its epilogue; docs/gpu.md, "Precision")
+    # (a stage cut short, STAGE_BUDGET_S or the call's end, leaving it under 60 s
+    # that way: all that is left, the microbenchmarks skipped)
+    deadline=$(( $(left) - micro_s ))
+    [ "$deadline" -ge 60 ] || deadline=$(left)
     limit "$PYTHON" benchmarks/gpt_gpu.py --iters 10 --warmup 3 --rounds 2 \
         --sides purine purine_fc_cublaslt torch_eager torch_compile \
-        --budget-s $(( $(left) - 20 )) --deadline-s "$(left)" \
+        --budget-s $(( deadline > 21 ? deadline - 20 : 1 )) --deadline-s "$deadline" \
         > "$OUT/gpt_gpu.json" 2> "$OUT/gpt_gpu.log"
-    step gpt_gpu $? ;;
+    step gpt_gpu $?
+    micro() {  # micro NAME CAP BUDGET ARGS...: benchmarks/NAME.py, stopped after
+      # CAP s or at the stage's end (its rounds after the first stop BUDGET s in,
+      # less where the stage's end cuts CAP); skipped (124) under 10 s left
+      local name=$1 cap=$2 budget=$3 l rc; shift 3; l=$(( $(left) - 5 ))
+      if [ "$l" -lt 10 ]; then step "$name" 124; return; fi
+      if [ "$l" -lt "$cap" ]; then budget=$(( budget - (cap - l) )); cap=$l; fi
+      [ "$budget" -ge 1 ] || budget=1
+      # (in the background, as limit's: a TERM to the stage reaches it at once)
+      timeout --kill-after=5 "$cap" "$PYTHON" "benchmarks/$name.py" --budget-s "$budget" "$@" \
+          > "$OUT/$name.json" 2> "$OUT/$name.log" &
+      limited=$!
+      wait "$limited"; rc=$?
+      limited=""
+      step "$name" "$rc"
+    }
+    # the GPT loss kernels, vectorized against the ones before them, on
+    # 16384 x 50304 float32 logits (ms, GB/s, fraction of 4.8 TB/s; under 30 s)
+    micro loss_kernel_gpu 30 15
+    # the bias and GELU kernels, vectorized against the ones before them, at
+    # GPT-2's shapes (ms, GB/s, fraction of 4.8 TB/s, bitwise agreement; under 25 s)
+    micro bias_gelu_gpu 25 10
+    # the layer-norm kernels, a warp per row against the block per row before
+    # them, on 16384 x 768 (GPT-2's activations: ms, GB/s, fraction of 4.8 TB/s,
+    # the outputs' agreement; under 20 s)
+    micro layernorm_kernel_gpu 20 10
+    ;;
 esac
 
 grep "^$MODE " "$OUT/status.txt" 2>/dev/null

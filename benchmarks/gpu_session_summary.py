@@ -21,7 +21,7 @@ from pathlib import Path
 WATCHED = ("test_gpu_kernel_options", "gelu_gradient_copy_kernels_on_adversarial",
            "layer_norm_gradient_copy_kernels_on_adversarial",
            "test_the_redrawn_dropout_gradient_writes_dx_and_its_bits",
-           "test_gpu_loss_vec")
+           "test_gpu_loss_vec", "test_gpu_bias_gelu_vec")
 #: the figures worth a line, by key name
 HEADLINE = re.compile(r"(per_s$|_ms$|^ms$|ms_per_iter$|ms_median$|peak|^mfu$|speedup|"
                       r"fraction|bitwise|max_abs_diff|_vs_)")

@@ -16,7 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bias_gelu_gpu  # noqa: E402
 
 
-def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys):  # noqa: F811
+def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys,  # noqa: F811
+                                                         tmp_path):
     assert bias_gelu_gpu.main(["--rows", "3", "--width", "16", "--reps", "1",
                                "--rounds", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -38,6 +39,18 @@ def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys):  # no
         12 * bias["bias_bits_48"]["old"]["ms"] + 24 * bias["bias_bits_16"]["old"]["ms"]
         + 12 * bias["bias_bits_64"]["old"]["ms"], abs=2e-3)
     assert all(v["new"] > 0 and v["bound"] >= 0 for v in step.values())
+    # what gpu_session.sh's summary.txt says of it (the one file read first
+    # after a GPU session): every pair's speedup and bitwise agreement, the
+    # step's old and new ms
+    import gpu_session_summary
+    path = tmp_path / "bias_gelu_gpu.json"
+    path.write_text(json.dumps(report))
+    said = " ".join(gpu_session_summary.json_lines(path))
+    assert "all_bitwise_equal=true" in said, said
+    for name in per_element:
+        assert f"{name}_speedup=" in said and f"{name}_bitwise_equal=true" in said, said
+    for group in step:
+        assert f"{group}_old_ms=" in said and f"{group}_new_ms=" in said, said
 
 
 def test_without_cupy_it_refuses():

@@ -220,3 +220,91 @@ def test_sum_rows_vec_in_whole_blocks_of_256_threads_has_the_old_bits(host_build
             got.append((out, partial))
         np.testing.assert_array_equal(got[0][1].view(np.uint64), got[1][1].view(np.uint64))
         np.testing.assert_array_equal(got[0][0].view(np.uint32), got[1][0].view(np.uint32))
+
+
+# ------------------------------- review: subnormals, views, 8-byte bases ---
+
+def _subnormal(rng, n):
+    """n float32 values, most of them subnormal (kept: no flush to zero),
+    both signs, the smallest, a bfloat16 tie among them, and some normal."""
+    tiny = np.array([0x00000001, 0x80000001, 0x00008000, 0x00018000, 0x007fffff, 0x807f8000,
+                     0x00400000, 0x00800000, 0x80800000], np.uint32).view(np.float32)
+    x = (rng.standard_normal(n) * 1e-39).astype(np.float32)
+    x[:tiny.size] = tiny[:n]
+    x[-3:] = rng.standard_normal(3).astype(np.float32)
+    return rng.permutation(x)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_vec_kernels_keep_subnormals_as_the_old(device, approximate):
+    """Subnormal inputs and subnormal results (no flush to zero on either
+    side): bias_bits against the NumPy reference, GELU forward and backward
+    (bits dy and x, a copy) against the one-element kernels."""
+    rng = np.random.default_rng(5)
+    rows, channels = 5, 24
+    src = _subnormal(rng, rows * channels).reshape(rows, channels)
+    bias = _subnormal(rng, channels)
+    want = _bf16_bits(src + bias)
+    assert np.count_nonzero((want & 0x7f80) == 0) > rows * channels // 2   # subnormal sums
+    got = {}
+    for vec in (True, False):
+        out = device.to_device(np.zeros(src.shape, np.uint16))
+        device.launched.clear()
+        kernels.bias_bits(device.to_device(src), device.to_device(bias), out, vec=vec)
+        assert device.launched == ["bias_bits_vec_f32" if vec else "bias_bits_f32"]
+        got[vec] = _host(device, out)
+    np.testing.assert_array_equal(got[True], want)
+    np.testing.assert_array_equal(got[False], want)
+    x = _bf16_bits(_subnormal(rng, 61))
+    dy = _bf16_bits(_subnormal(rng, 61) * np.float32(1e30))   # normal dy times tiny slopes
+    outs = {}
+    for vec in (True, False):
+        y = device.to_device(np.zeros_like(x))
+        kernels.gelu_forward_bits(device.to_device(x), approximate, y, vec=vec)
+        dx = device.to_device(np.zeros(61, np.float32))
+        cp = device.to_device(np.zeros(61, np.uint16))
+        kernels.gelu_backward(device.to_device(dy), device.to_device(x), approximate, out=dx,
+                              copy=cp, vec=vec)
+        outs[vec] = (_host(device, y), _host(device, dx).view(np.uint32), _host(device, cp))
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(a, b)
+    y = (outs[True][0].astype(np.uint32) << 16).view(np.float32)
+    assert np.count_nonzero((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny)) > 10
+
+
+def test_bias_bits_vec_on_aligned_views_is_the_reference(device):
+    """A src of whole rows cut from a larger one (its base 16-byte aligned
+    for C a multiple of 8), a bias 4 floats into a buffer (16 bytes): the
+    vec kernel, the reference's bits; a bias 2 floats in (8 bytes): the old."""
+    rng = np.random.default_rng(9)
+    rows, channels = 9, 40
+    big = _special(rng, (rows + 3) * channels).reshape(rows + 3, channels)
+    bias = rng.standard_normal(channels).astype(np.float32)
+    want = _bf16_bits(big[3:] + bias)
+    for boffset, name in ((4, "bias_bits_vec_f32"), (2, "bias_bits_f32")):
+        src = device.to_device(big)[3:]
+        b = _placed(device, bias, boffset)
+        out = device.to_device(np.zeros((rows, channels), np.uint16))
+        device.launched.clear()
+        kernels.bias_bits(src, b, out)
+        assert device.launched == [name]
+        np.testing.assert_array_equal(_host(device, out), want)
+
+
+@pytest.mark.parametrize("offset,vec_expected", [(4, True), (2, False), (8, True)])
+def test_sum_rows_bits_vec_on_an_8_byte_base(device, offset, vec_expected):
+    """Bits x whose base is 8 but not 16 bytes aligned (offset 4): the vec
+    kernel's 8-byte loads, the old kernel's bits; offset 2 (4 bytes): the old."""
+    rng = np.random.default_rng(offset)
+    x = _bf16_bits(_spread32(rng, (301, 44)))
+    got = {}
+    for vec in (True, False):
+        out = device.to_device(np.zeros(44, np.float32))
+        device.launched.clear()
+        kernels.sum_rows(_placed(device, x, offset), out, vec=vec)
+        assert device.launched[0] == ("sum_rows_bits_vec_f32" if vec and vec_expected
+                                      else "sum_rows_bits_f32")
+        got[vec] = _host(device, out).view(np.uint32)
+    np.testing.assert_array_equal(got[True], got[False])
+    wide = (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    np.testing.assert_allclose(got[True].view(np.float32), wide.sum(axis=0), rtol=1e-6)
