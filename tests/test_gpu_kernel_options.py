@@ -302,3 +302,17 @@ def test_a_kernel_keeps_subnormals_on_the_gpu(monkeypatch, tmp_path):
             (y, _leaky_numpy(x))
     assert len(list((tmp_path / "cache" / "kernels").glob("activation-*.bin"))) == 1
     gpu.clear_kernel_cache()
+
+
+def test_the_emulated_device_keeps_its_kernels_out_of_the_users_home(host_build_dir,
+                                                                      monkeypatch, tmp_path):
+    """A test on the emulated device that sets no $PURINE_CACHE_DIR compiles
+    into the build folder, not ~/.cache/purine_mpi/kernels."""
+    from tests.emulated_gpu.cupy_module import use_emulated_cupy
+    monkeypatch.delenv("PURINE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    gpu.load_kernel("activation")
+    assert not (tmp_path / "home").exists()
+    assert list((host_build_dir / "purine_cache" / "kernels").glob("activation-*.bin"))
+    gpu.clear_kernel_cache()
