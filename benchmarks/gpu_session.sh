@@ -256,15 +256,23 @@ step() {  # step NAME RC: record a step's exit status, keep the first failure
 STAGE_END=$(( $(date +%s) + stage_budget - 5 ))
 left() { echo $(( STAGE_END - $(date +%s) )); }   # seconds left of this stage's budget
 limited=""
-limit() {  # the command, stopped at the stage's budget; in the background, so that
-  # a TERM to the stage (the runner's, when the call is killed) reaches it at once
-  local l rc; l=$(left); [ "$l" -gt 1 ] || l=1
+limit_s() {  # limit_s SECONDS COMMAND...: the command, stopped after SECONDS (at most
+  # what is left of the stage's budget); in the background, so that a TERM to
+  # the stage (the runner's, when the call is killed) reaches it at once: GNU
+  # timeout runs its command in a process group of its own, which a TERM to
+  # the call's group misses, and bash runs a trap only once a foreground
+  # command has ended (a step with a timeout of its own held a killed call
+  # for up to 40 s). Never in a pipeline: there $limited is a subshell's.
+  local l rc; l=$1; shift
+  [ "$l" -le "$(left)" ] || l=$(left)
+  [ "$l" -gt 1 ] || l=1
   timeout --kill-after=5 "$l" "$@" &
   limited=$!
   wait "$limited"; rc=$?
   limited=""
   return "$rc"
 }
+limit() { limit_s "$(left)" "$@"; }   # the command, stopped at the stage's budget
 trap '[ -z "$limited" ] || kill -TERM "$limited" 2>/dev/null; exit 143' TERM
 
 # -- install: the pins the interpreter lacks, from the carried wheels (idempotent);
@@ -293,7 +301,7 @@ for kind in deps nodeps; do
   flags=(--no-index --find-links "$WHEELS")
   [ "$kind" = nodeps ] && flags+=(--no-deps)
   # shellcheck disable=SC2086  # one pin per word
-  env -u PIP_TARGET -u PIP_PREFIX "$PYTHON" -m pip install "${flags[@]}" $missing \
+  limit env -u PIP_TARGET -u PIP_PREFIX "$PYTHON" -m pip install "${flags[@]}" $missing \
       >> "$OUT/install.log" 2>&1
   step "install_$kind" $?
 done
@@ -382,24 +390,28 @@ case "$MODE" in
     # (one GPU: 2 ranks share it, so auto must fall back to MPI and say why)
     for run in "1 mpi" "2 mpi" "2 auto"; do
       set -- $run
+      # (into a file, then its last line: limit in a pipeline could not be ended)
       limit "$mpiexec" -n "$1" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \
           --set device=0 --set parallel.backend="$2" --iters 50 --json \
-          2>> "$OUT/gpu_dp.log" | tail -n 1 >> "$OUT/gpu_dp.json"
-      step "dp_np$1_$2" "${PIPESTATUS[0]}"
+          > "$OUT/gpu_dp.stdout" 2>> "$OUT/gpu_dp.log"
+      rc=$?
+      tail -n 1 "$OUT/gpu_dp.stdout" >> "$OUT/gpu_dp.json"
+      rm -f "$OUT/gpu_dp.stdout"
+      step "dp_np$1_$2" "$rc"
     done ;;
   plans)
     limit "$PYTHON" benchmarks/cudnn_plans.py > "$OUT/cudnn_plans.json" 2> "$OUT/cudnn_plans.log"
     step cudnn_plans $? ;;
   gpt)
     # shellcheck disable=SC2086
-    timeout --kill-after=5 40 "$PYTHON" benchmarks/gpu_throughput.py \
+    limit_s 40 "$PYTHON" benchmarks/gpu_throughput.py \
         --configs jobs/cifar10_quick.yaml jobs/nin_cifar10.yaml --batches 128 --iters 30 \
         --warmup 5 --no-compile --precision bf16 $BENCH_ARGS \
         > "$OUT/bench_bf16.json" 2> "$OUT/bench_bf16.log"
     step gpu_throughput_bf16 $?
     # the GPT loss kernels, vectorized against the ones before them, on
     # 16384 x 50304 float32 logits (ms, GB/s, fraction of 4.8 TB/s; under 30 s)
-    timeout --kill-after=5 30 "$PYTHON" benchmarks/loss_kernel_gpu.py --budget-s 15 \
+    limit_s 30 "$PYTHON" benchmarks/loss_kernel_gpu.py --budget-s 15 \
         > "$OUT/loss_kernel_gpu.json" 2> "$OUT/loss_kernel_gpu.log"
     step loss_kernel_gpu $?
     # the rounds after the first, and the profiles, stop 20 s before the stage's end
