@@ -184,8 +184,12 @@ if [ "$1" != fetch ] && [ "$1" != --stage ]; then
   child=""
   on_signal() {  # the call killed: end the stage, say so, pack what there is
     trap '' TERM INT HUP
-    [ -z "$child" ] || { kill -TERM "$child" 2>/dev/null; wait "$child"; }
-    echo "$stage killed($1) $(( $(date +%s) - stage_start ))" >> "$WORK/stages.txt"
+    if [ -n "$child" ]; then
+      kill -TERM "$child" 2>/dev/null; wait "$child"
+      echo "$stage killed($1) $(( $(date +%s) - stage_start ))" >> "$WORK/stages.txt"
+    else  # while packing after a stage (recorded already), or before the first
+      echo "call killed($1) between stages (after ${stage:-none})" >> "$WORK/stages.txt"
+    fi
     pack
     exit 143
   }
