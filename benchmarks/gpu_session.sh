@@ -44,7 +44,12 @@
 #                      cublaslt) against nanoGPT's model in PyTorch, eager and
 #                      torch.compile, interleaved  -> gpt_gpu.json; before it
 #                      benchmarks/loss_kernel_gpu.py (30 s at most): the GPT loss
-#                      kernels, vectorized against the old    -> loss_kernel_gpu.json
+#                      kernels, vectorized against the old    -> loss_kernel_gpu.json;
+#                      benchmarks/bias_gelu_gpu.py (25 s at most): the bias and
+#                      GELU kernels, vectorized against the old -> bias_gelu_gpu.json;
+#                      benchmarks/layernorm_kernel_gpu.py (20 s at most): the
+#                      layer-norm kernels, warp per row against block per row
+#                                                         -> layernorm_kernel_gpu.json
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -85,7 +90,7 @@ bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|240|fp32 images/s and peak memory against PyTorch (issue 44's memory target): cifar10_quick 128, nin_cifar10 128, cifar10_quick 512, nin_cifar10 512, torch.compile too
 dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
 plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)
-gpt|150|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py)"
+gpt|150|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py)"
 
 # the order of `all`, the most valuable first (issue 45's GPT-2 and loss
 # kernels and the GPU-only tests, then issue 44's memory target; the probe's
@@ -418,6 +423,17 @@ case "$MODE" in
     limit_s 30 "$PYTHON" benchmarks/loss_kernel_gpu.py --budget-s 15 \
         > "$OUT/loss_kernel_gpu.json" 2> "$OUT/loss_kernel_gpu.log"
     step loss_kernel_gpu $?
+    # the bias and GELU kernels, vectorized against the ones before them, at
+    # GPT-2's shapes (ms, GB/s, fraction of 4.8 TB/s, bitwise agreement; under 25 s)
+    timeout --kill-after=5 25 "$PYTHON" benchmarks/bias_gelu_gpu.py --budget-s 10 \
+        > "$OUT/bias_gelu_gpu.json" 2> "$OUT/bias_gelu_gpu.log"
+    step bias_gelu_gpu $?
+    # the layer-norm kernels, a warp per row against the block per row before
+    # them, on 16384 x 768 (GPT-2's activations: ms, GB/s, fraction of 4.8 TB/s,
+    # the outputs' agreement; under 20 s)
+    timeout --kill-after=5 20 "$PYTHON" benchmarks/layernorm_kernel_gpu.py --budget-s 10 \
+        > "$OUT/layernorm_kernel_gpu.json" 2> "$OUT/layernorm_kernel_gpu.log"
+    step layernorm_kernel_gpu $?
     # the rounds after the first, and the profiles, stop 20 s before the stage's end
     # (its JSON comes back); a profile of ours begins only where it fits before the end
     # ours with PURINE_FC_EPILOGUE=cublaslt beside the default, interleaved in the

@@ -12,6 +12,17 @@ new kernels' agreement with the old (prob's max abs difference over the
 first ``rows_checked`` rows, loss's over every row, dx bit for bit over the
 first rows).
 
+And the from_logits loss on logits stored as bfloat16 bits (bf16 storage,
+section ``bits``): the path before (each ``LOSS_CHUNK`` of rows widened by
+``from_bf16_bits`` into a float32 chunk, the vec kernels in place on it,
+the gradient's chunk rounded by ``to_bf16_bits``; ``ops/softmax.py``)
+against one kernel each (``softmax_loss_forward_bits_f32``,
+``softmax_loss_grad_bits_f32``), interleaved in the same rounds; bytes a
+step must move: widen-path forward 18 an element (bits read, float32
+written, then 12), bits forward 2 (one read of the bits); widen-path
+gradient 32 (6 + 12 + 8 + 6), bits gradient 6 (the bits read twice, dx's
+bits written); agreement: the loss and every dx bit of the two paths equal.
+
     python benchmarks/loss_kernel_gpu.py [--rows 16384 --classes 50304]
 
 Needs CuPy and a GPU: without them it says so and exits 2."""
@@ -59,6 +70,7 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     from purine_mpi.gpu import kernels
+    from purine_mpi.ops.softmax import LOSS_CHUNK
 
     began = time.monotonic()
     n, c = args.rows, args.classes
@@ -81,6 +93,50 @@ def main(argv=None):
         return lambda: kernels.softmax_loss_backward(prob, labels, top, out=dx,
                                                      scale_factor=1.0 / n, rows_kernel=kernel)
 
+    # logits stored as bits (the float logits rounded), dx's bits, the
+    # float32 chunk of the path before (LOSS_CHUNK elements of whole rows)
+    xb = cupy.empty((n, c), np.uint16)
+    kernels.to_bf16_bits_device(x.reshape(-1), xb.reshape(-1))
+    dxb = cupy.empty_like(xb)
+    chunk_rows = max(1, min(n, LOSS_CHUNK // c))
+    wide = cupy.empty((chunk_rows, c), np.float32)
+    spans = [(r, min(n, r + chunk_rows)) for r in range(0, n, chunk_rows)]
+
+    def widen_forward():   # ops/softmax.py SoftmaxLoss._from_logits before
+        for a, b in spans:
+            w = wide[:b - a]
+            kernels.from_bf16_bits_device(xb[a:b].reshape(-1), w.reshape(-1))
+            kernels.softmax_loss_forward(w, labels[a:b], out=(w, loss[a:b], valid[a:b]))
+
+    def bits_forward():
+        kernels.softmax_loss_forward_bits(xb, labels, out=(loss, valid))
+
+    def widen_grad():      # SoftmaxLossGrad._from_logits before (dx as bits)
+        for a, b in spans:
+            w = wide[:b - a]
+            kernels.from_bf16_bits_device(xb[a:b].reshape(-1), w.reshape(-1))
+            kernels.softmax_loss_forward(w, labels[a:b], out=(w, loss[a:b], valid[a:b]))
+            kernels.softmax_loss_backward(w, labels[a:b], top, out=w, scale_factor=1.0 / n)
+            kernels.to_bf16_bits_device(w.reshape(-1), dxb[a:b].reshape(-1))
+
+    def bits_grad():
+        kernels.softmax_loss_grad_bits(xb, labels, top, out=dxb, scale_factor=1.0 / n)
+
+    BITS = {"widen_forward_vec": (widen_forward, 18), "softmax_loss_forward_bits_f32":
+            (bits_forward, 2), "widen_grad_vec_round": (widen_grad, 32),
+            "softmax_loss_grad_bits_f32": (bits_grad, 6)}
+    widen_forward()
+    old_loss = loss.copy()
+    bits_forward()
+    widen_grad()
+    old_dx = dxb.copy()
+    bits_grad()
+    bits_agreement = {
+        "loss_bitwise_equal": bool(cupy.array_equal(old_loss.view(np.uint32),
+                                                    loss.view(np.uint32))),
+        "dx_bitwise_equal": bool(cupy.array_equal(old_dx, dxb)), "rows_checked": n}
+    del old_dx
+
     # agreement (and the first compile of each kernel)
     check_rows = min(n, 512)
     got = {}
@@ -102,6 +158,9 @@ def main(argv=None):
     launches = {k: forward(k) for k in FORWARD}
     launches.update({(k or "softmax_loss_backward"): backward(k) for k in BACKWARD})
     moved = {k: (12 if k in FORWARD else 8) * n * c for k in launches}
+    for name, (launch, per) in BITS.items():
+        launches[name] = launch
+        moved[name] = per * n * c
     for launch in launches.values():   # warm-up
         launch()
     times = {k: [] for k in launches}
@@ -117,6 +176,7 @@ def main(argv=None):
         results[name] = {"ms": round(med, 4), "ms_rounds": [round(t, 4) for t in ms],
                          "bytes": moved[name], "gb_per_s": round(gbs, 1),
                          "fraction_of_bound": round(gbs / args.bound_gbs, 3)}
+    kernels_rows = {k: results.pop(k) for k in BITS}
     report = {
         "benchmark": "loss_kernel_gpu", "rows": n, "classes": c, "dtype": "float32",
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
@@ -125,7 +185,14 @@ def main(argv=None):
         "forward_speedup": round(results[FORWARD[0]]["ms"] / results[FORWARD[1]]["ms"], 3),
         "backward_speedup": round(results["softmax_loss_backward"]["ms"]
                                   / results[BACKWARD[1]]["ms"], 3),
-        "agreement": agreement}
+        "agreement": agreement,
+        "bits": {"chunk_rows": chunk_rows, "chunks": len(spans), "kernels": kernels_rows,
+                 "forward_speedup": round(kernels_rows["widen_forward_vec"]["ms"]
+                                          / kernels_rows["softmax_loss_forward_bits_f32"]["ms"],
+                                          3),
+                 "grad_speedup": round(kernels_rows["widen_grad_vec_round"]["ms"]
+                                       / kernels_rows["softmax_loss_grad_bits_f32"]["ms"], 3),
+                 "agreement": bits_agreement}}
     print(json.dumps(report, indent=1))
     return 0
 

@@ -393,6 +393,199 @@ extern "C" __global__ void add_copy_f32(long long total, const float* a, const f
   }
 }
 
+// ------------------------------------------------- the vectorised kernels ---
+// bias_bits_vec_f32, gelu_forward_bx_bits_vec_f32 and the gelu_backward_
+// ..._vec_f32 entry points: the float32 / bits kernels above made memory-
+// bound for GPT-2's (16384, 768-3072) activations. The old ones stay (the
+// launchers choose; benchmarks/bias_gelu_gpu.py times old against new).
+// Each thread owns chunks of 8 consecutive elements (grid-stride over the
+// chunks): 8 bfloat16 bits in one 16-byte load or store (uint4, two to a
+// word, the lower address in the low half), 8 float32 in two. The old
+// kernels moved 2 bytes a thread per bits operand, and bias_bits divided a
+// 64-bit index by the channels once an element (i % channels: a 64-bit
+// division is a long software sequence on a GPU); here the chunk's first
+// channel moves by a fixed step (one division a thread, not one an element).
+// The arithmetic is the old kernels' own inline functions on the same
+// float32 values in the same order: the same bits. The launcher takes
+// these only where every array's base is 16-byte aligned (and, bias_bits,
+// channels a multiple of 8, so a chunk's bias is two aligned 16-byte loads);
+// the last total % 8 elements go the scalar way, one a thread. In place as
+// the old kernels (each thread reads its chunk of every input before it
+// writes that chunk of any output).
+
+// A chunk of 8 float32 from two 16-byte loads, or from 8 bfloat16 bits in one
+__device__ __forceinline__ void purine_load8(const float* x, long long chunk, float* v) {
+  const uint4* p = (const uint4*)(const void*)x + 2 * chunk;
+  const uint4 a = p[0], b = p[1];
+  v[0] = purine_bits_float(a.x); v[1] = purine_bits_float(a.y);
+  v[2] = purine_bits_float(a.z); v[3] = purine_bits_float(a.w);
+  v[4] = purine_bits_float(b.x); v[5] = purine_bits_float(b.y);
+  v[6] = purine_bits_float(b.z); v[7] = purine_bits_float(b.w);
+}
+__device__ __forceinline__ void purine_load8(const unsigned short* x, long long chunk,
+                                             float* v) {
+  const uint4 a = ((const uint4*)(const void*)x)[chunk];
+  const unsigned int w[4] = {a.x, a.y, a.z, a.w};
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = purine_bits_float(w[k] << 16);
+    v[2 * k + 1] = purine_bits_float(w[k] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void purine_store8(float* y, long long chunk, const float* v) {
+  uint4 a, b;
+  a.x = purine_float_bits(v[0]); a.y = purine_float_bits(v[1]);
+  a.z = purine_float_bits(v[2]); a.w = purine_float_bits(v[3]);
+  b.x = purine_float_bits(v[4]); b.y = purine_float_bits(v[5]);
+  b.z = purine_float_bits(v[6]); b.w = purine_float_bits(v[7]);
+  uint4* p = (uint4*)(void*)y + 2 * chunk;
+  p[0] = a;
+  p[1] = b;
+}
+// the bits of the bfloat16 nearest each of 8 float32 (purine_store's)
+__device__ __forceinline__ void purine_store8_bits(unsigned short* y, long long chunk,
+                                                   const float* v) {
+  unsigned int w[4];
+  for (int k = 0; k < 4; ++k) {
+    w[k] = (purine_round_bf16(purine_float_bits(v[2 * k])) >> 16) |
+           purine_round_bf16(purine_float_bits(v[2 * k + 1]));
+  }
+  uint4 a;
+  a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
+  ((uint4*)(void*)y)[chunk] = a;
+}
+
+#define PURINE_VEC_LOOP(k, chunks)                                             \
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;         \
+       k < (chunks); k += (long long)blockDim.x * gridDim.x)
+// the last total % 8 elements, one a thread of the grid's first ones
+#define PURINE_VEC_TAIL(i, total)                                              \
+  for (long long i = ((total) / 8) * 8 + (long long)blockIdx.x * blockDim.x + \
+                     threadIdx.x;                                              \
+       i < (total); i += (long long)blockDim.x * gridDim.x)
+
+// bias_bits_f32 by chunks (channels a multiple of 8, src, bias, y 16-byte
+// aligned): a chunk lies in one row, its channels c .. c + 7
+extern "C" __global__ void bias_bits_vec_f32(long long total, const float* src,
+                                             const float* bias, long long channels,
+                                             unsigned short* y) {
+  const long long chunks = total / 8;
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  long long c = (8 * first) % channels;   // the chunk's first channel
+  const long long step = (8 * stride) % channels;
+  for (long long k = first; k < chunks; k += stride) {
+    float v[8], b[8];
+    purine_load8(src, k, v);
+    purine_load8(bias, c / 8, b);
+    for (int j = 0; j < 8; ++j) v[j] += b[j];
+    purine_store8_bits(y, k, v);
+    c += step;
+    if (c >= channels) c -= channels;
+  }
+  PURINE_VEC_TAIL(i, total) {   // none here while channels % 8 == 0; kept for safety
+    float v = src[i];
+    v += bias[i % channels];
+    y[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
+  }
+}
+
+template <bool TANH>
+__device__ __forceinline__ float purine_gelu_y(float v) {
+  float factor, unused;
+  if (TANH) {
+    purine_gelu_tanh(v, &factor, &unused);
+  } else {
+    purine_normal(v, &factor, &unused);
+  }
+  return float(v * factor);
+}
+
+template <bool TANH>
+__device__ void gelu_forward_bits_vec_loop(long long total, const unsigned short* x,
+                                           unsigned short* y) {
+  PURINE_VEC_LOOP(k, total / 8) {
+    float v[8];
+    purine_load8(x, k, v);
+    for (int j = 0; j < 8; ++j) v[j] = purine_gelu_y<TANH>(v[j]);
+    purine_store8_bits(y, k, v);
+  }
+  PURINE_VEC_TAIL(i, total) { purine_store(y, i, purine_gelu_y<TANH>(purine_load(x, i)), 0); }
+}
+
+// gelu_forward_bx_bits_f32 by chunks; y may be x
+extern "C" __global__ void gelu_forward_bx_bits_vec_f32(long long total,
+                                                        const unsigned short* x,
+                                                        int tanh_form, unsigned short* y) {
+  if (tanh_form) {
+    gelu_forward_bits_vec_loop<true>(total, x, y);
+  } else {
+    gelu_forward_bits_vec_loop<false>(total, x, y);
+  }
+}
+
+// dx = dy dGELU(x), rounded to `round`: gelu_backward_loop's float32 body
+template <bool TANH>
+__device__ __forceinline__ float purine_gelu_dx(float g, float v, int round) {
+  float d;
+  if (TANH) {
+    float s, s1s;
+    purine_gelu_tanh(v, &s, &s1s);
+    const float du = 0.7978845608028654f + 0.10703222440890037f * (v * v);   // u'
+    d = s + v * (2.0f * s1s) * du;
+  } else {
+    float cdf, pdf;
+    purine_normal(v, &cdf, &pdf);
+    d = cdf + v * pdf;
+  }
+  return purine_round_low(purine_mul_dx(g, d), round);
+}
+
+template <typename D, typename X, bool TANH, bool COPY>
+__device__ void gelu_backward_vec_loop(long long total, const D* dy, const X* x, int round,
+                                       float* dx, unsigned short* copy) {
+  PURINE_VEC_LOOP(k, total / 8) {
+    float g[8], v[8];
+    purine_load8(dy, k, g);
+    purine_load8(x, k, v);
+    for (int j = 0; j < 8; ++j) g[j] = purine_gelu_dx<TANH>(g[j], v[j], round);
+    purine_store8(dx, k, g);
+    if (COPY) purine_store8_bits(copy, k, g);
+  }
+  PURINE_VEC_TAIL(i, total) {
+    const float r = purine_gelu_dx<TANH>(purine_load(dy, i), purine_load(x, i), round);
+    dx[i] = r;
+    if (COPY) purine_store(copy, i, r, 0);
+  }
+}
+
+template <typename D, typename X, bool COPY>
+__device__ void gelu_backward_vec(long long total, const D* dy, const X* x, int tanh_form,
+                                  int round, float* dx, unsigned short* copy) {
+  if (tanh_form) {
+    gelu_backward_vec_loop<D, X, true, COPY>(total, dy, x, round, dx, copy);
+  } else {
+    gelu_backward_vec_loop<D, X, false, COPY>(total, dy, x, round, dx, copy);
+  }
+}
+
+// gelu_backward<_bdy><_bx><_copy>_f32 by chunks: <NAME>_vec_f32, the same
+// arguments (D, X: dy's and x's storage)
+#define PURINE_GELU_BACKWARD_VEC(NAME, D, X)                                           \
+  extern "C" __global__ void NAME##_vec_f32(long long total, const D* dy, const X* x,  \
+                                            int tanh_form, int round, float* dx) {     \
+    gelu_backward_vec<D, X, false>(total, dy, x, tanh_form, round, dx, nullptr);       \
+  }                                                                                    \
+  extern "C" __global__ void NAME##_copy_vec_f32(long long total, const D* dy,         \
+                                                 const X* x, int tanh_form, int round, \
+                                                 float* dx, unsigned short* copy) {    \
+    gelu_backward_vec<D, X, true>(total, dy, x, tanh_form, round, dx, copy);           \
+  }
+
+PURINE_GELU_BACKWARD_VEC(gelu_backward, float, float)
+PURINE_GELU_BACKWARD_VEC(gelu_backward_bx, float, unsigned short)
+PURINE_GELU_BACKWARD_VEC(gelu_backward_bdy, unsigned short, float)
+PURINE_GELU_BACKWARD_VEC(gelu_backward_bdy_bx, unsigned short, unsigned short)
+
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \
   extern "C" __global__ void relu_forward_##SUFFIX(long long total, const T* x,        \
                                                    T slope, int has_slope, T* y) {     \

@@ -1,5 +1,5 @@
 // The deterministic block reductions the reduction kernels share
-// (reduce.cu, clip.cu, layernorm.cu, softmax_loss.cu): every thread's double in a
+// (reduce.cu, clip.cu, softmax_loss.cu): every thread's double in a
 // shared-memory tree of fixed order -- pairs at distance 1, 2, 4, ...,
 // no atomics -- so the sum has the same bits on every run and every GPU.
 //

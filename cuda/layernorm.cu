@@ -11,16 +11,31 @@
 //                       and, where `has_dyxhat`, dyxhat = dy * xhat (the
 //                       layer's dg is its column sums, db dy's: cuda/reduce.cu)
 //
-// One block per row (grid-stride over rows). The row's sums are taken in
-// double: each thread adds the elements c = tid, tid + B, ... (B =
-// blockDim.x), then a shared-memory tree adds the threads' sums in a fixed
-// order -- no atomics, so the same bits on every run. The statistics (mean,
+// One warp per row: a block of B threads (a multiple of 32) takes B / 32
+// consecutive rows at a time, grid-stride over groups of rows (every warp
+// of the block runs the same number of groups, a warp past the last row with
+// an empty row: its shuffles meet its block's, it writes nothing). The row's
+// sums are taken in double: each lane adds its elements (chunks of four at
+// c = 4 lane, 4 lane + 128, ... where the row can be read 16 bytes at a
+// time, see below; else c = lane, lane + 32, ...) in order, then a
+// butterfly of warp shuffles (xor 16, 8, 4, 2, 1) adds the lanes' sums,
+// no shared memory, no barrier, no atomics: the same bits on every run and
+// in every lane (a + b == b + a in IEEE arithmetic). The statistics (mean,
 // 1 / sqrt(var + eps), the two backward means) are computed in double and
-// rounded once to T; the element-wise parts are in T. Reading an element
-// and writing its result is done by the same thread after the row's sums,
-// so y may be x and dx may be dy or x (in place). Replaces 12 (forward) and
-// 15 (backward) launches of element-wise CuPy and per-row reductions.
-// Launched with at most PURINE_LN_THREADS threads per block.
+// rounded once to T; the element-wise parts are in T, the same expressions
+// as before this layout (a block per row, a shared-memory tree), so only
+// the order of the double sums changed. Reading an element and writing its
+// result is done by the same lane after the row's sums, so y may be x and dx
+// may be dy or x (in place). Why: a block of 256 threads per 768-wide row
+// took three elements a thread between two 8-level shared-memory trees with
+// 10 barriers each -- latency-bound, 134 us a launch at 16384 x 768 on an
+// H200 against a 16 us traffic bound (docs/gpu.md).
+//
+// Vectorised: for float32 x where cols % 4 == 0 and every row array (x, g, b,
+// y, dy, dx, dyxhat, copy) is 16-byte aligned (8 for bfloat16 bits), a lane
+// moves four elements a load/store (uint4, or uint2 of bits); otherwise (odd
+// widths, float64, an offset view) one element at a time. Same arithmetic
+// either way. Launched with PURINE_LN_THREADS threads per block.
 //
 // layernorm_backward_bdy_f32 reads dy as bfloat16 bits (a data gradient
 // stored as bits), widened exactly: the float32 dy's results.
@@ -32,8 +47,8 @@
 // gradient) and as bits by the products (ops/layernorm.py LayerNormGrad
 // with bits_copy, parallel/precision.fold_copies). copy is no input's bytes
 // but a bits dy's (the memory plan puts it there where dy dies at the op):
-// a row's dy is read in the first pass before the block's sums, and the
-// thread that writes copy[i] in the second has read dy[i] just before.
+// a row's dy is read in the first pass before the warp's sums, and the
+// lane that writes copy[i] in the second has read dy[i] just before.
 //
 // layernorm_forward_bits_f32 writes y as bfloat16 bits (uint16: the upper
 // halves of precision.cu's round_bf16 of the float32 y, precision.cuh), for a
@@ -45,7 +60,6 @@
 
 #define PURINE_LN_THREADS 256
 
-#include "block_sum.cuh"
 #include "precision.cuh"
 
 // y's element: T itself, or (float32 into uint16) the bfloat16 bits
@@ -56,64 +70,191 @@ __device__ __forceinline__ void purine_ln_store(unsigned short* y, float v) {
   *y = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
 }
 
-template <typename T, typename Y>
-__device__ void layernorm_forward_impl(long long rows, long long cols, const T* x, const T* g,
+// The sum of every lane's v over the warp, the same bits in every lane.
+__device__ __forceinline__ double purine_ln_warp_sum(double v) {
+  for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  return v;
+}
+
+// Whether an array can be moved four elements at a time: float32 16-byte
+// aligned, bfloat16 bits 8-byte aligned; float64 never (scalar path).
+template <typename T>
+__device__ __forceinline__ bool purine_ln_vec_ok(const T*) { return false; }
+__device__ __forceinline__ bool purine_ln_vec_ok(const float* p) {
+  return ((unsigned long long)p & 15ull) == 0ull;
+}
+__device__ __forceinline__ bool purine_ln_vec_ok(const unsigned short* p) {
+  return ((unsigned long long)p & 7ull) == 0ull;
+}
+
+// W elements of p from i on (W 4: one 16-byte / 8-byte load, i % 4 == 0,
+// the array checked by purine_ln_vec_ok; W 1: p[i], bits widened exactly).
+template <int W, typename T, typename V>
+__device__ __forceinline__ void purine_ln_load(const T* p, long long i, V* v) {
+  for (int j = 0; j < W; ++j) v[j] = (V)purine_load(p, i + j);
+}
+template <>
+__device__ __forceinline__ void purine_ln_load<4, float, float>(const float* p, long long i,
+                                                                float* v) {
+  const uint4 u = *(const uint4*)(p + i);
+  v[0] = purine_bits_float(u.x);
+  v[1] = purine_bits_float(u.y);
+  v[2] = purine_bits_float(u.z);
+  v[3] = purine_bits_float(u.w);
+}
+template <>
+__device__ __forceinline__ void purine_ln_load<4, unsigned short, float>(
+    const unsigned short* p, long long i, float* v) {
+  const uint2 u = *(const uint2*)(p + i);   // little-endian: element i in the low half of u.x
+  v[0] = purine_bits_float(u.x << 16);
+  v[1] = purine_bits_float(u.x & 0xffff0000u);
+  v[2] = purine_bits_float(u.y << 16);
+  v[3] = purine_bits_float(u.y & 0xffff0000u);
+}
+
+// W values into p from i on (purine_ln_store's element each).
+template <int W, typename Y, typename V>
+__device__ __forceinline__ void purine_ln_put(Y* p, long long i, const V* v) {
+  for (int j = 0; j < W; ++j) purine_ln_store(p + i + j, v[j]);
+}
+template <>
+__device__ __forceinline__ void purine_ln_put<4, float, float>(float* p, long long i,
+                                                               const float* v) {
+  uint4 u;
+  u.x = purine_float_bits(v[0]);
+  u.y = purine_float_bits(v[1]);
+  u.z = purine_float_bits(v[2]);
+  u.w = purine_float_bits(v[3]);
+  *(uint4*)(p + i) = u;
+}
+template <>
+__device__ __forceinline__ void purine_ln_put<4, unsigned short, float>(unsigned short* p,
+                                                                        long long i,
+                                                                        const float* v) {
+  uint2 u;
+  u.x = (purine_round_bf16(purine_float_bits(v[0])) >> 16) |
+        (purine_round_bf16(purine_float_bits(v[1])) & 0xffff0000u);
+  u.y = (purine_round_bf16(purine_float_bits(v[2])) >> 16) |
+        (purine_round_bf16(purine_float_bits(v[3])) & 0xffff0000u);
+  *(uint2*)(p + i) = u;
+}
+
+// W: elements a lane takes at a time (4: the vectorised path, 1: scalar)
+template <int W, typename T, typename Y>
+__device__ void layernorm_forward_rows(long long rows, long long cols, const T* x, const T* g,
                                        const T* b, double eps, Y* y, T* mean, T* rstd) {
-  __shared__ double shared[PURINE_LN_THREADS];
-  const unsigned int tid = threadIdx.x;
-  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * cols;
-    Y* yr = y + r * cols;
+  const long long warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  const long long lane = threadIdx.x & 31u, step = 32 * W;
+  for (long long first = (long long)blockIdx.x * warps; first < rows;
+       first += (long long)gridDim.x * warps) {
+    const long long r = first + warp;
+    const long long n = r < rows ? cols : 0;   // a warp past the last row: an empty one
+    const T* xr = x + (r < rows ? r : 0) * cols;
+    Y* yr = y + (r < rows ? r : 0) * cols;
     double s = 0.0;
-    for (long long c = tid; c < cols; c += blockDim.x) s += (double)xr[c];
-    const T mu = (T)(purine_block_sum(s, shared) / (double)cols);
+    for (long long c = lane * W; c < n; c += step) {
+      T v[W];
+      purine_ln_load<W>(xr, c, v);
+      for (int j = 0; j < W; ++j) s += (double)v[j];
+    }
+    const T mu = (T)(purine_ln_warp_sum(s) / (double)cols);
     double q = 0.0;
-    for (long long c = tid; c < cols; c += blockDim.x) {
-      const double d = (double)(T)(xr[c] - mu);
-      q += d * d;
+    for (long long c = lane * W; c < n; c += step) {
+      T v[W];
+      purine_ln_load<W>(xr, c, v);
+      for (int j = 0; j < W; ++j) {
+        const double d = (double)(T)(v[j] - mu);
+        q += d * d;
+      }
     }
-    const T rs = (T)(1.0 / sqrt(purine_block_sum(q, shared) / (double)cols + eps));
-    for (long long c = tid; c < cols; c += blockDim.x) {
-      purine_ln_store(yr + c, (T)((T)((T)((T)(xr[c] - mu) * rs) * g[c]) + b[c]));
+    const T rs = (T)(1.0 / sqrt(purine_ln_warp_sum(q) / (double)cols + eps));
+    for (long long c = lane * W; c < n; c += step) {
+      T v[W], gv[W], bv[W], out[W];
+      purine_ln_load<W>(xr, c, v);
+      purine_ln_load<W>(g, c, gv);
+      purine_ln_load<W>(b, c, bv);
+      for (int j = 0; j < W; ++j) out[j] = (T)((T)((T)((T)(v[j] - mu) * rs) * gv[j]) + bv[j]);
+      purine_ln_put<W>(yr, c, out);
     }
-    if (tid == 0) {
+    if (lane == 0 && r < rows) {
       mean[r] = mu;
       rstd[r] = rs;
     }
   }
 }
 
+template <typename T, typename Y>
+__device__ void layernorm_forward_impl(long long rows, long long cols, const T* x, const T* g,
+                                       const T* b, double eps, Y* y, T* mean, T* rstd) {
+  if ((cols & 3) == 0 && purine_ln_vec_ok(x) && purine_ln_vec_ok(g) && purine_ln_vec_ok(b) &&
+      purine_ln_vec_ok(y)) {
+    layernorm_forward_rows<4>(rows, cols, x, g, b, eps, y, mean, rstd);
+  } else {
+    layernorm_forward_rows<1>(rows, cols, x, g, b, eps, y, mean, rstd);
+  }
+}
+
 // D: dy's storage (T, or bfloat16 bits for T float: layernorm_backward_bdy_f32)
 // COPY (T float, has_dx): also dx's bfloat16 bits into `copy`
+template <int W, typename T, typename D, bool COPY>
+__device__ void layernorm_backward_rows(long long rows, long long cols, const D* dy,
+                                        const T* x, const T* g, const T* mean, const T* rstd,
+                                        T* dx, int has_dx, T* dyxhat, int has_dyxhat,
+                                        unsigned short* copy) {
+  const long long warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  const long long lane = threadIdx.x & 31u, step = 32 * W;
+  for (long long first = (long long)blockIdx.x * warps; first < rows;
+       first += (long long)gridDim.x * warps) {
+    const long long r = first + warp;
+    const long long n = r < rows ? cols : 0;   // a warp past the last row: an empty one
+    const long long at = (r < rows ? r : 0) * cols;
+    const T mu = mean[r < rows ? r : 0], rs = rstd[r < rows ? r : 0];
+    double sa = 0.0, sk = 0.0;
+    for (long long c = lane * W; c < n; c += step) {
+      T xv[W], d[W], gv[W], p[W];
+      purine_ln_load<W>(x, at + c, xv);
+      purine_ln_load<W>(dy, at + c, d);
+      purine_ln_load<W>(g, c, gv);
+      for (int j = 0; j < W; ++j) {
+        const T xhat = (T)(xv[j] - mu) * rs;
+        const T dxhat = d[j] * gv[j];
+        sa += (double)dxhat;
+        sk += (double)dxhat * (double)xhat;
+        p[j] = d[j] * xhat;
+      }
+      if (has_dyxhat) purine_ln_put<W>(dyxhat, at + c, p);
+    }
+    if (!has_dx) continue;  // uniform over the grid: every warp shuffles alike
+    const T a = (T)(purine_ln_warp_sum(sa) / (double)cols);
+    const T k = (T)(purine_ln_warp_sum(sk) / (double)cols);
+    for (long long c = lane * W; c < n; c += step) {
+      T xv[W], d[W], gv[W], v[W];
+      purine_ln_load<W>(x, at + c, xv);
+      purine_ln_load<W>(dy, at + c, d);
+      purine_ln_load<W>(g, c, gv);
+      for (int j = 0; j < W; ++j) {
+        const T xhat = (T)(xv[j] - mu) * rs;
+        const T dxhat = d[j] * gv[j];
+        v[j] = (T)((T)(dxhat - (T)(xhat * k)) - a) * rs;
+      }
+      purine_ln_put<W>(dx, at + c, v);
+      if (COPY) purine_ln_put<W>(copy, at + c, v);
+    }
+  }
+}
+
 template <typename T, typename D, bool COPY = false>
 __device__ void layernorm_backward_impl(long long rows, long long cols, const D* dy,
                                         const T* x, const T* g, const T* mean, const T* rstd,
                                         T* dx, int has_dx, T* dyxhat, int has_dyxhat,
                                         unsigned short* copy = nullptr) {
-  __shared__ double shared[PURINE_LN_THREADS];
-  const unsigned int tid = threadIdx.x;
-  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-    const long long at = r * cols;
-    const T mu = mean[r], rs = rstd[r];
-    double sa = 0.0, sk = 0.0;
-    for (long long c = tid; c < cols; c += blockDim.x) {
-      const T xhat = (T)(x[at + c] - mu) * rs;
-      const T d = purine_load(dy, at + c);
-      const T dxhat = d * g[c];
-      sa += (double)dxhat;
-      sk += (double)dxhat * (double)xhat;
-      if (has_dyxhat) dyxhat[at + c] = d * xhat;
-    }
-    if (!has_dx) continue;  // uniform over the block: no thread waits at a barrier alone
-    const T a = (T)(purine_block_sum(sa, shared) / (double)cols);
-    const T k = (T)(purine_block_sum(sk, shared) / (double)cols);
-    for (long long c = tid; c < cols; c += blockDim.x) {
-      const T xhat = (T)(x[at + c] - mu) * rs;
-      const T dxhat = purine_load(dy, at + c) * g[c];
-      const T v = (T)((T)(dxhat - (T)(xhat * k)) - a) * rs;
-      dx[at + c] = v;
-      if (COPY) purine_ln_store(copy + at + c, v);
-    }
+  if ((cols & 3) == 0 && purine_ln_vec_ok(dy) && purine_ln_vec_ok(x) && purine_ln_vec_ok(g) &&
+      purine_ln_vec_ok(dx) && purine_ln_vec_ok(dyxhat) && (!COPY || purine_ln_vec_ok(copy))) {
+    layernorm_backward_rows<4, T, D, COPY>(rows, cols, dy, x, g, mean, rstd, dx, has_dx,
+                                           dyxhat, has_dyxhat, copy);
+  } else {
+    layernorm_backward_rows<1, T, D, COPY>(rows, cols, dy, x, g, mean, rstd, dx, has_dx,
+                                           dyxhat, has_dyxhat, copy);
   }
 }
 

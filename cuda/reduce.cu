@@ -159,6 +159,117 @@ extern "C" __global__ void sum_rows_bits_f32(long long cols, const unsigned shor
   sum_rows_impl<float, unsigned short>(cols, x, rows, splits, accumulate, partial, out);
 }
 
+// sum_rows_vec_f32 / sum_rows_bits_vec_f32: sum_rows_impl's sums bit for
+// bit (each column's rows split over the same row lanes, added in the same
+// order, the same tree, the same splits), four consecutive columns a thread:
+// one 16-byte load of four float32 (8 bytes of four bfloat16 bits) where
+// sum_rows took four 4-byte (2-byte) loads, so a block owns a tile of 4 x
+// PURINE_SUM_ROWS_TILE columns (4x fewer blocks, each 4x the bytes in
+// flight a load), a thread's loads of 8 rows issued before their adds. For cols a multiple of 4 and x's base 16-byte (bits:
+// 8-byte) aligned, as the launcher checks; the splits are sum_rows's for
+// the shape (the tiles of 32 columns), so the partial sums are the same.
+#ifdef __CUDACC__
+typedef float4 purine_sum_f4;
+#else
+struct alignas(16) purine_sum_f4 { float x, y, z, w; };
+#endif
+
+// Four consecutive elements of x at i: one load (kept narrow while loads
+// are in flight), then widened exactly to the doubles the sums add
+template <typename X> struct purine_sum_vec;
+template <> struct purine_sum_vec<float> {
+  typedef purine_sum_f4 type;
+  static __device__ __forceinline__ type load(const float* x, long long i) {
+    return *(const purine_sum_f4*)(const void*)(x + i);
+  }
+  static __device__ __forceinline__ double at(const type& a, int k) {
+    return (double)(k == 0 ? a.x : k == 1 ? a.y : k == 2 ? a.z : a.w);
+  }
+};
+template <> struct purine_sum_vec<unsigned short> {
+  typedef uint2 type;
+  static __device__ __forceinline__ type load(const unsigned short* x, long long i) {
+    return *(const uint2*)(const void*)(x + i);
+  }
+  static __device__ __forceinline__ double at(const type& a, int k) {
+    const unsigned int w = k < 2 ? a.x : a.y;
+    return (double)purine_bits_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
+  }
+};
+
+#define PURINE_SUM_ROWS_VEC_BATCH 8   // rows' loads in flight a thread
+
+template <typename X>
+__device__ void sum_rows_vec_impl(long long cols, const X* x, long long rows, long long splits,
+                                  int accumulate, double* partial, float* out) {
+  __shared__ double sums[4][PURINE_REDUCE_THREADS];
+  const unsigned int tid = threadIdx.x;
+  const unsigned int lanes = blockDim.x < PURINE_SUM_ROWS_TILE ? blockDim.x
+                                                               : PURINE_SUM_ROWS_TILE;
+  const unsigned int depth = blockDim.x / lanes;   // row lanes, as sum_rows
+  const unsigned int lane = tid % lanes, row_lane = tid / lanes;
+  const long long tile_cols = 4 * PURINE_SUM_ROWS_TILE;
+  const long long tiles = (cols + tile_cols - 1) / tile_cols;
+  const long long d = depth;
+  for (long long job = blockIdx.x; job < tiles * splits; job += gridDim.x) {
+    const long long tile = job / splits, j = job - tile * splits;
+    const long long first = j * rows / splits, last = (j + 1) * rows / splits;
+    const long long start = tile * tile_cols;
+    const long long width = cols - start < tile_cols ? cols - start : tile_cols;
+    for (long long offset = 0; offset < width; offset += 4 * (long long)lanes) {
+      const long long c = start + offset + 4 * (long long)lane;   // columns c .. c + 3
+      const bool mine = row_lane < depth && offset + 4 * (long long)lane < width;
+      double sum[4] = {0.0, 0.0, 0.0, 0.0};
+      if (mine) {
+        typedef purine_sum_vec<X> V;
+        const int batch = PURINE_SUM_ROWS_VEC_BATCH;
+        long long i = first + row_lane;
+        // a batch of rows' loads, then their adds in row order (each column's
+        // sum the serial one over its rows, as sum_rows)
+        for (; i + (batch - 1) * d < last; i += batch * d) {
+          typename V::type r[PURINE_SUM_ROWS_VEC_BATCH];
+          for (int b = 0; b < batch; ++b) r[b] = V::load(x, (i + b * d) * cols + c);
+          for (int b = 0; b < batch; ++b) {
+            for (int k = 0; k < 4; ++k) sum[k] += V::at(r[b], k);
+          }
+        }
+        for (; i < last; i += d) {
+          const typename V::type r = V::load(x, i * cols + c);
+          for (int k = 0; k < 4; ++k) sum[k] += V::at(r, k);
+        }
+      }
+      for (int k = 0; k < 4; ++k) sums[k][tid] = sum[k];
+      __syncthreads();
+      for (unsigned int stride = 1; stride < depth; stride <<= 1) {
+        if (row_lane % (2 * stride) == 0 && row_lane + stride < depth) {
+          for (int k = 0; k < 4; ++k) sums[k][tid] += sums[k][tid + stride * lanes];
+        }
+        __syncthreads();
+      }
+      if (mine && row_lane == 0) {
+        for (int k = 0; k < 4; ++k) {
+          const double total = sums[k][tid];
+          if (splits == 1) out[c + k] = (float)(accumulate ? (double)out[c + k] + total : total);
+          else partial[(c + k) * splits + j] = total;
+        }
+      }
+      __syncthreads();   // every total is read: sums may be reused
+    }
+  }
+}
+
+extern "C" __global__ void sum_rows_vec_f32(long long cols, const float* x, long long rows,
+                                            long long splits, int accumulate, double* partial,
+                                            float* out) {
+  sum_rows_vec_impl<float>(cols, x, rows, splits, accumulate, partial, out);
+}
+
+extern "C" __global__ void sum_rows_bits_vec_f32(long long cols, const unsigned short* x,
+                                                 long long rows, long long splits,
+                                                 int accumulate, double* partial, float* out) {
+  sum_rows_vec_impl<unsigned short>(cols, x, rows, splits, accumulate, partial, out);
+}
+
 // The bias gradient of a convolution, fast: db[c] = sum over n and s of
 // dy[n, c, s], dy (N, C, inner) contiguous, split over many blocks so the
 // whole GPU takes part (one block per channel used 32 of an H200's 132 SMs

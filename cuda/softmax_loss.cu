@@ -40,6 +40,7 @@
 // so no #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
 
 #include "block_sum.cuh"
+#include "precision.cuh"
 
 // The threads of a block of the one-block kernels (the `_rows` kernels, the
 // batch means): base.py's _REDUCE_THREADS
@@ -463,6 +464,223 @@ __device__ void softmax_loss_backward_vec_impl(long long total, const T* prob,
       vec_grad(pr + head, k, head + 4 * k, label, s, dr + head);
     }
   }
+}
+
+// ------------------------------------------------- bfloat16 bits rows ---
+// softmax_loss_forward_bits_f32 / softmax_loss_grad_bits_f32 (and its
+// float32-dx twin softmax_loss_grad_bx_f32): the from_logits loss on (N, C)
+// logits stored as bfloat16 bits (uint16, bf16 storage), read as bits and
+// widened in registers (exact), so no float32 copy of the logits, of the
+// probabilities or of dx exists. The arithmetic is the float32 `_vec`
+// kernels' -- the same online (m, d) per thread, rescaled once per chunk of
+// four (online_four), the same double trees, the same formulas -- and the
+// same PARTITION of a row over the threads: a scalar head up to the first
+// element whose bits are 8-byte aligned (4 values: the `_vec` kernel's
+// float4 chunk is 16 bytes of float32, 8 of bits), chunks of four k = tid,
+// tid + blockDim.x, ... (two loads in flight, updated in order), a scalar
+// tail. A row whose bits sit at element offset o (mod 4) from the 8-byte
+// grid is therefore reduced exactly as the `_vec` kernel reduces its
+// widened float32 copy sitting at float offset o (mod 4) from the 16-byte
+// grid: the same bits of loss and of dx as widening the bits into float32
+// (an aligned buffer for aligned bits) and running softmax_loss_forward_vec
+// then softmax_loss_backward_vec and to_bf16_bits. The loads are 8 bytes a
+// thread (uint2, a warp's 256 contiguous bytes: coalesced), not 16: a
+// 16-byte load of 8 values would give two consecutive chunks to one thread
+// and change the order of the float sums (other bits than the float path).
+// One block a row, grid-stride over the rows. Forward: loss and valid only
+// (no probabilities: the from_logits loss has none). Gradient: the row's
+// reduction, then dx = s * (exp(x - max) * (1 / sum) - onehot) written by
+// the same chunks -- rounded to nearest even into bits (purine_round_bf16,
+// to_bf16_bits's rounding) or float32 -- each thread writing only what it
+// read, after the trees' barriers, so dx may be x (in place). The product
+// exp * (1 / sum) is __fmul_rn: never contracted with the subtraction of
+// the one-hot into an FMA, so it is the float probability the float path
+// stores and reads back.
+
+// The first element of a bits row at xr whose address is 8-byte aligned
+// (capped at C): vec_head's rule for bits.
+__device__ __forceinline__ int bits_head(const unsigned short* xr, int channels) {
+  const unsigned long long a = (unsigned long long)(const void*)xr;
+  if ((a & 1ULL) != 0) return channels;
+  const int head = (int)(((8ULL - (a & 7ULL)) & 7ULL) / 2ULL);
+  return head < channels ? head : channels;
+}
+
+__device__ __forceinline__ float bits_lo(unsigned int w) { return purine_bits_float(w << 16); }
+__device__ __forceinline__ float bits_hi(unsigned int w) {
+  return purine_bits_float(w & 0xffff0000u);
+}
+
+// A row's online reduction, the trees, and the results: as softmax_row_vec
+// on the widened row (head, vectors, tail as bits_head gives them).
+__device__ __forceinline__ void bits_row_reduce(const unsigned short* xr, int channels,
+                                                int head, int vectors, double* shared,
+                                                float* largest_out, float* inv_sum_out,
+                                                double* sum_out) {
+  const int tail = head + 4 * vectors;
+  const int tid = threadIdx.x, threads = blockDim.x;
+  float m = negative_infinity<float>();
+  float d = 0.0f;
+  for (int c = tid; c < head; c += threads) online_one(purine_bf16_float(xr[c]), m, d);
+  const uint2* xv = (const uint2*)(const void*)(xr + head);
+  int k = tid;
+  for (; k + threads < vectors; k += 2 * threads) {
+    const uint2 a = xv[k];
+    const uint2 b = xv[k + threads];
+    online_four(bits_lo(a.x), bits_hi(a.x), bits_lo(a.y), bits_hi(a.y), m, d);
+    online_four(bits_lo(b.x), bits_hi(b.x), bits_lo(b.y), bits_hi(b.y), m, d);
+  }
+  if (k < vectors) {
+    const uint2 a = xv[k];
+    online_four(bits_lo(a.x), bits_hi(a.x), bits_lo(a.y), bits_hi(a.y), m, d);
+  }
+  for (int c = tail + tid; c < channels; c += threads)
+    online_one(purine_bf16_float(xr[c]), m, d);
+  const double big = purine_block_max((double)m, shared);
+  const double sum = purine_block_sum((double)d * exp((double)m - big), shared);
+  *largest_out = (float)big;
+  *inv_sum_out = (float)(1.0 / sum);
+  *sum_out = sum;
+}
+
+__device__ void softmax_loss_forward_bits_impl(long long total, const unsigned short* x,
+                                               const long long* labels, int channels,
+                                               int ignore_label, int has_ignore,
+                                               int pad_label, int has_pad, float* loss,
+                                               float* valid) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const unsigned short* xr = x + index * (long long)channels;
+    const long long label = labels[index];
+    const bool skip = skipped(label, ignore_label, has_ignore, pad_label, has_pad);
+    const bool counted = !skip && label >= 0 && label < channels;
+    const float picked = (counted && threadIdx.x == 0) ? purine_bf16_float(xr[label]) : 0.0f;
+    const int head = bits_head(xr, channels);
+    float largest, inv_sum;
+    double sum;
+    bits_row_reduce(xr, channels, head, (channels - head) / 4, shared, &largest, &inv_sum,
+                    &sum);
+    if (threadIdx.x == 0) {
+      position_loss(index, label, channels, skip, picked, (float)log(sum), largest, loss,
+                    valid);
+    }
+  }
+}
+
+// dx's element: bits (rounded to nearest even) or float32
+__device__ __forceinline__ void grad_store(unsigned short* dx, long long i, float v) {
+  dx[i] = (unsigned short)(purine_round_bf16(purine_float_bits(v)) >> 16);
+}
+__device__ __forceinline__ void grad_store(float* dx, long long i, float v) { dx[i] = v; }
+__device__ __forceinline__ void grad_store4(unsigned short* dx, long long k, float v0, float v1,
+                                            float v2, float v3) {
+  uint2 u;
+  u.x = (purine_round_bf16(purine_float_bits(v0)) >> 16) |
+        (purine_round_bf16(purine_float_bits(v1)) & 0xffff0000u);
+  u.y = (purine_round_bf16(purine_float_bits(v2)) >> 16) |
+        (purine_round_bf16(purine_float_bits(v3)) & 0xffff0000u);
+  ((uint2*)(void*)dx)[k] = u;
+}
+__device__ __forceinline__ void grad_store4(float* dx, long long k, float v0, float v1,
+                                            float v2, float v3) {
+  purine_float4 v;
+  v.x = v0;
+  v.y = v1;
+  v.z = v2;
+  v.w = v3;
+  ((purine_float4*)(void*)dx)[k] = v;
+}
+// Whether dx's row at dr takes dx's chunks where x's row at xr has its own:
+// bits rows aligned alike (mod 8 bytes), a float32 row at the same element
+// offset from the 16-byte grid.
+__device__ __forceinline__ bool grad_aligned(const unsigned short* xr, const unsigned short* dr) {
+  return ((((unsigned long long)(const void*)xr) ^ ((unsigned long long)(const void*)dr)) &
+          7ULL) == 0;
+}
+__device__ __forceinline__ bool grad_aligned(const unsigned short* xr, const float* dr) {
+  const unsigned long long a = (unsigned long long)(const void*)xr;
+  const unsigned long long b = (unsigned long long)(const void*)dr;
+  return (b & 3ULL) == 0 && ((a >> 1) & 3ULL) == ((b >> 2) & 3ULL);
+}
+
+// the gradient of one element: s * (prob - onehot), prob as the float path stores it
+__device__ __forceinline__ float grad_value(float v, float largest, float inv_sum, float s,
+                                            long long c, long long label) {
+  const float p = __fmul_rn(expf(v - largest), inv_sum);
+  return s * (p - (c == label ? 1.0f : 0.0f));
+}
+
+template <typename D>
+__device__ void softmax_loss_grad_bits_impl(long long total, const unsigned short* x,
+                                            const long long* labels, int channels,
+                                            int ignore_label, int has_ignore, int pad_label,
+                                            int has_pad, float scale_value,
+                                            const float* scale_ptr, int has_scale_ptr,
+                                            const float* count_ptr, int has_count_ptr, D* dx) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  float scale = has_scale_ptr ? scale_value * scale_ptr[0] : scale_value;
+  if (has_count_ptr) scale = scale / count_ptr[0];
+  const int tid = threadIdx.x, threads = blockDim.x;
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const long long base = index * (long long)channels;
+    const unsigned short* xr = x + base;
+    D* dr = dx + base;
+    const long long label = labels[index];
+    const float s = skipped(label, ignore_label, has_ignore, pad_label, has_pad) ? 0.0f : scale;
+    const int head = bits_head(xr, channels);
+    const int vectors = (channels - head) / 4;
+    float largest, inv_sum;
+    double sum;
+    bits_row_reduce(xr, channels, head, vectors, shared, &largest, &inv_sum, &sum);
+    // after the trees' barriers: every thread has read the row
+    if (grad_aligned(xr, dr)) {
+      const int tail = head + 4 * vectors;
+      for (int c = tid; c < head; c += threads)
+        grad_store(dr, c, grad_value(purine_bf16_float(xr[c]), largest, inv_sum, s, c, label));
+      const uint2* xv = (const uint2*)(const void*)(xr + head);
+      for (int k = tid; k < vectors; k += threads) {
+        const uint2 a = xv[k];
+        const long long c0 = head + 4LL * k;
+        grad_store4(dr + head, k, grad_value(bits_lo(a.x), largest, inv_sum, s, c0, label),
+                    grad_value(bits_hi(a.x), largest, inv_sum, s, c0 + 1, label),
+                    grad_value(bits_lo(a.y), largest, inv_sum, s, c0 + 2, label),
+                    grad_value(bits_hi(a.y), largest, inv_sum, s, c0 + 3, label));
+      }
+      for (int c = tail + tid; c < channels; c += threads)
+        grad_store(dr, c, grad_value(purine_bf16_float(xr[c]), largest, inv_sum, s, c, label));
+    } else {   // dx off x's grid (never x itself): one element a thread
+      for (int c = tid; c < channels; c += threads)
+        grad_store(dr, c, grad_value(purine_bf16_float(xr[c]), largest, inv_sum, s, c, label));
+    }
+  }
+}
+
+extern "C" __global__ void softmax_loss_forward_bits_f32(
+    long long total, const unsigned short* x, const long long* labels, int channels,
+    int ignore_label, int has_ignore, int pad_label, int has_pad, float* loss, float* valid) {
+  softmax_loss_forward_bits_impl(total, x, labels, channels, ignore_label, has_ignore,
+                                 pad_label, has_pad, loss, valid);
+}
+
+extern "C" __global__ void softmax_loss_grad_bits_f32(
+    long long total, const unsigned short* x, const long long* labels, int channels,
+    int ignore_label, int has_ignore, int pad_label, int has_pad, float scale_value,
+    const float* scale_ptr, int has_scale_ptr, const float* count_ptr, int has_count_ptr,
+    unsigned short* dx) {
+  softmax_loss_grad_bits_impl<unsigned short>(total, x, labels, channels, ignore_label,
+                                              has_ignore, pad_label, has_pad, scale_value,
+                                              scale_ptr, has_scale_ptr, count_ptr,
+                                              has_count_ptr, dx);
+}
+
+extern "C" __global__ void softmax_loss_grad_bx_f32(
+    long long total, const unsigned short* x, const long long* labels, int channels,
+    int ignore_label, int has_ignore, int pad_label, int has_pad, float scale_value,
+    const float* scale_ptr, int has_scale_ptr, const float* count_ptr, int has_count_ptr,
+    float* dx) {
+  softmax_loss_grad_bits_impl<float>(total, x, labels, channels, ignore_label, has_ignore,
+                                     pad_label, has_pad, scale_value, scale_ptr,
+                                     has_scale_ptr, count_ptr, has_count_ptr, dx);
 }
 
 // The batch mean in one block (a fixed-order tree in double, no atomics):

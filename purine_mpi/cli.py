@@ -156,11 +156,13 @@ def _resolve_auto(args, out_dir, limits):
             if args.debug:
                 lines += format_choice(choice).splitlines()
         except UserError as exc:  # its status too (a stopped calibration: 128 + the signal)
-            return None, (f"parallel.scheme auto: {exc}", exc.exit_code)
+            said = UserError(f"parallel.scheme auto: {exc}")
+            said.exit_code = exc.exit_code
+            raise said from None
         if best is None:
-            return None, ("parallel.scheme auto: no setting fits the ranks' memory; "
-                          "python -m purine_mpi plan CONFIG --np N --choose shows the table")
-        return (list(best.sets), lines), None
+            raise UserError("parallel.scheme auto: no setting fits the ranks' memory; "
+                            "python -m purine_mpi plan CONFIG --np N --choose shows the table")
+        return list(best.sets), lines
     try:
         sets, lines = rank0_decides(world, decide, "parallel.scheme auto's choice",
                                     AUTO_WAIT_S)
@@ -222,10 +224,8 @@ def _cpu_device_memory_note(args, job):
 
 def _ranks_per_node(args):
     """plan's --ranks-per-node (None: not given; train has none: its launcher says)."""
-    k = getattr(args, "ranks_per_node", None)
-    if k is not None and k < 1:
-        raise UserError(f"--ranks-per-node {k}: give a number of ranks >= 1")
-    return k
+    from .tools.scaling.node import parse_ranks_per_node
+    return parse_ranks_per_node(getattr(args, "ranks_per_node", None))
 
 
 def cmd_test(args):
@@ -298,7 +298,8 @@ def cmd_predict(args):
     form = form_of(args)
     if form == "scaling":
         return run_scaling(args)
-    if form == "calibrate":
+    if form == "calibrate":  # LINK.json writable: exit 2 before the measurements, not after
+        _check_written_by_rank0(args.calibrate)
         return run_calibrate(args)
     from .job.checkpoint_file import load_params
     from .tools.predict import predict_split
@@ -317,21 +318,15 @@ def cmd_predict(args):
 
 
 def _check_written_by_rank0(out):
-    """predict's --out, which rank 0 alone writes: checked up front, before
+    """predict's --out (or --calibrate's LINK.json), which rank 0 alone
+    writes: checked up front, before
     any evaluation, on rank 0, whose verdict every rank takes (one line by
     rank 0 and exit 2 on every rank, not rank 0's own ``error: rank 0: ...``
     and an abort after the whole pass)."""
     from .base.runfiles import check_writable
     from .comm.world import rank0_decides
     from .train.collectives import get_world
-
-    def check():
-        try:
-            check_writable(out)
-        except UserError as exc:
-            return None, str(exc)
-        return None, None
-    rank0_decides(get_world(), check, "predict's check of --out")
+    rank0_decides(get_world(), lambda: check_writable(out), "predict's check of --out")
 
 
 def cmd_generate(args):
@@ -406,7 +401,7 @@ def _plan_choose(args, job):
     limits = _memory_limits(args)  # a bad --ranks-per-node: exit 2 before the notes
     # once, as predict says it: what the correction for ranks sharing a node
     # cannot apply (--network's file measured none)
-    k = ranks_per_node_of(link, args.ranks_per_node)
+    k = ranks_per_node_of(link, limits.ranks_per_node)
     for note in notes(link, k, f"--network {args.network}" if args.network else None):
         print(note, file=sys.stderr, flush=True)
     if link.node is not None and (k > 1 or link.node.across_hosts):

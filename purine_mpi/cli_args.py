@@ -231,7 +231,7 @@ def build_parser():
                     "--node-memory)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the table (keys: docs/formats.md)")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+    p.add_argument("--ranks-per-node", default=None, metavar="K",
                    help="the ranks that share a node, placed in blocks (node i: ranks "
                         "i*K .. i*K+K-1): their host needs summed are checked against the "
                         "node's memory (default: the launcher's count of the ranks on this "

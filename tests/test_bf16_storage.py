@@ -34,6 +34,7 @@ by its producer, and the products take it as it is.
   does the trainer with micro-batches, checkpoints and a resume.
 """
 
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -198,7 +199,7 @@ def test_gelu_and_its_gradient_read_an_x_stored_as_bits(device, approximate, row
                 if dev and name == "bits":
                     assert device.launched == [{"Gelu": "gelu_forward_bx_f32",
                                                 "GeluGrad": "gelu_backward_bx_f32"}[
-                        k.op.op_type] if out is not yb else "gelu_forward_bx_bits_f32"]
+                        k.op.op_type] if out is not yb else "gelu_forward_bx_bits_vec_f32"]
             results[name] = [get(a) for a in (y, yb, dx)]
             if name == "bits":   # in place: the bits of y over x's own bits
                 fwd_bits.run([on], [on])
@@ -245,8 +246,8 @@ def test_gelus_gradient_reads_a_dy_stored_as_bits(device, approximate, x_bits):
             with np.errstate(all="ignore"):
                 k.run(ins, [out])
             if dev and name == "bits":
-                assert device.launched == ["gelu_backward_bdy_bx_f32" if x_bits
-                                           else "gelu_backward_bdy_f32"]
+                assert device.launched == ["gelu_backward_bdy_bx_vec_f32" if x_bits
+                                           else "gelu_backward_bdy_vec_f32"]
             got[name] = get(out)
         np.testing.assert_array_equal(got["bits"].view(np.uint32), got["float32"].view(np.uint32))
     assert GeluGrad.bits_inputs({}) == (0, 1)
@@ -274,7 +275,7 @@ def test_gelus_gradient_writes_dx_and_its_bits_in_one_pass(device, approximate, 
     dy32, dyb = _bf16_values(rng, shape)
     x, dy = (xb if x_bits else x32), (dyb if dy_bits else dy32)
     attrs = {"approximate": approximate}
-    func = "gelu_backward" + "_bdy" * dy_bits + "_bx" * x_bits + "_copy_f32"
+    func = "gelu_backward" + "_bdy" * dy_bits + "_bx" * x_bits + "_copy_vec_f32"
     for dev in (device, None):
         put = (lambda a: device.to_device(a)) if dev else np.array
         get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
@@ -951,7 +952,7 @@ def test_the_attention_gradient_reads_dctx_and_writes_dqkv_as_bits(device, dropo
                 device.launched.clear()
             bias.run([dqkv], [db])
             if dev and name == "bits":
-                assert "sum_rows_bits_f32" in device.launched
+                assert _with_vec(Counter(device.launched)).get("sum_rows_bits_f32", 0) == 1
             got[name] = (get(dqkv), get(db))
         np.testing.assert_array_equal(got["bits"][0], _numpy_bits(got["float32"][0]))
         np.testing.assert_array_equal(
@@ -1050,7 +1051,8 @@ def test_the_layer_norm_gradient_reads_a_dy_stored_as_bits(device, wanted):
                 assert "from_bf16_bits" not in device.launched
                 assert ("layernorm_backward_bdy_f32" in device.launched) == (
                     "dx" in wanted or "dg" in wanted)
-                assert ("sum_rows_bits_f32" in device.launched) == ("db" in wanted)
+                assert (_with_vec(Counter(device.launched)).get("sum_rows_bits_f32", 0) == 1) \
+                    == ("db" in wanted)
             got[name] = [get(o) for o in outs]
         for a, b, w in zip(got["bits"], got["float32"], wanted):
             assert a.dtype == np.float32
@@ -1866,6 +1868,12 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     # too (the projection's data gradient, written as bits by its GemmEx),
     # none without bits storage
     # and writes dx's bits beside its float32 dx (no Cast of dx)
+    # every launch of the kernels with a _vec twin (cuda/activation.cu) takes
+    # the twin: the arena's blobs and the scratch are 256-byte aligned, the
+    # widths multiples of 8; below, the launches of both counted together
+    for func in ("bias_bits_f32", "gelu_forward_bx_bits_f32", "gelu_backward_bdy_bx_copy_f32"):
+        assert first_on.get(func, 0) == 0 and first_on[func[:-4] + "_vec_f32"] > 0, func
+    first_on, first_off = _with_vec(first_on), _with_vec(first_off)
     gelu = first_on["gelu_forward_bx_bits_f32"]
     assert gelu > 0 and first_on["gelu_backward_bdy_bx_copy_f32"] == gelu
     assert first_on.get("gelu_backward_bdy_bx_f32", 0) == 0
@@ -1883,6 +1891,17 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
                  "gelu_backward_bdy_bx_f32", "gelu_backward_bdy_bx_copy_f32", "add_bits_f32",
                  "add_copy_f32", "layernorm_backward_bdy_copy_f32"):
         assert first_off.get(func, 0) == 0, func
+
+
+def _with_vec(counts):
+    """Launch counts with each ``<name>_vec_f32``'s added to ``<name>_f32``'s
+    (the launchers take the vectorised twin where the bases are aligned)."""
+    out = dict(counts)
+    for name, count in counts.items():
+        if name.endswith("_vec_f32"):
+            base = name[:-len("_vec_f32")] + "_f32"
+            out[base] = out.get(base, 0) + count
+    return out
 
 
 def test_a_bf16_gpt_with_dropout_writes_the_dropout_gradients_bits_and_trains_the_same(
@@ -2137,7 +2156,8 @@ def test_an_fc_writes_its_output_as_the_float32_paths_bits(device, monkeypatch, 
         assert (twice != want).any()
     if not host:
         assert "round_bf16" not in device.launched
-        assert device.launched.count("bias_bits_f32") == bias
+        assert device.launched.count("bias_bits_f32") + \
+            device.launched.count("bias_bits_vec_f32") == bias
         assert device.launched.count("to_bf16_bits") == (where == "refused" and not bias)
         assert device.launched.count("from_bf16_bits") == 2 * (where == "refused")
         specs = k.scratch_specs(ins, [out])
@@ -2187,7 +2207,8 @@ def _loss_run(put, get, kernels, x, label, dloss, dx_dtype):
 @pytest.mark.parametrize("place", ["device", "host"])
 @pytest.mark.parametrize("shape,axis,ignore,norm", [
     ((3, 5, 40), -1, None, None), ((3, 5, 40), -1, 2, None), ((3, 5, 40), -1, 2, 11.0),
-    ((2, 300), 1, None, None), ((5, 6, 3, 2), 1, None, None)])
+    ((2, 300), 1, None, None), ((5, 6, 3, 2), 1, None, None), ((3, 5, 301), -1, 2, None),
+    ((3, 5, 300), -1, 2, 11.0), ((3, 5, 256), -1, None, None)])
 def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, place, shape,
                                                            axis, ignore, norm):
     """The softmax loss ``from_logits`` on bf16 logits stored as bits, in
@@ -2234,13 +2255,23 @@ def test_the_loss_from_bits_logits_equals_the_float32_path(device, monkeypatch, 
     if norm is not None:   # the normaliser counts, not the shard's own positions
         assert want_loss != _loss_run(put, get, _loss_kernels(False, **dict(attrs, norm=None)),
                                       x, label, 0.75, np.float32)[0]
-    if not host:   # each chunk widened by the loss and by its gradient, rounded once
-        assert launched.count("from_bf16_bits") == 2 * chunks
-        assert launched.count("to_bf16_bits") == chunks
+    if not host:
         xs = device.to_device(xb)
-        for k, ins, outs in ((kernels[0], [xs, put(label)], [put(np.zeros((), np.float32))]),
-                             (kernels[1], [put(np.float32(1)), xs, put(label)], [xs])):
-            assert max(int(np.prod(s)) for s, _ in k.scratch_specs(ins, outs)) < xb.size
+        specs = [(s, d) for k, ins, outs in (
+            (kernels[0], [xs, put(label)], [put(np.zeros((), np.float32))]),
+            (kernels[1], [put(np.float32(1)), xs, put(label)], [xs]))
+            for s, d in k.scratch_specs(ins, outs)]
+        assert max(int(np.prod(s)) for s, _ in specs) < xb.size
+        if ax == len(shape) - 1 and shape[-1] >= 256:
+            # rows of many classes: the bits kernels read the bits and write
+            # dx's bits themselves (no conversion, no float32 chunk)
+            assert launched.count("from_bf16_bits") == launched.count("to_bf16_bits") == 0
+            assert launched.count("softmax_loss_forward_bits_f32") == 1
+            assert launched.count("softmax_loss_grad_bits_f32") == 1
+            assert max(int(np.prod(s)) for s, _ in specs) <= outer
+        else:   # each chunk widened by the loss and by its gradient, rounded once
+            assert launched.count("from_bf16_bits") == 2 * chunks
+            assert launched.count("to_bf16_bits") == chunks
 
 
 def test_the_loss_from_bits_logits_reserves_its_chunk_at_setup(host_build_dir, monkeypatch):

@@ -176,11 +176,16 @@ def test_sigterm_during_the_auto_choice_ends_train_with_143(tmp_path):
     began): the child ended and its folder removed, and ``train`` ends with
     143 as a SIGTERM anywhere else in ``train`` does. Before, the choice's
     UserError ended it with 2, a config error's status, and the line said
-    "plan --choose:" inside ``train`` (this test: ``assert 2 == 143``)."""
+    "plan --choose:" inside ``train`` (this test: ``assert 2 == 143``).
+    The run folder ``train`` made for the run that never began is removed,
+    as a refused run's is (job/rundir.release_run_dirs). Before, it stayed
+    holding its ``.purine.lock`` alone (``assert not ... ['.purine.lock']``)."""
     status, err = _signal_the_auto_choice(tmp_path, [], signal.SIGTERM)
     assert status == 143, (status, err)
     assert "stopped by SIGTERM" in err and "plan --choose:" not in err, err
     assert "Traceback" not in err, err
+    out = tmp_path / "run"
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
 def test_a_child_killed_after_its_grace_leaves_no_shared_memory(monkeypatch):

@@ -190,3 +190,27 @@ def test_a_thread_returning_while_the_others_wait_at_a_barrier_aborts(tmp_path):
     assert res.returncode == -signal.SIGABRT, res.stderr
     assert ("block 0: 2 of its 3 threads wait at __syncthreads, the others have returned: "
             "the barrier never opens") in res.stderr
+
+
+XOR = r'''
+extern "C" __global__ void xor_lanes(long long n, const double* x, double* out) {
+  // every lane the value of lane ^ m, for m = 1, 5, 16 (the warp's own lanes)
+  const unsigned int t = threadIdx.x;
+  out[0 * n + t] = __shfl_xor_sync(0xffffffffu, x[t], 1);
+  out[1 * n + t] = __shfl_xor_sync(0xffffffffu, x[t], 5);
+  out[2 * n + t] = __shfl_xor_sync(0xffffffffu, x[t], 16);
+}
+'''
+
+
+def test_the_xor_shuffle_swaps_the_lanes_of_each_warp(host_build_dir):
+    """``__shfl_xor_sync`` (cuda/layernorm.cu's butterfly): lane l gets lane
+    l ^ m's value, within its warp, in a block of two warps."""
+    cupy = host_cupy(host_build_dir)
+    kernel = cupy.RawModule(code=XOR).get_function("xor_lanes")
+    x = np.arange(64, dtype=np.float64) * 1.5
+    out = np.zeros(3 * 64)
+    kernel((1,), (64,), (np.int64(64), x, out))
+    lanes = np.arange(64)
+    for row, m in enumerate((1, 5, 16)):
+        np.testing.assert_array_equal(out[row * 64:(row + 1) * 64], x[lanes ^ m], err_msg=m)

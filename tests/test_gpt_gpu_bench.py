@@ -176,6 +176,10 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage and "--deadline-s" in stage
     # ours with the cuBLASLt epilogue beside the default, in the same run
     assert "--sides purine purine_fc_cublaslt torch_eager torch_compile" in stage
+    # the loss and layer-norm kernels, new against old, each under a timeout
+    for script in ("loss_kernel_gpu.py", "layernorm_kernel_gpu.py"):
+        line = stage.split(f"benchmarks/{script}")[0].rsplit("\n", 1)[-1]
+        assert "timeout --kill-after=5 " in line, script
 
 
 def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):

@@ -168,14 +168,16 @@ def _layer_norm_grad_inputs(rng):
 @pytest.mark.parametrize("op_type,attrs,make,launched", [
     ("InnerProductGradBias", {},
      lambda rng: [rng.standard_normal((2, 3000, 40)).astype(F32)],
-     ["sum_rows", "bias_grad_finish"]),
+     ["sum_rows_vec_f32", "bias_grad_finish"]),
     ("LayerNormGrad", {"outputs": ["dg", "db"]}, _layer_norm_grad_inputs,
      # db's column sums of dy first, then the backward kernel, then dg's
-     # (a bits copy of dx may take dy's bytes: the sums read dy before it)
-     ["sum_rows", "bias_grad_finish", "layernorm_backward", "sum_rows", "bias_grad_finish"]),
+     # (a bits copy of dx may take dy's bytes: the sums read dy before it;
+     # float32, 40 columns, aligned: the vectorised column sums)
+     ["sum_rows_vec_f32", "bias_grad_finish", "layernorm_backward", "sum_rows_vec_f32",
+      "bias_grad_finish"]),
     ("PositionEmbeddingGrad", {"max_length": 5},
      lambda rng: [rng.standard_normal((3000, 4, 10)).astype(F32)],
-     ["sum_rows", "bias_grad_finish"]),
+     ["sum_rows_vec_f32", "bias_grad_finish"]),
 ])
 def test_the_ops_sum_columns_in_their_reserved_scratch(host_build_dir, monkeypatch, op_type,
                                                         attrs, make, launched):

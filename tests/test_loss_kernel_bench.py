@@ -24,6 +24,15 @@ def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys):  # no
     for name, row in report["kernels"].items():
         assert len(row["ms_rounds"]) == 2
         assert row["bytes"] == (12 if "forward" in name else 8) * 5 * 1030
+    bits = report["bits"]
+    assert set(bits["kernels"]) == {"widen_forward_vec", "softmax_loss_forward_bits_f32",
+                                    "widen_grad_vec_round", "softmax_loss_grad_bits_f32"}
+    per = {"widen_forward_vec": 18, "softmax_loss_forward_bits_f32": 2,
+           "widen_grad_vec_round": 32, "softmax_loss_grad_bits_f32": 6}
+    for name, row in bits["kernels"].items():
+        assert len(row["ms_rounds"]) == 2 and row["bytes"] == per[name] * 5 * 1030
+    assert bits["agreement"] == {"loss_bitwise_equal": True, "dx_bitwise_equal": True,
+                                 "rows_checked": 5}
     agreement = report["agreement"]
     assert agreement["dx_bitwise_equal"] is True
     assert 0 <= agreement["prob_max_abs_diff"] < 1e-6

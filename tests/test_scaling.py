@@ -516,7 +516,7 @@ def test_a_link_file_without_node_measurements_predicts_as_before(traced, tmp_pa
     # untraced copies (none here), so the rows agree to the microsecond
     assert [r["iter_ms"] for r in ra["rows"]] == [r["iter_ms"] for r in rb["rows"]]
     bad = run_cli_args("predict", traced, "--np", "2", "--link", old, "--ranks-per-node", "0")
-    assert bad.returncode == 2 and "--ranks-per-node: expected a whole number >= 1" in bad.stderr
+    assert bad.returncode == 2 and "--ranks-per-node 0: expected a whole number >= 1" in bad.stderr
 
 
 def test_a_calibration_across_hosts_prices_only_its_waits(traced, tmp_path):

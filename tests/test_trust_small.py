@@ -234,7 +234,10 @@ def test_rank0_decides_gives_every_rank_rank_0s_value_or_error():
     """``comm.world.rank0_decides`` (predict's --out check, parallel.scheme
     auto, the run folder): rank 0 alone decides; one allgather (named, under
     the wait given, the world's own timeout back after it, also when it
-    fails) gives every rank its value or the same UserError."""
+    fails) gives every rank its value or the same UserError. ``decide``
+    has one shape: it returns the value or raises a UserError, whose exit
+    status every rank takes (before, an error was a message or a (message,
+    status) tuple, whichever the caller wrote)."""
     from purine_mpi.base.errors import StallError, UserError
     from purine_mpi.comm.world import rank0_decides
 
@@ -252,11 +255,11 @@ def test_rank0_decides_gives_every_rank_rank_0s_value_or_error():
     def never():
         raise AssertionError("only rank 0 decides")
     zero, one = World(0), World(1, answer=("sets", None))
-    assert rank0_decides(zero, lambda: ("sets", None), "the choice", 3600.0) == "sets"
+    assert rank0_decides(zero, lambda: "sets", "the choice", 3600.0) == "sets"
     assert rank0_decides(one, never, "the choice", 3600.0) == "sets"
     assert zero.calls == [(("sets", None), "the choice", 3600.0)]
     assert one.calls == [(None, "the choice", 3600.0)] and one.stall_timeout == 300.0
-    one = World(1, answer=(None, "out: cannot be written there"))
+    one = World(1, answer=(None, ("out: cannot be written there", 2)))
     with pytest.raises(UserError, match="^out: cannot be written there$"):
         rank0_decides(one, never, "the check")
     assert one.calls == [(None, "the check", 300.0)]
@@ -266,9 +269,22 @@ def test_rank0_decides_gives_every_rank_rank_0s_value_or_error():
     assert stalled.stall_timeout == 300.0
     single = World(0)
     single.size = 1
+
+    def refuse():
+        raise UserError("no")
     with pytest.raises(UserError, match="^no$"):
-        rank0_decides(single, lambda: (None, "no"), "the check")
+        rank0_decides(single, refuse, "the check")
     assert single.calls == []
+
+    def stopped():  # a calibration stopped by SIGTERM: 143 on every rank, not 2
+        exc = UserError("stopped")
+        exc.exit_code = 143
+        raise exc
+    zero = World(0)
+    with pytest.raises(UserError, match="^stopped$") as got:
+        rank0_decides(zero, stopped, "the choice")
+    assert got.value.exit_code == 143
+    assert zero.calls == [((None, ("stopped", 143)), "the choice", 300.0)]
 
 
 def _longest_name(folder, suffix=".h5"):

@@ -228,6 +228,15 @@ def make_folder(path):
             from None
 
 
+def make_parent(path):
+    """``make_folder`` of the folder that holds the file ``path`` (as the
+    system finds it, ``folder_of``): what every writer of an output file
+    calls before its write; returns that folder."""
+    folder = folder_of(path)
+    make_folder(folder)
+    return folder
+
+
 def check_writable(path):
     """Before a command's work: ``path`` (a file the user named with --out)
     can be written, found as its write would find it (its folder made, a

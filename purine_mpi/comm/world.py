@@ -88,8 +88,8 @@ def set_world(world):
 
 def rank0_decides(world, decide, what, wait=None):
     """A decision rank 0 alone makes, taken by every rank: rank 0 calls
-    ``decide()`` -> (value, None) or (anything, the message of a UserError,
-    or (that message, its exit status));
+    ``decide()``, which returns the value or raises a UserError (its exit
+    status kept: a stop by a signal's 128 + its number, not 2);
     with more than one rank, one ``allgather_object`` (named ``what``, under
     ``wait`` seconds of stall timeout where given, else the world's) brings
     rank 0's answer to all. Every rank then returns the same value or raises
@@ -97,7 +97,12 @@ def rank0_decides(world, decide, what, wait=None):
     and the others waiting). Collective: every rank calls it at the same
     point; ``world`` is anything with ``rank``, ``size`` and
     ``allgather_object`` (a World, a one-rank stand-in)."""
-    answer = decide() if world.rank == 0 else None
+    answer = None
+    if world.rank == 0:
+        try:
+            answer = decide(), None
+        except UserError as exc:
+            answer = None, (str(exc), exc.exit_code)
     if world.size > 1:
         saved = world.stall_timeout
         if wait is not None:
@@ -108,7 +113,7 @@ def rank0_decides(world, decide, what, wait=None):
             world.stall_timeout = saved
     value, error = answer
     if error is not None:
-        message, code = error if isinstance(error, tuple) else (error, UserError.exit_code)
+        message, code = error
         exc = UserError(message)
         exc.exit_code = code
         raise exc

@@ -17,8 +17,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.progress_bar import progress
-from ..base.runfiles import (HDF5_MODE, folder_of, make_folder, stop_if_write_failed,
-                             write_hdf5_replacing)
+from ..base.runfiles import HDF5_MODE, make_parent, stop_if_write_failed, write_hdf5_replacing
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -142,8 +141,7 @@ def _write_splits(out_path, splits, attrs, log=None):
     Data keeps its dtype (uint8 pixels stay uint8, anything else is
     float32), in chunks of whole samples of about CHUNK_BYTES, compressed
     (shuffle + gzip), so a reader of a few samples decodes little."""
-    out_dir = folder_of(out_path)
-    make_folder(out_dir)
+    make_parent(out_path)
 
     def fill(f):
         for key, value in attrs.items():
@@ -186,8 +184,7 @@ def write_lmdb(splits, out_path, log=None, block=1024):
     float32. Returns {split: samples}."""
     from .lmdb_source import LMDBSource
     sources = {split: LMDBSource(path) for split, path in splits.items()}
-    out_dir = folder_of(out_path)
-    make_folder(out_dir)
+    make_parent(out_path)
 
     def fill(f):
         f.attrs["source"] = "Caffe LMDB: " + ", ".join(

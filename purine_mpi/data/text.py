@@ -54,8 +54,7 @@ import os
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError, one_line
-from ..base.runfiles import (HDF5_MODE, folder_of, make_folder, stop_if_write_failed,
-                             write_hdf5_replacing)
+from ..base.runfiles import HDF5_MODE, make_parent, stop_if_write_failed, write_hdf5_replacing
 from .filecache import INFO_DIGEST_BYTES, per_file_version
 from .h5links import link_outside
 
@@ -194,8 +193,7 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
         raise UserError(f"data text: {src} holds {len(stream)} tokens: too few for a train and "
                         f"a validation split with --val-fraction {val_fraction}")
     splits = {"train": stream[:len(stream) - n_val], "val": stream[len(stream) - n_val:]}
-    out_dir = folder_of(out_path)
-    make_folder(out_dir)
+    make_parent(out_path)
     kind = "bytes" if vocab is None else ("file" if tokenizer is not None else "bpe")
     encoding = {"bytes": "bytes of UTF-8 text, one token per byte",
                 "file": f"ids of the tokenizer.json {os.path.abspath(str(tokenizer))} "

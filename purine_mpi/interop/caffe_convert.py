@@ -24,7 +24,7 @@ Semantics kept exact:
 """
 import os
 
-from ..base.runfiles import folder_of, write_text_replacing
+from ..base.runfiles import make_parent, write_text_replacing
 from .caffe_layers import DATA_TYPES, LAYERS, SUPPORTED
 from .caffe_schema import PHASES, REPEATED, TEXT_SCHEMA, V1_TYPES
 from .caffe_solver import convert_solver
@@ -450,8 +450,7 @@ def write_config(net_path, out_path, solver_path=None, data_path=None):
     header += [f"# note: {n}" for n in notes]
     text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False,
                                                      default_flow_style=None, width=100)
-    out_dir = folder_of(out_path)
-    os.makedirs(out_dir, exist_ok=True)
+    make_parent(out_path)
     # by a rename over the name (base/runfiles): a write that fails (a full
     # disk, the file-size limit, Ctrl-C) leaves no temporary file and what
     # was at out_path as it was, and a full disk is one line

@@ -36,7 +36,7 @@ import json
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import folder_of, make_folder, write_replacing
+from ..base.runfiles import make_parent, write_replacing
 from .onnx_gpt import EMITTERS as GPT_EMITTERS, GPT_OPS, OPSET_GPT
 
 OPSET = 13
@@ -92,8 +92,7 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                         f"built from this net ({first}); nothing written: an op is mapped "
                         "in a way ONNX reads otherwise (an exporter bug: report it with the "
                         "config)") from None
-    out_dir = folder_of(out_path)
-    make_folder(out_dir)
+    make_parent(out_path)
     write_replacing(out_path, lambda tmp: onnx.save(model, tmp))
     outputs = ", ".join(o.name for o in model.graph.output)
     return f"{len(model.graph.node)} nodes, outputs {outputs}; {said['line']}"

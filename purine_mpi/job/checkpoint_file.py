@@ -33,7 +33,7 @@ import numpy as np
 
 from ..base.backend import to_numpy
 from ..base.errors import UserError, one_line
-from ..base.runfiles import GuardedFile, disk_error, folder_of, write_failed
+from ..base.runfiles import GuardedFile, disk_error, folder_of, make_parent, write_failed
 from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
 from ..data.h5links import held_by, is_lock_error, refuse_outside
 
@@ -156,7 +156,7 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
     (data/tokenizer.py), kept as the dataset ``/tokenizer``."""
     import h5py
     path = str(path)
-    os.makedirs(folder_of(path), exist_ok=True)
+    make_parent(path)
     with replaced_atomically(path) as tmp, GuardedFile(tmp) as raw:
         # HDF5 writes through ``raw`` (created anew, never through a link): a
         # full disk is one line naming the file, not HDF5's errors

@@ -324,12 +324,32 @@ def _override_at(key, overrides, raw):
         return None
     parts = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")
     for text in reversed(list(overrides or ())):
-        set_parts = [p.strip() for p in str(text).partition("=")[0].strip().split(".")]
+        set_parts = _set_key_parts(text, raw)
         if parts[:len(set_parts)] == set_parts:  # in the value --set gave
             return text
         if set_parts[:len(parts)] == parts and not _has_path(raw, parts):
             return text  # a mapping --set made for its key (a mistyped section)
     return None
+
+
+def _set_key_parts(text, raw):
+    """The dotted key of the ``--set`` ``text`` as its parts, a negative
+    list index (``net.-1``, the file's last entry, as ``apply_override``
+    takes it) counted from the start of the file's list (``net.10``), as an
+    error names that key: ``--set net.-1.num_output=3`` was not found to
+    have written ``net[10].num_output``, and its refusal named the file's
+    line of that layer, which holds no num_output."""
+    parts, node = [p.strip() for p in str(text).partition("=")[0].strip().split(".")], raw
+    for i, part in enumerate(parts):
+        if isinstance(node, list) and part.lstrip("-").isdigit() \
+                and -len(node) <= int(part) < len(node):
+            parts[i] = str(int(part) % len(node))
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            break
+    return parts
 
 
 def _overrides_under(key, overrides):

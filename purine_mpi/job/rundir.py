@@ -194,7 +194,8 @@ def check_resume_continues(out, resume, held=None):
     """``--resume FILE`` into an ``--out`` that holds a run is allowed only
     when FILE continues that run: FILE lies in that folder, or its ``run_id``
     is the folder's. Otherwise a UserError naming both (the folder's metrics
-    and checkpoints would be replaced by another run's)."""
+    and checkpoints would be replaced by another run's), or, where FILE is
+    no checkpoint (a folder, a data file), the load's own line saying so."""
     held = held if held is not None else run_files(out)
     if not held or not os.path.exists(resume):
         return  # nothing to protect; a missing FILE is reported where it is loaded
@@ -203,6 +204,8 @@ def check_resume_continues(out, resume, held=None):
     theirs, mine = folder_run_id(out), checkpoint_run_id(resume)
     if mine and theirs and mine == theirs:
         return
+    if not mine:  # a folder (the run's own), a data file, a damaged file: what it is, said
+        load_checkpoint(resume)  # as into another --out, not "another run (run unknown)"
     what = (f"run {theirs[:12]}" if theirs else "a run whose checkpoints name no run_id")
     raise UserError(f"--out {out} holds another run ({what}; {', '.join(held[:4])}"
                     f"{', ...' if len(held) > 4 else ''}) than --resume {resume} (run "
@@ -245,7 +248,10 @@ def release_run_dirs():
     process, so the next run takes it all the same.
 
     A run folder this process made, for a run refused at start-up (exit 2,
-    ``logfile.end_status``) before it wrote anything but its lock and
+    ``logfile.end_status``) or stopped by a signal before it began (128 +
+    the signal: a SIGTERM during ``parallel.scheme: auto``'s calibration
+    left a folder holding only ``.purine.lock``), before it wrote anything
+    but its lock and
     train.log (the watched-metric check, the memory check, data a graph
     does not build on: all after the folder is chosen), is removed with
     the folders made for it, as the refusals before the folder leave
@@ -268,6 +274,15 @@ def release_run_dirs():
             f.close()  # closing the file releases its flock
 
 
+def _never_began(status):
+    """Whether a run that ended with ``status`` and left no file but its
+    lock and train.log never began: refused at start-up (2), or stopped by
+    a signal (128 + its number: a batch system's SIGTERM, a Ctrl-C) before
+    its first file was written, as during ``parallel.scheme: auto``'s
+    calibration. A bug's 1 keeps its train.log to be read."""
+    return status is not None and (status == 2 or status > 128)
+
+
 def _remove_refused(folder, lock_file=None):
     """Remove ``folder`` (and the folders made for it) when this process
     made it and a start-up refusal left only its lock and train.log there;
@@ -277,7 +292,7 @@ def _remove_refused(folder, lock_file=None):
     stays as ``.nfsXXXX`` until it is closed, and the folder would stay
     with it."""
     made = _made.pop(os.path.realpath(folder), None)
-    if not made or logfile.end_status() != 2:
+    if not made or not _never_began(logfile.end_status()):
         return False
     try:
         if not set(os.listdir(folder)) <= {LOCK_FILE, logfile.LOG_NAME}:
@@ -311,28 +326,26 @@ def refuse_linked_run_files(folder):
 
 
 def _set_up(name, out, resume, force, runs_root, init=None, job=None):
-    """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
+    """Rank 0's part of ``prepare_run_dir``: the path, or a UserError."""
     where = out or os.path.join(runs_root, name)
     blocker = where if os.path.lexists(where) and not os.path.isdir(where) else \
         file_in_the_way(where)
     if blocker is not None:  # not OSError's bare "File exists"
         given = "--out" if out else "--out, or another checkpoint.folder"
-        return None, (f"run folder {where}: {blocker} is a file, not a folder; give another "
-                      f"{given} (a folder, or a path where one can be made)")
+        raise UserError(f"run folder {where}: {blocker} is a file, not a folder; give another "
+                        f"{given} (a folder, or a path where one can be made)")
     try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
                                     lock=_lock_and_check, init=init, job=job)
-    except UserError as exc:
-        return None, str(exc)
     except OSError as exc:  # a read-only folder, --out under a file, a full disk
         err = disk_error(exc.filename or where, exc)
         at = f" ({exc.filename})" if exc.filename and exc.filename != where else ""
-        return None, str(err) if err is not None else (
-            f"run folder {where}: cannot set it up: {exc.strerror or exc}{at}")
+        raise (err if err is not None else UserError(
+            f"run folder {where}: cannot set it up: {exc.strerror or exc}{at}")) from None
     if note:
         print(note, flush=True)
-    return path, None
+    return path
 
 
 def _lock_and_check(folder):

@@ -23,7 +23,14 @@ no ``prob`` output, and its gradient reads the logits instead and computes
 the probabilities again. The logits may then be stored as bfloat16 bits (2
 bytes an element, written so by the lm-head's GemmEx: bf16 storage), and
 no full-size float32 array of them, of the probabilities or of their
-gradient exists: both ops work ``LOSS_CHUNK`` elements of whole positions
+gradient exists. On a GPU, for (positions, classes) rows of at least
+ROW_BLOCK_CLASSES classes (GPT's logits over axis -1), each op is one
+kernel that reads the bits itself (``softmax_loss_forward_bits``,
+``softmax_loss_grad_bits``: widened in registers, dx rounded into bits in
+the pass that computes it), with the float32 kernels' order of operations,
+so the bits the path below gives (where each chunk starts on the vector
+grid, as every chunk of GPT-2's 50304 classes does), with no float32
+scratch and no conversion launch. Otherwise both ops work ``LOSS_CHUNK`` elements of whole positions
 at a time, widening a chunk of the logits into float32 scratch (exact),
 running the same float32 kernels (the same code on the host) on it -- the
 same probabilities bit for bit, since each position's softmax reads its own
@@ -234,6 +241,20 @@ def _softmax_grad(g, op):
                {"axis": op.attrs.get("axis", 1)})
 
 
+def _bits_rows(x, axis):
+    """Whether the ``from_logits`` loss and gradient read ``x`` (an array
+    or a blob's shape and dtype) on a GPU as bfloat16 bits themselves, with
+    no float32 chunk: logits stored as bits whose classes are the last axis
+    (inner 1, GPT's (batch, tokens, vocabulary) over axis -1), at least
+    ROW_BLOCK_CLASSES of them -- the rows the float32 path gives a block
+    each (the ``_vec`` kernels), whose order of operations the bits kernels
+    ``softmax_loss_forward_bits`` and ``softmax_loss_grad_bits`` keep (the
+    same bits; fewer classes go a thread a position, another order)."""
+    from ..gpu.kernels.loss import ROW_BLOCK_CLASSES
+    _, channels, inner = _split_dims(x.shape, axis)
+    return is_bits(x) and inner == 1 and channels >= ROW_BLOCK_CLASSES
+
+
 def _chunk_positions(shape, axis):
     """(outer rows a chunk, (rows, C, inner)) of ``from_logits``' float32
     chunk of logits of ``shape``: ``LOSS_CHUNK`` elements of whole outer
@@ -330,7 +351,7 @@ class SoftmaxLoss(OpKernel):
         dtype = value_dtype(ins[0].dtype)
         shard = [((1,), dtype)] if len(ins) > 2 else []
         chunk = [(_chunk_positions(ins[0].shape, axis)[1], dtype)] \
-            if self.attrs.get("from_logits") else []
+            if self.attrs.get("from_logits") and not _bits_rows(ins[0], axis) else []
         return _raw_specs(np.empty(0, dtype), _loss_specs(ins[0], axis) +
                           _label_specs(ins[1]) + shard + chunk)
 
@@ -376,7 +397,8 @@ class SoftmaxLoss(OpKernel):
         loss[...] = (nll * valid).sum() / (ins[2] if len(ins) > 2 else count)
 
     def _from_logits(self, ins, loss):
-        """The loss alone (``from_logits``), a chunk of positions at a time:
+        """The loss alone (``from_logits``): on a GPU for bits rows
+        (``_bits_rows``) one kernel on the bits; else a chunk of positions at a time:
         the logits (bits or float32) widened into the chunk's float32
         scratch, the probabilities written there by the same kernels (the
         same code on the host), the per-position losses kept whole for the
@@ -391,6 +413,13 @@ class SoftmaxLoss(OpKernel):
         if k is not None:
             ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             nll, valid, *buf = self.temporaries(x, *self.scratch_specs(ins, [loss]))
+            if _bits_rows(x, axis):   # one kernel on the bits, no chunk
+                shard = buf.pop() if len(ins) > 2 else None
+                lab = _device_labels(label, buf, (outer,))
+                k.softmax_loss_forward_bits(x.reshape(outer, channels), lab, ignore,
+                                            out=(nll, valid), pad_label=pad)
+                _device_mean(k, nll, valid, loss, shard, ins[2:])
+                return
             wide = buf.pop()
             shard = buf.pop() if len(ins) > 2 else None
             lab = _device_labels(label, buf, (outer, inner))
@@ -449,8 +478,9 @@ class SoftmaxLossGrad(OpKernel):
     def scratch_specs(self, ins, outs):
         dtype = value_dtype(ins[1].dtype)
         chunk = []
-        if self.attrs.get("from_logits"):   # the chunk's losses, valid flags, logits
-            axis = _axis(self.attrs, len(ins[1].shape))
+        axis = _axis(self.attrs, len(ins[1].shape))
+        if self.attrs.get("from_logits") and not _bits_rows(ins[1], axis):
+            # the chunk's losses, valid flags, logits
             rows, shape = _chunk_positions(ins[1].shape, axis)
             pos = ((rows * shape[2],), dtype)
             chunk = [pos, pos, (shape, dtype)]
@@ -500,8 +530,10 @@ class SoftmaxLossGrad(OpKernel):
         dx *= dloss / (ins[3] if len(ins) > 3 else count)
 
     def _from_logits(self, ins, dx):
-        """dx from the logits (``from_logits``), a chunk of positions at a
-        time: the chunk widened into float32 scratch, its probabilities
+        """dx from the logits (``from_logits``): on a GPU for bits rows
+        (``_bits_rows``) one kernel on the bits writing dx (bits or float32);
+        else a chunk of positions at a time: the chunk widened into float32
+        scratch, its probabilities
         computed as the forward computed them (the same kernel or code: the
         same bits), dx = dloss * (prob - onehot) / count there by the
         float32 path's kernel or code, then written into dx -- rounded into
@@ -520,6 +552,17 @@ class SoftmaxLossGrad(OpKernel):
             ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
             count, *buf = self.temporaries(x, *self.scratch_specs(ins, [dx]))
+            if _bits_rows(x, axis):   # one kernel on the bits: dx as bits or float32
+                lab = _device_labels(label, buf, (outer,))
+                plain = _device_count(k, ins, lab, count, self.attrs)
+                x2, dx2 = x.reshape(outer, channels), dx.reshape(outer, channels)
+                if plain:
+                    k.softmax_loss_grad_bits(x2, lab, scale, None, out=dx2,
+                                             scale_factor=1.0 / (outer * inner))
+                else:
+                    k.softmax_loss_grad_bits(x2, lab, scale, ignore, out=dx2, count=count,
+                                             pad_label=pad)
+                return
             wide, valid, nll = buf.pop(), buf.pop(), buf.pop()
             lab = _device_labels(label, buf, (outer, inner))
             plain = _device_count(k, ins, lab, count, self.attrs)

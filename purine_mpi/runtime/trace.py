@@ -26,7 +26,7 @@ import threading
 import time
 
 from ..base.errors import UserError
-from ..base.runfiles import folder_of, open_run_fd, write_all
+from ..base.runfiles import make_parent, open_run_fd, write_all
 
 
 #: the role of a parameter server's trace (``process_labels``)
@@ -137,7 +137,7 @@ class TraceFile(Profiler):
         with self._io_lock:
             if self._fd is not None:
                 return
-            os.makedirs(folder_of(self.path), exist_ok=True)  # link/.. as the system reads it
+            make_parent(self.path)  # link/.. as the system reads it
             self._fd = open_run_fd(self.path)  # never through a link (base/runfiles.py)
             self._write('{"displayTimeUnit": "ms", "traceEvents": [\n')
 

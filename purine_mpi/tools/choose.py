@@ -253,7 +253,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
         log(f"calibration: timing the ops of {job.name} on one rank at {batches} "
             f"({CALIBRATION_ITERS} iterations each, data parallel) ...")
     t0 = time.perf_counter()
-    from ..base.runfiles import folder_of  # link/.. as the system reads it, not lexically
+    from ..base.runfiles import folder_of, make_parent  # link/.. as the system reads it
     base = folder_of(cache) if cache else "/tmp"
     durations = _traced_run(path, overrides, (), os.path.join(
         base, f".calibration-{key}-{os.getpid()}"))
@@ -262,7 +262,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
         small = _traced_run(path, overrides, small_sets,
                             os.path.join(base, f".calibration-{key}-{os.getpid()}-small"))
     if cache:
-        os.makedirs(folder_of(cache), exist_ok=True)
+        make_parent(cache)
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
@@ -1044,10 +1044,12 @@ class Predictor:
         """(seconds per iteration, samples per iteration, untraced op count).
         ``built``: {rank: its composed training graph} already at hand (the
         memory plan's, ``evaluate``), read instead of composing it again."""
+        from .scaling.concurrent import contended
         from .scaling.model import ITERATIONS
-        from .scaling.simulate import simulate
         graphs, images, untraced = self.rank_graphs(job, n, built)
-        return simulate(graphs, ITERATIONS).period(), images, untraced
+        # ranks sharing a node: each op at the contention of the ranks
+        # computing while it runs (scaling/concurrent.py)
+        return contended(graphs, self.scale(n), n, ITERATIONS).period(), images, untraced
 
     def rank_graphs(self, job, n, built=None):
         """([RankGraph] of the simulated ranks, samples per iteration,

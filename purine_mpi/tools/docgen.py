@@ -16,7 +16,7 @@ import difflib
 import os
 import sys
 
-from ..base.runfiles import folder_of
+from ..base.runfiles import make_parent
 from .docgen_sections import SchemaDocError, sections
 
 #: the repository's docs/config.md (this file is purine_mpi/tools/docgen.py)
@@ -78,7 +78,7 @@ def main(argv=None):
         print(f"{args.path} is up to date")
         return 0
     if args.write:
-        os.makedirs(folder_of(args.path), exist_ok=True)  # link/.. as the system reads it
+        make_parent(args.path)  # link/.. as the system reads it
         with open(args.path, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {args.path}")

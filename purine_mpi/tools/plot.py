@@ -29,7 +29,7 @@ import math
 import os
 
 from ..base.errors import UserError
-from ..base.runfiles import folder_of
+from ..base.runfiles import make_parent
 from ..job.metrics import FILE
 from ..job.outputs import check_out
 from ..job.rundir import numbered_runs
@@ -208,9 +208,8 @@ def plot_runs(args, out, loss_scale_choice="auto"):
         check_out(out, more=[("the metrics file", path)])  # nor a checkpoint
         runs.append((label, read_rows(path)))
     fig = draw(runs, loss_scale_choice)
-    folder = folder_of(out)
     try:
-        os.makedirs(folder, exist_ok=True)
+        make_parent(out)
         fig.savefig(out)
     except ValueError as e:  # an extension matplotlib cannot write
         raise UserError(f"plot: cannot write --out {out}: {e}") from None

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import folder_of, make_folder, stop_if_write_failed, write_hdf5_replacing
+from ..base.runfiles import make_parent, stop_if_write_failed, write_hdf5_replacing
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
 from ..parallel.tensor_split import join_shards
@@ -222,7 +222,7 @@ def _host(array):
 
 
 def _write(path, rows, blobs, trainer, weights, split, n):
-    make_folder(folder_of(path))
+    make_parent(path)
 
     def fill(f):
         group = f.create_group("outputs")

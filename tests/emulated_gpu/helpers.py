@@ -227,9 +227,9 @@ def net_config(net, batch):
         check_files=False)
 
 
-def bf16_gpt_steps(mp, solver, iters, blocks, cuda_graph, elementwise=False):
+def bf16_gpt_steps(mp, solver, iters, blocks, cuda_graph, elementwise=False, vocab=16):
     """``iters`` training steps of the test GPT (tests/gpt_oracle.gpt_net:
-    vocabulary 16, width 16, 2 heads, ``blocks`` blocks, 8 tokens, batch 2,
+    vocabulary ``vocab`` (16), width 16, 2 heads, ``blocks`` blocks, 8 tokens, batch 2,
     tanh GELU) in bf16 on the emulated device (``mp``: a MonkeyPatch on
     which the caller made the device, ``use_emulated_cupy``, and set its
     environment), the weights filled with seed 1, token batches from seed 3,
@@ -259,8 +259,8 @@ def bf16_gpt_steps(mp, solver, iters, blocks, cuda_graph, elementwise=False):
         return real_elementwise(source, func, dtype, total, args)
 
     mp.setattr(kernels.base, "_launch", spy_elementwise)
-    toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
-    net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
+    toks = np.random.default_rng(3).integers(0, vocab, (iters, 2, 9))
+    net = gpt_net(vocab=vocab, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
     g, _, _ = gpt_graph(net, dict(solver, max_iter=iters), 2, 8)
     prepare_for_device(g, 0, precision="bf16")
     d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=cuda_graph)

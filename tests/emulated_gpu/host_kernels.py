@@ -226,6 +226,7 @@ static inline double __longlong_as_double(long long i) {
 }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 // Warp shuffles: the lanes of a warp (32 consecutive threads of the block)
 // swap values through a table between two block-wide barriers, so every
 // thread of the block must call them together (our kernels never shuffle
@@ -241,6 +242,17 @@ static inline T __shfl_down_sync(unsigned int mask, T var, unsigned int delta) {
   __syncthreads();
   const unsigned int lane = threadIdx.x & 31u, source = threadIdx.x + delta;
   const T out = lane + delta >= 32u ? var : (source < blockDim.x ? lanes[source] : (T)NAN);
+  __syncthreads();
+  return out;
+}
+template <typename T>
+static inline T __shfl_xor_sync(unsigned int mask, T var, int lane_mask) {
+  __shared__ T lanes[1024];
+  if (mask != 0xffffffffu || blockDim.x > 1024 || lane_mask < 0 || lane_mask > 31) abort();
+  lanes[threadIdx.x] = var;
+  __syncthreads();
+  const unsigned int source = threadIdx.x ^ (unsigned int)lane_mask;
+  const T out = source < blockDim.x ? lanes[source] : (T)NAN;
   __syncthreads();
   return out;
 }
@@ -355,7 +367,7 @@ def _shuffling(expanded):
             end += 1
         bodies.setdefault(match.group(1), "")
         bodies[match.group(1)] += expanded[match.end():end]
-    reach = {"__shfl_down_sync"}
+    reach = {"__shfl_down_sync", "__shfl_xor_sync"}
     grown = True
     while grown:
         grown = False
@@ -852,7 +864,8 @@ def host_cupy(build_dir):
                     base + [str(source), "-E", "-P"], check=True, capture_output=True,
                     text=True).stdout
             signatures = _SIGNATURE.findall(expanded)
-            self._threaded = "__syncthreads" in code
+            # a warp shuffle is two block barriers here (the prelude)
+            self._threaded = "__syncthreads" in code or "__shfl" in code
             if not library_path.exists():
                 built = source
                 if self._threaded:   # the kernels, then their fibers' entry points

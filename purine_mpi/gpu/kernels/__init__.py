@@ -23,7 +23,7 @@ from .image import (im2col, col2im, maxpool_forward, maxpool_backward, avepool_f
                     avepool_backward, lrn_forward, lrn_backward)  # noqa: F401
 from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mean,
                    softmax_loss_count, softmax_forward, softmax_backward, LossTable, accuracy,
-                   loss_watch)  # noqa: F401
+                   loss_watch, softmax_loss_forward_bits, softmax_loss_grad_bits)  # noqa: F401
 from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, adam_update,  # noqa: F401
                    adam_multi,
                    learning_rate, iteration_next, grad_sumsq, SumsqTable,

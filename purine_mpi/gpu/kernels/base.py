@@ -39,7 +39,13 @@ PLAIN_ENTRY_POINTS = {
                    "gelu_backward_bx_f32", "gelu_backward_bdy_f32", "gelu_backward_bdy_bx_f32",
                    "gelu_backward_copy_f32", "gelu_backward_bx_copy_f32",
                    "gelu_backward_bdy_copy_f32", "gelu_backward_bdy_bx_copy_f32",
-                   "bias_bits_f32", "add_bits_f32", "add_copy_f32"),
+                   "bias_bits_f32", "add_bits_f32", "add_copy_f32",
+                   # the vectorised ones (8 elements a thread), beside the old
+                   "bias_bits_vec_f32", "gelu_forward_bx_bits_vec_f32",
+                   "gelu_backward_vec_f32", "gelu_backward_copy_vec_f32",
+                   "gelu_backward_bx_vec_f32", "gelu_backward_bx_copy_vec_f32",
+                   "gelu_backward_bdy_vec_f32", "gelu_backward_bdy_copy_vec_f32",
+                   "gelu_backward_bdy_bx_vec_f32", "gelu_backward_bdy_bx_copy_vec_f32"),
     "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32",
                   "layernorm_backward_copy_f32", "layernorm_backward_bdy_copy_f32"),
     "dropout": ("philox_words", "dropout_apply_copy_f32", "dropout_backward_copy_f32",
@@ -47,7 +53,11 @@ PLAIN_ENTRY_POINTS = {
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",
                   "to_bf16_bits", "from_bf16_bits"),
-    "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32"),
+    "reduce": ("embedding_order", "embedding_order_i32", "sum_rows_bits_f32",
+               "sum_rows_vec_f32", "sum_rows_bits_vec_f32"),
+    # the from_logits loss on bfloat16 bits logits (dx as bits, or float32)
+    "softmax_loss": ("softmax_loss_forward_bits_f32", "softmax_loss_grad_bits_f32",
+                     "softmax_loss_grad_bx_f32"),
 }
 
 _BLOCK = 256

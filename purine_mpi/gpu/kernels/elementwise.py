@@ -4,7 +4,7 @@ layernorm.cu, precision.cu).
 """
 import numpy as np
 
-from .. import dtype_suffix, get_function, import_cupy
+from .. import data_ptr, dtype_suffix, get_function, import_cupy
 from . import base as _base
 from .base import (_BLOCK, _MAX_BLOCKS, _REDUCE_THREADS, _finish, _input, _int, _iteration,
                    _output, _outs, _same_as)
@@ -221,13 +221,35 @@ def bias_act(y, bias=None, relu=False, negative_slope=0.0):
     return y
 
 
-def bias_bits(src, bias, out):
+#: the elements a thread of the ``_vec`` kernels owns (cuda/activation.cu:
+#: 16-byte loads and stores), and the base alignment they need in bytes
+VEC_ELEMENTS, VEC_ALIGN = 8, 16
+
+
+def _vec_ok(vec, *arrays):
+    """Whether a ``_vec`` kernel may take ``arrays``: ``vec`` true and every
+    base 16-byte aligned (a view's base may not be)."""
+    return bool(vec) and all(data_ptr(a) % VEC_ALIGN == 0 for a in arrays)
+
+
+def _launch_vec(func, total, args):
+    """cuda/activation.cu's ``func`` (a ``_vec`` entry point) over ``total``
+    elements: a grid of one thread per chunk of ``VEC_ELEMENTS`` (grid-stride
+    past ``_MAX_BLOCKS`` blocks; at least one thread per tail element)."""
+    chunks = max(total // VEC_ELEMENTS, total % VEC_ELEMENTS, 1)
+    blocks = min(-(-chunks // _BLOCK), _MAX_BLOCKS)
+    _base._launch_blocks("activation", func, None, blocks, _BLOCK, (np.int64(total), *args))
+
+
+def bias_bits(src, bias, out, vec=True):
     """``out`` (uint16, C-contiguous, ``src``'s shape) = the bfloat16 bits
     of the float32 ``src`` (rows, C) plus ``bias`` (C,) along its last axis,
     one kernel (cuda/activation.cu ``bias_bits_f32``): the bits of
     ``bias_act(src, bias)`` then ``round_in_place`` -- one rounding, after
     the bias (a fully connected output stored as bits, from its float32
-    product in scratch)."""
+    product in scratch). ``vec`` (default): ``bias_bits_vec_f32``, 8
+    elements a thread, where C is a multiple of 8 and every base 16-byte
+    aligned (the same bits); False, or else, the one-element kernel."""
     cupy = import_cupy()
     _bits_array(src, np.float32, "bias_bits: src")
     _bits_array(out, np.uint16, "bias_bits: out")
@@ -238,8 +260,11 @@ def bias_bits(src, bias, out):
     if bias.size != src.shape[1] or np.dtype(bias.dtype) != np.dtype(np.float32):
         raise ValueError(f"bias_bits: bias has shape {tuple(bias.shape)} {bias.dtype}, "
                          f"expected ({src.shape[1]},) float32")
-    _base._launch("activation", "bias_bits_f32", None,
-                  src.size, (src, bias, np.int64(src.shape[1]), out))
+    args = (src, bias, np.int64(src.shape[1]), out)
+    if src.shape[1] % VEC_ELEMENTS == 0 and _vec_ok(vec, src, bias, out):
+        _launch_vec("bias_bits_vec_f32", src.size, args)
+    else:
+        _base._launch("activation", "bias_bits_f32", None, src.size, args)
     return out
 
 
@@ -332,19 +357,25 @@ def gelu_forward(x, approximate="none", out=None, round_to=None):
     return _finish(y, target)
 
 
-def gelu_forward_bits(x, approximate, out):
+def gelu_forward_bits(x, approximate, out, vec=True):
     """``out`` (uint16, x's shape, C-contiguous) = the bfloat16 bits of
     ``gelu_forward(x, approximate)`` for float32 ``x``, one kernel
     (cuda/activation.cu ``gelu_forward_bits_f32``): the bits of the float32
     run followed by ``to_bf16_bits_device``, in the same pass. ``x`` may be
     bfloat16 bits (``gelu_forward_bx_bits_f32``: widened exactly; ``out``
-    may be ``x``)."""
+    may be ``x``; ``vec`` (default): ``gelu_forward_bx_bits_vec_f32``, 8
+    elements a thread, where both bases are 16-byte aligned, the same
+    bits)."""
     cupy = import_cupy()
     if _is_bits(x):
         tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, np.float32)
         _bits_array(out, np.uint16, "gelu_forward_bits")
         _bits_x(x, "gelu_forward_bits: x", like=out)
-        _base._launch("activation", "gelu_forward_bx_bits_f32", None, x.size, (x, tanh_form, out))
+        if _vec_ok(vec, x, out):
+            _launch_vec("gelu_forward_bx_bits_vec_f32", x.size, (x, tanh_form, out))
+        else:
+            _base._launch("activation", "gelu_forward_bx_bits_f32", None, x.size,
+                          (x, tanh_form, out))
         return out
     x = _input(cupy, x, "gelu_forward_bits: x")
     tanh_form, _ = _gelu_args("gelu_forward_bits", approximate, None, x.dtype)
@@ -358,7 +389,7 @@ def gelu_forward_bits(x, approximate, out):
     return out
 
 
-def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None):
+def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None, vec=True):
     """dx = dy * dGELU/dx at ``x`` (``approximate`` as ``gelu_forward``), one
     kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
     ``gelu_forward``'s. ``x`` may be bfloat16 bits (uint16, C-contiguous, dy's
@@ -372,10 +403,12 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     float32 dx, in the same pass (the ``_copy`` entry points:
     ``to_bf16_bits_device`` of ``out`` bit for bit); ``out`` may be a float32
     ``dy``, ``copy`` a ``dy`` or ``x`` of bits (in place: each element is
-    read before it is written)."""
+    read before it is written). ``vec`` (default): with a bits ``dy`` or a ``copy``, the
+    ``_vec`` entry point of that kernel (8 elements a thread) where every
+    base is 16-byte aligned: the same bits."""
     cupy = import_cupy()
     if copy is not None or _is_bits(dy):
-        return _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy)
+        return _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy, vec)
     if _is_bits(x):
         dy = _input(cupy, dy, "gelu_backward: dy")
         if np.dtype(dy.dtype) != np.dtype(np.float32):
@@ -394,7 +427,7 @@ def gelu_backward(dy, x, approximate="none", out=None, round_to=None, copy=None)
     return _finish(dx, target)
 
 
-def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy):
+def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy, vec=True):
     """``gelu_backward`` into a float32 ``out`` given, of a bits ``dy`` or
     with a bits ``copy`` of dx (or both): dy and x each float32 or bits of
     out's shape, one ``gelu_backward[_bdy][_bx][_copy]_f32`` launch."""
@@ -415,10 +448,14 @@ def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy):
                             f"shape, got {a.dtype} {tuple(a.shape)}")
         operands.append(a)
     func = "gelu_backward" + "_bdy" * _is_bits(dy) + "_bx" * _is_bits(x) + \
-        ("_copy_f32" if copy is not None else "_f32")
+        "_copy" * (copy is not None)
     args = _gelu_args("gelu_backward", approximate, round_to, np.float32)
     extra = (copy,) if copy is not None else ()
-    _base._launch("activation", func, None, out.size, (*operands, *args, out, *extra))
+    if _vec_ok(vec, *operands, out, *extra):
+        _launch_vec(func + "_vec_f32", out.size, (*operands, *args, out, *extra))
+    else:
+        _base._launch("activation", func + "_f32", None, out.size,
+                      (*operands, *args, out, *extra))
     return out
 
 
@@ -527,20 +564,27 @@ def bias_grad(dy, out=None, partial=None):
     return _finish(db, target)
 
 
-def _column_sum(x, out, accumulate, partial, what):
+def _column_sum(x, out, accumulate, partial, what, vec=True):
     """out (+)= the column sums of ``x`` (rows, cols), both C-contiguous:
     cuda/reduce.cu's ``sum_rows`` on (tile, row range) blocks, then with
     more than one range ``bias_grad_finish`` (``partial``: the scratch, or
-    None for a new array)."""
+    None for a new array). ``vec``: a float32 or bits ``x`` of cols a
+    multiple of 4, its base 16-byte (bits: 8-byte) aligned, takes
+    ``sum_rows_(bits_)vec_f32`` (four columns a thread, the same sums)."""
     rows, cols = int(x.shape[0]), int(x.shape[1])
     if cols == 0:
         return
     splits = bias_grad_splits(rows, cols, 1)
     partial = _partial(partial, x.shape, what)
-    blocks = min(-(-cols // SUM_ROWS_TILE) * splits, _MAX_BLOCKS)
     bits = _is_bits(x)   # bfloat16 bits into float32: the plain entry point
-    _base._launch_blocks("reduce", "sum_rows_bits_f32" if bits else "sum_rows",
-                         None if bits else x.dtype, blocks, _REDUCE_THREADS,
+    if vec and cols % 4 == 0 and (bits or np.dtype(x.dtype) == np.dtype(np.float32)) \
+            and data_ptr(x) % (8 if bits else 16) == 0:
+        blocks = min(-(-cols // (4 * SUM_ROWS_TILE)) * splits, _MAX_BLOCKS)
+        func, dtype = ("sum_rows_bits_vec_f32" if bits else "sum_rows_vec_f32"), None
+    else:
+        blocks = min(-(-cols // SUM_ROWS_TILE) * splits, _MAX_BLOCKS)
+        func, dtype = ("sum_rows_bits_f32", None) if bits else ("sum_rows", x.dtype)
+    _base._launch_blocks("reduce", func, dtype, blocks, _REDUCE_THREADS,
                          (np.int64(cols), x, np.int64(rows), np.int64(splits),
                           _int(bool(accumulate)), partial, out))
     if splits > 1:
@@ -548,7 +592,7 @@ def _column_sum(x, out, accumulate, partial, what):
                       (np.int64(splits), _int(bool(accumulate)), partial, out))
 
 
-def sum_rows(x, out, accumulate=False, partial=None):
+def sum_rows(x, out, accumulate=False, partial=None, vec=True):
     """out[j] (+)= sum_i x[i, j] for a C-contiguous 2-D ``x`` (rows, cols)
     into a C-contiguous ``out`` of cols elements, in deterministic kernels
     (cuda/reduce.cu ``sum_rows``: tiles of columns x ranges of rows, then
@@ -556,7 +600,9 @@ def sum_rows(x, out, accumulate=False, partial=None):
     ``bias_grad_scratch(x.shape)`` (None: a new device array). ``x`` may be
     bfloat16 bits (uint16, C-contiguous; bf16 storage), ``out`` float32:
     widened exactly in the kernel (``sum_rows_bits_f32``), the float32
-    ``x``'s sums bit for bit."""
+    ``x``'s sums bit for bit. ``vec`` (default): the ``_vec`` kernels
+    (four columns a thread, one wide load) where ``_column_sum`` allows,
+    the same sums in the same order: the same bits."""
     cupy = import_cupy()
     if _is_bits(x):
         _bits_array(x, np.uint16, "sum_rows: x")
@@ -571,7 +617,7 @@ def sum_rows(x, out, accumulate=False, partial=None):
             or not out.flags.c_contiguous:
         raise ValueError(f"sum_rows: out must be a C-contiguous {want} CuPy array of "
                          f"{cols} elements")
-    _column_sum(x, out, accumulate, partial, "sum_rows")
+    _column_sum(x, out, accumulate, partial, "sum_rows", vec)
     return out
 
 
@@ -659,11 +705,20 @@ def _ln_rows(cupy, what, x, **arrays):
     return x, rows, cols
 
 
+def _ln_blocks(rows):
+    """The layer-norm kernels' grid: a warp per row, _REDUCE_THREADS / 32
+    rows a block (PURINE_LN_THREADS of cuda/layernorm.cu), grid-stride
+    beyond _MAX_BLOCKS blocks."""
+    per_block = _REDUCE_THREADS // 32
+    return min(-(-rows // per_block), _MAX_BLOCKS)
+
+
 def layernorm_forward(x, g, b, eps, y, mean, rstd):
     """Layer norm over the last axis of ``x`` (..., C) in one kernel
     (cuda/layernorm.cu): ``y`` = (x - mean) * rstd * g + b, and the rows'
     ``mean`` and ``rstd`` = 1 / sqrt(var + eps) (x.shape[:-1]), written in
-    place; ``y`` may be ``x``. Sums in double, fixed-order trees. A uint16
+    place; ``y`` may be ``x``. A warp per row, sums in double in a fixed
+    order (lanes, then a shuffle butterfly). A uint16
     ``y`` (float32 ``x``) gets the bfloat16 bits of y (bf16 storage), the
     bits of the float32 run followed by ``to_bf16_bits_device``."""
     cupy = import_cupy()
@@ -681,7 +736,7 @@ def layernorm_forward(x, g, b, eps, y, mean, rstd):
     if rows and cols:
         _base._launch_blocks("layernorm", "layernorm_forward_bits_f32" if bits
                              else "layernorm_forward", None if bits else x.dtype,
-                             min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             _ln_blocks(rows), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), x, g, b, np.float64(eps), y, mean,
                               rstd))
     return y
@@ -724,13 +779,13 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
                              rstd=(rstd, n), **outs)
     if rows and cols and copy is not None:
         _base._launch_blocks("layernorm", "layernorm_backward" + "_bdy" * bits + "_copy_f32",
-                             None, min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             None, _ln_blocks(rows), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd, dx,
                               x if dyxhat is None else dyxhat, _int(dyxhat is not None), copy))
     elif rows and cols and (dx is not None or dyxhat is not None):
         _base._launch_blocks("layernorm", "layernorm_backward_bdy_f32" if bits
                              else "layernorm_backward", None if bits else x.dtype,
-                             min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             _ln_blocks(rows), _REDUCE_THREADS,
                              (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd,
                               x if dx is None else dx, _int(dx is not None),
                               x if dyxhat is None else dyxhat, _int(dyxhat is not None)))

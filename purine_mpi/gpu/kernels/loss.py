@@ -137,6 +137,77 @@ def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, 
     return _finish(dx, target)
 
 
+def _bits_rows(cupy, x, labels, func):
+    """(x, labels, N, C) of (N, C) logits stored as bfloat16 bits (uint16),
+    checked."""
+    if not isinstance(x, cupy.ndarray) or x.dtype != np.uint16 or x.ndim != 2 \
+            or not x.flags.c_contiguous:
+        raise ValueError(f"{func}: x must be a C-contiguous (N, C) uint16 CuPy array "
+                         f"(bfloat16 bits), got {getattr(x, 'dtype', type(x))} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    n, channels = int(x.shape[0]), int(x.shape[1])
+    return x, _labels(cupy, labels, n, func), n, channels
+
+
+def softmax_loss_forward_bits(x, labels, ignore_label=None, out=None, pad_label=None):
+    """The from_logits loss's per-position ``(loss, valid)`` (float32, (N,))
+    of (N, C) logits stored as bfloat16 bits: :func:`softmax_loss_forward`'s
+    loss and valid, with no probabilities, reading the bits themselves (one
+    kernel, one block a row; cuda/softmax_loss.cu
+    ``softmax_loss_forward_bits_f32``): the bits of widening x into float32
+    and running ``softmax_loss_forward_vec``."""
+    cupy = import_cupy()
+    x, labels, n, channels = _bits_rows(cupy, x, labels, "softmax_loss_forward_bits")
+    loss_out, valid_out = _outs(out, 2)
+    f32 = np.dtype(np.float32)
+    loss, loss_t = _output(cupy, loss_out, (n,), f32, "softmax_loss_forward_bits (loss)")
+    valid, valid_t = _output(cupy, valid_out, (n,), f32, "softmax_loss_forward_bits (valid)")
+    if n:
+        _base._launch_blocks("softmax_loss", "softmax_loss_forward_bits_f32", None,
+                             min(n, _MAX_BLOCKS), _REDUCE_THREADS,
+                             (np.int64(n), x, labels, _int(channels),
+                              *_skipped(ignore_label, pad_label), loss, valid))
+    return _finish(loss, loss_t), _finish(valid, valid_t)
+
+
+def softmax_loss_grad_bits(x, labels, scale=1.0, ignore_label=None, out=None, count=None,
+                           scale_factor=1.0, pad_label=None):
+    """dx of the from_logits loss from (N, C) logits stored as bfloat16
+    bits, with the probabilities computed again in registers:
+    :func:`softmax_loss_backward`'s dx = scale * scale_factor / count *
+    (prob - onehot) (same arguments), written as bfloat16 bits (``out``
+    uint16, the default; rounded to nearest even) or float32 (``out``
+    float32). One kernel, one block a row (cuda/softmax_loss.cu
+    ``softmax_loss_grad_bits_f32`` / ``softmax_loss_grad_bx_f32``); ``out``
+    may be ``x``. The bits of widening x, ``softmax_loss_forward_vec``,
+    ``softmax_loss_backward_vec`` and (bits) ``to_bf16_bits``."""
+    cupy = import_cupy()
+    x, labels, n, channels = _bits_rows(cupy, x, labels, "softmax_loss_grad_bits")
+    dtype = np.dtype(np.uint16) if out is None else np.dtype(out.dtype)
+    if dtype not in (np.dtype(np.uint16), np.dtype(np.float32)):
+        raise ValueError(f"softmax_loss_grad_bits: out must be uint16 (bfloat16 bits) or "
+                         f"float32, got {dtype}")
+    dx, target = _output(cupy, out, x.shape, dtype, "softmax_loss_grad_bits")
+    f32 = np.dtype(np.float32)
+    # a float pointer the kernel does not read where a flag says so (nothing
+    # allocated): the labels' bytes
+    probe = labels.view(np.float32)
+    scale_value, scale_ptr, has_scale_ptr = _scalar_or_device(
+        cupy, scale, f32, probe, "softmax_loss_grad_bits: scale", scale_factor)
+    if count is None:
+        count_ptr, has_count = scale_ptr, _int(0)
+    else:
+        _, count_ptr, has_count = _scalar_or_device(cupy, count, f32, probe,
+                                                    "softmax_loss_grad_bits: count")
+    func = "softmax_loss_grad_bits_f32" if dtype == np.uint16 else "softmax_loss_grad_bx_f32"
+    if n:
+        _base._launch_blocks("softmax_loss", func, None, min(n, _MAX_BLOCKS), _REDUCE_THREADS,
+                             (np.int64(n), x, labels, _int(channels),
+                              *_skipped(ignore_label, pad_label), scale_value, scale_ptr,
+                              has_scale_ptr, count_ptr, has_count, dx))
+    return _finish(dx, target)
+
+
 def _planes(cupy, a, func, arg):
     """(a, N, C, positions per sample) of an (N, C, ...) array, checked."""
     a = _input(cupy, a, f"{func}: {arg}")

@@ -108,17 +108,9 @@ def run_scaling(args):
     from .report import format_table, parse_np, plot_scaling, to_json
     from .trace_reader import read_traces
     nps = parse_np(args.nps)
-    rpn = args.ranks_per_node
-    if rpn is not None:
-        try:
-            rpn = int(rpn)
-        except ValueError:
-            rpn = 0
-        if rpn < 1:
-            raise UserError(f"--ranks-per-node: expected a whole number >= 1, "
-                            f"got {args.ranks_per_node!r}")
+    from .node import notes, parse_ranks_per_node, ranks_per_node_of
+    rpn = parse_ranks_per_node(args.ranks_per_node)
     link = make_link(args.bandwidth, args.latency, args.link)
-    from .node import notes, ranks_per_node_of
     # once: what the correction for ranks sharing a node cannot apply
     for note in notes(link, ranks_per_node_of(link, rpn),
                       f"--link {args.link}" if args.link else None, rpn is not None):

@@ -243,9 +243,12 @@ def save_link(path, link, extra=None):
     if link.node is not None:
         data["node"] = link.node.as_dict()
     data.update(extra or {})
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    # its folder made and the file replaced whole (base/runfiles): never
+    # written through a link planted there, never half-written; a folder
+    # that cannot be made or a full disk is one line naming it (exit 2)
+    from ...base.runfiles import make_parent, write_text_replacing
+    make_parent(path)
+    write_text_replacing(path, json.dumps(data, indent=1) + "\n")
     return path
 
 

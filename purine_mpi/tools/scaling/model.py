@@ -102,6 +102,7 @@ import time
 
 from ...base.errors import UserError
 from ...comm.ops import moved_bytes, posted_type, shard_range
+from .concurrent import contended
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import shard_rows_key, split_chunk, split_shard, sum_alias
 
@@ -407,7 +408,7 @@ class Template:
         wait per collective, a traced one (``traced_comm``) plus the
         measured hand-off to its worker; None: none of these."""
         g = self.graph
-        ops, comm_s, untraced = {}, {}, []
+        ops, comm_s, untraced, priced = {}, {}, [], {}
         for name, op in g.ops.items():
             deps = tuple(sorted(self.deps[name]))
             if name in self.comm:
@@ -452,8 +453,10 @@ class Template:
                     untraced.append(name)
                     seconds = (_nbytes(g, op.outputs) * copy_cost
                                if op.op_type in HOST_RATE_TYPES else 0.0)
+                cls = "gemm" if name in self.gemm else "elementwise"
                 if node is not None:
-                    seconds *= node.factors["gemm" if name in self.gemm else "elementwise"]
+                    priced[name] = (seconds, cls, overhead)
+                    seconds *= node.factors[cls]
                 sim = SimOp(name, seconds + overhead, deps, lane=str(op.thread))
             sim.priority = self.priority[name]
             ops[name] = sim
@@ -463,7 +466,7 @@ class Template:
                 busiest = max(lanes, key=lambda k: (lanes[k], k))
                 ops[ITERATION_OP] = SimOp(ITERATION_OP, per_iteration, (), lane=busiest,
                                           priority=(False, -1))
-        return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
+        return RankGraph(self.rank, ops, self.tail, self.cross, priced), comm_s, untraced
 
     def _reads_share(self, name, reads):
         """This graph's elements read by op ``name`` over the traced ones
@@ -671,7 +674,9 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
                           per_iteration=per_iteration, comm_overhead=comm_overhead,
                           reads=reads, fixed=fixed, node=node)
              for t in templates]
-    result = simulate([b[0] for b in built], ITERATIONS)
+    # ranks sharing a node: each op at the contention of the ranks computing
+    # while it runs, where the trace ran alone on its node (concurrent.py)
+    result = contended([b[0] for b in built], node, n, ITERATIONS)
     period = result.period()
     # the rank whose iterations end last (rank 0 where several tie): the
     # coupled collectives give every rank the same period, the slowest
@@ -682,7 +687,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
                          overhead=overhead, per_iteration=per_iteration, reads=reads,
                          fixed=fixed, node=node)[0]
             for t in templates]
-    compute = simulate(bare, ITERATIONS).period()
+    compute = contended(bare, node, n, ITERATIONS).period()
     if n == 1:
         # the reference of the efficiency: at N > 1 each traced rank is
         # simulated with its own medians (class_ranks) and may be the

@@ -161,6 +161,11 @@ class NodeScale:
     #: seconds a traced collective takes beyond its traced span (the
     #: dispatcher's fit of a multi-rank trace: ``model.dispatch_overhead``)
     handoff: float = 0.0
+    #: {j ranks of the node computing at once: {class: factor}} for j = 1 ..
+    #: ranks_on_node (``by_busy``): where the trace ran alone on its node
+    #: (``traced_on_node`` 1), ``concurrent.contended`` prices each compute op
+    #: by how many of its node's ranks compute while it runs, not all of them
+    by_busy: dict = field(default_factory=dict)
 
     def as_dict(self):
         return {"ranks_on_node": self.ranks_on_node, "traced_ranks_on_node": self.traced_on_node,
@@ -197,7 +202,24 @@ def node_scale(node, n, traced_ranks, ranks_per_node):
         wait, ew = node.wait(k)
         handoff = node.wait(k, node.handoff)[0]
         exact = exact and ew
-    return NodeScale(factors, wait, c_n, c_t, not exact, handoff)
+    by_busy = {j: {cls: node.ratio(cls, j)[0] / node.ratio(cls, c_t)[0] for cls in CLASSES}
+               for j in range(1, c_n + 1)}
+    return NodeScale(factors, wait, c_n, c_t, not exact, handoff, by_busy)
+
+
+def parse_ranks_per_node(given):
+    """``--ranks-per-node K`` as given on the command line (``plan``'s and
+    ``predict``'s alike): None where not given, else K, a whole number >= 1;
+    anything else one line naming the option and the value (exit 2)."""
+    if given is None:
+        return None
+    try:
+        k = int(str(given).strip())
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise UserError(f"--ranks-per-node {given}: expected a whole number >= 1")
+    return k
 
 
 def ranks_per_node_of(link, given=None):

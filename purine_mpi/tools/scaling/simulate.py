@@ -101,6 +101,11 @@ class RankGraph:
     ops: dict                       # name -> SimOp
     tail: frozenset = frozenset()   # deferred ops (parallel.defer_update)
     cross: dict = field(default_factory=dict)  # tail op -> next-iteration ops waiting
+    #: compute op -> (its priced seconds before a node's contention factor,
+    #: the factor's class, the seconds added after it): where the rank
+    #: shares a node (``model.Template.rank_graph``'s ``node``), for
+    #: ``concurrent.contended`` to price the op again
+    priced: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for op in self.ops.values():

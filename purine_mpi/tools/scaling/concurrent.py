@@ -1,0 +1,144 @@
+"""Ranks sharing a node, priced by what runs at once (docs/scaling.md,
+"Ranks sharing a node").
+
+``predict --calibrate`` measures ``compute_ratio[k]``: an op's time while
+k ranks of one host compute at once over its time alone (node.py). The
+rule before priced every compute op of a rank at the ratio of all the
+node's ranks, c_N = min(N, K), whether or not the others computed while it
+ran: right for data parallelism, whose replicas compute in step, but a
+pipeline's stage computes while the other stage waits for its activations
+(its bubble), and a tensor shard while the other waits in an allreduce,
+so the rule priced their ops at a contention they mostly do not meet (on
+2 ranks of one host, pipeline and tensor settings predicted 1.7-2.9x
+slower than they ran, data parallel not).
+
+``contended``: where the trace ran alone on its node (its op times hold
+no contention: ``plan --choose``'s one-rank calibration) and a node holds
+two simulated ranks, the ranks are simulated without contention, then
+each compute op is priced again at the ratio of the number of its node's
+ranks computing while it runs (itself and each other rank with a compute
+op in that time, weighted by the time; a rank of the node not simulated,
+a replica of a simulated class, as a mirror of the op's own rank: busy
+when it is), and simulated again; twice, the second from the first's
+times. Otherwise (one simulated rank a node: data parallelism's or tensor
+parallelism's replicas, which compute in step, mirrors only; a trace of
+several ranks of a node, whose op times hold the contention they ran
+under) the rule before applies: ``node.factors`` of c_N.
+"""
+import bisect
+
+from .simulate import simulate
+
+#: the rounds of pricing and simulating again (the second from the first's times)
+ROUNDS = 2
+
+
+def applies(graphs, node, n):
+    """Whether ``contended`` prices by what runs at once: a node
+    correction of a trace alone on its node, at least 2 ranks on a node,
+    and a node holding two simulated ranks (else every rank's node-mates
+    are mirrors, below: the rule before)."""
+    if node is None or not node.by_busy or node.traced_on_node != 1 \
+            or node.ranks_on_node < 2:
+        return False
+    nodes = [g.rank // node.ranks_on_node for g in graphs]
+    return len(set(nodes)) < len(nodes)
+
+
+def node_mates(graphs, rank, k, n):
+    """(the simulated ranks sharing ``rank``'s node of ``k`` ranks, how many
+    of its node's ranks are not simulated): ranks 0..k-1 one node, k..2k-1
+    the next (mpiexec's blocks), the last node holding what is left of
+    ``n``. A rank not simulated is one of the classes' (``Scenario.
+    class_ranks``: a replica of a simulated rank, computing as it does),
+    taken as a mirror of ``rank`` itself: busy when it is."""
+    first = rank // k * k
+    size = min(k, n - first)
+    mates = [g for g in graphs if g.rank != rank and g.rank // k == rank // k]
+    return mates, max(0, size - 1 - len(mates))
+
+
+def busy_intervals(graph, spans):
+    """The merged [start, end) times in which ``graph``'s rank runs a
+    compute op (any lane), from its spans (``SimResult.spans``)."""
+    got = sorted((s, e) for s, e, _, name, _ in spans
+                 if e > s and graph.ops.get(name) is not None
+                 and graph.ops[name].kind == "compute")
+    merged = []
+    for s, e in got:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def overlap(intervals, starts, s, e):
+    """Time of [s, e) inside the merged ``intervals`` (``starts``: their
+    starts, for bisect)."""
+    i = max(0, bisect.bisect_right(starts, s) - 1)
+    t = 0.0
+    while i < len(intervals) and intervals[i][0] < e:
+        a, b = intervals[i]
+        t += max(0.0, min(b, e) - max(a, s))
+        i += 1
+    return t
+
+
+def busy_shares(graph, spans, mates):
+    """{compute op: {j: share of its time in which j ranks of its node
+    compute, itself included}} over every simulated iteration, ``mates``
+    the merged busy intervals of each other rank of its node. With one
+    other rank this is exact; with more, each mate's overlap is taken as
+    independent of the others' (the shares of j from their products)."""
+    marks = [([iv[0] for iv in m], m) for m in mates]
+    time, share = {}, {}
+    for s, e, _, name, _ in spans:
+        op = graph.ops.get(name)
+        if op is None or op.kind != "compute" or e <= s or name not in graph.priced:
+            continue
+        dist = {1: 1.0}
+        for starts, m in marks:
+            p = min(1.0, overlap(m, starts, s, e) / (e - s))
+            nxt = {}
+            for j, w in dist.items():
+                nxt[j] = nxt.get(j, 0.0) + w * (1 - p)
+                nxt[j + 1] = nxt.get(j + 1, 0.0) + w * p
+            dist = nxt
+        acc = share.setdefault(name, {})
+        for j, w in dist.items():
+            acc[j] = acc.get(j, 0.0) + w * (e - s)
+        time[name] = time.get(name, 0.0) + (e - s)
+    return {name: {j: w / time[name] for j, w in acc.items()} for name, acc in share.items()}
+
+
+def reprice(graph, shares, node):
+    """Each priced compute op of ``graph`` at its node factor: the mean of
+    ``node.by_busy[j]`` over its shares of j ranks computing at once
+    (``shares``; an op not in them: j = 1, alone)."""
+    for name, (seconds, cls, added) in graph.priced.items():
+        dist = shares.get(name, {1: 1.0})
+        factor = sum(w * node.by_busy[min(j, node.ranks_on_node)][cls] for j, w in dist.items())
+        graph.ops[name].seconds = seconds * factor + added
+
+
+def contended(graphs, node, n, iterations):
+    """The SimResult of ``graphs`` (RankGraphs of ``n`` ranks, priced with
+    ``node``'s factors of c_N: ``model.Template.rank_graph``), each compute
+    op priced by the ranks of its node computing while it runs where
+    ``applies``; else simply simulated. The graphs' ops are priced again in
+    place."""
+    if not applies(graphs, node, n):
+        return simulate(graphs, iterations)
+    k = node.ranks_on_node
+    for g in graphs:  # first without contention: each op as it ran alone
+        reprice(g, {}, node)
+    result = simulate(graphs, iterations)
+    for _ in range(ROUNDS):
+        busy = {g.rank: busy_intervals(g, result.spans.get(g.rank, ())) for g in graphs}
+        for g in graphs:
+            mates, mirrors = node_mates(graphs, g.rank, k, n)
+            intervals = [busy[m.rank] for m in mates] + [busy[g.rank]] * mirrors
+            reprice(g, busy_shares(g, result.spans.get(g.rank, ()), intervals), node)
+        result = simulate(graphs, iterations)
+    return result

@@ -1,0 +1,84 @@
+"""Which ops of a bf16 GPT step widen bits into a float32 copy
+(``from_bf16_bits``) or round a float32 array into bits (``to_bf16_bits``)
+on the emulated device: one step of the 2-block test GPT
+(tests/emulated_gpu/helpers.bf16_gpt_steps, bits storage, a vocabulary of
+256: rows of as many classes as the loss kernels' block), each launch of
+the two conversion kernels (cuda/precision.cu) attributed to the op whose
+kernel made it.
+
+What it pins (docs/gpu.md, "Precision"): with cuDNN's SDPA (what a GPU
+runs; the emulated frontend here) the only conversions left are
+
+- ``Cast`` of each product's float32 master weight into bits (cuBLAS reads
+  bf16 operands; one a weight a step);
+
+the ``from_logits`` loss (``SoftmaxLoss``, ``SoftmaxLossGrad``) reads the
+bits logits and writes its dx as bits in its own kernels
+(``softmax_loss_forward_bits_f32``, ``softmax_loss_grad_bits_f32``: no
+chunk widened, none rounded; before them 2 x 13 widenings and 13 roundings
+at GPT-2's 16384 x 50304), as do layer norm, GELU, the residual adds,
+the fully connected ops and their
+bias gradients read and write bits in their own kernels: none of them
+launches a conversion. On the cuBLAS attention path (no cuDNN) the
+attention ops also widen their bits operands and round their outputs."""
+import collections
+import inspect
+
+import pytest
+
+from purine_mpi.ops.registry import OpKernel
+
+
+def _conversions(monkeypatch, host_build_dir, sdpa):
+    from purine_mpi.gpu import kernels
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.helpers import bf16_gpt_steps
+    from tests.test_precision import SOLVER
+    where = collections.Counter()
+    with monkeypatch.context() as m:
+        use_emulated_cupy(m, host_build_dir)
+        if sdpa:
+            from tests.test_sdpa import emulate_cudnn
+            emulate_cudnn(m)
+        real = kernels.base._launch_blocks
+
+        def spy(source, func, *args):
+            if func in ("to_bf16_bits", "from_bf16_bits"):
+                ops = [f.frame.f_locals["self"] for f in inspect.stack()[1:]
+                       if isinstance(f.frame.f_locals.get("self"), OpKernel)]
+                assert ops, f"a {func} launch outside an op"
+                where[(func, type(ops[0]).__name__, ops[0].op.name)] += 1
+            return real(source, func, *args)
+
+        m.setattr(kernels.base, "_launch_blocks", spy)
+        _, _, steps = bf16_gpt_steps(m, SOLVER, 1, 2, cuda_graph=False, vocab=256)
+    return where, steps[0]
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_only_weight_casts_and_the_loss_convert_in_a_bf16_gpt_step(host_build_dir, monkeypatch,
+                                                                  sdpa):
+    where, counts = _conversions(monkeypatch, host_build_dir, sdpa)
+    by_type = collections.Counter()
+    for (func, kind, name), n in where.items():
+        if kind != "AttentionGrad":   # one launch an op
+            assert n == 1, (func, kind, name, n)
+        by_type[(func, kind)] += n
+        if kind == "Cast":
+            assert func == "to_bf16_bits" and name.endswith("weight.cast"), name
+    # 2 blocks x (qkv, attention projection, fc, projection) + the tied embedding
+    weights = 2 * 4 + 1
+    want = {("to_bf16_bits", "Cast"): weights}
+    if not sdpa:   # the cuBLAS attention (a launch an op, its gradient two widenings)
+        want.update({("from_bf16_bits", "Attention"): 2, ("to_bf16_bits", "Attention"): 2,
+                     ("from_bf16_bits", "AttentionGrad"): 4,
+                     ("to_bf16_bits", "AttentionGrad"): 2})
+    assert dict(by_type) == want
+    assert counts["to_bf16_bits"] == sum(n for (f, _), n in want.items() if f == "to_bf16_bits")
+    assert counts["from_bf16_bits"] == sum(n for (f, _), n in want.items()
+                                           if f == "from_bf16_bits")
+    # the layer norms read and write bits themselves
+    assert counts["layernorm_forward_bits_f32"] == 2 * 2 + 1
+    assert counts["layernorm_backward_bdy_f32"] + counts["layernorm_backward_bdy_copy_f32"] == 5
+    # and the loss reads the logits' bits and writes dx's bits itself
+    assert counts["softmax_loss_forward_bits_f32"] == counts["softmax_loss_grad_bits_f32"] == 1

@@ -1,0 +1,108 @@
+"""scaling/concurrent.py: ranks sharing a node priced by the ranks that
+compute at once, not by all of the node's ranks (issue 44: pipeline and
+tensor settings on 2 ranks of one host predicted 1.7-2.9x slower than they
+ran, each op priced at the 2-rank contention while the other rank waited)."""
+import pytest
+
+from purine_mpi.tools.scaling.concurrent import applies, contended
+from purine_mpi.tools.scaling.node import NodeModel, node_scale
+from purine_mpi.tools.scaling.simulate import RankGraph, SimOp
+
+#: a host where two ranks computing at once each run at half speed
+RATIO = 2.0
+EPS = 1e-6
+
+
+def _node(traced=1, n=2, k=2):
+    model = NodeModel(compute_ratio={2: {"gemm": RATIO, "elementwise": RATIO, "dispatch": 1.0}},
+                      ranks_per_node=k)
+    return node_scale(model, n, traced, k)
+
+
+def _priced(rank, ops, node):
+    """A RankGraph whose compute ops are priced as ``Template.rank_graph``
+    prices them with ``node``: alone-time x the factor of c_N, the alone-time
+    kept in ``priced``."""
+    priced = {}
+    for op in ops:
+        if op.kind == "compute":
+            priced[op.name] = (op.seconds, "gemm", 0.0)
+            op.seconds *= node.factors["gemm"]
+    return RankGraph(rank, {o.name: o for o in ops}, priced=priced)
+
+
+def _pipeline(node):
+    """Two stages that never compute at once: a (rank 0, 1 s) -> b (rank 1,
+    1 s) -> c (rank 0, 1 s), the activations and gradients sent between."""
+    r0 = [SimOp("a", 1.0), SimOp("send_a", EPS, ("a",), kind="send", peer=1, tag=0),
+          SimOp("recv_g", EPS, kind="recv", peer=1, tag=1), SimOp("c", 1.0, ("recv_g",))]
+    r1 = [SimOp("recv_a", EPS, kind="recv", peer=0, tag=0), SimOp("b", 1.0, ("recv_a",)),
+          SimOp("send_g", EPS, ("b",), kind="send", peer=0, tag=1)]
+    return [_priced(0, r0, node), _priced(1, r1, node)]
+
+
+def _replicas(node, work=(1.0, 1.0)):
+    """Two replicas computing at once (``work`` seconds alone each), then
+    an allreduce."""
+    return [_priced(r, [SimOp("g", w), SimOp("ar", EPS, ("g",), kind="collective")], node)
+            for r, w in enumerate(work)]
+
+
+def test_stages_that_never_compute_at_once_pay_no_contention():
+    """Closed form: 3 s a iteration (a, b, c one after another, each alone);
+    the rule before priced each at the 2-rank ratio: 6 s."""
+    node = _node()
+    before = contended(_pipeline(_node(traced=2)), _node(traced=2), 2, 6).period()
+    assert before == pytest.approx(3.0, rel=1e-3)  # traced on 2 ranks: the trace's times
+    assert contended(_pipeline(node), node, 2, 6).period() == pytest.approx(3.0, rel=1e-3)
+    from purine_mpi.tools.scaling.simulate import simulate
+    assert simulate(_pipeline(node), 6).period() == pytest.approx(6.0, rel=1e-3)  # the old rule
+
+
+def test_replicas_computing_in_step_pay_the_full_ratio():
+    """Data parallelism: both ranks compute all the time, each op at the
+    2-rank ratio: 2 s a iteration, as before."""
+    node = _node()
+    assert contended(_replicas(node), node, 2, 6).period() == pytest.approx(RATIO, rel=1e-3)
+
+
+def test_partial_overlap_lies_between_alone_and_full_contention():
+    """Rank 1 computes 0.5 s alone-time, rank 0 1 s: processor sharing
+    takes 1.5 s; the op-by-op repricing converges towards the golden ratio
+    (1.618: r0 = 1 + 1/r0), between 1 s (alone) and 2 s (the old rule)."""
+    node = _node()
+    t = contended(_replicas(node, (1.0, 0.5)), node, 2, 6).period()
+    assert 1.45 < t < 1.7
+
+
+def test_the_old_rule_where_not_every_rank_is_simulated_or_the_trace_shared_a_node():
+    """A trace of 2 ranks of a node holds its contention (factor 1 at 2
+    ranks): not repriced; a graph set missing ranks: not repriced."""
+    assert not applies(_pipeline(_node(traced=2)), _node(traced=2), 2)
+    assert not applies(_pipeline(_node())[:1], _node(), 2)
+    assert not applies(_pipeline(_node()), None, 2)
+    assert applies(_pipeline(_node()), _node(), 2)
+    node = _node(n=4, k=2)  # 4 ranks, 2 a node: ranks 0, 1 and 2, 3 share
+    assert node.ranks_on_node == 2 and set(node.by_busy) == {1, 2}
+
+
+def test_ranks_on_other_nodes_do_not_contend():
+    """Two replicas on two nodes of one rank each... as 2 ranks with 1 a
+    node: no node correction at c_N = 1 (factor 1), 1 s."""
+    node = _node(n=2, k=1)
+    assert not applies(_replicas(node), node, 2)
+    assert contended(_replicas(node), node, 2, 6).period() == pytest.approx(1.0, rel=1e-3)
+
+
+def test_ranks_not_simulated_mirror_their_node_mate():
+    """4 ranks, 2 a node, ranks 0 and 1 simulated (a node's two stages):
+    priced by each other; rank 0 simulated alone with 3 others on its node
+    not simulated: 3 mirrors (busy when it is), so the rule before."""
+    from purine_mpi.tools.scaling.concurrent import node_mates
+    g = _pipeline(_node(n=4, k=2))
+    assert applies(g, _node(n=4, k=2), 4)
+    mates, mirrors = node_mates(g, 0, 2, 4)
+    assert [m.rank for m in mates] == [1] and mirrors == 0
+    assert node_mates(g[:1], 0, 4, 4) == ([], 3)
+    assert node_mates(g[:1], 0, 2, 3) == ([], 1)
+    assert not applies(g[:1], _node(n=4, k=4), 4)  # its mirrors: the rule before
