@@ -425,13 +425,13 @@ case "$MODE" in
     step loss_kernel_gpu $?
     # the bias and GELU kernels, vectorized against the ones before them, at
     # GPT-2's shapes (ms, GB/s, fraction of 4.8 TB/s, bitwise agreement; under 25 s)
-    timeout --kill-after=5 25 "$PYTHON" benchmarks/bias_gelu_gpu.py --budget-s 10 \
+    limit_s 25 "$PYTHON" benchmarks/bias_gelu_gpu.py --budget-s 10 \
         > "$OUT/bias_gelu_gpu.json" 2> "$OUT/bias_gelu_gpu.log"
     step bias_gelu_gpu $?
     # the layer-norm kernels, a warp per row against the block per row before
     # them, on 16384 x 768 (GPT-2's activations: ms, GB/s, fraction of 4.8 TB/s,
     # the outputs' agreement; under 20 s)
-    timeout --kill-after=5 20 "$PYTHON" benchmarks/layernorm_kernel_gpu.py --budget-s 10 \
+    limit_s 20 "$PYTHON" benchmarks/layernorm_kernel_gpu.py --budget-s 10 \
         > "$OUT/layernorm_kernel_gpu.json" 2> "$OUT/layernorm_kernel_gpu.log"
     step layernorm_kernel_gpu $?
     # the rounds after the first, and the profiles, stop 20 s before the stage's end
