@@ -191,8 +191,12 @@ if [ "$1" != fetch ] && [ "$1" != --stage ]; then
   child=""
   on_signal() {  # the call killed: end the stage, say so, pack what there is
     trap '' TERM INT HUP
-    [ -z "$child" ] || { kill -TERM "$child" 2>/dev/null; wait "$child"; }
-    echo "$stage killed($1) $(( $(date +%s) - stage_start ))" >> "$WORK/stages.txt"
+    if [ -n "$child" ]; then
+      kill -TERM "$child" 2>/dev/null; wait "$child"
+      echo "$stage killed($1) $(( $(date +%s) - stage_start ))" >> "$WORK/stages.txt"
+    else  # while packing after a stage (recorded already), or before the first
+      echo "call killed($1) between stages (after ${stage:-none})" >> "$WORK/stages.txt"
+    fi
     pack
     exit 143
   }
@@ -263,15 +267,23 @@ step() {  # step NAME RC: record a step's exit status, keep the first failure
 STAGE_END=$(( $(date +%s) + stage_budget - 5 ))
 left() { echo $(( STAGE_END - $(date +%s) )); }   # seconds left of this stage's budget
 limited=""
-limit() {  # the command, stopped at the stage's budget; in the background, so that
-  # a TERM to the stage (the runner's, when the call is killed) reaches it at once
-  local l rc; l=$(left); [ "$l" -gt 1 ] || l=1
+limit_s() {  # limit_s SECONDS COMMAND...: the command, stopped after SECONDS (at most
+  # what is left of the stage's budget); in the background, so that a TERM to
+  # the stage (the runner's, when the call is killed) reaches it at once: GNU
+  # timeout runs its command in a process group of its own, which a TERM to
+  # the call's group misses, and bash runs a trap only once a foreground
+  # command has ended (a step with a timeout of its own held a killed call
+  # for up to 40 s). Never in a pipeline: there $limited is a subshell's.
+  local l rc; l=$1; shift
+  [ "$l" -le "$(left)" ] || l=$(left)
+  [ "$l" -gt 1 ] || l=1
   timeout --kill-after=5 "$l" "$@" &
   limited=$!
   wait "$limited"; rc=$?
   limited=""
   return "$rc"
 }
+limit() { limit_s "$(left)" "$@"; }   # the command, stopped at the stage's budget
 trap '[ -z "$limited" ] || kill -TERM "$limited" 2>/dev/null; exit 143' TERM
 
 # -- install: the pins the interpreter lacks, from the carried wheels (idempotent);
@@ -300,7 +312,7 @@ for kind in deps nodeps; do
   flags=(--no-index --find-links "$WHEELS")
   [ "$kind" = nodeps ] && flags+=(--no-deps)
   # shellcheck disable=SC2086  # one pin per word
-  env -u PIP_TARGET -u PIP_PREFIX "$PYTHON" -m pip install "${flags[@]}" $missing \
+  limit env -u PIP_TARGET -u PIP_PREFIX "$PYTHON" -m pip install "${flags[@]}" $missing \
       >> "$OUT/install.log" 2>&1
   step "install_$kind" $?
 done
@@ -389,10 +401,14 @@ case "$MODE" in
     # (one GPU: 2 ranks share it, so auto must fall back to MPI and say why)
     for run in "1 mpi" "2 mpi" "2 auto"; do
       set -- $run
+      # (into a file, then its last line: limit in a pipeline could not be ended)
       limit "$mpiexec" -n "$1" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \
           --set device=0 --set parallel.backend="$2" --iters 50 --json \
-          2>> "$OUT/gpu_dp.log" | tail -n 1 >> "$OUT/gpu_dp.json"
-      step "dp_np$1_$2" "${PIPESTATUS[0]}"
+          > "$OUT/gpu_dp.stdout" 2>> "$OUT/gpu_dp.log"
+      rc=$?
+      tail -n 1 "$OUT/gpu_dp.stdout" >> "$OUT/gpu_dp.json"
+      rm -f "$OUT/gpu_dp.stdout"
+      step "dp_np$1_$2" "$rc"
     done ;;
   plans)
     limit "$PYTHON" benchmarks/cudnn_plans.py > "$OUT/cudnn_plans.json" 2> "$OUT/cudnn_plans.log"
@@ -404,7 +420,7 @@ case "$MODE" in
     # adds its cap here and to the stage's budget in PLAN.
     micro_s=$(( (30 + 5) + (25 + 5) + (20 + 5) ))
     # shellcheck disable=SC2086
-    timeout --kill-after=5 40 "$PYTHON" benchmarks/gpu_throughput.py \
+    limit_s 40 "$PYTHON" benchmarks/gpu_throughput.py \
         --configs jobs/cifar10_quick.yaml jobs/nin_cifar10.yaml --batches 128 --iters 30 \
         --warmup 5 --no-compile --precision bf16 $BENCH_ARGS \
         > "$OUT/bench_bf16.json" 2> "$OUT/bench_bf16.log"

@@ -193,7 +193,7 @@ def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypa
     cudnn.reset()
 
 
-def _stub_python(tmp_path, pytest_sleeps=False):
+def _stub_python(tmp_path, pytest_sleeps=False, sleeps_on=None, sleep_s=300):
     """An interpreter standing in for the GPU machine's: ``-m pytest``
     records its pid, then writes a pytest tally and a JUnit XML (one
     passing GPU-only check) or (``pytest_sleeps``) sleeps 300 s; pip (the
@@ -206,7 +206,9 @@ def _stub_python(tmp_path, pytest_sleeps=False):
 name="test_a_kernel_keeps_subnormals_on_the_gpu"/></testsuite></testsuites>' > "$xml"
   echo "1 passed in 0.01s"
   exit 0"""
-    stub.write_text(f"""#!/bin/sh
+    sleeper = "" if sleeps_on is None else f"""
+case "$*" in *"{sleeps_on}"*) echo $$ > {tmp_path}/sleeper.pid; exec sleep {sleep_s} ;; esac"""
+    stub.write_text(f"""#!/bin/sh{sleeper}
 if [ "$1 $2" = "-m pip" ] || [ "$*" = "-" ]; then
   cat > /dev/null; echo "stand-in python: $*"; exit 0
 fi
@@ -267,6 +269,66 @@ def test_a_call_killed_mid_stage_still_leaves_the_stages_done_packed(tmp_path):
     pid = int((tmp_path / "pytest.pid").read_text())
     with pytest.raises(ProcessLookupError):   # the stage's pytest was ended too
         os.kill(pid, 0)
+
+
+def test_a_call_killed_in_a_step_of_its_own_timeout_ends_at_once(tmp_path):
+    """The gpt stage's first steps have timeouts of their own (40, 30,
+    25 s); GNU timeout runs its command in a process group of its own, so
+    only the stage's trap can end it. Killed (TERM) while the bf16 bench
+    runs, the call ends within seconds, not when that step's timeout
+    expires, packed, and the bench is gone."""
+    work, back = tmp_path / "work", tmp_path / "out"
+    env = dict(cli_env(), OUT=str(back), WORK=str(work),
+               PYTHON=str(_stub_python(tmp_path, sleeps_on="--precision bf16")),
+               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
+    runner = subprocess.Popen(["bash", str(SCRIPT), "gpt"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (tmp_path / "sleeper.pid").is_file(), runner,
+                  time.monotonic() + 120)
+        killed = time.monotonic()
+        runner.send_signal(signal.SIGTERM)
+        stdout, stderr = runner.communicate(timeout=90)
+        took = time.monotonic() - killed
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == 143 and took < 15, (took, stdout, stderr)
+    summary = (back / "summary.txt").read_text()
+    assert re.search(r"^gpt killed\(TERM\) \d+$", summary, re.M), summary
+    assert "env.txt" in _archived(back)
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "sleeper.pid").read_text()), 0)
+
+
+def test_a_call_killed_between_stages_says_so_not_that_a_finished_stage_was_killed(
+        tmp_path):
+    """TERM while the runner packs after a stage (its summary script
+    slowed to 4 s here): the stage stays recorded as it ended, and
+    stages.txt says the call was killed between stages."""
+    work, back = tmp_path / "work", tmp_path / "out"
+    env = dict(cli_env(), OUT=str(back), WORK=str(work),
+               PYTHON=str(_stub_python(tmp_path, sleeps_on="gpu_session_summary.py", sleep_s=4)),
+               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
+    runner = subprocess.Popen(["bash", str(SCRIPT), "plans", "tests"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (tmp_path / "sleeper.pid").is_file(), runner,
+                  time.monotonic() + 120)
+        runner.send_signal(signal.SIGTERM)
+        stdout, stderr = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == 143, (stdout, stderr)
+    stages = (work / "stages.txt").read_text()
+    assert re.search(r"^plans failed\(\d+\) \d+ \(budget 200 s\)$", stages, re.M), stages
+    assert "killed(TERM)" not in stages.replace("call killed(TERM) between stages", ""), stages
+    assert re.search(r"^call killed\(TERM\) between stages \(after plans\)$", stages, re.M), \
+        stages
+    assert not (work / "pytest_gpu.txt").exists()
+    assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]
 
 
 def test_a_stage_that_does_not_fit_the_call_is_skipped_and_said(tmp_path):

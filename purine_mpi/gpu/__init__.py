@@ -29,6 +29,7 @@ The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
 import hashlib
 import os
 import re
+import struct
 import sys
 import tempfile
 import threading
@@ -215,10 +216,41 @@ def _write_once(path, data):
 _private_dir = []   # the process's own kernel folder, where the cache is not writable
 
 
-def _build_module(cupy, name, options):
-    """``cuda/<name>.cu`` compiled by NVRTC with exactly ``options`` (plus
-    CuPy's assembly and the architecture), loaded as a RawModule."""
-    source = kernel_source(name)
+def _whole_binary(binary):
+    """``binary`` (``compile_using_nvrtc``'s) as bytes the driver can read
+    from a file. CuPy's ``nvrtc.getCUBIN`` (14.2) returns the cubin less its
+    last byte (``cubin_ptr[:cubinSizeRet-1]``, "strip the trailing NULL",
+    but nvrtcGetCUBINSize counts no NUL: measured with libnvrtc 13.5, the
+    size is the ELF's extent, its program headers last). CuPy loads it from
+    memory, where a Python bytes object ends in a NUL, so the driver reads
+    that byte as 0; a file must hold it. An ELF one byte short of the
+    extent its header states gets that 0 back; anything else (PTX, a whole
+    ELF) is returned as it is."""
+    if isinstance(binary, str):
+        binary = binary.encode()
+    binary = bytes(binary)
+    if binary[:5] == b"\x7fELF\x02" and len(binary) >= 64:
+        phoff, shoff = struct.unpack_from("<QQ", binary, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", binary, 0x36)
+        extent = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+        if extent == len(binary) + 1:
+            binary += b"\0"
+    return binary
+
+
+def _load(cupy, path):
+    """``cupy.RawModule(path=path)``, loaded now: CuPy reads the file when a
+    kernel is first taken, so a file the driver refuses would otherwise
+    fail at the first launch instead of here."""
+    module = cupy.RawModule(path=str(path))
+    getattr(module, "module", None)
+    return module
+
+
+def _build_module(cupy, name, source, options):
+    """``source`` (of ``cuda/<name>.cu``) compiled by NVRTC with exactly
+    ``options`` (plus CuPy's assembly and the architecture), loaded as a
+    RawModule. A cached binary the driver refuses is compiled again."""
     full = _cupy_assembled(options)
     device = _current_device(cupy)
     identity = (getattr(cupy, "__version__", "?"), tuple(cupy.cuda.nvrtc.getVersion()),
@@ -227,11 +259,18 @@ def _build_module(cupy, name, options):
     digest = hashlib.sha256(repr((source, full, identity)).encode()).hexdigest()[:32]
     file_name = f"{name}-{digest}.bin"    # a cubin or PTX: the driver tells them apart
     for folder in [kernel_cache_dir()] + _private_dir:
-        if (folder / file_name).is_file():
-            return cupy.RawModule(path=str(folder / file_name))
+        cached = folder / file_name
+        if cached.is_file():
+            try:
+                return _load(cupy, cached)
+            except Exception as exc:     # cut short, overwritten: compile it again
+                print(f"purine_mpi: cached kernel {cached} cannot be loaded "
+                      f"({type(exc).__name__}: {exc}); compiling it again", file=sys.stderr)
+                break
     binary = cupy.cuda.compiler.compile_using_nvrtc(source, full, filename=f"{name}.cu")
     if isinstance(binary, tuple):         # CuPy 13+: (binary, name mapping)
         binary = binary[0]
+    binary = _whole_binary(binary)
     path = kernel_cache_dir() / file_name
     try:
         _write_once(path, binary)
@@ -242,19 +281,41 @@ def _build_module(cupy, name, options):
                   f"kernels go to {_private_dir[0]} for this process", file=sys.stderr)
         path = _private_dir[0] / file_name
         _write_once(path, binary)
-    return cupy.RawModule(path=str(path))
+    return _load(cupy, path)
+
+
+def _fallback_module(cupy, name, source, options, exc):
+    """CuPy's own ``RawModule(code=...)`` with ``options`` (the source's and
+    the caller's): where our compile path fails for a reason not in our
+    source (a CuPy whose compiler differs from 14's), the kernels still
+    run, as before that path existed, flushing float32 subnormals."""
+    print(f"purine_mpi: compiling cuda/{name}.cu through cupy.cuda.compiler failed "
+          f"({type(exc).__name__}: {exc}); loading it with cupy.RawModule(code=...), whose "
+          f"-ftz=true makes float32 kernels flush subnormals to zero", file=sys.stderr)
+    module = cupy.RawModule(code=source, options=tuple(options))
+    getattr(module, "module", None)
+    return module
 
 
 def load_kernel(name, options=()):
     """The ``cupy.RawModule`` for ``cuda/<name>.cu`` on the current device,
     compiled with ``compile_options(name, options)`` (no flush to zero)."""
     cupy = import_cupy()
-    options = compile_options(name, options)
-    key = (name, _current_device(cupy), options)
+    full = compile_options(name, options)
+    key = (name, _current_device(cupy), full)
     with _lock:
         module = _modules.get(key)
         if module is None:
-            module = _build_module(cupy, name, options)
+            source = kernel_source(name)
+            compile_error = getattr(getattr(cupy.cuda, "compiler", None),
+                                    "CompileException", ())
+            try:
+                module = _build_module(cupy, name, source, full)
+            except compile_error:       # an error in our source: no fallback hides it
+                raise
+            except Exception as exc:
+                module = _fallback_module(cupy, name, source,
+                                          SOURCE_OPTIONS.get(name, ()) + tuple(options), exc)
             _modules[key] = module
         return module
 

@@ -13,7 +13,7 @@ import purine_mpi.gpu as gpu
 from . import capture
 from .arrays import Allocations, DeviceArray, NoDevice, plain
 from .device import active_device
-from .host_kernels import host_cupy, use_emulated_nvmath
+from .host_kernels import host_cupy, keep_kernels_in, use_emulated_nvmath
 from .runtime import cuda_namespace
 
 
@@ -141,6 +141,7 @@ def use_emulated_cupy(monkeypatch, build_dir, nvmath=True):
     ``nvmath=False`` through the emulated CuPy cuBLAS (which refuses a
     capture)."""
     gpu.clear_kernel_cache()
+    keep_kernels_in(monkeypatch, build_dir)
     fake = emulated_cupy(build_dir)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(backend, "_cupy", fake)

@@ -18,7 +18,7 @@ from tests.conftest import cuda_cupy_or_skip
 
 from .cupy_module import use_emulated_cupy
 from .arrays import DeviceArray
-from .host_kernels import host_cupy, use_emulated_nvmath
+from .host_kernels import host_cupy, keep_kernels_in, use_emulated_nvmath
 
 
 class Device:
@@ -79,6 +79,7 @@ def backend(request, monkeypatch):
         yield Backend("cupy", cupy.asarray, cupy.asnumpy)
     else:
         build_dir = request.getfixturevalue("host_build_dir")
+        keep_kernels_in(monkeypatch, build_dir)
         monkeypatch.setitem(sys.modules, "cupy", host_cupy(build_dir))
         use_emulated_nvmath(monkeypatch)
         yield Backend("host", np.array, np.asarray)
@@ -89,6 +90,7 @@ def backend(request, monkeypatch):
 def host_device(host_build_dir, monkeypatch):
     """The host backend without the ``backend`` fixture's GPU twin."""
     gpu.clear_kernel_cache()
+    keep_kernels_in(monkeypatch, host_build_dir)
     monkeypatch.setitem(sys.modules, "cupy", host_cupy(host_build_dir))
     yield
     gpu.clear_kernel_cache()

@@ -826,6 +826,14 @@ class _HostDevice:
         pass
 
 
+def keep_kernels_in(monkeypatch, build_dir):
+    """Point ``$PURINE_CACHE_DIR`` (where ``gpu.load_kernel`` keeps compiled
+    kernels) at ``build_dir`` for this test, unless the test chose one: the
+    emulated device's kernels never go to the user's ~/.cache."""
+    if not os.environ.get("PURINE_CACHE_DIR"):
+        monkeypatch.setenv("PURINE_CACHE_DIR", str(pathlib.Path(build_dir) / "purine_cache"))
+
+
 def host_cupy(build_dir):
     """A module standing in for cupy: NumPy arrays, RawModule built by g++."""
 
