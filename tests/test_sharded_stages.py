@@ -491,8 +491,8 @@ def test_stage3_with_stages_checkpoint_resumes_elsewhere(tmp_path):
     data with the same global batch it gives the losses of hybrid's
     checkpoint continued so. (Two 4-rank launches: before, a third trained
     stage 3 from scratch to write its checkpoint at 5 and the resume read
-    that one; from-scratch stage 3 is test_stage3_with_stages_trains_as_
-    hybrid's.)"""
+    that one; stage 3 from scratch is the test of
+    test_stage3_with_stages_trains_as_hybrid.)"""
     full_cfg = _staged("hybrid", iters=8, micro_batches=2)
     full_cfg["checkpoint"] = {"interval": 1, "keep": 0}
     full, _ = _train(tmp_path, "full", 4, full_cfg)
