@@ -483,34 +483,33 @@ def test_stage3_with_stages_clips_as_hybrid(tmp_path):
 
 @pytest.mark.mpi
 def test_stage3_with_stages_checkpoint_resumes_elsewhere(tmp_path):
-    """Hybrid's checkpoint of iteration 5 (AdamW, 2 micro-batches)
-    continued under stage 3 with stages (2 x 2) ends where an uninterrupted
-    hybrid run does, bit for bit; the stage-3 checkpoint that run writes
-    at iteration 6 is hybrid's file: the same whole blobs, bit for bit, as
-    hybrid's checkpoint of iteration 6; continued on 1 rank under scheme
+    """Hybrid's checkpoint of iteration 4 (AdamW, 2 micro-batches)
+    continued under stage 3 with stages (2 x 2) to 8 ends where an
+    uninterrupted hybrid run does, and the checkpoint stage 3 writes at
+    its end is hybrid's file: the same whole blobs (weights and optimizer
+    state), bit for bit, as hybrid's; continued on 1 rank under scheme
     data with the same global batch it gives the losses of hybrid's
     checkpoint continued so. (Two 4-rank launches: before, a third trained
-    stage 3 from scratch to write its checkpoint at 5 and the resume read
-    that one; stage 3 from scratch is the test of
+    stage 3 from scratch for 5 iterations to write the checkpoint compared
+    and resumed; stage 3 from scratch is the test of
     test_stage3_with_stages_trains_as_hybrid.)"""
     full_cfg = _staged("hybrid", iters=8, micro_batches=2)
-    full_cfg["checkpoint"] = {"interval": 1, "keep": 0}
+    full_cfg["checkpoint"] = {"interval": 4, "keep": 0}
     full, _ = _train(tmp_path, "full", 4, full_cfg)
-    more_cfg = _staged("sharded", iters=8, shard=3, micro_batches=2)
-    more_cfg["checkpoint"] = {"interval": 6, "keep": 0}
-    more, text = _train(tmp_path, "more", 4, more_cfg, "--resume", full / "ckpt_5.h5")
+    more, text = _train(tmp_path, "more", 4, _staged("sharded", iters=8, shard=3,
+                                                     micro_batches=2),
+                        "--resume", full / "ckpt_4.h5")
     assert "sharded (ZeRO stage 3): 2 replicas x 2 stages" in text
-    _same(_params(full / "latest.h5"), _params(more / "latest.h5"))
-    sh, hy = more / "ckpt_6.h5", full / "ckpt_6.h5"
+    sh, hy = more / "latest.h5", full / "latest.h5"
     _same(_params(hy), _params(sh))
-    one = _job("data", "adamw", iters=8)
+    one = _job("data", "adamw", iters=10)
     one["data"]["train"]["batch_size"] = 16
     runs = []
     for name, ckpt in (("from_sh", sh), ("from_hy", hy)):
         out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
         assert "resumed from" in text
         runs.append(_losses(out))
-    assert sorted(runs[0]) == [7, 8] and runs[0] == runs[1]
+    assert sorted(runs[0]) == [9, 10] and runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("n", [4])
