@@ -191,9 +191,9 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path, email_h5):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-@pytest.mark.parametrize("job,within", [("cifar10_quick", 0.10), ("gpt_tiny", 0.10),
-                                        ("nin_cifar10", 0.05)])
-def test_predicted_host_total_is_held(job, within, tmp_path, email_h5):
+@pytest.mark.parametrize("job,within,iters", [("cifar10_quick", 0.10, 3), ("gpt_tiny", 0.10, 3),
+                                              ("nin_cifar10", 0.05, 2)])
+def test_predicted_host_total_is_held(job, within, iters, tmp_path, email_h5):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
     measured peak above the baseline is at least plan's host total less 3%
     (its kernel temporaries row adds each lane's largest op, which need not
@@ -210,10 +210,14 @@ def test_predicted_host_total_is_held(job, within, tmp_path, email_h5):
     thread; within 20% before the baseline followed the deferred imports
     and the data pool counted the epoch order). NIN (472.3 MiB planned),
     where the unplanned megabytes are a small part, is held to issue 44's
-    5%: 2.1-3.3% below in docs/running.md's before and after runs."""
+    5%: 2.1-3.3% below in docs/running.md's before and after runs. NIN
+    runs 2 iterations: its peak is reached by then (2026-11-30 under load,
+    mpiexec -n 2, one run each: the measured peak 2.36-2.40% above plan at 2
+    iterations, 2.37-2.42% at 3, 1.54-1.60% at 1), and each NIN iteration
+    costs seconds of CI; the other jobs 3."""
     if job.startswith("gpt"):
         _text_data(tmp_path, email_h5)
-    res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3, plan_with=run_cli_here)
+    res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=iters, plan_with=run_cli_here)
     assert "error" not in res, res
     assert len(res["measured"]) == 2
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):

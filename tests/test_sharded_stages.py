@@ -460,41 +460,56 @@ def test_stage3_with_stages_clips_as_hybrid(tmp_path):
     gradients': the clip acts, the weights differ from the unclipped
     run's): the norm from every rank's shards of every stage (one
     allreduce over the world) clips as hybrid's norm over a replica's
-    stages does, bit for bit."""
-    plain, _ = _stage3("hybrid", "sgd", 4, tmp_path, "plain")
+    stages does, bit for bit. That the clip acts is shown on one rank of
+    the same global batch (16), in this process: its clipped weights
+    differ from its unclipped ones (the same gradients' norm as the 2 x 2
+    runs', up to rounding; before, a third 4-rank launch trained hybrid
+    unclipped for it)."""
     ref, _ = _stage3("hybrid", "sgd", 4, tmp_path, "hybrid", clip=0.05)
     out, _ = _stage3("sharded", "sgd", 4, tmp_path, "s3", clip=0.05)
     want = _params(ref / "latest.h5")
     _same(want, _params(out / "latest.h5"))
-    unclipped = _params(plain / "latest.h5")
-    assert any(not np.array_equal(want[k], unclipped[k]) for k in want)
+    one = {}
+    for clip in (0.05, None):
+        cfg = _job("data", "sgd", iters=10)
+        cfg["data"]["train"]["batch_size"] = 16
+        if clip is not None:
+            cfg["solver"]["clip_gradients"] = clip
+        one[clip] = _params(_train(tmp_path, f"one_{clip}", 1, cfg)[0] / "latest.h5")
+    assert sorted(one[0.05]) == sorted(one[None])
+    assert any(not np.allclose(one[0.05][k], one[None][k], rtol=1e-3) for k in one[None]
+               if k.startswith("params/"))
 
 
 @pytest.mark.mpi
 def test_stage3_with_stages_checkpoint_resumes_elsewhere(tmp_path):
-    """A 2 x 2 stage-3 checkpoint (iteration 5, AdamW, 2 micro-batches) is
-    hybrid's file: the same whole blobs, bit for bit, as hybrid's
-    checkpoint of iteration 5; continued on 1 rank under scheme data with
-    the same global batch it gives the losses of hybrid's checkpoint
-    continued so; continued under stage 3 with stages it ends where an
-    uninterrupted hybrid run does."""
-    sh, _ = _train(tmp_path, "sh", 4, _staged("sharded", iters=5, shard=3, micro_batches=2))
+    """Hybrid's checkpoint of iteration 4 (AdamW, 2 micro-batches)
+    continued under stage 3 with stages (2 x 2) to 8 ends where an
+    uninterrupted hybrid run does, and the checkpoint stage 3 writes at
+    its end is hybrid's file: the same whole blobs (weights and optimizer
+    state), bit for bit, as hybrid's; continued on 1 rank under scheme
+    data with the same global batch it gives the losses of hybrid's
+    checkpoint continued so. (Two 4-rank launches: before, a third trained
+    stage 3 from scratch for 5 iterations to write the checkpoint compared
+    and resumed; stage 3 from scratch is the test of
+    test_stage3_with_stages_trains_as_hybrid.)"""
     full_cfg = _staged("hybrid", iters=8, micro_batches=2)
-    full_cfg["checkpoint"] = {"interval": 5, "keep": 0}
+    full_cfg["checkpoint"] = {"interval": 4, "keep": 0}
     full, _ = _train(tmp_path, "full", 4, full_cfg)
-    hy = full / "ckpt_5.h5"
-    _same(_params(hy), _params(sh / "latest.h5"))
-    one = _job("data", "adamw", iters=8)
+    more, text = _train(tmp_path, "more", 4, _staged("sharded", iters=8, shard=3,
+                                                     micro_batches=2),
+                        "--resume", full / "ckpt_4.h5")
+    assert "sharded (ZeRO stage 3): 2 replicas x 2 stages" in text
+    sh, hy = more / "latest.h5", full / "latest.h5"
+    _same(_params(hy), _params(sh))
+    one = _job("data", "adamw", iters=10)
     one["data"]["train"]["batch_size"] = 16
     runs = []
-    for name, ckpt in (("from_sh", sh / "latest.h5"), ("from_hy", hy)):
+    for name, ckpt in (("from_sh", sh), ("from_hy", hy)):
         out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
         assert "resumed from" in text
         runs.append(_losses(out))
-    assert sorted(runs[0]) == [6, 7, 8] and runs[0] == runs[1]
-    more, _ = _train(tmp_path, "more", 4, _staged("sharded", iters=8, shard=3, micro_batches=2),
-                     "--resume", sh / "latest.h5")
-    _same(_params(full / "latest.h5"), _params(more / "latest.h5"))
+    assert sorted(runs[0]) == [9, 10] and runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("n", [4])

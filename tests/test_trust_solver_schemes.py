@@ -97,11 +97,11 @@ def one_rank_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(one_rank_dir):
     """The one-rank reference of the global batch of 8 (its checkpoint at
-    iteration 2 too, one_rank_dir / "one" / "ckpt_2.h5": a save changes no
-    bit of the run), and the same without the clip (so a test can tell that
-    the clip acted)."""
+    each iteration too, one_rank_dir / "one" / "ckpt_1.h5" ...: a save
+    changes no bit of the run), and the same without the clip (so a test
+    can tell that the clip acted)."""
     cfg = _config()
-    cfg["checkpoint"] = {"interval": 2, "keep": 0}
+    cfg["checkpoint"] = {"interval": 1, "keep": 0}
     return (_train(one_rank_dir, "one", 1, cfg),
             _train(one_rank_dir, "noclip", 1, _config(clip=None)))
 
@@ -236,18 +236,23 @@ def test_tensor_stages_with_a_stage_without_parameters_clip_as_one_rank(tmp_path
 @pytest.mark.mpi
 def test_sharded_stage_without_parameters_checkpoints_resume_on_one_rank(tmp_path, one_rank,
                                                                          one_rank_dir):
-    """The streamed split checkpoint of that layout (shard 3: weight
-    shards joined) at iteration 2 continues on 1 rank, and one rank's
-    checkpoint at 2 (the one_rank fixture's run's) continues under it (each
-    stage's ranks load their shards; the loss's none): both end where 4
-    uninterrupted steps on one rank do (1e-5)."""
+    """One rank's checkpoint at iteration 1 (the one_rank fixture's run's)
+    continues under that layout (each stage's ranks load their shards; the
+    loss's none), saving its streamed split checkpoint (shard 3: weight
+    shards joined) at iteration 2, which continues on 1 rank: both end
+    where 4 uninterrupted steps on one rank do (1e-5). (One 4-rank launch
+    writes the checkpoint the one-rank resume reads and resumes itself;
+    before, a second one trained 2 steps to write it.)"""
     par = {"scheme": "sharded", "shard": 3, "stages": LOSS_ALONE}
     (ref, _), _ = one_rank
-    _train(tmp_path, "sharded2", 4, _config(par, batch=4, iters=2))
-    for n, cfg, ckpt in ((1, _config(), tmp_path / "sharded2" / "latest.h5"),
-                         (4, _config(par, batch=4), one_rank_dir / "one" / "ckpt_2.h5")):
-        got, _ = _train(tmp_path, f"to_{n}", n, cfg, "--resume", ckpt)
-        _close(got, ref)
+    cfg = _config(par, batch=4)
+    cfg["checkpoint"] = {"interval": 2, "keep": 0}
+    got, _ = _train(tmp_path, "to_4", 4, cfg, "--resume", one_rank_dir / "one" / "ckpt_1.h5")
+    _close(got, ref)
+    saved = tmp_path / "to_4" / "ckpt_2.h5"
+    assert saved.exists()
+    got, _ = _train(tmp_path, "to_1", 1, _config(), "--resume", saved)
+    _close(got, ref)
 
 
 @pytest.mark.mpi
