@@ -390,7 +390,7 @@ def _best_colouring(units, n_ops, link, align):
             colour(order)
     if best[1] > peak and len(units) <= SHUFFLED_UNITS:   # seeded shuffles: few units
         rng, order = random.Random(0), sorted(units)
-        for _ in range(SHUFFLES):
+        for _ in range(min(SHUFFLES, SHUFFLED_PLACEMENTS // max(len(units), 1))):
             if best[1] <= peak:
                 break
             rng.shuffle(order)
@@ -412,9 +412,12 @@ SQUEAK_PATIENCE = 3
 #: random orders find one the structured orders miss: digits_lenet's host
 #: plan, 18,432 bytes above its peak of 396,096 after all of them, reaches
 #: it at the 40th shuffle (a MILP of its 21 units confirms the peak is
-#: feasible); each colouring of so few units costs well under a millisecond
+#: feasible). At most ``SHUFFLED_PLACEMENTS`` units placed in all (each
+#: order coloured by first and best fit: ~0.4 s where no shuffle reaches
+#: the peak, cifar10_quick_wide's 31 units under ZeRO-3)
 SHUFFLED_UNITS = 256
 SHUFFLES = 200
+SHUFFLED_PLACEMENTS = 6400
 
 #: ``_dynamic_order`` gives up after this many offset searches per unit (on
 #: the jobs it ends after 5 to 70; one search costs about what placing the
