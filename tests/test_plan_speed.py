@@ -133,3 +133,49 @@ def test_digits_lenet_host_plan_reaches_its_live_peak(digits_h5):
     # arena's alignment (64 bytes: 24 bytes more), which no packing beats
     assert peak["live_bytes"] == 396072
     assert peak["arena_bytes"] == 396096   # was 414,528
+
+
+def test_shared_answers_bounded_by_bytes():
+    """base/shared_answers: the older answers go while those kept weigh
+    more than max_bytes; the newest stays even alone over it; closing
+    forgets all."""
+    from purine_mpi.base.shared_answers import SharedAnswers
+    kept = SharedAnswers(8, max_bytes=100, weigh=lambda key, answer: answer)
+    with kept.opened():
+        for k, w in (("a", 40), ("b", 40), ("c", 40)):
+            assert kept.answer(lambda: k, lambda: w) == w
+        assert list(kept._kept) == ["b", "c"] and kept.kept_bytes == 80
+        calls = []
+        assert kept.answer(lambda: "b", lambda: calls.append(1) or 0) == 40 and not calls
+        assert kept.answer(lambda: "big", lambda: 500) == 500
+        assert list(kept._kept) == ["big"] and kept.kept_bytes == 500
+    assert not kept.is_open and kept.kept_bytes == 0
+
+
+def test_the_weights_of_kept_answers_grow_with_the_graph(email_h5):
+    """The estimates the byte bounds apply (graph/core._dependencies_weight,
+    runtime/memory_plan._colouring_weight) are of the graphs' size: more
+    micro-batches weigh more, each within the bounds at gpt_small's size."""
+    from purine_mpi.runtime import memory_plan
+    from purine_mpi.tools.graph import compose_for
+    weights = []
+    for m in (1, 4):
+        job = load_job(os.path.join(REPO, "jobs", "gpt_small.yaml"),
+                       [f"parallel.micro_batches={m}", f"data.train.path={email_h5}",
+                        f"data.test.path={email_h5}"], None, check_files=False)
+        g = compose_for(job, 1, 0)
+        deps = g.dependencies()
+        w = core._dependencies_weight(g._dependency_inputs(), deps)
+        seen = []
+        with shared_colourings():
+            real = memory_plan.SHARED_COLOURINGS.answer
+            memory_plan.SHARED_COLOURINGS.answer = \
+                lambda key, compute: seen.append(key()) or real(lambda: seen[-1], compute)
+            try:
+                plan = memory_plan.plan_memory(g)
+            finally:
+                del memory_plan.SHARED_COLOURINGS.answer
+        c = memory_plan._colouring_weight(seen[0], (plan.offsets, plan.total_bytes, []))
+        weights.append((w, c))
+    assert weights[0][0] < weights[1][0] < core.SHARED_DEPENDENCIES_BYTES
+    assert weights[0][1] < weights[1][1] < memory_plan.SHARED_COLOURINGS_BYTES

@@ -128,8 +128,20 @@ _LAST_DEPENDENCIES = weakref.WeakKeyDictionary()
 _LAST_ORDER = weakref.WeakKeyDictionary()
 #: the answers ``shared_dependencies`` keeps, by ``_dependency_inputs``
 #: (each holds its graph's names and edges: about 1 MB for a graph of a
-#: few thousand ops)
-SHARED_DEPENDENCIES = SharedAnswers(64)
+#: few thousand ops), the last 64 within ``SHARED_DEPENDENCIES_BYTES``
+def _dependencies_weight(key, deps):
+    """About the bytes a kept ``dependencies`` answer holds with its key
+    (``_dependency_inputs``): ~400 per op, ~150 per blob, ~60 per edge
+    (tracemalloc on gpt_small at 16 micro-batches, 4,652 ops, 6,278 blobs,
+    19,852 edges: 4.0 MB; at 4 micro-batches 0.6 MB, under the estimate)."""
+    return 400 * len(key[0]) + 150 * len(key[1]) + 60 * sum(len(d) for d in deps.values())
+
+
+#: the most bytes the kept answers of ``shared_dependencies`` hold together
+#: (besides their count): ``plan --choose`` on 32 micro-batches of GPT-2
+#: 124M keeps answers of ~20 MB each
+SHARED_DEPENDENCIES_BYTES = 256 << 20
+SHARED_DEPENDENCIES = SharedAnswers(64, SHARED_DEPENDENCIES_BYTES, _dependencies_weight)
 
 
 def shared_dependencies():

@@ -118,8 +118,23 @@ from ..graph.core import WORKING_SET_ATTR, ancestor_bits
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
 
+def _colouring_weight(key, answer):
+    """About the bytes a kept colouring holds with its key: each unit's
+    two bit sets over the schedule (``touch``, ``before``: a schedule of n
+    ops, n / 8 bytes each; the key keeps them after the plan's units go)
+    and ~200 bytes of tuples, each offset ~100, each edge its bit set."""
+    offsets, _, edges = answer
+    units = sum(200 + (v[1][0].bit_length() + abs(v[1][1]).bit_length()) // 8 + 8 * len(v[2])
+                for v in key[2])
+    return units + 100 * len(offsets) + sum(100 + src.bit_length() // 8 for src, _, _ in edges)
+
+
+#: the most bytes the colourings ``shared_colourings`` keeps hold together
+#: (besides their count): the key of GPT-2 124M's host plan at 32
+#: micro-batches holds ~46,000 units' bit sets over ~19,000 ops
+SHARED_COLOURINGS_BYTES = 512 << 20
 #: the best colourings ``shared_colourings`` keeps, by ``_colouring_key``
-SHARED_COLOURINGS = SharedAnswers(32)
+SHARED_COLOURINGS = SharedAnswers(32, SHARED_COLOURINGS_BYTES, _colouring_weight)
 
 
 @dataclass
