@@ -49,15 +49,16 @@ def test_sharded_micro_batches_plan_less_than_one_batch(shard):
     running sums): stage 1 planned 41.9 and 43.7 MB at M = 2 and 4 against
     41.5 at M = 1, stage 2 41.5 against 41.4 at M = 2, stage 3 46.1
     against 42.8 at M = 4 (the first assertion failed for each). Stage 3
-    is held to 2 % above one batch: since its one-batch plan reaches a
+    is held to 3 % above one batch: since its one-batch plan reaches a
     tighter packing (runtime/memory_plan's later orders: its activations
-    20,768,640 -> 19,159,104 bytes), two micro-batches sit at their own
-    live peak, 19,957,568 bytes, which no colouring goes below (41,741,124
-    bytes in all, and 41,601,876 at four, against 40,999,996)."""
+    20,768,640 -> 19,159,104 bytes; its seeded shuffles: 18,956,224), two
+    micro-batches sit at their own live peak, 19,957,568 bytes, which no
+    colouring goes below (41,741,124 bytes in all, and 41,601,876 at four,
+    against 40,797,116)."""
     one = _wide(1, "sharded", shard=shard).loop_total
     for m in (2, 4):
         fp = _wide(m, "sharded", shard=shard)
-        bound = one * 1.02 if shard == 3 else one
+        bound = one * 1.03 if shard == 3 else one
         assert fp.loop_total < bound, (shard, m, fp.loop_total, one)
 
 

@@ -14,9 +14,20 @@ class SharedAnswers:
     """The last ``size`` answers by content key, kept while ``opened()``
     (nested openings share the outermost's), the most recently asked last."""
 
-    def __init__(self, size):
+    def __init__(self, size, max_bytes=None, weigh=None):
         self.size = size
+        #: with ``weigh`` ((key, answer) -> bytes, an estimate of what the
+        #: two hold): the older answers are dropped while those kept weigh
+        #: more than ``max_bytes`` (the newest is always kept)
+        self.max_bytes = max_bytes
+        self.weigh = weigh
         self._kept = None
+        self._bytes = {}
+
+    @property
+    def kept_bytes(self):
+        """What the kept answers weigh (0 without ``weigh``)."""
+        return sum(self._bytes.values())
 
     @property
     def is_open(self):
@@ -26,12 +37,12 @@ class SharedAnswers:
     def opened(self):
         outer = self._kept
         if outer is None:
-            self._kept = {}
+            self._kept, self._bytes = {}, {}
         try:
             yield
         finally:
             if outer is None:
-                self._kept = None
+                self._kept, self._bytes = None, {}
 
     def answer(self, key, compute):
         """``compute()``, or (while open) the answer kept for ``key()``:
@@ -45,6 +56,15 @@ class SharedAnswers:
         else:
             value = compute()
             while len(kept) >= self.size:
-                del kept[next(iter(kept))]
+                self._drop_oldest()
+            if self.weigh is not None:
+                self._bytes[k] = self.weigh(k, value)
+                while kept and self.kept_bytes > self.max_bytes:
+                    self._drop_oldest()
         kept[k] = value  # the most recently asked: last
         return value
+
+    def _drop_oldest(self):
+        oldest = next(iter(self._kept))
+        del self._kept[oldest]
+        self._bytes.pop(oldest, None)

@@ -981,6 +981,34 @@ def _stand_in(blob):
     return np.broadcast_to(np.zeros((), dtype=blob.dtype), tuple(blob.shape))
 
 
+def _frozen(value):
+    """``value`` (an op's attrs) as a hashable value that tells apart what
+    differs, types included (1, 1.0 and True are equal keys in a dict);
+    TypeError where a part is neither a container nor hashable."""
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", frozenset(_frozen(v) for v in value))
+    hash(value)
+    return (type(value).__name__, value)
+
+
+def _kernel_key(graph, op):
+    """What a host kernel's ``host_scratch`` and ``host_temporaries`` are
+    computed from (its op's type, attrs, accumulate flag, location and the
+    shapes and dtypes of its blobs: ``_stand_in``'s), or None where the
+    attrs cannot be a key (then asked of the kernel itself)."""
+    try:
+        attrs = _frozen(op.attrs)
+    except TypeError:
+        return None
+    return (op.op_type, attrs, op.accumulate, op.location,
+            tuple((tuple(graph.blobs[b].shape), graph.blobs[b].dtype) for b in op.inputs),
+            tuple((tuple(graph.blobs[b].shape), graph.blobs[b].dtype) for b in op.outputs))
+
+
 def host_kernel_bytes(graph, test_graph=None, serial=False):
     """What the CPU kernels of ``graph``'s host ops (and ``test_graph``'s)
     hold besides the blobs (the module docstring's ``host_scratch`` and
@@ -998,6 +1026,9 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
     from .cuda_runtime import op_device
     from .executors import INLINE_LANE
     holds, by_graph, shared = {}, [], []
+    # ops alike (a micro-batch's copies of one op: the same type, attrs
+    # and input and output shapes) hold alike: asked of their kernel once
+    alike = {}
     for prefix, g in (("", graph), ("test ", test_graph)):
         if g is None:
             continue
@@ -1006,13 +1037,19 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
             if op_device(g, op) >= 0 or any(g.blobs[b].shape is None
                                             for b in op.inputs + op.outputs):
                 continue
-            k = get_kernel_class(op.op_type, op.name)(op)
-            ins = [_stand_in(g.blobs[b]) for b in op.inputs]
-            outs = [_stand_in(g.blobs[b]) for b in op.outputs]
+            key = _kernel_key(g, op)
+            got = None if key is None else alike.get(key)
+            if got is None:
+                k = get_kernel_class(op.op_type, op.name)(op)
+                ins = [_stand_in(g.blobs[b]) for b in op.inputs]
+                outs = [_stand_in(g.blobs[b]) for b in op.outputs]
+                got = (k.host_scratch(ins, outs), specs_nbytes(k.host_temporaries(ins, outs)))
+                if key is not None:
+                    alike[key] = got
             lane = INLINE_LANE if serial else f"{prefix}{op.thread}"
-            for h in k.host_scratch(ins, outs):   # a shared Hold: once in the process
+            for h in got[0]:   # a shared Hold: once in the process
                 (shared if h.shared else holds.setdefault(lane, [])).append(h)
-            t = specs_nbytes(k.host_temporaries(ins, outs))
+            t = got[1]
             if t > temps.get(lane, (0, None))[0]:
                 temps[lane] = (t, op.name)
         by_graph.append(temps)
