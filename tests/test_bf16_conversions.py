@@ -82,3 +82,38 @@ def test_only_weight_casts_and_the_loss_convert_in_a_bf16_gpt_step(host_build_di
     assert counts["layernorm_backward_bdy_f32"] + counts["layernorm_backward_bdy_copy_f32"] == 5
     # and the loss reads the logits' bits and writes dx's bits itself
     assert counts["softmax_loss_forward_bits_f32"] == counts["softmax_loss_grad_bits_f32"] == 1
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_the_bits_loss_kernels_train_the_gpt_as_the_widening_path(host_build_dir,
+                                                                   monkeypatch, cuda_graph):
+    """Three AdamW steps of the bf16 2-block GPT with a vocabulary of 301
+    (odd: the rows of bits logits sit 0..3 elements off the vector grid)
+    with the loss's bits kernels and with them switched off (each chunk
+    widened into float32, the float32 kernels, dx rounded by to_bf16_bits,
+    as before them): the same losses and the same weights, bit for bit;
+    with CUDA graphs on too (the bits kernels captured: no allocation)."""
+    import numpy as np
+
+    from purine_mpi.ops import softmax
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.helpers import bf16_gpt_steps
+    from tests.test_precision import SOLVER
+    runs = {}
+    for bits in (True, False):
+        with monkeypatch.context() as m:
+            use_emulated_cupy(m, host_build_dir)
+            if not bits:
+                m.setattr(softmax, "_bits_rows", lambda x, axis: False)
+            losses, weights, steps = bf16_gpt_steps(m, SOLVER, 3, 2, cuda_graph=cuda_graph,
+                                                    vocab=301)
+        assert all(bool(s["softmax_loss_grad_bits_f32"]) == bits for s in steps[:1])
+        runs[bits] = losses, weights
+    (new, new_w), (old, old_w) = runs[True], runs[False]
+    assert np.array(new, np.float32).view(np.uint32).tolist() == \
+        np.array(old, np.float32).view(np.uint32).tolist(), (new, old)
+    assert len(set(new)) == 3   # it trains: the steps differ
+    assert new_w.keys() == old_w.keys()
+    for name in new_w:
+        np.testing.assert_array_equal(new_w[name].view(np.uint8), old_w[name].view(np.uint8),
+                                      err_msg=name)

@@ -214,3 +214,16 @@ def test_the_xor_shuffle_swaps_the_lanes_of_each_warp(host_build_dir):
     lanes = np.arange(64)
     for row, m in enumerate((1, 5, 16)):
         np.testing.assert_array_equal(out[row * 64:(row + 1) * 64], x[lanes ^ m], err_msg=m)
+
+
+@pytest.mark.parametrize("threads", [48, 31, 2048])
+def test_a_shuffling_kernel_on_a_block_of_partial_warps_is_refused(host_build_dir, threads):
+    """The emulator runs a kernel with warp shuffles as two whole warps,
+    whatever block the launch asks; a block that is not whole warps (a
+    partial last warp: full-mask shuffles undefined on a GPU) is an error
+    here, naming the kernel, rather than a run a GPU would not give."""
+    cupy = host_cupy(host_build_dir)
+    kernel = cupy.RawModule(code=XOR).get_function("xor_lanes")
+    x, out = np.zeros(64), np.zeros(3 * 64)
+    with pytest.raises(ValueError, match=f"xor_lanes: .* {threads} threads a block"):
+        kernel((1,), (threads,), (np.int64(64), x, out))

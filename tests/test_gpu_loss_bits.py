@@ -221,3 +221,37 @@ def test_bad_inputs_are_named(device):
     with pytest.raises(ValueError, match="uint16 .* or float32"):
         kernels.softmax_loss_grad_bits(device.to_device(np.zeros((3, 300), np.uint16)), lab,
                                        out=device.to_device(np.zeros((3, 300), np.float64)))
+
+
+@pytest.mark.parametrize("from_logits,channels", [(False, 300), (True, 40), (True, 300)])
+def test_the_device_gradient_divides_by_the_normaliser_without_an_ignore_label(
+        device, from_logits, channels):
+    """A loss with a normaliser input (a 0-d blob) and no ``ignore_label``:
+    loss = sum(nll) / normaliser, so dx = dloss * (prob - onehot) /
+    normaliser on the device as on the host -- not / positions (15 here,
+    the normaliser 11: every element 15/11 too small). The probability
+    path, the ``from_logits`` chunk path (40 classes) and the bits kernels
+    (300 classes, logits stored as bits)."""
+    from tests.test_bf16_storage import _loss_kernels, _loss_run, _numpy_bits
+    rng = np.random.default_rng(channels)
+    x = rng.standard_normal((3, 5, channels)).astype(np.float32)
+    if from_logits:
+        x = from_bf16_bits(_numpy_bits(x), np.empty(x.shape, np.float32))
+    label = rng.integers(0, channels, (3, 5)).astype(np.int32)
+    logits = _numpy_bits(x) if from_logits else x
+    kernels_of = (lambda: _loss_kernels(from_logits, norm=11.0, axis=-1))
+    host_loss, host_dx = _loss_run(np.array, np.asarray, kernels_of(), logits, label, 0.75,
+                                   np.float32)
+    loss, dx = _loss_run(device.to_device, lambda a: np.asarray(device.to_host(a)),
+                         kernels_of(), logits, label, 0.75, np.float32)
+    if from_logits and channels >= 256:
+        assert "softmax_loss_grad_bx_f32" in device.launched
+    # float64: 0.75 / 11 * (softmax - onehot)
+    w = x.reshape(-1, channels).astype(np.float64)
+    p = np.exp(w - w.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(15), label.reshape(-1)] -= 1
+    want = (0.75 / 11 * p).reshape(x.shape)
+    np.testing.assert_allclose(host_dx, want, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(dx, want, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(loss, host_loss, rtol=1e-6)

@@ -199,3 +199,29 @@ def test_an_unaligned_view_takes_the_scalar_path_with_the_same_bits(backend):
     kernels.layernorm_forward(xo, d(g), d(b), eps, yo, mo, ro)
     np.testing.assert_array_equal(h(yo), h(y))
     np.testing.assert_array_equal(h(ro), h(rstd))
+
+
+@pytest.mark.parametrize("rows,cols", [(5, 7), (7, 64), (3, 768)])
+def test_in_place_over_x_and_dyxhat_alone(backend, rows, cols):
+    """y over x (forward), dx over x (backward), and the backward with
+    dyxhat only (``has_dx`` 0: no warp sums, every warp alike): the bits of
+    the out-of-place runs, on the scalar and the vectorised path, row
+    counts that leave the last warps of the grid without a row."""
+    eps = 1e-5
+    x, g, b, dy = _data(rows, cols, F32, 11 * rows + cols)
+    d, h = backend.to_device, backend.to_host
+    y, mean, rstd = d(np.zeros_like(x)), d(np.zeros(rows, F32)), d(np.zeros(rows, F32))
+    kernels.layernorm_forward(d(x), d(g), d(b), eps, y, mean, rstd)
+    xin, m2, r2 = d(x.copy()), d(np.zeros(rows, F32)), d(np.zeros(rows, F32))
+    kernels.layernorm_forward(xin, d(g), d(b), eps, xin, m2, r2)
+    np.testing.assert_array_equal(h(xin), h(y))
+    np.testing.assert_array_equal(h(m2), h(mean))
+    np.testing.assert_array_equal(h(r2), h(rstd))
+    dx, p = d(np.zeros_like(x)), d(np.zeros_like(x))
+    kernels.layernorm_backward(d(dy), d(x), d(g), mean, rstd, dx=dx, dyxhat=p)
+    xin = d(x.copy())
+    kernels.layernorm_backward(d(dy), xin, d(g), mean, rstd, dx=xin)
+    np.testing.assert_array_equal(h(xin), h(dx))
+    p2 = d(np.full(x.shape, np.nan, F32))
+    kernels.layernorm_backward(d(dy), d(x), d(g), mean, rstd, dyxhat=p2)
+    np.testing.assert_array_equal(h(p2), h(p))

@@ -287,16 +287,18 @@ def _device_mean(k, nll, valid, loss, shard, normaliser):
 
 def _device_count(k, ins, lab, count, attrs):
     """The device gradient's normaliser into ``count`` where it is not the
-    number of positions (an ``ignore_label`` or ``pad_label``): the
-    forward's normaliser input, else the counted labels. Returns whether it
-    is the number of positions (``_device_backward``'s ``plain``)."""
+    number of positions: the forward's normaliser input where the op has
+    one (with or without an ``ignore_label``: the forward divides by it, as
+    the host gradient does), else, with an ``ignore_label`` or
+    ``pad_label``, the counted labels. Returns whether it is the number of
+    positions (``_device_backward``'s ``plain``)."""
     ignore, pad = attrs.get("ignore_label"), attrs.get("pad_label")
-    if ignore is None and pad is None:
-        return True
     if len(ins) > 3:  # the forward's normaliser, in prob's dtype
         count[...] = ins[3].reshape(1)
-    else:
-        k.softmax_loss_count(lab, ignore, count, pad_label=pad)
+        return False
+    if ignore is None and pad is None:
+        return True
+    k.softmax_loss_count(lab, ignore, count, pad_label=pad)
     return False
 
 

@@ -317,6 +317,15 @@ class _HostKernel:
     def __call__(self, grid, block, args, **kwargs):
         if len(args) != len(self.params):
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
+        if self.threads == _EMU_WARP_THREADS:
+            # a warp-shuffling kernel runs here with two whole warps whatever
+            # the launch asks; on a GPU a block that is not whole warps has a
+            # partial last warp, whose full-mask shuffles are undefined
+            threads = int(np.prod(block)) if isinstance(block, tuple) else int(block)
+            if threads % 32 or not 0 < threads <= 1024:
+                raise ValueError(f"{self.name}: a kernel with warp shuffles launched with "
+                                 f"{threads} threads a block, not a whole number of warps "
+                                 "(32) up to 1024")
         # converted now: scalars and pointers are fixed at launch (and so
         # frozen into a captured graph), the memory is read when it runs
         c_args = [self._convert(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
