@@ -190,6 +190,12 @@ def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
                                           ctrl_c_only)
     assert status == 130, (status, err)
     assert "interrupted (SIGINT)" in err, err
+    # the run folder made for the run that never began is removed, as one
+    # rank's Ctrl-C (or SIGTERM) removes it. Before, rank 0's ``interrupted``
+    # ended the job by MPI_Abort with no ``end_run``: the folder stayed,
+    # holding its lock alone (``assert not ... ['.purine.lock']``)
+    out = tmp_path / "run"
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
 def test_sigterm_during_the_auto_choice_ends_train_with_143(tmp_path):
