@@ -114,3 +114,26 @@ def test_docgen_write_never_writes_through_a_link(tmp_path):
     assert res.returncode == 0, res.stderr
     assert victim.read_text() == "keep"
     assert not path.is_symlink() and path.read_text().startswith("<!-- Generated")
+
+
+def test_calibrate_refuses_a_folder_as_its_link_file_before_measuring(tmp_path):
+    """``mpiexec -n 2 predict --calibrate DIR`` (an existing folder): one
+    line naming it and exit 2 on every rank, before the measurements, as
+    ``predict --out DIR`` is refused. Before, trust69's up-front check
+    (``check_writable``) let a folder pass, the whole calibration ran, and
+    the rename over the folder ended rank 0 with ``IsADirectoryError``'s
+    traceback and an MPI_Abort, exit 1 (this test's ``returncode == 2``)."""
+    from tests.conftest import MPIEXEC
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    folder = tmp_path / "links"
+    folder.mkdir()
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "predict",
+                          "--calibrate", str(folder)], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"error: {folder} is a folder, but the output is one file: give the file's path"], \
+        res.stderr
+    assert os.listdir(folder) == []
