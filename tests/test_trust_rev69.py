@@ -137,3 +137,37 @@ def test_calibrate_refuses_a_folder_as_its_link_file_before_measuring(tmp_path):
         f"error: {folder} is a folder, but the output is one file: give the file's path"], \
         res.stderr
     assert os.listdir(folder) == []
+
+
+TINY = """name: tiny
+seed: 3
+data:
+  train: {source: synthetic, shape: [1, 4, 4], classes: 3, num_samples: 64, batch_size: 16}
+net:
+  - {type: fc, name: fc1, bottom: data, top: fc1, num_output: 3}
+  - {type: softmax_loss, name: loss, bottom: [fc1, label], top: loss}
+solver: {type: sgd, base_lr: 0.01, max_iter: 4}
+parallel: {scheme: data}
+"""
+
+
+def test_choose_refuses_a_folder_as_its_calibration_file_before_measuring(tmp_path):
+    """``plan --choose --calibration DIR`` (an existing folder): one line
+    naming it, exit 2, before the calibration's runs (the calibration
+    cache, a writer of trust69's ``make_parent``, checked as predict's
+    --out is). Before, both traced runs ran, then the rename over the folder
+    ended ``plan`` with ``IsADirectoryError``'s traceback, exit 1 (this
+    test's ``returncode == 2``)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TINY)
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
+                          "--choose", "--calibration", str(folder)], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"error: {folder} is a folder, but the output is one file: give the file's path"], \
+        res.stderr
+    assert os.listdir(folder) == [] and sorted(os.listdir(tmp_path)) == ["cal", "job.yaml"]
