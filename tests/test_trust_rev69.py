@@ -171,3 +171,30 @@ def test_choose_refuses_a_folder_as_its_calibration_file_before_measuring(tmp_pa
         f"error: {folder} is a folder, but the output is one file: give the file's path"], \
         res.stderr
     assert os.listdir(folder) == [] and sorted(os.listdir(tmp_path)) == ["cal", "job.yaml"]
+
+
+def test_plot_never_writes_through_a_link_planted_at_its_out(tmp_path):
+    """``plot RUN --out P.png`` where P.png is a link a user (or anyone who
+    can write the folder) planted: the link is replaced by the image, its
+    target untouched, as every writer of base/runfiles writes (by a rename
+    over the name, never half-written). Before, ``fig.savefig(out)`` wrote
+    the PNG through the link into its target (this test's ``victim``
+    assertion)."""
+    import json
+    pytest.importorskip("matplotlib")
+    from purine_mpi.tools.plot import plot_runs
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"phase": "train", "iter": i, "loss": 2.0 / i, "lr": 0.01, "images_per_s": 100.0,
+             "time": 0.01 * i, "timestamp": 1.0e9 + i} for i in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    out = tmp_path / "curves.png"
+    os.symlink(victim, out)
+    plot_runs([str(run)], str(out))
+    assert victim.read_bytes() == b"keep", victim.read_bytes()[:8]
+    assert not out.is_symlink() and out.read_bytes()[:4] == b"\x89PNG"
+    plot_runs([str(run)], str(tmp_path / "curves"))  # no extension: matplotlib's png
+    assert (tmp_path / "curves").read_bytes()[:4] == b"\x89PNG"
+    assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
