@@ -68,7 +68,8 @@ def test_a_signalled_choose_ends_its_calibration_child(tmp_path, sig):
     status, err = _signal_the_calibration(
         [PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2", "--choose",
          "--calibration", str(cal)], sig, "plan --choose",
-        lambda pid: (_children(pid) or [None])[0], seen_within=60, ends_within=30)
+        lambda pid: (_children(pid) or [None])[0], seen_within=60, ends_within=30,
+        ready=_child_folder_in(cal.parent))
     # the parent ends as the signal asks: SIGTERM its default (-15, the
     # shell's 143), Ctrl-C the CLI's "interrupted" and 130
     if sig == signal.SIGTERM:
@@ -104,11 +105,27 @@ def _calibration_child(pid):
     return None
 
 
-def _signal_the_calibration(argv, sig, what, find, seen_within, ends_within, preexec_fn=None):
-    """``argv`` started, ``sig`` sent to it 0.5 s after ``find(its pid)``
-    names its calibration child (within ``seen_within`` s): (its status,
-    its stderr) once it has ended (``ends_within`` s) and the child is gone
-    (5 s given; asserted, ``what`` naming the parent)."""
+def _child_folder_in(folder):
+    """A function: whether the calibration child has set up its run folder
+    (``.calibration-*``, locked) in ``folder``: the child under way, its
+    imports done and a folder of its own there for the parent to remove."""
+    def ready():
+        return folder.is_dir() and any(
+            p.name.startswith(".calibration-") and (p / ".purine.lock").exists()
+            for p in folder.iterdir())
+    return ready
+
+
+def _signal_the_calibration(argv, sig, what, find, seen_within, ends_within, preexec_fn=None,
+                            ready=None):
+    """``argv`` started, ``sig`` sent to it once ``find(its pid)`` names
+    its calibration child (within ``seen_within`` s) and ``ready()`` says
+    the child set up its run folder (the same time more), and 0.5 s on:
+    (its status, its stderr) once it has ended (``ends_within`` s) and the
+    child is gone (5 s given; asserted, ``what`` naming the parent). Before
+    ``ready``, the signal came 0.5 s after the child was seen, in its
+    launcher's ``execv`` or its imports: no calibration folder yet, so
+    the assertions on it could not fail."""
     proc = subprocess.Popen(argv, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     try:
@@ -117,7 +134,12 @@ def _signal_the_calibration(argv, sig, what, find, seen_within, ends_within, pre
             child = find(proc.pid)
             time.sleep(0.05)
         assert child is not None, "the calibration's train child was never seen"
-        time.sleep(0.5)  # the child under way (its imports, its run folder)
+        deadline = time.monotonic() + seen_within
+        while ready is not None and not ready() and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.05)
+        assert ready is None or ready(), "the calibration child never set up its run folder"
+        time.sleep(0.5)  # the child under way (its graph build, its iterations)
         assert _alive(child), "the calibration ended before the signal: make NET larger"
         os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=ends_within)
@@ -144,7 +166,7 @@ def _signal_the_auto_choice(tmp_path, launch, sig, preexec_fn=None):
     status, err = _signal_the_calibration(
         [*launch, PYTHON, "-m", "purine_mpi", "train", str(job), "--out", str(out),
          "--iters", "20"], sig, launch[0] if launch else "train", _calibration_child,
-        seen_within=90, ends_within=60, preexec_fn=preexec_fn)
+        seen_within=90, ends_within=60, preexec_fn=preexec_fn, ready=_child_folder_in(out))
     left = sorted(p.name for p in out.iterdir()) if out.exists() else []
     assert not [p for p in left if p.startswith(".calibration-")], left
     return status, err
@@ -168,6 +190,12 @@ def test_ctrl_c_under_mpiexec_ends_the_auto_choice_cleanly(tmp_path):
                                           ctrl_c_only)
     assert status == 130, (status, err)
     assert "interrupted (SIGINT)" in err, err
+    # the run folder made for the run that never began is removed, as one
+    # rank's Ctrl-C (or SIGTERM) removes it. Before, rank 0's ``interrupted``
+    # ended the job by MPI_Abort with no ``end_run``: the folder stayed,
+    # holding its lock alone (``assert not ... ['.purine.lock']``)
+    out = tmp_path / "run"
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
 def test_sigterm_during_the_auto_choice_ends_train_with_143(tmp_path):

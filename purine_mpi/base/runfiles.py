@@ -248,6 +248,9 @@ def check_writable(path):
     before it leaves no empty folder). A temporary file of that name left
     by a killed write (the same process id) is removed, as the write
     removes it."""
+    if os.path.isdir(path) and not os.path.islink(path):  # the rename over it would fail
+        raise UserError(f"{path} is a folder, but the output is one file: give the file's "
+                        "path")
     folder = folder_of(path)
     made = missing_folders(folder)  # the folders missing now, deepest first
     tmp = temp_name(path)

@@ -132,6 +132,13 @@ def interrupted():
         os.write(2, line.encode())
     except OSError:
         pass
+    try:  # train.log's last line (rank 0), and the run folder's lock released: a
+        # folder this run made that holds that lock alone (a Ctrl-C during
+        # parallel.scheme auto's choice) removed, as a single rank's 130 does
+        from ..base import logfile
+        logfile.end_run(INTERRUPTED)
+    except BaseException:
+        pass
     if up:
         _abort_job(MPI, INTERRUPTED)
     os._exit(INTERRUPTED)

@@ -26,7 +26,9 @@
 - A run refused at start-up (exit 2) before it wrote anything but its lock
   and train.log, in a folder it made (a new numbered one, an ``--out`` that
   was not there), removes that folder and the parents it made
-  (``release_run_dirs``); a folder that was there keeps every file.
+  (``release_run_dirs``); so does a run stopped by a signal before its
+  log was opened (its lock alone there: ``parallel.scheme: auto``'s
+  calibration); a folder that was there keeps every file.
 - ``--force`` deletes only what a run of ours wrote, recognised by content
   (``rundir_force.py``); a folder holding anything else of a run's names is
   refused (exit 2) and nothing is deleted.
@@ -248,12 +250,12 @@ def release_run_dirs():
     process, so the next run takes it all the same.
 
     A run folder this process made, for a run refused at start-up (exit 2,
-    ``logfile.end_status``) or stopped by a signal before it began (128 +
-    the signal: a SIGTERM during ``parallel.scheme: auto``'s calibration
-    left a folder holding only ``.purine.lock``), before it wrote anything
-    but its lock and
+    ``logfile.end_status``) before it wrote anything but its lock and
     train.log (the watched-metric check, the memory check, data a graph
-    does not build on: all after the folder is chosen), is removed with
+    does not build on: all after the folder is chosen), or stopped by a
+    signal before its log was opened (128 + the signal: a SIGTERM during
+    ``parallel.scheme: auto``'s calibration left a folder holding only
+    ``.purine.lock``; ``_never_began``), is removed with
     the folders made for it, as the refusals before the folder leave
     nothing behind: a run of refusals left a trail of empty numbered runs.
     A folder that was there (a resumed run, an ``--out`` given) keeps its
@@ -274,13 +276,21 @@ def release_run_dirs():
             f.close()  # closing the file releases its flock
 
 
-def _never_began(status):
-    """Whether a run that ended with ``status`` and left no file but its
-    lock and train.log never began: refused at start-up (2), or stopped by
-    a signal (128 + its number: a batch system's SIGTERM, a Ctrl-C) before
-    its first file was written, as during ``parallel.scheme: auto``'s
-    calibration. A bug's 1 keeps its train.log to be read."""
-    return status is not None and (status == 2 or status > 128)
+def _never_began(status, names):
+    """Whether a run that ended with ``status``, leaving the files ``names``
+    in a folder it made, never began and leaves nothing to read there:
+    refused at start-up (2) before any file but its lock and train.log
+    (whose error the terminal showed at once), or stopped by a signal
+    (128 + its number: a batch system's SIGTERM, a Ctrl-C) before its log
+    was opened, its lock alone there (``parallel.scheme: auto``'s
+    calibration). A run stopped by a signal once its train.log was open
+    (the graph build, the data's load) keeps its folder and that log: its
+    last line, "run ended: stopped by SIGTERM (exit 143)", is the only
+    record in the folder of why a batch job's run, which nobody watched,
+    ended before it trained. A bug's 1 keeps its train.log to be read."""
+    if status == 2:
+        return names <= {LOCK_FILE, logfile.LOG_NAME}
+    return status is not None and 128 < status < 128 + 65 and names <= {LOCK_FILE}
 
 
 def _remove_refused(folder, lock_file=None):
@@ -292,10 +302,10 @@ def _remove_refused(folder, lock_file=None):
     stays as ``.nfsXXXX`` until it is closed, and the folder would stay
     with it."""
     made = _made.pop(os.path.realpath(folder), None)
-    if not made or not _never_began(logfile.end_status()):
+    if not made or logfile.end_status() is None:
         return False
     try:
-        if not set(os.listdir(folder)) <= {LOCK_FILE, logfile.LOG_NAME}:
+        if not _never_began(logfile.end_status(), set(os.listdir(folder))):
             return False
         for name in (logfile.LOG_NAME, LOCK_FILE):
             if os.path.lexists(os.path.join(folder, name)):

@@ -248,12 +248,14 @@ def _add_to_calibration(cache, add):
 
 def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
     """``calibrate``'s two traced runs, written to ``cache``."""
+    from ..base.runfiles import check_writable, folder_of, make_parent  # link/.. as read
+    if cache:  # a folder there, a file in the way: one line (exit 2) before the runs
+        check_writable(cache)
     if log:
         batches = f"batch {job.train_batch}" + (f" and {small_b}" if small_b else "")
         log(f"calibration: timing the ops of {job.name} on one rank at {batches} "
             f"({CALIBRATION_ITERS} iterations each, data parallel) ...")
     t0 = time.perf_counter()
-    from ..base.runfiles import folder_of, make_parent  # link/.. as the system reads it
     base = folder_of(cache) if cache else "/tmp"
     durations = _traced_run(path, overrides, (), os.path.join(
         base, f".calibration-{key}-{os.getpid()}"))

@@ -16,7 +16,8 @@ import difflib
 import os
 import sys
 
-from ..base.runfiles import make_parent
+from ..base.errors import UserError
+from ..base.runfiles import make_parent, write_text_replacing
 from .docgen_sections import SchemaDocError, sections
 
 #: the repository's docs/config.md (this file is purine_mpi/tools/docgen.py)
@@ -78,9 +79,12 @@ def main(argv=None):
         print(f"{args.path} is up to date")
         return 0
     if args.write:
-        make_parent(args.path)  # link/.. as the system reads it
-        with open(args.path, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:  # a folder that cannot be made, a file that cannot be written: one line, 2
+            make_parent(args.path)  # link/.. as the system reads it
+            write_text_replacing(args.path, text)  # never half-written, never through a link
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {args.path}")
         return 0
     sys.stdout.write(text)

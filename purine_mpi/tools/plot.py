@@ -29,7 +29,7 @@ import math
 import os
 
 from ..base.errors import UserError
-from ..base.runfiles import make_parent
+from ..base.runfiles import make_parent, write_replacing
 from ..job.metrics import FILE
 from ..job.outputs import check_out
 from ..job.rundir import numbered_runs
@@ -208,9 +208,14 @@ def plot_runs(args, out, loss_scale_choice="auto"):
         check_out(out, more=[("the metrics file", path)])  # nor a checkpoint
         runs.append((label, read_rows(path)))
     fig = draw(runs, loss_scale_choice)
+    # the format of the extension out has (matplotlib's default where none),
+    # written by a rename over out (base/runfiles): never through a link
+    # planted there, never a half-written image under its name
+    import matplotlib
+    fmt = os.path.splitext(str(out))[1][1:].lower() or matplotlib.rcParams["savefig.format"]
     try:
         make_parent(out)
-        fig.savefig(out)
+        write_replacing(out, lambda tmp: fig.savefig(tmp, format=fmt))
     except ValueError as e:  # an extension matplotlib cannot write
         raise UserError(f"plot: cannot write --out {out}: {e}") from None
     except OSError as e:
