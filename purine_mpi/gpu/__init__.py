@@ -180,10 +180,17 @@ def compile_options(name, options=()):
     return SOURCE_OPTIONS.get(name, ()) + tuple(options) + COMMON_OPTIONS
 
 
+def cache_dir():
+    """``$PURINE_CACHE_DIR`` or ``~/.cache/purine_mpi``: compiled kernels
+    (``kernels/``) and cuDNN's chosen plans (``cudnn_plans/``)."""
+    from ..base import env
+    return env.get("PURINE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "purine_mpi")
+
+
 def kernel_cache_dir():
     """Where compiled kernels are kept: ``$PURINE_CACHE_DIR/kernels``
     (default ``~/.cache/purine_mpi/kernels``)."""
-    from .cudnn_tune import cache_dir
     return Path(cache_dir()) / "kernels"
 
 

@@ -50,6 +50,7 @@ import threading
 import numpy as np
 
 from ..base import env
+from . import cache_dir
 
 #: timed runs of each plan (after one warm-up run)
 REPS = 3
@@ -96,11 +97,6 @@ def deterministic():
     """``PURINE_CUDNN_DETERMINISTIC`` (default on): deterministic plans only."""
     return _flag("PURINE_CUDNN_DETERMINISTIC")
 
-
-def cache_dir():
-    """``$PURINE_CACHE_DIR`` or ``~/.cache/purine_mpi``."""
-    return env.get("PURINE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "purine_mpi")
 
 
 def device_name(cupy, device):
