@@ -422,7 +422,10 @@ case "$MODE" in
     # (its JSON comes back); a profile of ours begins only where it fits before the end
     # ours with PURINE_FC_EPILOGUE=cublaslt beside the default, interleaved in the
     # same run (purine_fc_cublaslt_vs_purine: the biased fc outputs as one cuBLASLt
-    # product each, the bias rounded to bf16 in its epilogue; docs/gpu.md, "Precision")
+    # product each, the bias rounded to bf16 in its epilogue; docs/gpu.md, "Precision");
+    # each side of ours reports its own peak (less what was in use when it began) and
+    # device_memory: what was in use before it, what it left, its arena, scratch,
+    # capture pools, cuBLAS workspaces and cuBLASLt plans (the summary prints them)
     limit "$PYTHON" benchmarks/gpt_gpu.py --iters 10 --warmup 3 --rounds 2 \
         --sides purine purine_fc_cublaslt torch_eager torch_compile \
         --budget-s $(( $(left) - 20 )) --deadline-s "$(left)" \
