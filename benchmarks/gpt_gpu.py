@@ -49,8 +49,13 @@ median of the steps). One JSON object on stdout; per side in ``sides``:
 PaLM's closed form from purine_mpi/tools/flops.py, ``model_flops_per_token``;
 against ``peak_flops_per_s``, the device's dense bf16 peak, named in
 ``peak_source``), ``peak_memory_bytes`` (ours: ``bench --json``'s
-``device_peak_bytes``; PyTorch's: ``torch.cuda.max_memory_allocated`` over
-the side's set-up and steps, less what the other sides hold) and
+``device_peak_bytes`` less what was in use when the side began, and
+``device_memory``: that figure's parts -- ``in_use_before_bytes``,
+``left_in_use_after_bytes``, the arena, scratch, capture pools, the
+cuBLAS handles and workspaces and cuBLASLt plans the side made, the
+products cuBLASLt refused; ``run_purine``; PyTorch's:
+``torch.cuda.max_memory_allocated`` over the side's set-up and steps, less
+what the other sides hold) and
 ``attention_ms_per_iter`` (the attention's GPU time per step: PyTorch's from
 torch.profiler's kernels named like an attention kernel, listed in
 ``attention_kernels``; ours from our own trace, the Attention ops' spans
@@ -177,20 +182,82 @@ def environment(values):
                 os.environ[k] = v
 
 
+def _in_use(device):
+    """Bytes in use in CuPy's default pool on ``device`` (after a collection
+    and the pool's free blocks given back: ``_free_cupy``), or None without
+    a GPU."""
+    from purine_mpi.base.backend import cupy_available
+    if device < 0 or not cupy_available():
+        return None
+    import cupy
+    _free_cupy()
+    with cupy.cuda.Device(device):
+        return int(cupy.get_default_memory_pool().used_bytes())
+
+
+def _lt_counts():
+    """(cuBLASLt plans made so far, the products cuBLASLt refused) of this
+    process (gpu/blaslt.py: the cache is the process's, so a side's own are
+    the difference)."""
+    from purine_mpi.gpu import blaslt
+    return blaslt.plan_count(), len(blaslt.refused())
+
+
+def _workspaces(device):
+    """{handle key: workspace bytes} of the cuBLAS handles made so far on
+    ``device`` (gpu/blas.py; the process's, as ``_lt_counts``)."""
+    from purine_mpi.gpu import blas
+    return blas.made_handles(device) if device >= 0 else {}
+
+
 def run_purine(config, args):
-    """``bench``'s loop: {tokens_per_s, iter_ms_median, peak_memory_bytes}."""
+    """``bench``'s loop: {tokens_per_s, iter_ms_median, peak_memory_bytes,
+    device_memory}. The peak is this side's own: ``bench --json``'s
+    ``device_peak_bytes`` (the most bytes in use at once in CuPy's pool,
+    plus the captures' pools) less what was in use when the side began --
+    what an earlier side left (``in_use_before_bytes``; as PyTorch's
+    figure is the side's less what was held before it). A side sharing
+    the process once read about twice its own peak: the side before it
+    kept its whole device arena in use through its data reader's prefetch
+    thread (issue 45; runtime/dispatcher ``_stop_prefetch``). What the side
+    leaves in use after it (``left_in_use_after_bytes``) says whether one
+    still does."""
     from purine_mpi.job.job import job_of
     from purine_mpi.tools.bench import run_bench
+    device = int(args.device)
+    before = _in_use(device)
+    plans, refused = _lt_counts()
+    handles = _workspaces(device)
     res = run_bench(job_of(config), args.iters, args.warmup)
     seq = config["data"]["train"]["sequence_length"]
     peaks = res.get("device_peak_bytes") or {}
+    raw = int(peaks[str(device)]) if str(device) in peaks else None
+    peak = None if raw is None else raw - (before or 0)
     out = {"tokens_per_s": round(res["images_per_s"] * seq, 1),
            "iter_ms_median": res["iter_ms_median"],
-           "peak_memory_bytes": int(peaks[str(args.device)]) if str(args.device) in peaks
-           else None, "peak_memory_source": "bench --json device_peak_bytes",
+           "peak_memory_bytes": peak,
+           "peak_memory_source": "bench --json device_peak_bytes, less what was in use "
+                                 "before the side (device_memory.in_use_before_bytes)",
            "cuda_graph": bool((res.get("cuda_graph") or {}).get("segments")),
            "bench_mfu": res.get("mfu")}
-    _free_cupy()
+    after = _in_use(device)
+    if raw is not None:
+        key = str(device)
+        pools = ((res.get("cuda_graph") or {}).get("capture_pool_bytes") or {}).get(key, 0)
+        made = {k: v for k, v in _workspaces(device).items() if k not in handles}
+        plans_after, refused_after = _lt_counts()
+        out["device_memory"] = {
+            "peak_bytes": peak,
+            "peak_with_earlier_bytes": raw,
+            "in_use_before_bytes": before,
+            "left_in_use_after_bytes": None if after is None else after - (before or 0),
+            "arena_bytes": (res.get("device_arena_bytes") or {}).get(key),
+            "scratch_bytes": (res.get("device_scratch_bytes") or {}).get(key),
+            "capture_pool_bytes": int(pools),
+            "cublas_handles": len(made),
+            "cublas_workspace_bytes": int(sum(made.values())),
+            "cublaslt_plans": plans_after - plans,
+            "cublaslt_refused": refused_after - refused}
     return out
 
 
@@ -384,6 +451,7 @@ def _free_cupy():
         from purine_mpi.base.backend import cupy_available
         if cupy_available():
             import cupy
+            gc.collect()   # a closed trainer's cycles: their arrays back to the pool
             cupy.get_default_memory_pool().free_all_blocks()
     except ImportError:
         pass
@@ -587,6 +655,8 @@ def main(argv=None):
                 entry["cuda_graph"] = runs[0]["cuda_graph"]
                 entry["bench_mfu"] = runs[0]["bench_mfu"]
                 entry["environment"] = OURS[side]
+                # round 1's (the peak's round): what this side holds, made and left
+                entry["device_memory"] = runs[0].get("device_memory")
                 if side == "purine":
                     entry["op_breakdown"], entry["op_breakdown_note"] = None, None
                 else:

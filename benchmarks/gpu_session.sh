@@ -430,7 +430,10 @@ case "$MODE" in
     # only where it fits before the deadline
     # ours with PURINE_FC_EPILOGUE=cublaslt beside the default, interleaved in the
     # same run (purine_fc_cublaslt_vs_purine: the biased fc outputs as one cuBLASLt
-    # product each, the bias rounded to bf16 in its epilogue; docs/gpu.md, "Precision")
+    # product each, the bias rounded to bf16 in its epilogue; docs/gpu.md, "Precision");
+    # each side of ours reports its own peak (less what was in use when it began) and
+    # device_memory: what was in use before it, what it left, its arena, scratch,
+    # capture pools, cuBLAS workspaces and cuBLASLt plans (the summary prints them)
     # (a stage cut short, STAGE_BUDGET_S or the call's end, leaving it under 60 s
     # that way: all that is left, the microbenchmarks skipped)
     deadline=$(( $(left) - micro_s ))

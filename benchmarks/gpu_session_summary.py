@@ -22,9 +22,12 @@ WATCHED = ("test_gpu_kernel_options", "gelu_gradient_copy_kernels_on_adversarial
            "layer_norm_gradient_copy_kernels_on_adversarial",
            "test_the_redrawn_dropout_gradient_writes_dx_and_its_bits",
            "test_gpu_loss_vec", "test_gpu_bias_gelu_vec")
-#: the figures worth a line, by key name
+#: the figures worth a line, by key name (the last line: gpt_gpu.json's
+#: ``device_memory`` of each side of ours, what its peak is made of)
 HEADLINE = re.compile(r"(per_s$|_ms$|^ms$|ms_per_iter$|ms_median$|peak|^mfu$|speedup|"
-                      r"fraction|bitwise|max_abs_diff|_vs_)")
+                      r"fraction|bitwise|max_abs_diff|_vs_|"
+                      r"^in_use_before|^left_in_use|^cublaslt_|^cublas_handles$|"
+                      r"^cublas_workspace_bytes$|^arena_bytes$|^scratch_bytes$)")
 #: keys that are lists of rows, and the keys that name a row
 ROWS = ("results",)
 ROW_NAME = ("config", "batch", "precision", "path")

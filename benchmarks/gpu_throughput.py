@@ -52,7 +52,9 @@ peak of live tensors over its run) and ``purine_vs_torch_memory``, their
 ratio; peak against peak, ``purine_device_peak_bytes`` (the most bytes in
 use at once in CuPy's pool over purine_mpi's run, read at each allocation,
 plus the CUDA-graph captures' private pools: gpu/memory.py, as ``bench
---json``'s ``device_peak_bytes``) and ``purine_vs_torch_peak_memory``, its
+--json``'s ``device_peak_bytes``; less what an earlier run of the process
+still held in use when it began, ``purine_<mode>_device_in_use_before_bytes``)
+and ``purine_vs_torch_peak_memory``, its
 ratio to ``torch_eager_max_memory_allocated`` (both allocators' live bytes
 at the worst moment of the same training step, set-up included).
 ``purine_planned_device_rows`` / ``_total`` / ``purine_planned_peak_op``:
@@ -79,6 +81,7 @@ each on the CPU, and prints the same JSON with every figure null and
 ``"dry_run": true``: a smoke test of the script on any machine.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -155,8 +158,12 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     set_tf32(tf32)
     cupy.cuda.Device(device).use()
     pool = cupy.get_default_memory_pool()
+    gc.collect()                        # an earlier run's cycles: its arrays back to the pool
     pool.free_all_blocks()              # what an earlier run left cached
     held_before = pool.total_bytes()
+    # what an earlier run still holds in use (its cuBLAS handles' workspaces:
+    # gpu/blas keeps them): in the tracker's peak, not this run's (issue 45)
+    in_use_before = int(pool.used_bytes())
     from purine_mpi.gpu.memory import start_peak_memory
     peak = start_peak_memory(cupy)      # the most bytes in use at once, from here on
     graph, _ = build_train_graph(job_of(config))
@@ -208,8 +215,9 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
         if peak is not None:   # the profiled iterations below run under PyTorch's profiler
             peak.close()
             captured = (d.capture_report() or {}).get("capture_pool_bytes") or {}
-            out["device_peak_bytes"] = int(peak.peak().get(device, 0) +
+            out["device_peak_bytes"] = int(peak.peak().get(device, 0) - in_use_before +
                                            captured.get(str(device), 0))
+            out["device_in_use_before_bytes"] = in_use_before
         if profile_iters:
             start = warmup + iters
 
@@ -647,6 +655,7 @@ def _entry(args, path, batch, profile):
                       f"{key}_device_unplanned_bytes": p.get("device_unplanned_bytes"),
                       f"{key}_device_pool_bytes": p.get("device_pool_bytes"),
                       f"{key}_device_peak_bytes": p.get("device_peak_bytes"),
+                      f"{key}_device_in_use_before_bytes": p.get("device_in_use_before_bytes"),
                       f"{key}_scratch_bytes": p.get("scratch_bytes"),
                       f"{key}_streams": p["streams"]})
         if p.get("blas"):

@@ -5,8 +5,10 @@ null figures; the GPU run refuses to report CPU numbers."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -176,10 +178,13 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage and "--deadline-s" in stage
     # ours with the cuBLASLt epilogue beside the default, in the same run
     assert "--sides purine purine_fc_cublaslt torch_eager torch_compile" in stage
-    # the loss and layer-norm kernels, new against old, each under a timeout
-    for script in ("loss_kernel_gpu.py", "layernorm_kernel_gpu.py"):
-        line = stage.split(f"benchmarks/{script}")[0].rsplit("\n", 1)[-1]
-        assert "timeout --kill-after=5 " in line, script
+    # the kernel microbenchmarks, new against old, each through `micro`, which
+    # runs benchmarks/NAME.py under a timeout of its cap (after the headline)
+    micro = stage.split("micro() {", 1)[1].split("\n    }\n", 1)[0]
+    assert 'timeout --kill-after=5 "$cap" "$PYTHON" "benchmarks/$name.py"' in micro, micro
+    for script in ("loss_kernel_gpu", "bias_gelu_gpu", "layernorm_kernel_gpu"):
+        assert re.search(rf"^    micro {script} \d+ \d+$", stage, re.M), script
+        assert stage.index(f"micro {script} ") > stage.index("benchmarks/gpt_gpu.py"), script
 
 
 def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
@@ -245,3 +250,50 @@ def test_gpt_gpu_recompute_layers_reach_the_job():
     at_two = config("h*_gelu", micro_batches=2)
     assert at_two["recompute"] == "full" and at_two["recompute_layers"] == ["h*_gelu"]
     assert at_two["parallel"]["micro_batches"] == 2
+
+
+def test_our_sides_in_one_process_each_report_their_own_peak(host_build_dir, monkeypatch,
+                                                            tmp_path):
+    """gpt_gpu.run_purine, the default side then PURINE_FC_EPILOGUE=cublaslt,
+    in one process on the emulated device (the bf16 tiny GPT): each side's
+    ``peak_memory_bytes`` is its own -- the cuBLASLt side's no more than the
+    default's (issue 45: on an H200 it read 19.1 GB against 9.64, about
+    twice, as the default side's trainer kept its device arena in use: its
+    data reader's prefetch thread held it, runtime/dispatcher
+    ``_stop_prefetch``). Fails before: the second side's figure was the
+    first's plus its own (2.0x). ``device_memory`` says what each side made
+    (the cuBLASLt plans only on its side, none refused) and left."""
+    import gc
+
+    from purine_mpi.data.text import write_text
+    from tests.emulated_gpu.helpers import emulated_gpu_env
+    emulated_gpu_env(monkeypatch, host_build_dir)
+    spec = importlib.util.spec_from_file_location("gpt_gpu_sides", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from purine_mpi.gpu import blas, blaslt
+    from purine_mpi.job.config import load_config
+    blas.reset()
+    blaslt.reset()
+    gc.collect()
+    tokens = str(tmp_path / "tokens.h5")
+    write_text(os.path.join(REPO, "purine_mpi", "data"), tokens, glob="*.py", val_fraction=0.1)
+    config = load_config(os.path.join(REPO, "jobs", "gpt_tiny.yaml"), overrides=[
+        f"data.train.path={tokens}", f"data.test.path={tokens}", "data.train.batch_size=2",
+        "data.train.sequence_length=32", "device=0", "precision=bf16",
+        "checkpoint.interval=0"], check_files=False)
+    args = types.SimpleNamespace(device=0, iters=2, warmup=1)
+    sides = {}
+    for side in ("purine", "purine_fc_cublaslt"):
+        with bench.environment(bench.OURS[side]):
+            sides[side] = bench.run_purine(config, args)
+    ours, lt = sides["purine"], sides["purine_fc_cublaslt"]
+    assert ours["peak_memory_bytes"] > 0
+    assert lt["peak_memory_bytes"] <= ours["peak_memory_bytes"] * 1.01, (ours, lt)
+    mem, lt_mem = ours["device_memory"], lt["device_memory"]
+    assert lt_mem["peak_with_earlier_bytes"] == lt["peak_memory_bytes"] + \
+        lt_mem["in_use_before_bytes"]
+    assert mem["arena_bytes"] > 0 and lt_mem["arena_bytes"] == mem["arena_bytes"]
+    assert lt_mem["cublaslt_plans"] > 0 and mem["cublaslt_plans"] == 0
+    assert lt_mem["cublaslt_refused"] == mem["cublaslt_refused"] == 0
+    assert mem["cublas_handles"] > 0 and mem["cublas_workspace_bytes"] > 0

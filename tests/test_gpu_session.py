@@ -401,3 +401,32 @@ exec {sys.executable} "$@"
            if line.startswith("benchmarks/gpt_gpu.py")][0]
     deadline = int(gpt[gpt.index("--deadline-s") + 1])
     assert deadline >= 55 and 1 <= int(gpt[gpt.index("--budget-s") + 1]) <= deadline - 20, gpt
+
+
+def test_the_summary_names_each_side_of_ours_peak_and_what_it_is_made_of(tmp_path):
+    """The gpt stage's summary line of each side of ours in gpt_gpu.json
+    carries its own peak and ``device_memory`` (issue 45: the cuBLASLt
+    side's peak once read twice the default's, with nothing in the summary
+    saying what was in use before it): the peak, what was in use before,
+    what the side left, the cuBLASLt plans it made and the products refused."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_session_summary_sides",
+                                                  BENCH / "gpu_session_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    side = {"tokens_per_s": 250600.0, "peak_memory_bytes": 9500000000,
+            "device_memory": {"peak_bytes": 9500000000, "peak_with_earlier_bytes": 19000000000,
+                              "in_use_before_bytes": 9500000000, "left_in_use_after_bytes": 0,
+                              "arena_bytes": 7000000000, "cublas_handles": 3,
+                              "cublas_workspace_bytes": 100663296, "cublaslt_plans": 5,
+                              "cublaslt_refused": 0}}
+    path = tmp_path / "gpt_gpu.json"
+    path.write_text(json.dumps({"sides": {"purine_fc_cublaslt": side}}))
+    (line,) = mod.json_lines(path)
+    assert line.startswith("gpt_gpu.json: purine_fc_cublaslt: "), line
+    for figure in ("peak_memory_bytes=9500000000", "device_memory.peak_bytes=9500000000",
+                   "device_memory.in_use_before_bytes=9500000000",
+                   "device_memory.left_in_use_after_bytes=0", "device_memory.cublaslt_plans=5",
+                   "device_memory.cublaslt_refused=0", "device_memory.cublas_handles=3",
+                   "device_memory.arena_bytes=7000000000"):
+        assert figure in line.split(), (figure, line)

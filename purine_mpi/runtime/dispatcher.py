@@ -414,6 +414,22 @@ class Dispatcher:
                 cv.notify_all()
         for w in self.workers:
             w.join(timeout=5)
+        self._stop_prefetch()
+
+    def _stop_prefetch(self):
+        """End the data readers' prefetch threads (ops/data.py), letting the
+        batch each gathers finish. A prefetch thread holds its reader, and
+        the reader its workspace (``k.workspace``, ``k.ins``/``k.outs``):
+        left to end on its own (``IDLE_S`` after its last request) it kept
+        every blob and scratch of a closed run in use -- on a GPU the whole
+        device arena, which the next run in the process counted in its peak
+        (benchmarks/gpt_gpu.py's second side of ours read about twice the
+        first's, issue 45)."""
+        from ..ops.data import EXIT_WAIT_S
+        for k in self.kernels.values():
+            stop = getattr(k, "stop_prefetch", None)
+            if stop is not None:
+                stop(EXIT_WAIT_S)
 
     def __enter__(self):
         return self
