@@ -92,12 +92,13 @@ bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|240|fp32 images/s and peak memory against PyTorch (issue 44's memory target): cifar10_quick 128, nin_cifar10 128, cifar10_quick 512, nin_cifar10 512, torch.compile too
 dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
 plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)
-gpt|245|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py)"
+gpt|245|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py)
+learn|575|issue 45's learning target (learn_gpu.py; a call of its own, its budget an estimate: it uses what it is given): a BPE of 50257 on 8 MB of the machine's stdlib *.py, the unigram entropy, gpt2_124m bf16 then fp32 (16 x 1024 tokens a step, the same iterations, the time shared 35/65): bf16 below the entropy within 600 s, bf16 - fp32 within 0.05 nats"
 
 # the order of `all`, the most valuable first (issue 45's GPT-2 and loss
-# kernels and the GPU-only tests, then issue 44's memory target; the probe's
+# kernels and the GPU-only tests, its learning target, then issue 44's memory target; the probe's
 # assumptions passed on every H200 so far)
-ALL_ORDER="tests gpt bench probe bench-quick dp plans"
+ALL_ORDER="tests gpt learn bench probe bench-quick dp plans"
 
 # stage|seconds it took on an H200|when and how measured (what `--plan` and
 # `all` say; summary.txt records each stage's seconds anew)
@@ -107,7 +108,8 @@ bench-quick|15|2026-11-25
 bench|150+|2026-11-29 and 11-30: cut at its 150 s budget before nin_cifar10 finished
 dp|8|2026-11-25
 plans|30?|2026-11-29, not timed alone: a 216 s call of probe plans dp bench, less the others
-gpt|105|2026-11-30: a 153 s call of tests gpt, less tests' 48 s (bench_bf16 and gpt_gpu only: the microbenchmarks' 90 s came after)"
+gpt|105|2026-11-30: a 153 s call of tests gpt, less tests' 48 s (bench_bf16 and gpt_gpu only: the microbenchmarks' 90 s came after)
+learn|575?|not yet run on a GPU"
 
 # a call's own limit: stages stop (each at its budget, or earlier where
 # the call's time runs out) so that the call ends before the device tool's
@@ -469,6 +471,17 @@ case "$MODE" in
     # the outputs' agreement; under 20 s)
     micro layernorm_kernel_gpu 20 10
     ;;
+  learn)
+    # issue 45's learning target (benchmarks/learn_gpu.py; docs/gpu.md, "The
+    # learning target"): the corpus from this machine's stdlib, its BPE, the
+    # unigram entropy, then gpt2_124m bf16 and fp32 for the same iterations,
+    # the time left shared 35/65 (a run still going at its share is stopped,
+    # its metrics kept) -> learn.json, learn_*_metrics.jsonl and logs. Its
+    # corpus, token file and runs lie under cache/ (left out of the archive);
+    # it ends on its own 5 s before the stage's budget
+    limit "$PYTHON" benchmarks/learn_gpu.py --work "$OUT/cache/learn" --report-dir "$OUT" \
+        --budget-s $(( $(left) > 10 ? $(left) - 5 : 5 )) > "$OUT/learn.log" 2>&1
+    step learn_gpu $? ;;
 esac
 
 grep "^$MODE " "$OUT/status.txt" 2>/dev/null

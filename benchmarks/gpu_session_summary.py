@@ -5,7 +5,8 @@ status, and the headline figures of the reports written so far.
     python benchmarks/gpu_session_summary.py WORK_DIR
 
 reads WORK_DIR (the stages' folder: stages.txt, status.txt, pytest_gpu.xml,
-probe.txt, *.json) and prints the summary. It never fails on a missing or
+probe.txt, *.json) and prints the summary (a JSON report's ``headline``, a
+list of lines, as they are; its figures by key name). It never fails on a missing or
 half-written report (a stage cut at its budget or a killed call): such a
 file gets one line saying so. Standard library only.
 """
@@ -75,9 +76,12 @@ def json_lines(path):
         rows = [row for key in ROWS for row in doc.get(key) or [] if isinstance(row, dict)]
         sides = doc.get("sides") if isinstance(doc.get("sides"), dict) else {}
         head = {k: v for k, v in doc.items() if k not in ROWS and k != "sides"}
+        # a report's own lines (learn_gpu.py's verdicts): each as it is
+        said = [str(text) for text in doc.get("headline") or []]
+        lines += [f"{path.name}: {text}" for text in said]
         figures = []
         _scalars("", head, figures)
-        if figures or not (rows or sides):
+        if figures or not (rows or sides or said):
             lines.append(f"{path.name}: " + (" ".join(figures) or "(no headline figure)"))
         for row in rows:
             figures = []

@@ -21,7 +21,7 @@ from tests.conftest import REPO, cli_env
 
 BENCH = pathlib.Path(REPO) / "benchmarks"
 SCRIPT, PROBE, PINS = BENCH / "gpu_session.sh", BENCH / "gpu_probe.py", BENCH / "gpu_wheels.txt"
-STAGES = ["tests", "gpt", "bench", "probe", "bench-quick", "dp", "plans"]   # `all`
+STAGES = ["tests", "gpt", "learn", "bench", "probe", "bench-quick", "dp", "plans"]   # `all`
 
 
 def _session(*args, env=None, timeout=120):
@@ -50,7 +50,7 @@ def test_plan_lists_the_stages_in_order_and_the_calls_they_need(tmp_path):
     calls = [line.split()[1:] for line in lines[total_at + 2:]]
     assert [line.split()[0] for line in lines[total_at + 2:]] == \
         ["benchmarks/gpu_session.sh"] * len(calls)
-    assert sum(calls, []) == STAGES and len(calls) == 2
+    assert sum(calls, []) == STAGES and len(calls) == 3   # learn: a call of its own
     assert all(sum(budgets[s] for s in call) <= 590 for call in calls), calls
     for bad in (("bogus",), ("probe", "bogus"), ("all", "probe"), ("--plan", "x"),
                 ("--stage",)):
