@@ -102,7 +102,28 @@ def test_ranks_not_simulated_mirror_their_node_mate():
     g = _pipeline(_node(n=4, k=2))
     assert applies(g, _node(n=4, k=2), 4)
     mates, mirrors = node_mates(g, 0, 2, 4)
-    assert [m.rank for m in mates] == [1] and mirrors == 0
-    assert node_mates(g[:1], 0, 4, 4) == ([], 3)
-    assert node_mates(g[:1], 0, 2, 3) == ([], 1)
+    assert [m.rank for m in mates] == [1] and mirrors == []
+    assert node_mates(g[:1], 0, 4, 4) == ([], [0, 0, 0])
+    assert node_mates(g[:1], 0, 2, 3) == ([], [0])
     assert not applies(g[:1], _node(n=4, k=4), 4)  # its mirrors: the rule before
+    # 2 stages x 2 replicas on one node of 4 (replica 1: ranks 2, 3): rank 2
+    # computes as stage 0 (rank 0), rank 3 as stage 1 (rank 1); a tensor
+    # shard not simulated (its place not simulated either) as the op's rank
+    mates, mirrors = node_mates(g, 0, 4, 4, per=2)
+    assert [m.rank for m in mates] == [1] and mirrors == [0, 1]
+    assert node_mates(g[:1], 0, 4, 4, per=4) == ([], [0, 0, 0])
+
+
+def test_a_pipelines_replica_on_the_node_computes_as_its_own_stage():
+    """2 stages x 2 replicas, 4 ranks on one node (ratio 2 at 2 ranks, 3 at
+    3, 4 at 4), ranks 0 and 1 simulated: while stage 0 computes (rank 0, and
+    rank 2, its replica) stage 1 waits (ranks 1 and 3): 2 ranks compute, each
+    op at ratio 2: 6 s an iteration. Counting rank 3 as busy with rank 0 (a
+    mirror of the op's own rank) priced them at ratio 3: 9 s; the rule
+    before (every op at ratio 4): 12 s."""
+    model = NodeModel(compute_ratio={j: {"gemm": float(j), "elementwise": float(j),
+                                         "dispatch": 1.0} for j in (2, 3, 4)}, ranks_per_node=4)
+    node = node_scale(model, 4, 1, 4)
+    assert contended(_pipeline(node), node, 4, 6, per=2).period() == pytest.approx(6.0, rel=1e-3)
+    from purine_mpi.tools.scaling.simulate import simulate
+    assert simulate(_pipeline(node), 6).period() == pytest.approx(12.0, rel=1e-3)  # the old rule

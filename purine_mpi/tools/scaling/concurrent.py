@@ -18,7 +18,8 @@ two simulated ranks, the ranks are simulated without contention, then
 each compute op is priced again at the ratio of the number of its node's
 ranks computing while it runs (itself and each other rank with a compute
 op in that time, weighted by the time; a rank of the node not simulated,
-a replica of a simulated class, as a mirror of the op's own rank: busy
+a replica, as the simulated rank at its place in replica 0 computes: a
+pipeline's stage as that stage, a tensor shard as the op's own rank, busy
 when it is), and simulated again; twice, the second from the first's
 times. Otherwise (one simulated rank a node: data parallelism's or tensor
 parallelism's replicas, which compute in step, mirrors only; a trace of
@@ -45,17 +46,27 @@ def applies(graphs, node, n):
     return len(set(nodes)) < len(nodes)
 
 
-def node_mates(graphs, rank, k, n):
-    """(the simulated ranks sharing ``rank``'s node of ``k`` ranks, how many
-    of its node's ranks are not simulated): ranks 0..k-1 one node, k..2k-1
-    the next (mpiexec's blocks), the last node holding what is left of
-    ``n``. A rank not simulated is one of the classes' (``Scenario.
-    class_ranks``: a replica of a simulated rank, computing as it does),
-    taken as a mirror of ``rank`` itself: busy when it is."""
+def node_mates(graphs, rank, k, n, per=None):
+    """(the simulated ranks sharing ``rank``'s node of ``k`` ranks, the
+    simulated rank each of its node's ranks not simulated computes as):
+    ranks 0..k-1 one node, k..2k-1 the next (mpiexec's blocks), the last
+    node holding what is left of ``n``. A rank not simulated is a replica of
+    a simulated one (``Scenario``: replica q's rank of replica 0's rank r is
+    r + q * ``per``): it computes as rank ``u % per`` does where that rank is
+    simulated (a pipeline's stage: the same stage of replica 0), else (a
+    tensor shard other than 0, which computes in step with shard 0; ``per``
+    None) as ``rank`` itself: busy when it is."""
     first = rank // k * k
     size = min(k, n - first)
+    simulated = {g.rank for g in graphs}
     mates = [g for g in graphs if g.rank != rank and g.rank // k == rank // k]
-    return mates, max(0, size - 1 - len(mates))
+    mirrors = []
+    for u in range(first, first + size):
+        if u in simulated:
+            continue
+        like = u % per if per else rank
+        mirrors.append(like if like in simulated else rank)
+    return mates, mirrors
 
 
 def busy_intervals(graph, spans):
@@ -122,12 +133,13 @@ def reprice(graph, shares, node):
         graph.ops[name].seconds = seconds * factor + added
 
 
-def contended(graphs, node, n, iterations):
+def contended(graphs, node, n, iterations, per=None):
     """The SimResult of ``graphs`` (RankGraphs of ``n`` ranks, priced with
     ``node``'s factors of c_N: ``model.Template.rank_graph``), each compute
     op priced by the ranks of its node computing while it runs where
-    ``applies``; else simply simulated. The graphs' ops are priced again in
-    place."""
+    ``applies``; else simply simulated. ``per``: the ranks of one replica
+    (``Scenario.per``: which simulated rank a rank not simulated computes
+    as, ``node_mates``). The graphs' ops are priced again in place."""
     if not applies(graphs, node, n):
         return simulate(graphs, iterations)
     k = node.ranks_on_node
@@ -137,8 +149,8 @@ def contended(graphs, node, n, iterations):
     for _ in range(ROUNDS):
         busy = {g.rank: busy_intervals(g, result.spans.get(g.rank, ())) for g in graphs}
         for g in graphs:
-            mates, mirrors = node_mates(graphs, g.rank, k, n)
-            intervals = [busy[m.rank] for m in mates] + [busy[g.rank]] * mirrors
+            mates, mirrors = node_mates(graphs, g.rank, k, n, per)
+            intervals = [busy[m.rank] for m in mates] + [busy[r] for r in mirrors]
             reprice(g, busy_shares(g, result.spans.get(g.rank, ()), intervals), node)
         result = simulate(graphs, iterations)
     return result
