@@ -1047,11 +1047,13 @@ class Predictor:
         ``built``: {rank: its composed training graph} already at hand (the
         memory plan's, ``evaluate``), read instead of composing it again."""
         from .scaling.concurrent import contended
-        from .scaling.model import ITERATIONS
+        from .scaling.model import ITERATIONS, Scenario
         graphs, images, untraced = self.rank_graphs(job, n, built)
         # ranks sharing a node: each op at the contention of the ranks
-        # computing while it runs (scaling/concurrent.py)
-        return contended(graphs, self.scale(n), n, ITERATIONS).period(), images, untraced
+        # computing while it runs (scaling/concurrent.py); a rank not
+        # simulated computes as its place in replica 0 (Scenario.per)
+        return contended(graphs, self.scale(n), n, ITERATIONS, Scenario(job, n).per).period(), \
+            images, untraced
 
     def rank_graphs(self, job, n, built=None):
         """([RankGraph] of the simulated ranks, samples per iteration,

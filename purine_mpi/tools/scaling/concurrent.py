@@ -15,21 +15,24 @@ slower than they ran, data parallel not).
 ``contended``: where the trace ran alone on its node (its op times hold
 no contention: ``plan --choose``'s one-rank calibration) and a node holds
 two simulated ranks, the ranks are simulated without contention, then
-each compute op is priced again at the ratio of the number of its node's
-ranks computing while it runs (itself and each other rank with a compute
-op in that time, weighted by the time; a rank of the node not simulated,
-a replica of a simulated class, as a mirror of the op's own rank: busy
-when it is), and simulated again; twice, the second from the first's
-times. Otherwise (one simulated rank a node: data parallelism's or tensor
+each compute op is priced again by the number of its node's ranks
+computing while it runs (itself and each other rank with a compute op in
+that time; a rank of the node not simulated, a replica, as the simulated
+rank at its place in replica 0 computes: a pipeline's stage as that
+stage, a tensor shard as the op's own rank, busy when it is): its time
+alone over its mean speed, 1 / ratio[j] in the time j ranks compute
+(processor sharing), and simulated again; twice, each from the last
+one's times, the second damped (``reprice``). Otherwise (one simulated rank a node: data parallelism's or tensor
 parallelism's replicas, which compute in step, mirrors only; a trace of
 several ranks of a node, whose op times hold the contention they ran
 under) the rule before applies: ``node.factors`` of c_N.
 """
-import bisect
+import numpy as np
 
 from .simulate import simulate
 
-#: the rounds of pricing and simulating again (the second from the first's times)
+#: the rounds of pricing and simulating again, each from the last one's
+#: times, the second on damped (``reprice``)
 ROUNDS = 2
 
 
@@ -45,17 +48,27 @@ def applies(graphs, node, n):
     return len(set(nodes)) < len(nodes)
 
 
-def node_mates(graphs, rank, k, n):
-    """(the simulated ranks sharing ``rank``'s node of ``k`` ranks, how many
-    of its node's ranks are not simulated): ranks 0..k-1 one node, k..2k-1
-    the next (mpiexec's blocks), the last node holding what is left of
-    ``n``. A rank not simulated is one of the classes' (``Scenario.
-    class_ranks``: a replica of a simulated rank, computing as it does),
-    taken as a mirror of ``rank`` itself: busy when it is."""
+def node_mates(graphs, rank, k, n, per=None):
+    """(the simulated ranks sharing ``rank``'s node of ``k`` ranks, the
+    simulated rank each of its node's ranks not simulated computes as):
+    ranks 0..k-1 one node, k..2k-1 the next (mpiexec's blocks), the last
+    node holding what is left of ``n``. A rank not simulated is a replica of
+    a simulated one (``Scenario``: replica q's rank of replica 0's rank r is
+    r + q * ``per``): it computes as rank ``u % per`` does where that rank is
+    simulated (a pipeline's stage: the same stage of replica 0), else (a
+    tensor shard other than 0, which computes in step with shard 0; ``per``
+    None) as ``rank`` itself: busy when it is."""
     first = rank // k * k
     size = min(k, n - first)
+    simulated = {g.rank for g in graphs}
     mates = [g for g in graphs if g.rank != rank and g.rank // k == rank // k]
-    return mates, max(0, size - 1 - len(mates))
+    mirrors = []
+    for u in range(first, first + size):
+        if u in simulated:
+            continue
+        like = u % per if per else rank
+        mirrors.append(like if like in simulated else rank)
+    return mates, mirrors
 
 
 def busy_intervals(graph, spans):
@@ -73,16 +86,21 @@ def busy_intervals(graph, spans):
     return merged
 
 
-def overlap(intervals, starts, s, e):
-    """Time of [s, e) inside the merged ``intervals`` (``starts``: their
-    starts, for bisect)."""
-    i = max(0, bisect.bisect_right(starts, s) - 1)
-    t = 0.0
-    while i < len(intervals) and intervals[i][0] < e:
-        a, b = intervals[i]
-        t += max(0.0, min(b, e) - max(a, s))
-        i += 1
-    return t
+def busy_before(intervals):
+    """t -> the time before ``t`` inside the merged ``intervals`` (of
+    arrays of times t)."""
+    if not intervals:
+        return lambda t: np.zeros_like(t)
+    iv = np.asarray(intervals, dtype=float)
+    starts, lens = iv[:, 0], iv[:, 1] - iv[:, 0]
+    cum = np.concatenate(([0.0], np.cumsum(lens)))
+
+    def before(t):
+        i = np.searchsorted(starts, t, side="right") - 1
+        k = np.maximum(i, 0)
+        inside = cum[k] + np.minimum(t - starts[k], lens[k])
+        return np.where(i >= 0, inside, 0.0)
+    return before
 
 
 def busy_shares(graph, spans, mates):
@@ -91,54 +109,71 @@ def busy_shares(graph, spans, mates):
     the merged busy intervals of each other rank of its node. With one
     other rank this is exact; with more, each mate's overlap is taken as
     independent of the others' (the shares of j from their products)."""
-    marks = [([iv[0] for iv in m], m) for m in mates]
-    time, share = {}, {}
-    for s, e, _, name, _ in spans:
-        op = graph.ops.get(name)
-        if op is None or op.kind != "compute" or e <= s or name not in graph.priced:
-            continue
-        dist = {1: 1.0}
-        for starts, m in marks:
-            p = min(1.0, overlap(m, starts, s, e) / (e - s))
-            nxt = {}
-            for j, w in dist.items():
-                nxt[j] = nxt.get(j, 0.0) + w * (1 - p)
-                nxt[j + 1] = nxt.get(j + 1, 0.0) + w * p
-            dist = nxt
-        acc = share.setdefault(name, {})
-        for j, w in dist.items():
-            acc[j] = acc.get(j, 0.0) + w * (e - s)
-        time[name] = time.get(name, 0.0) + (e - s)
-    return {name: {j: w / time[name] for j, w in acc.items()} for name, acc in share.items()}
+    rows = [(s, e, name) for s, e, _, name, _ in spans
+            if e > s and name in graph.priced and graph.ops[name].kind == "compute"]
+    if not rows:
+        return {}
+    names = sorted({name for _, _, name in rows})
+    index = {name: i for i, name in enumerate(names)}
+    s = np.array([r[0] for r in rows])
+    e = np.array([r[1] for r in rows])
+    of = np.array([index[r[2]] for r in rows])
+    dur = e - s
+    dist = np.zeros((len(rows), len(mates) + 2))
+    dist[:, 1] = 1.0  # j = 1: the op's own rank
+    for m in mates:
+        before = busy_before(m)
+        p = np.clip((before(e) - before(s)) / dur, 0.0, 1.0)[:, None]
+        nxt = dist * (1 - p)
+        nxt[:, 1:] += dist[:, :-1] * p
+        dist = nxt
+    acc = np.zeros((len(names), dist.shape[1]))
+    np.add.at(acc, of, dist * dur[:, None])
+    time = np.zeros(len(names))
+    np.add.at(time, of, dur)
+    return {name: {j: float(acc[i, j] / time[i]) for j in range(1, dist.shape[1])
+                   if acc[i, j] > 0}
+            for i, name in enumerate(names)}
 
 
-def reprice(graph, shares, node):
-    """Each priced compute op of ``graph`` at its node factor: the mean of
-    ``node.by_busy[j]`` over its shares of j ranks computing at once
-    (``shares``; an op not in them: j = 1, alone)."""
+def reprice(graph, shares, node, damp=False):
+    """Each priced compute op of ``graph`` at its node factor over its
+    shares of the time in which j ranks of its node compute at once
+    (``shares``; an op not in them: j = 1, alone): the op runs at
+    1 / ``node.by_busy[j]`` of its speed alone in each, so its time is its
+    time alone over the time-weighted mean of those speeds (the harmonic
+    mean of the factors: a rank computing beside one that stops half-way
+    computes at full speed for the rest, as processor sharing). ``damp``:
+    the mean of that time and the op's present one (a longer op overlaps
+    less of its mates' work, which makes it shorter again: the rounds
+    alternate about the answer, damped they approach it from one side)."""
     for name, (seconds, cls, added) in graph.priced.items():
         dist = shares.get(name, {1: 1.0})
-        factor = sum(w * node.by_busy[min(j, node.ranks_on_node)][cls] for j, w in dist.items())
-        graph.ops[name].seconds = seconds * factor + added
+        speed = sum(w / node.by_busy[min(j, node.ranks_on_node)][cls] for j, w in dist.items())
+        new = seconds / speed + added
+        op = graph.ops[name]
+        op.seconds = (op.seconds + new) / 2 if damp else new
 
 
-def contended(graphs, node, n, iterations):
+def contended(graphs, node, n, iterations, per=None):
     """The SimResult of ``graphs`` (RankGraphs of ``n`` ranks, priced with
     ``node``'s factors of c_N: ``model.Template.rank_graph``), each compute
     op priced by the ranks of its node computing while it runs where
-    ``applies``; else simply simulated. The graphs' ops are priced again in
-    place."""
+    ``applies``; else simply simulated. ``per``: the ranks of one replica
+    (``Scenario.per``: which simulated rank a rank not simulated computes
+    as, ``node_mates``). The graphs' ops are priced again in place."""
     if not applies(graphs, node, n):
         return simulate(graphs, iterations)
     k = node.ranks_on_node
     for g in graphs:  # first without contention: each op as it ran alone
         reprice(g, {}, node)
     result = simulate(graphs, iterations)
-    for _ in range(ROUNDS):
+    for i in range(ROUNDS):
         busy = {g.rank: busy_intervals(g, result.spans.get(g.rank, ())) for g in graphs}
         for g in graphs:
-            mates, mirrors = node_mates(graphs, g.rank, k, n)
-            intervals = [busy[m.rank] for m in mates] + [busy[g.rank]] * mirrors
-            reprice(g, busy_shares(g, result.spans.get(g.rank, ()), intervals), node)
+            mates, mirrors = node_mates(graphs, g.rank, k, n, per)
+            intervals = [busy[m.rank] for m in mates] + [busy[r] for r in mirrors]
+            reprice(g, busy_shares(g, result.spans.get(g.rank, ()), intervals), node,
+                    damp=i > 0)
         result = simulate(graphs, iterations)
     return result

@@ -676,7 +676,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
              for t in templates]
     # ranks sharing a node: each op at the contention of the ranks computing
     # while it runs, where the trace ran alone on its node (concurrent.py)
-    result = contended([b[0] for b in built], node, n, ITERATIONS)
+    result = contended([b[0] for b in built], node, n, ITERATIONS, scenario.per)
     period = result.period()
     # the rank whose iterations end last (rank 0 where several tie): the
     # coupled collectives give every rank the same period, the slowest
@@ -687,7 +687,7 @@ def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0
                          overhead=overhead, per_iteration=per_iteration, reads=reads,
                          fixed=fixed, node=node)[0]
             for t in templates]
-    compute = contended(bare, node, n, ITERATIONS).period()
+    compute = contended(bare, node, n, ITERATIONS, scenario.per).period()
     if n == 1:
         # the reference of the efficiency: at N > 1 each traced rank is
         # simulated with its own medians (class_ranks) and may be the
