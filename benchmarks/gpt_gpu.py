@@ -125,8 +125,10 @@ OURS = {"purine": {}, "purine_fc_cublaslt": {"PURINE_FC_EPILOGUE": "cublaslt"}}
 #: ``flash_fwd_splitkv_kernel``, ``flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel``
 #: with its ``flash_bwd_dot_do_o_kernel`` and ``flash_bwd_convert_dq_kernel``;
 #: FlashAttention-3's ``flash::...``) and memory-efficient backend
-#: (``fmha_cutlassF_*``, ``fmha_cutlassB_*``)
-ATTENTION_KERNELS = r"flash|fmha|attention|sdpa|attn"
+#: (``fmha_cutlassF_*``, ``fmha_cutlassB_*``); not Inductor's Triton kernels,
+#: which take the names of the operators they feed
+#: (``triton_poi_fused__scaled_dot_product_cudnn_attention_0``: a layout copy)
+ATTENTION_KERNELS = r"^(?!triton_).*(flash|fmha|attention|sdpa|attn)"
 #: the host ranges whose GPU work is the attention's: our Attention ops'
 #: runs (``purine::Attention``, ``purine::AttentionGrad``: ranges this
 #: benchmark opens, ``attention_ranges``) and PyTorch's SDPA operators

@@ -272,6 +272,11 @@ def test_the_attention_work_of_a_cupti_trace_splits_sdpa_kernels_from_the_rest()
         backward=("autograd::engine::evaluate_function: ScaledDotProductCudnnAttentionBackward0",
                   "aten::_scaled_dot_product_cudnn_attention_backward")), 2)
     assert theirs == ours   # nested ranges: each launch once
+    # Inductor's Triton kernels named after the SDPA operator they feed: not SDPA kernels
+    glue = _cupti_trace(1)
+    glue += [dict(e, name="triton_poi_fused__scaled_dot_product_cudnn_attention_0")
+             for e in glue if e.get("name") == "nvjet_sm90_gemm"]
+    assert bench.attention_work(glue, 1)["kernels"] == [[BPROP, 0.5, 1.0], [FPROP, 0.4, 2.0]]
     for trace in (_cupti_trace(2, graph=True), _cupti_trace(2, forward=("other",),
                                                             backward=("aten::mm",))):
         got = bench.attention_work(trace, 2)
