@@ -394,12 +394,13 @@ def attention_work(events, steps, kernels=ATTENTION_KERNELS, ranges=ATTENTION_RA
             if attributed else None, "attributed": round(attributed / steps, 2)}
 
 
-def attention_fields(events, steps, what, kernels=True):
+def attention_fields(events, steps, what, kernels=True, work=None):
     """A side's attention fields from the CUPTI trace of ``steps`` of
-    ``what`` (``attention_work``): with ``kernels`` the SDPA kernels'
-    (``attention_ms_per_iter``, ``attention_kernels``, ``attention_note``),
-    and the rest of the attention's GPU work (``attention_other*``)."""
-    work = attention_work(events, steps)
+    ``what`` (``attention_work``, or ``work``, its figures): with
+    ``kernels`` the SDPA kernels' (``attention_ms_per_iter``,
+    ``attention_kernels``, ``attention_note``), and the rest of the
+    attention's GPU work (``attention_other*``)."""
+    work = work or attention_work(events, steps)
     out = {}
     if kernels:
         out.update(attention_ms_per_iter=work["kernel_ms_per_iter"] if work["kernels"] else None,
@@ -521,13 +522,15 @@ def purine_kernels(config, args, iter_ms):
             step(i)
             if i == steps - 1:
                 trainer.train.drain()
-        events = []
-        return kernel_stats(last_drained, steps, events=events), events, steps
-    stats, events, steps = purine_steps(config, args, None, measure)
+        return kernel_stats(last_drained, steps, match=ATTENTION_KERNELS), steps
+    stats, steps = purine_steps(config, args, None, measure)
     if not stats:
         return (None, "not measured: torch.profiler saw no CUDA device"), {}
     what = "our CUDA-graph steps (as train runs them)"
-    fields = attention_fields(events, steps, what)
+    table = stats.get("matched_table") or []
+    fields = attention_fields(None, steps, what, work={
+        "kernel_ms_per_iter": round(sum(row[1] for row in table), 4), "kernels": table,
+        "other": None})
     for key in [k for k in fields if k.startswith("attention_other")]:
         del fields[key]   # one replay a step: no host range; the eager trace's, ours
     return (kernel_table(stats, steps, iter_ms, what), None), fields

@@ -364,8 +364,13 @@ def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
     def stats(step, iters, match=None, events=None):
         for i in range(iters):
             steps.append(step(i))
-        events.extend(traces.pop(0))
-        return {"kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
+        trace = traces.pop(0)
+        if events is not None:
+            events.extend(trace)
+        found = {}
+        if match:   # the CUDA-graph steps: the matched kernels from a CUDA-only profile
+            found = {"matched_table": bench.attention_work(trace, iters, match)["kernels"]}
+        return {**found, "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
                 "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
     monkeypatch.setattr(gpu_throughput, "kernel_stats", stats)
     traces.append(_cupti_trace(2, graph=True))
