@@ -55,12 +55,20 @@ against ``peak_flops_per_s``, the device's dense bf16 peak, named in
 cuBLAS handles and workspaces and cuBLASLt plans the side made, the
 products cuBLASLt refused; ``run_purine``; PyTorch's:
 ``torch.cuda.max_memory_allocated`` over the side's set-up and steps, less
-what the other sides hold) and
-``attention_ms_per_iter`` (the attention's GPU time per step: PyTorch's from
-torch.profiler's kernels named like an attention kernel, listed in
-``attention_kernels``; ours from our own trace, the Attention ops' spans
-timed by CUDA events in an eager run; null with ``attention_note`` saying
-why when not measured) and ``kernels``: torch.profiler's (CUPTI) kernels of
+what the other sides hold),
+``attention_ms_per_iter`` (the SDPA kernels' time per step, every side
+alike: CUPTI's kernels of the profiled steps named like one,
+``ATTENTION_KERNELS``, listed in ``attention_kernels``; ours from the
+CUDA-graph steps; what issue 45's attention target is judged on),
+``attention_other_ms_per_iter`` (with ``attention_other`` and
+``attention_other_launches_per_iter``: the rest of the GPU work, kernels,
+memsets, copies, that CUDA calls inside the attention's host ranges
+launched, ``ATTENTION_RANGES``; ours from eager steps with our Attention
+ops' runs as ranges, ``attention_ranges``), ``attention_span_ms_per_iter``
+(ours only, secondary: the Attention ops' spans in our eager trace, timed
+by CUDA events, which hold the host's launching and waits too), each null
+with its ``*_note`` saying why when not measured, and ``kernels``:
+torch.profiler's (CUPTI) kernels of
 ``--profile-iters`` steps (ours: CUDA-graph steps, as ``train`` runs them,
 in a trainer of their own), ``kernel_ms_per_iter`` (the union of the kernel
 intervals) against ``iter_ms`` (the timed median: ``gpu_busy``),
@@ -75,9 +83,12 @@ the time it overlaps other ops split evenly among them, summed by op type
 time each), ``span_ms_per_iter`` (the spans whole), ``count_per_iter``,
 ``share`` (of ``step_ms``), ``on`` (gpu, host, comm); the 15 longest, then
 ``other``; ``idle_ms_per_iter``: no op running (the host between launches).
-``purine_vs_torch_eager`` / ``_compile``: the tokens/s ratios.
+``purine_vs_torch_eager`` / ``_compile``: the tokens/s ratios;
+``purine_attention_vs_torch_eager`` / ``_compile``: our SDPA kernels' time
+over theirs (the target: at most 1.10).
 ``--budget-s``: rounds after the first, and the profiles after the rounds
-(ours eager, ours in CUDA graphs, PyTorch's: in that order), are skipped
+(ours eager: our trace's steps, then as many under CUPTI; ours in CUDA
+graphs; PyTorch's: in that order), are skipped
 once that many seconds have passed (``cut_short``: "budget"; with
 ``--deadline-s``, the end a stage's timeout sets, a profile of ours, a
 trainer more, begins only where a round of ours fits before it, 5 s
@@ -112,8 +123,30 @@ SIDES = ("purine", "purine_fc_cublaslt", "torch_eager", "torch_compile")
 DEFAULT_SIDES = ("purine", "torch_eager", "torch_compile")
 #: our sides, and the environment each runs in (set around its set-up and steps)
 OURS = {"purine": {}, "purine_fc_cublaslt": {"PURINE_FC_EPILOGUE": "cublaslt"}}
-#: kernel names of an attention in PyTorch (flash, memory-efficient, cuDNN SDPA)
-ATTENTION_KERNELS = r"flash|fmha|attention|sdpa|attn"
+#: the SDPA kernels themselves, by CUPTI's kernel name: cuDNN's
+#: (``cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_...`` and
+#: ``..._bprop_...``: ours, and PyTorch's cuDNN backend, which PyTorch 2.11
+#: took on an H200), PyTorch's flash backend (``flash_fwd_kernel``,
+#: ``flash_fwd_splitkv_kernel``, ``flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel``
+#: with its ``flash_bwd_dot_do_o_kernel`` and ``flash_bwd_convert_dq_kernel``;
+#: FlashAttention-3's ``flash::...``) and memory-efficient backend
+#: (``fmha_cutlassF_*``, ``fmha_cutlassB_*``); not Inductor's Triton kernels,
+#: which take the names of the operators they feed
+#: (``triton_poi_fused__scaled_dot_product_cudnn_attention_0``: a layout copy)
+ATTENTION_KERNELS = r"^(?!triton_).*(flash|fmha|attention|sdpa|attn)"
+#: the host ranges whose GPU work is the attention's: our Attention ops'
+#: runs (``purine::Attention``, ``purine::AttentionGrad``: ranges this
+#: benchmark opens, ``attention_ranges``) and PyTorch's SDPA operators
+#: (``aten::scaled_dot_product_attention``,
+#: ``aten::_scaled_dot_product_{cudnn,flash,efficient}_attention[_backward]``,
+#: ``aten::_{flash,efficient}_attention_{forward,backward}``)
+ATTENTION_RANGES = (r"^purine::Attention|"
+                    r"^aten::_*(scaled_dot_product|flash_attention|efficient_attention|"
+                    r"cudnn_attention)")
+#: a Chrome trace's (torch.profiler's) categories of GPU work and of the
+#: host's CUDA calls that launch it (matched by ``args.correlation``)
+GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")
+HOST_CALLS = ("cuda_runtime", "cuda_driver")
 
 
 class Terminated(Exception):
@@ -261,18 +294,18 @@ def run_purine(config, args):
     return out
 
 
-def purine_steps(config, args, cuda_graph, measure):
+def purine_steps(config, args, cuda_graph, measure, steps=None):
     """Our trainer on synthetic data (``cuda_graph`` False: eager stream
     dispatch; None: the job's own, CUDA-graph replay as ``train`` runs it):
     ``--warmup`` steps, then ``measure(trainer, step, steps)`` with ``step(i)``
-    the i-th of ``steps`` (``--profile-iters``) more; what it returns."""
+    the i-th of ``steps`` (default ``--profile-iters``) more; what it returns."""
     from purine_mpi.comm.world import get_world
     from purine_mpi.job.job import job_of
     from purine_mpi.tools.bench import synthetic_config
     from purine_mpi.train.trainer import Trainer
     job = synthetic_config(job_of(config if cuda_graph is None
                                   else dict(config, cuda_graph=cuda_graph)))
-    steps = max(1, args.profile_iters)
+    steps = steps or max(1, args.profile_iters)
     job = job.with_training(max_iter=args.warmup + steps)
     trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=get_world(),
                       profile=False, log=lambda m: None)
@@ -288,11 +321,16 @@ def purine_steps(config, args, cuda_graph, measure):
 
 def purine_trace(config, args):
     """Our trace of ``--profile-iters`` eager steps (no CUDA graphs: the
-    stream dispatcher times each op with CUDA events): (events, the steps'
-    window on the trace's clock in µs, steps)."""
+    stream dispatcher times each op with CUDA events), then as many more
+    under CUPTI with our attention ops' runs as host ranges
+    (``attention_ranges``): (events, the traced steps' window on the
+    trace's clock in µs, steps, the CUPTI steps' Chrome events or None
+    where torch.profiler sees no CUDA device)."""
+    from gpu_throughput import kernel_stats
     from purine_mpi.runtime.trace import Profiler
+    steps = max(1, args.profile_iters)
 
-    def measure(trainer, step, steps):
+    def measure(trainer, step, _):
         d = trainer.train
         d.profiler = prof = Profiler(0)
         t0 = time.perf_counter()
@@ -300,12 +338,23 @@ def purine_trace(config, args):
             step(i)
         d.drain()
         t1 = time.perf_counter()
-        return prof.events, ((t0 - prof.t0) * 1e6, (t1 - prof.t0) * 1e6), steps
-    return purine_steps(config, args, False, measure)
+        d.profiler = None
+        cupti = []
+
+        def cupti_step(i):
+            step(steps + i)
+            if i == steps - 1:
+                d.drain()
+        with attention_ranges():
+            found = kernel_stats(cupti_step, steps, events=cupti)
+        return prof.events, ((t0 - prof.t0) * 1e6, (t1 - prof.t0) * 1e6), steps, (
+            cupti if found is not None else None)
+    return purine_steps(config, args, False, measure, steps=2 * steps)
 
 
 def purine_attention(events, steps, on_gpu):
-    """The Attention ops' time per step from our trace, or (None, why)."""
+    """The Attention ops' spans per step from our trace, or (None, why):
+    the secondary figure (``attention_span_ms_per_iter``)."""
     spans = [e for e in events if str(e.get("args", {}).get("op_type", "")).startswith(
         "Attention")]
     if not spans:
@@ -313,7 +362,135 @@ def purine_attention(events, steps, on_gpu):
     where = "GPU (CUDA events)" if on_gpu else "host (the CPU dry run)"
     return round(sum(e["dur"] for e in spans) / 1e3 / steps, 4), (
         f"our trace: the Attention ops' spans, timed on the {where}, eager dispatch, "
-        f"{steps} step(s)")
+        f"{steps} step(s): each from the event before its first launch to the event after "
+        "its last, so it holds the host's launching and the waits on its inputs too, not "
+        "the kernels alone (attention_ms_per_iter: the kernels, what issue 45 is judged on)")
+
+
+@contextlib.contextmanager
+def attention_ranges():
+    """Our Attention and AttentionGrad ops' runs as torch.profiler host
+    ranges (``purine::Attention``, ``purine::AttentionGrad``) for the
+    block, so ``attention_work`` finds the GPU work they launch; as before
+    after it (nothing without PyTorch)."""
+    try:
+        from torch.profiler import record_function
+    except ImportError:
+        yield
+        return
+    from purine_mpi.ops import attention
+    classes = (attention.Attention, attention.AttentionGrad)
+    real = {cls: cls.__dict__["run"] for cls in classes}
+
+    def ranged(cls):
+        run, name = real[cls], f"purine::{cls.op_type}"
+
+        def run_in_range(self, ins, outs):
+            with record_function(name):
+                return run(self, ins, outs)
+        return run_in_range
+    try:
+        for cls in classes:
+            cls.run = ranged(cls)
+        yield
+    finally:
+        for cls in classes:
+            cls.run = real[cls]
+
+
+def attention_work(events, steps, kernels=ATTENTION_KERNELS, ranges=ATTENTION_RANGES):
+    """The attention's GPU work per step in a torch.profiler trace (Chrome
+    events, µs) of ``steps`` steps:
+
+    - ``kernel_ms_per_iter``: the SDPA kernels (names matching ``kernels``,
+      case ignored, wherever launched; their durations summed), with
+      ``kernels``, [name, ms, launches] per step, the longest first;
+    - ``other_ms_per_iter``: the rest of the GPU work (kernels, memsets,
+      copies) that a CUDA call made inside a host range named like
+      ``ranges`` launched (the call on the range's thread, within it; each
+      once, nested ranges too), with ``other`` ([name, ms, launches] per
+      step) and ``other_launches_per_iter``; None (and ``attributed`` 0)
+      where no SDPA kernel was launched in such a range: then the ranges
+      were missing or on no thread of the calls, and nothing can be said
+      about what else they launched."""
+    import re
+    kern, rng = re.compile(kernels, re.I), re.compile(ranges)
+    spans = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") not in GPU_WORK + HOST_CALLS and \
+                rng.search(str(e.get("name", ""))):
+            t0 = float(e["ts"])
+            spans.setdefault((e.get("pid"), e.get("tid")), []).append((t0, t0 + float(
+                e.get("dur", 0))))
+    inside = set()   # correlation ids of the CUDA calls made inside a range
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in HOST_CALLS:
+            continue
+        corr = (e.get("args") or {}).get("correlation")
+        t = float(e["ts"])
+        if corr is not None and any(a <= t <= b for a, b in
+                                    spans.get((e.get("pid"), e.get("tid")), ())):
+            inside.add(corr)
+    sdpa, other, attributed = {}, {}, 0
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_WORK:
+            continue
+        name = str(e.get("name", "?"))
+        is_sdpa = e.get("cat") == "kernel" and bool(kern.search(name))
+        launched_inside = (e.get("args") or {}).get("correlation") in inside
+        if is_sdpa:
+            attributed += launched_inside
+            row = sdpa.setdefault(name, [0.0, 0])
+        elif launched_inside:
+            row = other.setdefault(name, [0.0, 0])
+        else:
+            continue
+        row[0] += float(e.get("dur", 0))
+        row[1] += 1
+
+    def table(rows):
+        return [[name[:120], round(us / 1e3 / steps, 4), round(n / steps, 2)]
+                for name, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])]
+
+    def ms(rows):
+        return round(sum(us for us, _ in rows.values()) / 1e3 / steps, 4)
+    return {"kernel_ms_per_iter": ms(sdpa), "kernels": table(sdpa),
+            "other_ms_per_iter": ms(other) if attributed else None,
+            "other": table(other) if attributed else None,
+            "other_launches_per_iter": round(sum(n for _, n in other.values()) / steps, 2)
+            if attributed else None, "attributed": round(attributed / steps, 2)}
+
+
+def attention_fields(events, steps, what, kernels=True, work=None):
+    """A side's attention fields from the CUPTI trace of ``steps`` of
+    ``what`` (``attention_work``, or ``work``, its figures): with
+    ``kernels`` the SDPA kernels' (``attention_ms_per_iter``,
+    ``attention_kernels``, ``attention_note``), and the rest of the
+    attention's GPU work (``attention_other*``)."""
+    work = work or attention_work(events, steps)
+    out = {}
+    if kernels:
+        out.update(attention_ms_per_iter=work["kernel_ms_per_iter"] if work["kernels"] else None,
+                   attention_kernels=work["kernels"] or None, attention_note=(
+                       f"torch.profiler (CUPTI) around {steps} of {what}: the SDPA kernels "
+                       f"(names matching /{ATTENTION_KERNELS}/i), their durations summed; "
+                       "what issue 45's target is judged on" if work["kernels"] else
+                       "not measured: no kernel named like an SDPA kernel in the profile"))
+    if work["other"] is None:
+        out.update(attention_other_ms_per_iter=None, attention_other=None,
+                   attention_other_launches_per_iter=None, attention_other_note=(
+                       f"not measured: no SDPA kernel of {steps} of {what} was launched "
+                       "inside an attention's host range, so nothing is attributed to them"))
+    else:
+        out.update(attention_other_ms_per_iter=work["other_ms_per_iter"],
+                   attention_other=work["other"],
+                   attention_other_launches_per_iter=work["other_launches_per_iter"],
+                   attention_other_note=(
+                       f"torch.profiler (CUPTI, host ranges of every thread) around {steps} "
+                       f"of {what}: the GPU work (kernels, memsets, copies) other than the "
+                       f"SDPA kernels that the CUDA calls inside the attention's host ranges "
+                       f"(/{ATTENTION_RANGES}/) launched, their durations summed"))
+    return out
 
 
 #: rows of the op tables (by type, by op) before "other"
@@ -402,7 +579,9 @@ def _place(event):
 def purine_kernels(config, args, iter_ms):
     """The CUDA kernels of ``--profile-iters`` of our CUDA-graph steps, by
     CUPTI (gpu_throughput.kernel_stats), against ``iter_ms`` (the timed
-    steps' median): the table of ``kernel_table``."""
+    steps' median): (the table of ``kernel_table``, None), and the SDPA
+    kernels' fields (``attention_fields``: the attention's time per step);
+    (None, why) and {} where not measured."""
     from gpu_throughput import kernel_stats
 
     def measure(trainer, step, steps):
@@ -410,28 +589,62 @@ def purine_kernels(config, args, iter_ms):
             step(i)
             if i == steps - 1:
                 trainer.train.drain()
-        return kernel_stats(last_drained, steps), steps
+        return kernel_stats(last_drained, steps, match=ATTENTION_KERNELS), steps
     stats, steps = purine_steps(config, args, None, measure)
     if not stats:
-        return None, "not measured: torch.profiler saw no CUDA device"
-    return kernel_table(stats, steps, iter_ms, "our CUDA-graph steps (as train runs them)"), None
+        return (None, "not measured: torch.profiler saw no CUDA device"), {}
+    what = "our CUDA-graph steps (as train runs them)"
+    table = stats.get("matched_table") or []
+    fields = attention_fields(None, steps, what, work={
+        "kernel_ms_per_iter": round(sum(row[1] for row in table), 4), "kernels": table,
+        "other": None})
+    for key in [k for k in fields if k.startswith("attention_other")]:
+        del fields[key]   # one replay a step: no host range; the eager trace's, ours
+    return (kernel_table(stats, steps, iter_ms, what), None), fields
+
+
+#: the fields each profile fills, by the group whose ``<group>_note`` says
+#: where they come from or why they are null
+PROFILE_FIELDS = {
+    "attention": ("attention_ms_per_iter", "attention_kernels"),
+    "attention_other": ("attention_other_ms_per_iter", "attention_other",
+                        "attention_other_launches_per_iter"),
+    "attention_span": ("attention_span_ms_per_iter",),
+    "op_breakdown": ("op_breakdown",), "kernels": ("kernels",)}
+#: which groups each (side, profile) fills: ours, a PyTorch side
+PROFILE_GROUPS = {("purine", "trace"): ("attention_span", "attention_other", "op_breakdown"),
+                  ("purine", "kernels"): ("attention", "kernels"),
+                  ("torch", "kernels"): ("attention", "attention_other", "kernels")}
 
 
 def profile_side(side, job, config, args, iter_ms, torch_side):
-    """One profile of a side, {field: (figures or None, note)}: our eager
-    trace ("trace": the attention, the op table), a side's kernels ("kernels")."""
+    """One profile of a side, {field: value} with each group's
+    ``<group>_note`` (PROFILE_GROUPS): our eager trace ("trace": the
+    attention's spans, its other GPU work, the op table), a side's kernels
+    ("kernels": the SDPA kernels' time, the kernel table)."""
     if side != "purine":
-        attention, kernels = torch_side.profile(args.profile_iters, iter_ms)
-        return {"attention": attention, "kernels": kernels}
+        return torch_side.profile(args.profile_iters, iter_ms)
     if job == "kernels":
-        return {"kernels": purine_kernels(config, args, iter_ms)}
-    events, window, steps = purine_trace(config, args)
+        (table, why), fields = purine_kernels(config, args, iter_ms)
+        out = {"kernels": table, "kernels_note": why}
+        if not fields:
+            out.update({f: None for f in PROFILE_FIELDS["attention"]}, attention_note=why)
+        return {**out, **fields}
+    events, window, steps, cupti = purine_trace(config, args)
     where = "GPU (CUDA events)" if args.device >= 0 else "host (the CPU dry run)"
-    return {"attention": purine_attention(events, steps, args.device >= 0),
-            "op_breakdown": (op_breakdown(events, window, steps), (
+    span, span_note = purine_attention(events, steps, args.device >= 0)
+    if cupti is None:
+        why = "not measured: torch.profiler saw no CUDA device"
+        other = {f: None for f in PROFILE_FIELDS["attention_other"]}
+        other["attention_other_note"] = why
+    else:
+        other = attention_fields(cupti, steps, "our eager steps (stream dispatch, after the "
+                                 "traced ones)", kernels=False)
+    return {**other, "attention_span_ms_per_iter": span, "attention_span_note": span_note,
+            "op_breakdown": op_breakdown(events, window, steps), "op_breakdown_note": (
                 f"our trace: every op's span, timed on the {where}, eager dispatch, {steps} "
                 "step(s); ms_per_iter splits overlapping spans evenly (they add up to "
-                "busy_ms_per_iter), share: of step_ms, these steps' wall time"))}
+                "busy_ms_per_iter), share: of step_ms, these steps' wall time")}
 
 
 def kernel_table(stats, steps, iter_ms, what):
@@ -526,23 +739,29 @@ class TorchSide:
         return int(self.torch.cuda.max_memory_allocated(self.dev) - self.held_before)
 
     def profile(self, steps, iter_ms):
-        """torch.profiler's kernels over ``steps`` steps: ((attention ms per
-        step, note), (``kernel_table``, note)); None and why where not measured."""
+        """torch.profiler's kernels over ``steps`` steps, the host's ranges
+        too: {field: value} of its groups (PROFILE_GROUPS: the SDPA kernels'
+        time, the attention's other GPU work, the kernel table) with their
+        notes; None and why where not measured."""
+        groups = PROFILE_GROUPS[("torch", "kernels")]
         if self.dev.type != "cuda":
-            why = "not measured: torch.profiler's CUDA kernels need a GPU"
-            return (None, why), (None, why)
+            return not_measured(groups, "not measured: torch.profiler's CUDA kernels need "
+                                "a GPU")
         from gpu_throughput import kernel_stats
-        stats = kernel_stats(lambda i: self.step(), steps, match=ATTENTION_KERNELS)
+        events = []
+        stats = kernel_stats(lambda i: self.step(), steps, events=events)
         if not stats:
-            why = "not measured: torch.profiler saw no CUDA device"
-            return (None, why), (None, why)
-        kernels = (kernel_table(stats, steps, iter_ms, "its steps"), None)
-        if not stats.get("matched_kernels"):
-            return (None, "not measured: no kernel named like an attention kernel in the "
-                    "profile"), kernels
-        return (stats["matched_ms_per_iter"], (
-            f"torch.profiler (CUPTI): kernels matching /{ATTENTION_KERNELS}/i, {steps} step(s): "
-            + ", ".join(stats["matched_kernels"]))), kernels
+            return not_measured(groups, "not measured: torch.profiler saw no CUDA device")
+        return {"kernels": kernel_table(stats, steps, iter_ms, "its steps"),
+                "kernels_note": None, **attention_fields(events, steps, "its steps")}
+
+
+def not_measured(groups, why):
+    """Every field of ``groups`` (PROFILE_FIELDS) null, each group's note ``why``."""
+    out = {}
+    for group in groups:
+        out.update({f: None for f in PROFILE_FIELDS[group]}, **{f"{group}_note": why})
+    return out
 
 
 # ------------------------------------------------------------------ main ---
@@ -649,21 +868,21 @@ def main(argv=None):
                      "peak_memory_source": runs[0].get(
                          "peak_memory_source", "torch.cuda.max_memory_allocated over the "
                          "side's set-up and steps, less what was held before it"),
-                     "attention_ms_per_iter": None, "attention_note": None,
-                     "kernels": None, "kernels_note": None}
+                     **not_measured(PROFILE_FIELDS, None)}
             if side in OURS:
                 entry["cuda_graph"] = runs[0]["cuda_graph"]
                 entry["bench_mfu"] = runs[0]["bench_mfu"]
                 entry["environment"] = OURS[side]
                 # round 1's (the peak's round): what this side holds, made and left
                 entry["device_memory"] = runs[0].get("device_memory")
-                if side == "purine":
-                    entry["op_breakdown"], entry["op_breakdown_note"] = None, None
-                else:
-                    entry["attention_note"] = entry["kernels_note"] = \
-                        "not profiled: this side of ours is timed only"
+                if side != "purine":
+                    entry.update(not_measured(PROFILE_FIELDS, "not profiled: this side of "
+                                              "ours is timed only"))
             else:
                 entry["last_loss"] = runs[-1]["last_loss"]
+                entry.update(not_measured(["attention_span", "op_breakdown"], (
+                    "ours only: our trace's op spans (PyTorch's attention: its kernels, "
+                    "attention_ms_per_iter)")))
             out_sides[side] = entry
         # the profiles, after the timed rounds (profiling slows what it watches),
         # what we know least first: our eager trace (the attention, the op table),
@@ -673,8 +892,7 @@ def main(argv=None):
         skipped = False
         for side, job in jobs:
             entry = out_sides[side]
-            names = {"trace": ("attention", "op_breakdown"),
-                     "kernels": ("kernels",) if side == "purine" else ("attention", "kernels")}[job]
+            groups = PROFILE_GROUPS[(side if side == "purine" else "torch", job)]
             if not cut_short and args.budget_s is not None and \
                     time.perf_counter() - t_start > args.budget_s:
                 cut_short = "budget"
@@ -701,10 +919,8 @@ def main(argv=None):
                 except Exception as exc:  # a profile that fails is reported, not fatal
                     why = f"not measured: {type(exc).__name__}: {exc}".splitlines()[0]
             if why is not None:
-                found = {name: (None, why) for name in names}
-            for name, (value, note) in found.items():
-                entry["attention_ms_per_iter" if name == "attention" else name] = value
-                entry[f"{name}_note"] = note
+                found = not_measured(groups, why)
+            entry.update(found)
         cut_short = cut_short or ("budget" if skipped else None)
     spec = config["data"]["train"]
     report = {"benchmark": "gpt_gpu", "dry_run": bool(args.dry_run), "device": device_name,
@@ -727,6 +943,11 @@ def main(argv=None):
         if "purine" in out_sides and theirs in out_sides and out_sides[theirs]["tokens_per_s"]:
             report[f"purine_vs_{theirs}"] = round(
                 out_sides["purine"]["tokens_per_s"] / out_sides[theirs]["tokens_per_s"], 3)
+        if "purine" in out_sides and theirs in out_sides:
+            # issue 45's attention target: our SDPA kernels' time over theirs (<= 1.10)
+            ours, other = (out_sides[s]["attention_ms_per_iter"] for s in ("purine", theirs))
+            report[f"purine_attention_vs_{theirs}"] = round(ours / other, 3) \
+                if ours and other else None
     print(json.dumps(report, indent=1))
     torch_sides.clear()
     gc.collect()

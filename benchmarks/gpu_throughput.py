@@ -439,13 +439,17 @@ def bench_torch_graph(config, device, iters, warmup, tf32):
     return _timed(torch, dev, step, iters, warmup)
 
 
-def kernel_stats(step, iters, match=None):
+def kernel_stats(step, iters, match=None, events=None):
     """{kernels_per_iter, kernel_ms_per_iter} of ``iters`` calls of
     ``step(i)``, from CUPTI through PyTorch's profiler: every kernel the
     process runs (CuPy's, cuBLAS's, cuDNN's, inside CUDA graphs too);
     kernel time is the union of the kernel intervals (overlaps once).
     ``match`` (a regular expression): also ``matched_ms_per_iter`` and
     ``matched_kernels``, the kernels whose names it finds (case ignored).
+    ``events`` (a list): the host is profiled too, every thread's ranges
+    (``record_function``, PyTorch's ops) and CUDA API calls, and the
+    trace's events (Chrome format) are appended to it (gpt_gpu.py
+    attributes GPU work to the ranges that launched it).
     None without a CUDA build of PyTorch."""
     try:
         import torch
@@ -456,8 +460,16 @@ def kernel_stats(step, iters, match=None):
         return None
     import tempfile
     from purine_mpi.runtime.trace import merge_intervals
+    activities, extra = [ProfilerActivity.CUDA], {}
+    if events is not None:   # the host too: the ranges of every thread (ours launch on several)
+        activities.append(ProfilerActivity.CPU)
+        try:
+            from torch.profiler import _ExperimentalConfig
+            extra["experimental_config"] = _ExperimentalConfig(profile_all_threads=True)
+        except (ImportError, TypeError):   # an older PyTorch: the calling thread's only
+            pass
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities, **extra) as prof:
         for i in range(iters):
             step(i)
         torch.cuda.synchronize()
@@ -465,7 +477,10 @@ def kernel_stats(step, iters, match=None):
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+            trace = json.load(f).get("traceEvents", [])
+    if events is not None:
+        events.extend(trace)
+    events = trace
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     busy_us = sum(e - s for s, e in merge_intervals(
         [(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in kernels]))
@@ -481,7 +496,12 @@ def kernel_stats(step, iters, match=None):
         matched = {"matched_ms_per_iter": round(sum(
             us for name, (us, _) in by_name.items() if re.search(match, name, re.I))
             / 1e3 / iters, 4), "matched_kernels": sorted(
-            name[:120] for name in by_name if re.search(match, name, re.I))}
+            name[:120] for name in by_name if re.search(match, name, re.I)),
+            # [name, ms per iteration, launches per iteration], the longest first
+            "matched_table": [[name[:120], round(us / 1e3 / iters, 4), round(n / iters, 2)]
+                              for name, (us, n) in sorted(by_name.items(),
+                                                          key=lambda kv: -kv[1][0])
+                              if re.search(match, name, re.I)]}
     return {**matched,"kernels_per_iter": round(len(kernels) / iters, 1),
             "kernel_ms_per_iter": round(busy_us / 1e3 / iters, 4),
             # where the kernel time goes: [name (cut to 120 characters),

@@ -62,10 +62,18 @@ def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
         assert side["model_flops_per_token"] == out["model_flops_per_token"]
         assert side["peak_memory_bytes"] is None   # no device: no device memory
         assert side["attention_note"]
-    # ours: the Attention ops' spans from our trace; PyTorch's kernels need CUPTI
-    assert sides["purine"]["attention_ms_per_iter"] > 0
-    assert sides["torch_eager"]["attention_ms_per_iter"] is None
-    assert "not measured" in sides["torch_eager"]["attention_note"]
+    # the attention's SDPA kernels and its other GPU work: CUPTI's, a GPU's only;
+    # ours also the Attention ops' spans from our trace (the secondary figure)
+    for side in sides.values():
+        assert side["attention_ms_per_iter"] is None and side["attention_kernels"] is None
+        assert "not measured" in side["attention_note"]
+        assert side["attention_other_ms_per_iter"] is None
+        assert "not measured" in side["attention_other_note"]
+    assert sides["purine"]["attention_span_ms_per_iter"] > 0
+    assert "not the kernels alone" in sides["purine"]["attention_span_note"]
+    assert sides["torch_eager"]["attention_span_ms_per_iter"] is None
+    assert "ours only" in sides["torch_eager"]["attention_span_note"]
+    assert out["purine_attention_vs_torch_eager"] is None
     assert out["purine_vs_torch_eager"] > 0
     # where our step's time goes: the op table from our trace (host times here)
     ours = sides["purine"]
@@ -94,7 +102,7 @@ def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
     by_type = {r["op_type"]: r for r in bd["by_type"]}
     attention = sum(by_type[t]["span_ms_per_iter"] for t in ("Attention", "AttentionGrad")
                     if t in by_type)
-    assert attention == pytest.approx(ours["attention_ms_per_iter"], abs=2e-3)
+    assert attention == pytest.approx(ours["attention_span_ms_per_iter"], abs=2e-3)
     # CUPTI's kernels: a GPU's only, each side saying why not
     for side in sides.values():
         assert side["kernels"] is None and "not measured" in side["kernels_note"]
@@ -187,45 +195,220 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
         assert stage.index(f"micro {script} ") > stage.index("benchmarks/gpt_gpu.py"), script
 
 
-def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
-    """The kernel tables' GPU path on the CPU, kernel_stats (CUPTI) standing
-    in: ours around the profiled steps of a trainer of its own, PyTorch's
-    from the profile that measures its attention, each against the side's
-    timed step."""
-    torch = pytest.importorskip("torch")
-    import types
-    spec = importlib.util.spec_from_file_location("gpt_gpu_kernels", GPT_GPU)
+def _bench(name="gpt_gpu_kernels"):
+    spec = importlib.util.spec_from_file_location(name, GPT_GPU)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+FPROP = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64"
+BPROP = "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64"
+
+
+def _cupti_trace(steps, forward=("purine::Attention",), backward=("purine::AttentionGrad",),
+                 graph=False):
+    """A torch.profiler Chrome trace (µs) of ``steps`` steps as CUPTI and
+    the host profiler write it: per step the forward's host ranges
+    (``forward``, nested in that order) on thread 11 launch the SDPA fprop
+    (200 µs) and a memset (10 µs); the backward's on thread 12 the bprop
+    (500 µs) and a cast (30 µs); outside them thread 11 launches a GEMM
+    (1 ms) and another SDPA fprop (a second attention's, 200 µs: counted
+    as a kernel, not attributed), and thread 13 launches a cast (40 µs)
+    while thread 11's forward range is open (another thread: not the
+    attention's). ``graph``: one cudaGraphLaunch a step instead, on thread
+    1 outside every range (the CUDA-graph steps: nothing attributed)."""
+    events, corr = [], iter(range(1, 10 ** 6))
+
+    def host(name, tid, ts, dur):
+        events.append({"ph": "X", "cat": "user_annotation" if name.startswith("purine")
+                       else "cpu_op", "name": name, "pid": 5, "tid": tid, "ts": ts,
+                       "dur": dur})
+
+    def launch(tid, ts, api="cudaLaunchKernel", cat="cuda_runtime"):
+        c = next(corr)
+        events.append({"ph": "X", "cat": cat, "name": api, "pid": 5, "tid": tid, "ts": ts,
+                       "dur": 3, "args": {"correlation": c}})
+        return c
+
+    def gpu(name, ts, dur, c, cat="kernel"):
+        events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts,
+                       "dur": dur, "args": {"correlation": c}})
+        events.append({"ph": "f", "cat": "ac2g", "name": "ac2g", "id": c, "ts": ts})
+
+    for s in range(steps):
+        t = 10000.0 * s
+        work = [(FPROP, 200, "kernel"), ("Memset (Device)", 10, "gpu_memset"),
+                (BPROP, 500, "kernel"), ("from_bf16_bits", 30, "kernel"),
+                ("nvjet_sm90_gemm", 1000, "kernel"), (FPROP, 200, "kernel"),
+                ("to_bf16_bits", 40, "kernel")]
+        if graph:
+            c = launch(1, t, "cudaGraphLaunch")
+            cs = [c] * len(work)
+        else:
+            for i, name in enumerate(forward):
+                host(name, 11, t + 10 + i, 100 - 2 * i)
+            for i, name in enumerate(backward):
+                host(name, 12, t + 200 + i, 100 - 2 * i)
+            cs = [launch(11, t + 20, "cuLaunchKernelEx", "cuda_driver"),
+                  launch(11, t + 30, "cudaMemsetAsync"),
+                  launch(12, t + 220, "cuLaunchKernelEx", "cuda_driver"),
+                  launch(12, t + 250), launch(11, t + 400), launch(11, t + 420),
+                  launch(13, t + 40)]
+        for (name, dur, cat), c, k in zip(work, cs, range(len(work))):
+            gpu(name, t + 1000 + 1500 * k, dur, c, cat)
+    return events
+
+
+def test_the_attention_work_of_a_cupti_trace_splits_sdpa_kernels_from_the_rest():
+    """attention_work on a made-up CUPTI trace: the SDPA kernels (ours
+    cuDNN's, by name, wherever launched) summed per step; the rest of the
+    GPU work launched inside the attention's host ranges (on their thread,
+    nested ranges once: PyTorch's) apart; nothing attributed without ranges."""
+    bench = _bench()
+    sdpa = [[BPROP, 0.5, 1.0], [FPROP, 0.4, 2.0]]
+    other = [["from_bf16_bits", 0.03, 1.0], ["Memset (Device)", 0.01, 1.0]]
+    ours = bench.attention_work(_cupti_trace(3), 3)
+    assert ours == {"kernel_ms_per_iter": 0.9, "kernels": sdpa, "other_ms_per_iter": 0.04,
+                    "other": other, "other_launches_per_iter": 2.0, "attributed": 2.0}
+    theirs = bench.attention_work(_cupti_trace(
+        2, forward=("aten::scaled_dot_product_attention",
+                    "aten::_scaled_dot_product_cudnn_attention"),
+        backward=("autograd::engine::evaluate_function: ScaledDotProductCudnnAttentionBackward0",
+                  "aten::_scaled_dot_product_cudnn_attention_backward")), 2)
+    assert theirs == ours   # nested ranges: each launch once
+    # Inductor's Triton kernels named after the SDPA operator they feed: not SDPA kernels
+    glue = _cupti_trace(1)
+    glue += [dict(e, name="triton_poi_fused__scaled_dot_product_cudnn_attention_0")
+             for e in glue if e.get("name") == "nvjet_sm90_gemm"]
+    assert bench.attention_work(glue, 1)["kernels"] == [[BPROP, 0.5, 1.0], [FPROP, 0.4, 2.0]]
+    for trace in (_cupti_trace(2, graph=True), _cupti_trace(2, forward=("other",),
+                                                            backward=("aten::mm",))):
+        got = bench.attention_work(trace, 2)
+        assert got["kernels"] == sdpa and got["kernel_ms_per_iter"] == 0.9
+        assert got["other"] is None and got["other_ms_per_iter"] is None and \
+            got["attributed"] == 0
+    fields = bench.attention_fields(_cupti_trace(1), 1, "its steps")
+    assert fields["attention_ms_per_iter"] == 0.9 and fields["attention_kernels"] == sdpa
+    assert "what issue 45's target is judged on" in fields["attention_note"]
+    assert fields["attention_other_ms_per_iter"] == 0.04 and \
+        fields["attention_other_launches_per_iter"] == 2.0
+    none = bench.attention_fields([e for e in _cupti_trace(1) if "sdpa" not in e["name"]], 1,
+                                  "its steps")
+    assert none["attention_ms_per_iter"] is None and "not measured" in none["attention_note"]
+
+
+def test_our_attention_ops_run_in_host_ranges_the_profiler_sees_on_their_thread(tmp_path):
+    """attention_ranges: our Attention and AttentionGrad ops' runs as
+    ``purine::Attention`` / ``purine::AttentionGrad`` host ranges that
+    torch.profiler records on the thread that runs them (our dispatcher's
+    workers: every thread profiled), the classes as before after."""
+    torch = pytest.importorskip("torch")
+    import threading
+
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops import attention
+    from purine_mpi.ops.registry import make_kernel
+    bench = _bench()
+    real = (attention.Attention.run, attention.AttentionGrad.run)
+    qkv = np.random.default_rng(0).standard_normal((1, 4, 12)).astype(np.float32)
+    fwd = make_kernel(Op("a", "Attention", ["qkv"], ["ctx"], {"num_heads": 2}))
+    bwd = make_kernel(Op("g", "AttentionGrad", ["dctx", "qkv"], ["dqkv"], {"num_heads": 2}))
+    ctx, dqkv = np.zeros((1, 4, 4), np.float32), np.zeros_like(qkv)
+    fwd.setup([qkv], [ctx])
+    bwd.setup([ctx, qkv], [dqkv])
+    tids = []
+
+    def work():
+        tids.append(threading.get_native_id())
+        fwd.run([qkv], [ctx])
+        bwd.run([ctx, qkv], [dqkv])
+    from torch.profiler import _ExperimentalConfig
+    with bench.attention_ranges():
+        with profile(activities=[ProfilerActivity.CPU],
+                     experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+            t = threading.Thread(target=work)
+            t.start()
+            t.join()
+    assert (attention.Attention.run, attention.AttentionGrad.run) == real
+    path = os.path.join(str(tmp_path), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ranges = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and
+                  str(e.get("name")).startswith("purine::")]
+    assert sorted(e["name"] for e in ranges) == ["purine::Attention", "purine::AttentionGrad"]
+    assert {e["tid"] for e in ranges} == {tids[0]}   # the worker's, as CUPTI's calls name it
+    assert np.abs(dqkv).sum() > 0
+    # outside the block: no ranges
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fwd.run([qkv], [ctx])
+    assert not [e for e in prof.events() if e.name.startswith("purine::")]
+
+
+def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
+    """The kernel tables' GPU path on the CPU, kernel_stats (CUPTI) standing
+    in with a made-up trace: ours around the profiled steps of a trainer of
+    its own (the SDPA kernels' time from the CUDA-graph steps, the
+    attention's other work from eager steps in our ops' host ranges),
+    PyTorch's from one profile, each against the side's timed step."""
+    torch = pytest.importorskip("torch")
+    import types
+    bench = _bench()
     import gpu_throughput   # on the path gpt_gpu set
     args = types.SimpleNamespace(batch=2, micro_batches=1, seq=32, warmup=1, profile_iters=2,
                                  config=os.path.join(REPO, "jobs", "gpt_tiny.yaml"), device=-1)
     config = bench.load(args, bench.token_file(str(tmp_path)), -1, "fp32")
     # no CUDA PyTorch: kernel_stats has nothing, and the table says so
     assert bench.purine_kernels(config, args, 20.0) == (
-        None, "not measured: torch.profiler saw no CUDA device")
-    steps = []
+        (None, "not measured: torch.profiler saw no CUDA device"), {})
+    steps, traces = [], []
 
-    def stats(step, iters, match=None):
+    def stats(step, iters, match=None, events=None):
         for i in range(iters):
             steps.append(step(i))
-        found = {"matched_ms_per_iter": 1.5, "matched_kernels": ["flash_fprop"]} if match else {}
+        trace = traces.pop(0)
+        if events is not None:
+            events.extend(trace)
+        found = {}
+        if match:   # the CUDA-graph steps: the matched kernels from a CUDA-only profile
+            found = {"matched_table": bench.attention_work(trace, iters, match)["kernels"]}
         return {**found, "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
                 "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
     monkeypatch.setattr(gpu_throughput, "kernel_stats", stats)
-    table, note = bench.purine_kernels(config, args, 20.0)
+    traces.append(_cupti_trace(2, graph=True))
+    (table, note), fields = bench.purine_kernels(config, args, 20.0)
     assert note is None and len(steps) == 2
     assert table == {"source": "torch.profiler (CUPTI) around 2 of our CUDA-graph steps (as "
                      "train runs them)", "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
                      "iter_ms": 20.0, "gpu_busy": 0.25,
                      "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
+    assert fields["attention_ms_per_iter"] == 0.9 and "CUDA-graph" in fields["attention_note"]
+    assert not any(k.startswith("attention_other") for k in fields)
+    # the eager trace: our spans, then as many steps under CUPTI in our ranges
+    traces.append(_cupti_trace(2))
+    got = bench.profile_side("purine", "trace", config, args, 20.0, None)
+    assert len(steps) == 4 and got["attention_span_ms_per_iter"] > 0
+    assert got["attention_other_ms_per_iter"] == 0.04 and \
+        got["attention_other"][0] == ["from_bf16_bits", 0.03, 1.0]
+    assert "eager steps" in got["attention_other_note"]
+    assert set(got) == {f for g in bench.PROFILE_GROUPS[("purine", "trace")]
+                        for f in bench.PROFILE_FIELDS[g] + (f"{g}_note",)}
     side = bench.TorchSide(torch, config, torch.device("cpu"), 1, 2, False, "fp32")
-    assert side.profile(2, 25.0) == ((None, "not measured: torch.profiler's CUDA kernels "
-                                      "need a GPU"),) * 2
+    cpu = side.profile(2, 25.0)
+    assert cpu["kernels"] is None and cpu["attention_ms_per_iter"] is None and \
+        cpu["attention_note"] == "not measured: torch.profiler's CUDA kernels need a GPU"
     side.dev = types.SimpleNamespace(type="cuda")   # the GPU branch, stepping on the CPU
-    (attention, why), (kernels, _) = side.profile(2, 25.0)
-    assert attention == 1.5 and "flash_fprop" in why and len(steps) == 4
-    assert kernels["gpu_busy"] == 0.2 and kernels["top_kernels"][0] == ["gemm", 4.0, 2.0]
+    traces.append(_cupti_trace(2, forward=("aten::scaled_dot_product_attention",),
+                               backward=("aten::_scaled_dot_product_cudnn_attention_backward",)))
+    got = side.profile(2, 25.0)
+    assert got["attention_ms_per_iter"] == 0.9 and len(steps) == 6
+    assert got["attention_kernels"][0] == [BPROP, 0.5, 1.0]
+    assert got["attention_other_ms_per_iter"] == 0.04
+    assert got["kernels"]["gpu_busy"] == 0.2 and \
+        got["kernels"]["top_kernels"][0] == ["gemm", 4.0, 2.0]
 
 
 def test_gpt_gpu_recompute_layers_reach_the_job():

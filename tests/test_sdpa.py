@@ -305,3 +305,69 @@ def test_cudnn_sdpa_matches_float64_on_a_gpu(dtype):
     _close(cupy.asnumpy(ctx), want_ctx, "ctx")
     np.testing.assert_allclose(cupy.asnumpy(stats), want_lse, rtol=1e-3, atol=1e-3)
     _close(cupy.asnumpy(dqkv), want_dqkv, "dqkv")
+
+
+
+def _attention_launches(monkeypatch, host_build_dir, iters=2):
+    """The device work our Attention and AttentionGrad ops launch in
+    ``iters`` steps of the 2-block bf16 GPT on the emulated device, SDPA on
+    (its eager dispatch: the work a CUDA graph of the step captures):
+    [(op type, (where, ...))] a run each, each piece of device work (a
+    kernel, a copy, a memset, a cuDNN graph) named by the innermost
+    purine_mpi function on the stack that queued it."""
+    import os
+    import threading
+    import traceback
+
+    from purine_mpi.ops import attention
+    from tests.emulated_gpu import capture
+    from tests.test_precision import _ours_on_the_emulated_device
+    emulate_cudnn(monkeypatch, True)
+    local, runs = threading.local(), []
+    for cls in (attention.Attention, attention.AttentionGrad):
+        def run(self, ins, outs, real=cls.run, op_type=cls.op_type):
+            local.work = []
+            try:
+                return real(self, ins, outs)
+            finally:
+                runs.append((op_type, tuple(local.work)))
+                local.work = None
+        monkeypatch.setattr(cls, "run", run)
+    real_work = capture.device_work
+    package = os.sep + "purine_mpi" + os.sep
+
+    def device_work(fn, stream=None):
+        if getattr(local, "work", None) is not None:
+            local.work.append(next((f"{os.path.basename(f.filename)}:{f.name}" for f in
+                                    reversed(traceback.extract_stack()[:-1])
+                                    if package in f.filename), "?"))
+        return real_work(fn, stream)
+    monkeypatch.setattr(capture, "device_work", device_work)
+    toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
+    _ours_on_the_emulated_device(monkeypatch, host_build_dir, "bf16", toks, iters)
+    return runs
+
+
+@pytest.mark.parametrize("storage", ["bits", "float32"])
+def test_the_attention_ops_launch_the_cudnn_graphs_alone(host_build_dir, monkeypatch, storage):
+    """Every run of a bf16 GPT's Attention and AttentionGrad ops (2 blocks,
+    2 steps, eager) on the SDPA path launches one piece of device work, its
+    cuDNN graph: qkv, ctx, dctx and dqkv stored as bfloat16 bits (the
+    default) are handed to cuDNN as they lie, q, k, v as strided views of
+    qkv, with no 16-bit copy, no memset, no seed/offset write (no dropout)
+    and no widening. With ``PURINE_BF16_STORAGE=0`` (float32 storage) the
+    same count sees the copies: qkv narrowed, ctx widened in the forward;
+    qkv, ctx and dctx narrowed and dqkv widened in the backward."""
+    if storage == "float32":
+        monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
+    runs = _attention_launches(monkeypatch, host_build_dir)
+    assert [op for op, _ in runs] == ["Attention", "Attention", "AttentionGrad",
+                                      "AttentionGrad"] * 2
+    work = {op: {w for o, w in runs if o == op} for op in ("Attention", "AttentionGrad")}
+    if storage == "bits":
+        assert work == {"Attention": {("sdpa.py:_run",)}, "AttentionGrad": {("sdpa.py:_run",)}}
+    else:
+        fwd, = work["Attention"]
+        bwd, = work["AttentionGrad"]
+        assert fwd.count("sdpa.py:_run") == 1 and len(fwd) == 3, fwd
+        assert bwd.count("sdpa.py:_run") == 1 and len(bwd) == 5, bwd
