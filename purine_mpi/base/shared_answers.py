@@ -18,7 +18,8 @@ class SharedAnswers:
         self.size = size
         #: with ``weigh`` ((key, answer) -> bytes, an estimate of what the
         #: two hold): the older answers are dropped while those kept weigh
-        #: more than ``max_bytes`` (the newest is always kept)
+        #: more than ``max_bytes`` (the newest is always kept; None: no
+        #: bound but the count)
         self.max_bytes = max_bytes
         self.weigh = weigh
         self._kept = None
@@ -59,7 +60,7 @@ class SharedAnswers:
                 self._drop_oldest()
             if self.weigh is not None:
                 self._bytes[k] = self.weigh(k, value)
-                while kept and self.kept_bytes > self.max_bytes:
+                while kept and self.max_bytes is not None and self.kept_bytes > self.max_bytes:
                     self._drop_oldest()
         kept[k] = value  # the most recently asked: last
         return value
