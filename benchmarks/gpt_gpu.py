@@ -49,7 +49,8 @@ median of the steps). One JSON object on stdout; per side in ``sides``:
 PaLM's closed form from purine_mpi/tools/flops.py, ``model_flops_per_token``;
 against ``peak_flops_per_s``, the device's dense bf16 peak, named in
 ``peak_source``), ``peak_memory_bytes`` (ours: ``bench --json``'s
-``device_peak_bytes`` less what was in use when the side began, and
+``device_own_peak_bytes``, its ``device_peak_bytes`` less what was in use
+when the side began and stayed in use while it allocated, and
 ``device_memory``: that figure's parts -- ``in_use_before_bytes``,
 ``left_in_use_after_bytes``, the arena, scratch, capture pools, the
 cuBLAS handles and workspaces and cuBLASLt plans the side made, the
@@ -249,7 +250,10 @@ def run_purine(config, args):
     ``device_peak_bytes`` (the most bytes in use at once in CuPy's pool,
     plus the captures' pools) less what was in use when the side began --
     what an earlier side left (``in_use_before_bytes``; as PyTorch's
-    figure is the side's less what was held before it). A side sharing
+    figure is the side's less what was held before it) -- and stayed in
+    use while the side allocated: ``device_own_peak_bytes``
+    (gpu/memory.PeakMemory ``own_peak``; what an earlier side let go
+    during this one and this one reused counts as this one's). A side sharing
     the process once read about twice its own peak: the side before it
     kept its whole device arena in use through its data reader's prefetch
     thread (issue 45; runtime/dispatcher ``_stop_prefetch``). What the side
@@ -265,12 +269,17 @@ def run_purine(config, args):
     seq = config["data"]["train"]["sequence_length"]
     peaks = res.get("device_peak_bytes") or {}
     raw = int(peaks[str(device)]) if str(device) in peaks else None
-    peak = None if raw is None else raw - (before or 0)
+    # the most in use beyond what earlier sides held, also where some of it
+    # was let go while this side ran (its bytes then reused: peak less
+    # in_use_before would read that much too low; gpu/memory own_peak)
+    own = (res.get("device_own_peak_bytes") or {}).get(str(device))
+    peak = None if raw is None else int(own) if own is not None else raw - (before or 0)
     out = {"tokens_per_s": round(res["images_per_s"] * seq, 1),
            "iter_ms_median": res["iter_ms_median"],
            "peak_memory_bytes": peak,
-           "peak_memory_source": "bench --json device_peak_bytes, less what was in use "
-                                 "before the side (device_memory.in_use_before_bytes)",
+           "peak_memory_source": "bench --json device_own_peak_bytes: device_peak_bytes "
+                                 "less what was in use before the side and stayed in use "
+                                 "(device_memory.in_use_before_bytes)",
            "cuda_graph": bool((res.get("cuda_graph") or {}).get("segments")),
            "bench_mfu": res.get("mfu")}
     after = _in_use(device)

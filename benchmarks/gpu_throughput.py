@@ -53,7 +53,8 @@ ratio; peak against peak, ``purine_device_peak_bytes`` (the most bytes in
 use at once in CuPy's pool over purine_mpi's run, read at each allocation,
 plus the CUDA-graph captures' private pools: gpu/memory.py, as ``bench
 --json``'s ``device_peak_bytes``; less what an earlier run of the process
-still held in use when it began, ``purine_<mode>_device_in_use_before_bytes``)
+still held in use when it began and kept while it allocated,
+``purine_<mode>_device_in_use_before_bytes``: gpu/memory ``own_peak``)
 and ``purine_vs_torch_peak_memory``, its
 ratio to ``torch_eager_max_memory_allocated`` (both allocators' live bytes
 at the worst moment of the same training step, set-up included).
@@ -215,7 +216,10 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
         if peak is not None:   # the profiled iterations below run under PyTorch's profiler
             peak.close()
             captured = (d.capture_report() or {}).get("capture_pool_bytes") or {}
-            out["device_peak_bytes"] = int(peak.peak().get(device, 0) - in_use_before +
+            # beyond what was in use before and stayed in use while this run
+            # allocated (gpu/memory own_peak: peak less in_use_before read too
+            # low where an earlier run's bytes were let go and reused here)
+            out["device_peak_bytes"] = int(peak.own_peak().get(device, 0) +
                                            captured.get(str(device), 0))
             out["device_in_use_before_bytes"] = in_use_before
         if profile_iters:

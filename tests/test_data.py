@@ -391,3 +391,72 @@ def test_closing_a_dispatcher_ends_its_readers_prefetch_and_frees_its_workspace(
     del d, graph
     gc.collect()
     assert ws() is None, [type(r).__name__ for r in gc.get_referrers(ws())]
+
+
+def _blocking_gather(kernel):
+    """Make ``kernel``'s source gather wait for the returned event."""
+    import threading
+    gate, real = threading.Event(), kernel._source.gather
+
+    def gather(indices):
+        gate.wait(30)
+        return real(indices)
+    kernel._source.gather = gather
+    return gate
+
+
+def test_a_reader_whose_stop_timed_out_still_serves_what_is_asked_after(data_file):
+    """A stop that times out (the batch in flight takes longer than the
+    wait: a dispatcher's close, EXIT_WAIT_S; a close called twice) leaves
+    its end-of-thread marker queued behind that batch; a request queued
+    after it must still be served, by that thread or a new one. Fails
+    before: the thread ended at the marker with the request still queued,
+    and no thread was started for it (the old one was still alive when it
+    came), so the reader waited for it for ever."""
+    kernel = reader(spec_of(data_file), 2)
+    outs = [np.empty(s, d) for s, d in DataReader.infer(kernel.attrs, [])]
+    kernel.run([], outs)                     # batch 1 being prefetched
+    assert kernel._pending[1]["done"].wait(30)
+    gate = _blocking_gather(kernel)
+    kernel._start(5)                         # in flight, held in the gather
+    kernel.stop_prefetch(0.05)               # times out: the marker is queued
+    kernel.stop_prefetch(0.05)               # a second close: a second marker
+    kernel._start(7)                         # the reader used again
+    gate.set()
+    assert kernel._pending[1]["done"].wait(10), "the request after the stop was never served"
+    kernel.stop_prefetch(30)
+    assert kernel._worker is None
+
+
+def test_closing_with_several_readers_in_flight_waits_exit_wait_s_in_all(data_file,
+                                                                         monkeypatch):
+    """A dispatcher's close waits for its readers' batches in flight under
+    one deadline (ops/data.EXIT_WAIT_S in all, as at the interpreter's
+    exit), not that long for each reader in turn. Fails before: three
+    readers held in their gathers took three times the wait."""
+    import time
+    import types
+
+    from purine_mpi.ops import data as data_ops
+    from purine_mpi.runtime.dispatcher import Dispatcher
+    monkeypatch.setattr(data_ops, "EXIT_WAIT_S", 1.0)
+    kernels, gates = {}, []
+    for i in range(3):
+        k = reader(spec_of(data_file), 2, seed=i, name=f"data{i}")   # a source each
+        outs = [np.empty(s, d) for s, d in DataReader.infer(k.attrs, [])]
+        k.run([], outs)
+        assert k._pending[1]["done"].wait(30)
+        gates.append(_blocking_gather(k))
+        k._start(5)                          # in flight, held
+        kernels[k.op.name] = k
+    t0 = time.monotonic()
+    try:
+        Dispatcher._stop_prefetch(types.SimpleNamespace(kernels=kernels))
+        elapsed = time.monotonic() - t0
+    finally:
+        for gate in gates:
+            gate.set()
+    assert elapsed < 2.2, f"close waited {elapsed:.2f} s for 3 readers (EXIT_WAIT_S 1.0)"
+    for k in kernels.values():
+        k.stop_prefetch(30)
+        assert k._worker is None

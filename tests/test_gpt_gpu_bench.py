@@ -480,3 +480,51 @@ def test_our_sides_in_one_process_each_report_their_own_peak(host_build_dir, mon
     assert lt_mem["cublaslt_plans"] > 0 and mem["cublaslt_plans"] == 0
     assert lt_mem["cublaslt_refused"] == mem["cublaslt_refused"] == 0
     assert mem["cublas_handles"] > 0 and mem["cublas_workspace_bytes"] > 0
+
+
+def test_a_side_reusing_memory_released_during_it_still_reports_its_own_peak(
+        host_build_dir, monkeypatch, tmp_path):
+    """gpt_gpu.run_purine when memory in use before the side is given back
+    during it (an earlier side's leftovers collected once the side runs):
+    the side's new allocations then reuse those bytes, so the most in use
+    at once less what was in use when it began understated the side's own
+    peak -- here by the 64 MiB held and let go. The figure is now the most
+    in use beyond the least in use seen before an allocation
+    (gpu/memory.PeakMemory ``own_peak``): at least what the side held at
+    once, its arena plus its cuBLAS workspaces. Fails before: the peak
+    read 64 MiB less than those."""
+    import gc
+
+    from purine_mpi.data.text import write_text
+    from purine_mpi.tools import bench as tools_bench
+    from tests.emulated_gpu.helpers import emulated_gpu_env
+    emulated_gpu_env(monkeypatch, host_build_dir)
+    spec = importlib.util.spec_from_file_location("gpt_gpu_release", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import cupy
+    from purine_mpi.gpu import blas, blaslt
+    from purine_mpi.job.config import load_config
+    blas.reset()
+    blaslt.reset()
+    gc.collect()
+    tokens = str(tmp_path / "tokens.h5")
+    write_text(os.path.join(REPO, "purine_mpi", "data"), tokens, glob="*.py", val_fraction=0.1)
+    config = load_config(os.path.join(REPO, "jobs", "gpt_tiny.yaml"), overrides=[
+        f"data.train.path={tokens}", f"data.test.path={tokens}", "data.train.batch_size=2",
+        "data.train.sequence_length=32", "device=0", "precision=bf16",
+        "checkpoint.interval=0"], check_files=False)
+    held = [cupy.zeros(64 << 20, dtype=cupy.uint8)]   # an earlier side's, still in use
+    real = tools_bench.run_bench
+
+    def releasing(*a, **kw):
+        held.clear()        # ... let go once the side has begun
+        gc.collect()
+        return real(*a, **kw)
+    monkeypatch.setattr(tools_bench, "run_bench", releasing)
+    args = types.SimpleNamespace(device=0, iters=2, warmup=1)
+    res = bench.run_purine(config, args)
+    mem = res["device_memory"]
+    assert mem["in_use_before_bytes"] >= 64 << 20, mem
+    held_at_once = mem["arena_bytes"] + mem["cublas_workspace_bytes"]
+    assert res["peak_memory_bytes"] >= held_at_once, (res["peak_memory_bytes"], mem)

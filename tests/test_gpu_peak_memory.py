@@ -67,6 +67,37 @@ def test_peak_is_the_most_in_use_at_once_per_device_and_the_allocator_comes_back
     assert peak.peak() == {0: 364, 1: 30}
 
 
+def test_own_peak_counts_the_bytes_an_earlier_run_let_go_and_this_one_reused():
+    """``own_peak``: the most in use beyond what was in use when tracking
+    began, that least lowered by what is let go meanwhile: 300 held before
+    and let go, then 350 allocated reads 350 (peak less in use at start:
+    50); let go while the run holds 20 of its own it reads 330, short by
+    those 20 at most (a lower bound, never below the plain difference); with
+    nothing let go it is the peak less what was in use at start."""
+    cupy, pool = _fake_cupy()
+    earlier = pool.malloc(300)
+    peak = PeakMemory(cupy)
+    alloc = cupy.cuda.get_allocator()
+    pool.free(earlier)                      # the earlier run's, let go
+    alloc(20)
+    alloc(330)                              # 350 in use, all this run's
+    assert peak.peak() == {0: 350} and peak.own_peak() == {0: 350}
+    cupy1, pool1 = _fake_cupy()
+    earlier = pool1.malloc(300)
+    during = PeakMemory(cupy1)
+    cupy1.cuda.get_allocator()(20)          # 320 in use: 20 beyond the 300
+    pool1.free(earlier)
+    cupy1.cuda.get_allocator()(330)         # 350, all this run's
+    assert during.peak() == {0: 350} and during.own_peak() == {0: 330}
+    cupy2, pool2 = _fake_cupy()
+    pool2.malloc(300)
+    kept = PeakMemory(cupy2)
+    a = cupy2.cuda.get_allocator()(100)
+    pool2.free(a)
+    cupy2.cuda.get_allocator()(60)
+    assert kept.peak() == {0: 400} and kept.own_peak() == {0: 100}
+
+
 def test_a_cupy_without_allocator_hooks_gives_no_tracker():
     assert start_peak_memory(types.SimpleNamespace(cuda=types.SimpleNamespace())) is None
 

@@ -214,10 +214,14 @@ class DataReader(OpKernel):
                         self._worker = None
                         return
                 continue
-            if request is None:  # stop_prefetch: the process is ending
+            if request is None:  # stop_prefetch: the run or the process is ending
                 with self._lock:
-                    self._worker = None
-                return
+                    # a request queued after a stop that timed out (or a
+                    # second stop's marker) is still this thread's to serve
+                    if self._requests.empty():
+                        self._worker = None
+                        return
+                continue
             iteration, slot = request
             try:
                 batch = self.prepare(iteration, slot["pad_limit"])
@@ -257,12 +261,19 @@ class DataReader(OpKernel):
     def stop_prefetch(self, timeout=None):
         """End the prefetch thread once the batch it gathers is done (the
         request queued after it is None), waiting up to ``timeout`` s."""
+        worker = self.ask_stop_prefetch()
+        if worker is not None:
+            worker.join(timeout)
+
+    def ask_stop_prefetch(self):
+        """Queue the prefetch thread's end after the requests before it,
+        without waiting; the thread to join (None: none runs). A request
+        queued after it is served all the same (``_serve``)."""
         with self._lock:
             worker = self._worker
-            if worker is None:
-                return
-            self._requests.put(None)
-        worker.join(timeout)
+            if worker is not None:
+                self._requests.put(None)
+            return worker
 
     def _take(self, iteration):
         if self._pending is not None and (self._pending[0] != iteration or
@@ -371,9 +382,17 @@ def stop_prefetch_threads(timeout=EXIT_WAIT_S):
     through NumPy's C++ frames aborts the process ("terminate called
     without an active exception", exit status -6 after a finished run: seen
     once from `bench` in a whole-suite run)."""
+    stop_readers(list(_PREFETCHING), timeout)
+
+
+def stop_readers(readers, timeout=EXIT_WAIT_S):
+    """End the prefetch threads of ``readers`` (DataReader kernels) once
+    the batch each gathers is done: all asked at once, then waited for up
+    to ``timeout`` s in all (not that long for each reader in turn)."""
     deadline = time.monotonic() + timeout
-    for reader in list(_PREFETCHING):
-        reader.stop_prefetch(max(0.0, deadline - time.monotonic()))
+    workers = [w for w in (r.ask_stop_prefetch() for r in readers) if w is not None]
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(stop_prefetch_threads)

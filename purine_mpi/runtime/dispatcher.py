@@ -425,11 +425,13 @@ class Dispatcher:
         device arena, which the next run in the process counted in its peak
         (benchmarks/gpt_gpu.py's second side of ours read about twice the
         first's, issue 45)."""
-        from ..ops.data import EXIT_WAIT_S
-        for k in self.kernels.values():
-            stop = getattr(k, "stop_prefetch", None)
-            if stop is not None:
-                stop(EXIT_WAIT_S)
+        from ..ops import data
+        # EXIT_WAIT_S in all, each reader's thread asked to end first: a
+        # close with several batches in flight (micro-batch copies of a
+        # reader, several sources) waits no longer than one
+        data.stop_readers([k for k in self.kernels.values()
+                           if getattr(k, "ask_stop_prefetch", None) is not None],
+                          data.EXIT_WAIT_S)
 
     def __enter__(self):
         return self

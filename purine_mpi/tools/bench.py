@@ -173,6 +173,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     finally:
         trainer.close()
         peaks = peak.peak() if peak is not None else None
+        own = peak.own_peak() if peak is not None else None
         if peak is not None:
             peak.close()
     server_places = []
@@ -238,7 +239,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         # plan's share of it (transient blobs; what they take one buffer
         # each), the kernels' scratch, and what CuPy's pool holds (with
         # CuPy on a GPU); empty on the CPU
-        **device_memory(trainer.ws, peaks, report),
+        **device_memory(trainer.ws, peaks, report, own),
         **state,
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
@@ -359,10 +360,12 @@ def throughput_flops(job, result, gpu_graph=None, places=None):
     return out
 
 
-def device_memory(ws, peaks=None, report=None):
+def device_memory(ws, peaks=None, report=None, own=None):
     """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``;
-    ``peaks``: gpu/memory.PeakMemory's {device: bytes}, ``report``: the
-    CUDA-graph capture report (its private pools count towards the peak)."""
+    ``peaks``: gpu/memory.PeakMemory's {device: bytes}, ``own``: its
+    ``own_peak()`` (the run's own, beyond what earlier runs of the process
+    held), ``report``: the CUDA-graph capture report (its private pools
+    count towards both)."""
     plans = getattr(ws, "device_plans", {}) or {}
     out = {
         "device_arena_bytes": {str(d): int(n) for d, n in sorted(ws.device_bytes.items())},
@@ -374,11 +377,16 @@ def device_memory(ws, peaks=None, report=None):
         # the most bytes in use at once: CuPy's default pool, sampled at each
         # allocation (gpu/memory.py), plus what the captures' pools keep
         "device_peak_bytes": {},
+        # the same less what was in use when the run began (and stayed in
+        # use while it allocated): a run sharing the process with earlier ones
+        "device_own_peak_bytes": {},
     }
     captured = (report or {}).get("capture_pool_bytes") or {}
     for d in sorted(ws.device_bytes):
         if peaks is not None and d in peaks:
             out["device_peak_bytes"][str(d)] = int(peaks[d]) + int(captured.get(str(d), 0))
+        if own is not None and d in own:
+            out["device_own_peak_bytes"][str(d)] = int(own[d]) + int(captured.get(str(d), 0))
     if ws.device_bytes and cupy_available():
         import cupy
         for d in sorted(ws.device_bytes):
