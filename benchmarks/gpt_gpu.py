@@ -60,7 +60,9 @@ what the other sides hold),
 ``attention_ms_per_iter`` (the SDPA kernels' time per step, every side
 alike: CUPTI's kernels of the profiled steps named like one,
 ``ATTENTION_KERNELS``, listed in ``attention_kernels``; ours from the
-CUDA-graph steps; what issue 45's attention target is judged on),
+CUDA-graph steps; what issue 45's attention target is judged on;
+``attention_backend``: the SDPA backend the side ran, ``SDPA_BACKENDS``,
+PyTorch's from the operator its dispatcher chose, ours from the kernels),
 ``attention_other_ms_per_iter`` (with ``attention_other`` and
 ``attention_other_launches_per_iter``: the rest of the GPU work, kernels,
 memsets, copies, that CUDA calls inside the attention's host ranges
@@ -86,7 +88,8 @@ time each), ``span_ms_per_iter`` (the spans whole), ``count_per_iter``,
 ``other``; ``idle_ms_per_iter``: no op running (the host between launches).
 ``purine_vs_torch_eager`` / ``_compile``: the tokens/s ratios;
 ``purine_attention_vs_torch_eager`` / ``_compile``: our SDPA kernels' time
-over theirs (the target: at most 1.10).
+over theirs (the target: at most 1.10), with ``..._note``: both backends, or
+why null (PyTorch's math backend launches no SDPA kernel: not compared).
 ``--budget-s``: rounds after the first, and the profiles after the rounds
 (ours eager: our trace's steps, then as many under CUPTI; ours in CUDA
 graphs; PyTorch's: in that order), are skipped
@@ -133,8 +136,21 @@ OURS = {"purine": {}, "purine_fc_cublaslt": {"PURINE_FC_EPILOGUE": "cublaslt"}}
 #: FlashAttention-3's ``flash::...``) and memory-efficient backend
 #: (``fmha_cutlassF_*``, ``fmha_cutlassB_*``); not Inductor's Triton kernels,
 #: which take the names of the operators they feed
-#: (``triton_poi_fused__scaled_dot_product_cudnn_attention_0``: a layout copy)
-ATTENTION_KERNELS = r"^(?!triton_).*(flash|fmha|attention|sdpa|attn)"
+#: (``triton_poi_fused__scaled_dot_product_cudnn_attention_0``: a layout copy),
+#: nor PyTorch's elementwise and reduction templates (``void at::native::...``),
+#: whose names carry their functor's type, a lambda of an attention function
+#: among them (no SDPA backend's kernel lies in ``at::native``)
+ATTENTION_KERNELS = r"^(?!triton_)(?!(void )?at::native::).*(flash|fmha|attention|sdpa|attn)"
+#: the SDPA backend a side ran: (name, the operator PyTorch's dispatcher ran
+#: for it, as torch.profiler's host ranges name it, and where no operator is
+#: recorded -- our CUDA-graph steps -- its kernels' names). The math backend
+#: (GEMMs and a softmax) launches no SDPA kernel: its time is not comparable
+SDPA_BACKENDS = (
+    ("cudnn", r"^aten::_scaled_dot_product_cudnn_attention", r"cudnn.*sdpa"),
+    ("flash", r"^aten::_(scaled_dot_product_)?flash_attention", r"flash_(fwd|bwd)|flash::"),
+    ("efficient", r"^aten::_(scaled_dot_product_)?efficient_attention", r"fmha_cutlass"),
+    ("math", r"^aten::_scaled_dot_product_attention_math", None),
+    ("overrideable", r"^aten::_scaled_dot_product_fused_attention_overrideable", None))
 #: the host ranges whose GPU work is the attention's: our Attention ops'
 #: runs (``purine::Attention``, ``purine::AttentionGrad``: ranges this
 #: benchmark opens, ``attention_ranges``) and PyTorch's SDPA operators
@@ -470,6 +486,45 @@ def attention_work(events, steps, kernels=ATTENTION_KERNELS, ranges=ATTENTION_RA
             if attributed else None, "attributed": round(attributed / steps, 2)}
 
 
+def sdpa_backend(events, kernel_names=()):
+    """The SDPA backends a side ran (``SDPA_BACKENDS``' names, in that
+    order): from the operators in a torch.profiler trace's host ranges
+    (``events``), else from the SDPA kernels' names; None where neither says."""
+    import re
+    ops = {str(e.get("name", "")) for e in events or () if e.get("ph") == "X"
+           and e.get("cat") == "cpu_op"}
+    found = [name for name, op, _ in SDPA_BACKENDS if any(re.search(op, o) for o in ops)]
+    if not found:
+        found = [name for name, _, kern in SDPA_BACKENDS
+                 if kern and any(re.search(kern, n, re.I) for n in kernel_names)]
+    return found or None
+
+
+def attention_ratios(sides):
+    """Issue 45's attention target: our SDPA kernels' time over each PyTorch
+    side's (at most 1.10), ``purine_attention_vs_<side>``, with a note naming
+    both sides' SDPA backends, or why there is no ratio (null, never 0)."""
+    out, ours = {}, sides.get("purine")
+    for theirs in ("torch_eager", "torch_compile"):
+        if ours is None or theirs not in sides:
+            continue
+        a, b = ours.get("attention_ms_per_iter"), sides[theirs].get("attention_ms_per_iter")
+        backends = "ours {}, theirs {}".format(
+            *(", ".join(side.get("attention_backend") or ["unknown"])
+              for side in (ours, sides[theirs])))
+        key = f"purine_attention_vs_{theirs}"
+        if a and b:
+            out[key] = round(a / b, 3)
+            out[key + "_note"] = f"SDPA kernels' time, ours over theirs; backends: {backends}"
+        else:
+            missing = [f"{name}'s: {side.get('attention_note')}" for name, side, v in
+                       (("ours", ours, a), ("theirs", sides[theirs], b)) if not v]
+            out[key] = None
+            out[key + "_note"] = (f"not compared (backends: {backends}): no SDPA kernel time, "
+                                  + "; ".join(missing))
+    return out
+
+
 def attention_fields(events, steps, what, kernels=True, work=None):
     """A side's attention fields from the CUPTI trace of ``steps`` of
     ``what`` (``attention_work``, or ``work``, its figures): with
@@ -479,12 +534,21 @@ def attention_fields(events, steps, what, kernels=True, work=None):
     work = work or attention_work(events, steps)
     out = {}
     if kernels:
+        backend = sdpa_backend(events, [row[0] for row in work["kernels"]])
+        ran = f"; SDPA backend: {', '.join(backend)}" if backend else ""
+        if work["kernels"]:
+            note = (f"torch.profiler (CUPTI) around {steps} of {what}: the SDPA kernels "
+                    f"(names matching /{ATTENTION_KERNELS}/i), their durations summed; "
+                    f"what issue 45's target is judged on{ran}")
+        elif backend and "math" in backend:
+            note = ("not measured: PyTorch ran SDPA's math backend "
+                    "(aten::_scaled_dot_product_attention_math: GEMMs and a softmax, no SDPA "
+                    "kernel), not comparable with an SDPA kernel's time")
+        else:
+            note = f"not measured: no kernel named like an SDPA kernel in the profile{ran}"
         out.update(attention_ms_per_iter=work["kernel_ms_per_iter"] if work["kernels"] else None,
-                   attention_kernels=work["kernels"] or None, attention_note=(
-                       f"torch.profiler (CUPTI) around {steps} of {what}: the SDPA kernels "
-                       f"(names matching /{ATTENTION_KERNELS}/i), their durations summed; "
-                       "what issue 45's target is judged on" if work["kernels"] else
-                       "not measured: no kernel named like an SDPA kernel in the profile"))
+                   attention_kernels=work["kernels"] or None, attention_backend=backend,
+                   attention_note=note)
     if work["other"] is None:
         out.update(attention_other_ms_per_iter=None, attention_other=None,
                    attention_other_launches_per_iter=None, attention_other_note=(
@@ -615,7 +679,7 @@ def purine_kernels(config, args, iter_ms):
 #: the fields each profile fills, by the group whose ``<group>_note`` says
 #: where they come from or why they are null
 PROFILE_FIELDS = {
-    "attention": ("attention_ms_per_iter", "attention_kernels"),
+    "attention": ("attention_ms_per_iter", "attention_kernels", "attention_backend"),
     "attention_other": ("attention_other_ms_per_iter", "attention_other",
                         "attention_other_launches_per_iter"),
     "attention_span": ("attention_span_ms_per_iter",),
@@ -952,11 +1016,8 @@ def main(argv=None):
         if "purine" in out_sides and theirs in out_sides and out_sides[theirs]["tokens_per_s"]:
             report[f"purine_vs_{theirs}"] = round(
                 out_sides["purine"]["tokens_per_s"] / out_sides[theirs]["tokens_per_s"], 3)
-        if "purine" in out_sides and theirs in out_sides:
-            # issue 45's attention target: our SDPA kernels' time over theirs (<= 1.10)
-            ours, other = (out_sides[s]["attention_ms_per_iter"] for s in ("purine", theirs))
-            report[f"purine_attention_vs_{theirs}"] = round(ours / other, 3) \
-                if ours and other else None
+    # issue 45's attention target: our SDPA kernels' time over theirs (<= 1.10)
+    report.update(attention_ratios(out_sides))
     print(json.dumps(report, indent=1))
     torch_sides.clear()
     gc.collect()

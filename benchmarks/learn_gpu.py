@@ -91,6 +91,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 STOP_GRACE_S = 30   # after a SIGTERM: the iteration's end and the checkpoint's write
 SPARE_S = 10        # of --budget-s, for the verdicts and the JSON
+#: the thresholds, as the verdicts name them: ``entropy`` is not an entropy
+#: of one distribution but the validation loss of a unigram model fitted on
+#: the training split (>= the validation split's own unigram entropy)
+ENTROPY_NAME = "the unigram cross-entropy"
+VAL_ENTROPY_NAME = "the val split's own unigram entropy"
 
 
 class Stopped(Exception):
@@ -181,10 +186,12 @@ def _finite(x):
     return x is not None and math.isfinite(x)
 
 
-def crossing(curve, threshold, wall_s, target_s=600.0):
+def crossing(curve, threshold, wall_s, target_s=600.0, name=None):
     """The verdict on a run's validation ``curve`` (read_curve's rows) getting
     below ``threshold`` within ``target_s`` (module docstring, ``below_entropy``);
-    ``wall_s``: how long the run lasted."""
+    ``wall_s``: how long the run lasted; ``name``: what the threshold is (said
+    in ``why`` before its value)."""
+    line = f"{name} {threshold:.4f}" if name else f"{threshold:.4f}"
     for row in curve:
         if not _finite(row["loss"]):
             return {"verdict": "FAIL", "why": f"loss not finite at iteration {row['iter']}"}
@@ -192,7 +199,7 @@ def crossing(curve, threshold, wall_s, target_s=600.0):
             ok = row["seconds"] <= target_s
             return {"verdict": "PASS" if ok else "FAIL", "iter": row["iter"],
                     "seconds": row["seconds"], "loss": row["loss"],
-                    "why": (f"below {threshold:.4f} at iteration {row['iter']}, "
+                    "why": (f"below {line} at iteration {row['iter']}, "
                             f"{row['seconds']:.1f} s after the start "
                             f"({'within' if ok else 'after'} {target_s:g} s)")}
     ran = float(wall_s or 0.0)
@@ -200,8 +207,8 @@ def crossing(curve, threshold, wall_s, target_s=600.0):
     where = (f"the lowest {best:.4f} by iteration {curve[-1]['iter']}" if best is not None
              else "no evaluation")
     if ran >= target_s:
-        return {"verdict": "FAIL", "why": f"never below {threshold:.4f} in {ran:.0f} s ({where})"}
-    return {"verdict": "INCOMPLETE", "why": f"not below {threshold:.4f} in the {ran:.0f} s run, "
+        return {"verdict": "FAIL", "why": f"never below {line} in {ran:.0f} s ({where})"}
+    return {"verdict": "INCOMPLETE", "why": f"not below {line} in the {ran:.0f} s run, "
                                             f"shorter than {target_s:g} s ({where})"}
 
 
@@ -209,10 +216,11 @@ def verdicts(entropy, first, second, target_s=600.0, max_gap=0.05, val_entropy=N
     """The verdicts (module docstring) from the runs' dicts: ``curve``
     (read_curve's rows), ``wall_s`` (how long the run lasted)."""
     out = {"below_entropy": dict(crossing(first["curve"], entropy, first.get("wall_s"),
-                                          target_s), entropy=entropy)}
+                                          target_s, ENTROPY_NAME), entropy=entropy)}
     if val_entropy is not None:   # the stricter threshold, said beside it
         out["below_val_entropy"] = dict(crossing(first["curve"], val_entropy,
-                                                 first.get("wall_s"), target_s),
+                                                 first.get("wall_s"), target_s,
+                                                 VAL_ENTROPY_NAME),
                                         entropy=val_entropy)
     ref = {r["iter"]: r["loss"] for r in second["curve"]}
     matched = [[r["iter"], r["loss"], ref[r["iter"]],
@@ -244,9 +252,11 @@ def headline(res):
         lines.append(f"{key} {v['verdict']}: {v['why']}")
     if "unigram" in res:
         u = res["unigram"]
-        lines.append(f"entropy {u['entropy']:.4f} nats/token (train {u['train_entropy']:.4f}, "
+        lines.append(f"threshold: {ENTROPY_NAME} {u['entropy']:.4f} nats/token (the val "
+                     f"tokens under the train split's add-one-smoothed unigram frequencies); "
+                     f"the splits' own unigram entropies: train {u['train_entropy']:.4f}, "
                      f"val {u['val_entropy']:.4f}; {u['vocab_size']} tokens, "
-                     f"{u['train_tokens']} train, {u['val_tokens']} val)")
+                     f"{u['train_tokens']} train, {u['val_tokens']} val")
     for r in res.get("runs") or []:
         if r.get("precision"):
             lines.append(f"{r['precision']}: evaluated to iteration {r.get('iters_evaluated')} "
@@ -378,7 +388,15 @@ def main(argv=None):
            "seconds_note": "wall seconds since the train process started (start-up included)",
            "failed": None}
 
+    def judge():   # the verdicts on the runs so far (one not yet run: no curve)
+        runs = list(res.get("runs") or [])
+        runs += [{"precision": None, "curve": [], "wall_s": 0}] * (2 - len(runs))
+        res["verdicts"] = verdicts(res["unigram"]["entropy"], runs[0], runs[1],
+                                   args.target_s, args.max_gap, res["unigram"]["val_entropy"])
+
     def say():   # WORK/learn.json (and --report-dir's), whole at every write
+        if "unigram" in res and res.get("runs"):   # a killed call keeps those so far
+            judge()
         res["headline"] = headline(res)
         for folder in filter(None, (work, report)):
             (folder / "learn.json.part").write_text(json.dumps(res, indent=1))
@@ -422,7 +440,6 @@ def main(argv=None):
         with h5py.File(data, "r") as f:
             vocab = int(f.attrs["vocab_size"])
             res["unigram"] = unigram(f["train/tokens"][:], f["val/tokens"][:], vocab)
-        entropy = res["unigram"]["entropy"]
         say()
         runs = res["runs"] = []
         for i, prec in enumerate(args.precisions):
@@ -446,8 +463,7 @@ def main(argv=None):
             if rc != 0 and not stopped and res["failed"] is None:
                 res["failed"] = f"train {prec} exited {rc} (see {name}.log)"
             say()
-        res["verdicts"] = verdicts(entropy, runs[0], runs[1], args.target_s, args.max_gap,
-                                   res["unigram"]["val_entropy"])
+        judge()
         return 1 if res["failed"] else 0
     except Stopped:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -459,9 +475,7 @@ def main(argv=None):
             runs = res.setdefault("runs", [])
             while len(runs) < 2:
                 runs.append({"precision": None, "curve": [], "wall_s": 0})
-            res["verdicts"] = verdicts(res["unigram"]["entropy"], runs[0], runs[1],
-                                       args.target_s, args.max_gap,
-                                       res["unigram"]["val_entropy"])
+            judge()
         return 1
     finally:
         res["total_s"] = round(time.time() - t0, 1)

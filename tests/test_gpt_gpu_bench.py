@@ -348,6 +348,93 @@ def test_our_attention_ops_run_in_host_ranges_the_profiler_sees_on_their_thread(
     assert not [e for e in prof.events() if e.name.startswith("purine::")]
 
 
+def test_the_sdpa_kernel_pattern_takes_the_sdpa_kernels_and_nothing_else():
+    """ATTENTION_KERNELS on CUPTI names: every SDPA backend's kernels (cuDNN,
+    flash 2 and 3, memory-efficient), none of the work beside them: Inductor's
+    Triton kernels named after the operator they feed, PyTorch's elementwise
+    and reduction templates, whose names carry their functor's (a lambda of
+    an attention function), the math backend's GEMMs and softmax, and every
+    kernel our sources define (the non-SDPA path's softmax and products)."""
+    bench = _bench()
+    sdpa = [FPROP, BPROP,
+            "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 64, 4, "
+            "false, false, cutlass::bfloat16_t>, false, true>(pytorch_flash::Flash_fwd_params)",
+            "void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<64>>"
+            "(pytorch_flash::Flash_bwd_params)",
+            "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+            "flash::CollectiveMainloopFwdSm90<2>>>>(flash::Params)",
+            "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+            "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+            "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::"
+            "AttentionBackwardKernel<cutlass::arch::Sm80, cutlass::bfloat16_t>::Params)"]
+    other = ["triton_poi_fused__scaled_dot_product_cudnn_attention_0",
+             "triton_per_fused__softmax_attn_1",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous "
+             "namespace)::_scaled_dot_product_attention_math(at::Tensor const&)::{lambda(float)"
+             "#1}, std::array<char*, 2ul>>(int, at::native::(anonymous namespace)::"
+             "_scaled_dot_product_attention_math(at::Tensor const&)::{lambda(float)#1}, "
+             "std::array<char*, 2ul>)",
+             "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+             "at::native::flash_sum_attn_functor<float>, unsigned int, float, 4>>(...)",
+             "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, "
+             "float, c10::BFloat16, at::native::(anonymous namespace)::"
+             "SoftMaxForwardEpilogue>(c10::BFloat16*, c10::BFloat16 const*, int)",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_"
+             "execute_segment_k_off_kernel__5x_cublas",
+             "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "Memcpy DtoD (Device -> Device)"]
+    names = set()
+    for path in [os.path.join(REPO, "cuda", f) for f in os.listdir(os.path.join(REPO, "cuda"))]:
+        with open(path) as f:
+            names |= set(re.findall(r"__global__\s+void\s+(\w+)", f.read()))
+    assert len(names) > 20, names   # the sources were read
+    pattern = re.compile(bench.ATTENTION_KERNELS, re.I)
+    assert [n for n in sdpa if not pattern.search(n)] == []
+    assert [n for n in other + sorted(names) if pattern.search(n)] == []
+
+
+def test_pytorchs_sdpa_backend_is_reported_beside_its_attention_time():
+    """Which SDPA backend a side ran (the operator PyTorch's dispatcher
+    chose, from the host's ranges; ours from the kernels' names): cuDNN,
+    flash, memory-efficient, or the math backend, whose GEMMs and softmax
+    are no SDPA kernel -- its time is null with a note naming it, never 0,
+    and the ratio against it is null and says why."""
+    bench = _bench()
+    cudnn = bench.attention_fields(_cupti_trace(
+        1, forward=("aten::scaled_dot_product_attention",
+                    "aten::_scaled_dot_product_cudnn_attention"),
+        backward=("aten::_scaled_dot_product_cudnn_attention_backward",)), 1, "its steps")
+    assert cudnn["attention_backend"] == ["cudnn"] and cudnn["attention_ms_per_iter"] == 0.9
+    flash = [dict(e, name=e["name"].replace("cudnn", "flash")) for e in _cupti_trace(
+        1, forward=("aten::scaled_dot_product_attention",
+                    "aten::_scaled_dot_product_cudnn_attention"), backward=())]
+    assert bench.attention_fields(flash, 1, "its steps")["attention_backend"] == ["flash"]
+    # the math backend: bmm and softmax inside aten::_scaled_dot_product_attention_math
+    math_trace = [dict(e, name={FPROP: "void at::native::(anonymous namespace)::"
+                                "cunn_SoftMaxForward<8, float>", BPROP: "nvjet_tst_bmm"}.get(
+                                    e["name"], e["name"]))
+                  for e in _cupti_trace(1, forward=("aten::scaled_dot_product_attention",
+                                                    "aten::_scaled_dot_product_attention_math"),
+                                        backward=("aten::bmm",))]
+    got = bench.attention_fields(math_trace, 1, "its steps")
+    assert got["attention_ms_per_iter"] is None and got["attention_backend"] == ["math"]
+    assert "math" in got["attention_note"] and "not measured" in got["attention_note"]
+    # ours: no operator ranges in the CUDA-graph steps, the backend from the kernels
+    ours = bench.attention_fields(None, 2, "our steps", work={
+        "kernel_ms_per_iter": 0.9, "kernels": [[BPROP, 0.5, 1.0]], "other": None})
+    assert ours["attention_backend"] == ["cudnn"]
+    none = bench.attention_fields(None, 2, "our steps", work={
+        "kernel_ms_per_iter": 0.0, "kernels": [], "other": None})
+    assert none["attention_backend"] is None and none["attention_ms_per_iter"] is None
+    assert "attention_backend" in bench.PROFILE_FIELDS["attention"]
+    sides = {"purine": dict(ours, attention_ms_per_iter=1.0),
+             "torch_eager": dict(got), "torch_compile": dict(cudnn, attention_ms_per_iter=0.8)}
+    ratios = bench.attention_ratios(sides)
+    assert ratios["purine_attention_vs_torch_compile"] == 1.25
+    assert "ours cudnn, theirs cudnn" in ratios["purine_attention_vs_torch_compile_note"]
+    assert ratios["purine_attention_vs_torch_eager"] is None
+    assert "math" in ratios["purine_attention_vs_torch_eager_note"]
+
+
 def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
     """The kernel tables' GPU path on the CPU, kernel_stats (CUPTI) standing
     in with a made-up trace: ours around the profiled steps of a trainer of

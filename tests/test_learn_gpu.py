@@ -172,6 +172,52 @@ def test_the_whole_flow_on_the_cpu(tmp_path):
         in summary, summary
 
 
+def test_learn_json_holds_the_verdicts_so_far_while_the_next_run_goes(tmp_path, monkeypatch):
+    """A call killed during the fp32 run (the runner packs learn.json as it
+    is then) still has the bf16 run's verdict: learn.json is rewritten with
+    the verdicts so far after each run (the gap INCOMPLETE until the second
+    has run), and its headline names the threshold for what it is, the
+    unigram model's cross-entropy on the validation split."""
+    stdlib = tmp_path / "lib"
+    stdlib.mkdir()
+    (stdlib / "a.py").write_text("x = 1\n" * 100)
+    seen = []
+
+    def run(cmd, cap_s, log_path, env, grace_s=30):
+        out = pathlib.Path(cmd[cmd.index("--out") + 1])
+        pathlib.Path(log_path).write_text("")
+        if "data" in cmd:   # the token file: 4 tokens, the train split's frequencies
+            with h5py.File(out, "w") as f:
+                f.attrs["vocab_size"] = 4
+                f["train/tokens"] = np.array([0, 0, 1, 2, 3, 0], np.int32)
+                f["val/tokens"] = np.array([0, 1, 0, 2], np.int32)
+            return 0, time.time(), 0.1, False
+        if seen:   # the second run: what learn.json says while it goes, then a TERM
+            seen.append(json.loads((tmp_path / "w/learn.json").read_text()))
+            raise learn_gpu.Stopped()
+        seen.append(None)
+        out.mkdir(parents=True)
+        t = time.time()
+        rows = [{"phase": "test", "iter": i, "timestamp": t + i, "time": i, "loss": loss}
+                for i, loss in ((0, 9.0), (50, 0.5))]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0, t, 51.0, False
+    monkeypatch.setattr(learn_gpu, "run", run)
+    rc = learn_gpu.main(["--work", str(tmp_path / "w"), "--stdlib", str(stdlib), "--config",
+                         str(pathlib.Path(REPO) / "jobs/gpt_tiny.yaml"), "--device", "-1",
+                         "--bpe-vocab", "4", "--budget-s", "300"])
+    assert rc == 1 and len(seen) == 2
+    during = seen[1]
+    assert during["verdicts"]["below_entropy"]["verdict"] == "PASS", during.get("verdicts")
+    assert during["verdicts"]["gap"]["verdict"] == "INCOMPLETE"
+    assert any(line.startswith("below_entropy PASS: below the unigram cross-entropy ")
+               for line in during["headline"]), during["headline"]
+    assert any("threshold: the unigram cross-entropy" in line for line in during["headline"])
+    final = json.loads((tmp_path / "w/learn.json").read_text())
+    assert final["failed"].startswith("terminated") and \
+        final["verdicts"]["below_entropy"]["verdict"] == "PASS"
+
+
 def test_the_learn_stage_runs_the_script_inside_its_budget(tmp_path):
     """gpu_session.sh's learn stage: benchmarks/learn_gpu.py (a stand-in here
     that records its arguments) gets the stage's budget less the runner's
