@@ -98,7 +98,6 @@ def deterministic():
     return _flag("PURINE_CUDNN_DETERMINISTIC")
 
 
-
 def device_name(cupy, device):
     """The GPU's name, as CUDA reports it."""
     name = cupy.cuda.runtime.getDeviceProperties(int(device))["name"]

@@ -27,11 +27,12 @@ gradient exists. On a GPU, for (positions, classes) rows of at least
 ROW_BLOCK_CLASSES classes (GPT's logits over axis -1), each op is one
 kernel that reads the bits itself (``softmax_loss_forward_bits``,
 ``softmax_loss_grad_bits``: widened in registers, dx rounded into bits in
-the pass that computes it), with the float32 kernels' order of operations,
-so the bits the path below gives (where each chunk starts on the vector
+the pass that computes it), with the float32 kernels' order of operations:
+the same bits as the path below (where each chunk starts on the vector
 grid, as every chunk of GPT-2's 50304 classes does), with no float32
-scratch and no conversion launch. Otherwise both ops work ``LOSS_CHUNK`` elements of whole positions
-at a time, widening a chunk of the logits into float32 scratch (exact),
+scratch and no conversion launch. Otherwise (fewer classes, inner > 1,
+float32 logits, the host) both ops work ``LOSS_CHUNK`` elements of whole
+positions at a time, widening a chunk of the logits into float32 scratch (exact),
 running the same float32 kernels (the same code on the host) on it -- the
 same probabilities bit for bit, since each position's softmax reads its own
 row only -- and the gradient writes its chunk as bits where its readers
@@ -170,8 +171,9 @@ def _raw_specs(x, specs):
 def _reserve(kernel, x, specs):
     """Make room in setup for the kernel's scratch ``specs`` on ``x``'s
     device: where the raw kernels take ``x``'s dtype, and for a loss or
-    gradient ``from_logits`` whatever it is (logits stored as bits: their
-    kernels run on float32 chunks); nothing on the host."""
+    gradient ``from_logits`` whatever it is (logits stored as bits: the
+    float32 chunks, or for ``_bits_rows`` the labels' and count's scratch
+    alone); nothing on the host."""
     if kernel.attrs.get("from_logits"):
         kernel.reserve_temporaries(x, *specs)
     elif raw_kernels(get_xp(x), x) is not None:
@@ -344,7 +346,8 @@ class SoftmaxLoss(OpKernel):
 
     @classmethod
     def bits_inputs(cls, attrs):
-        """The logits, ``from_logits``: widened a chunk at a time."""
+        """The logits, ``from_logits``: widened a chunk at a time, or read
+        as bits by one kernel (``_bits_rows``)."""
         return (0,) if attrs.get("from_logits") else ()
 
     def scratch_specs(self, ins, outs):
