@@ -53,6 +53,12 @@
 #                      benchmarks/layernorm_kernel_gpu.py (20 s at most): the
 #                      layer-norm kernels, warp per row against block per row
 #                                                         -> layernorm_kernel_gpu.json
+#   learn       575 s  benchmarks/learn_gpu.py, issue 45's learning target: a BPE on
+#                      the machine's stdlib, the unigram cross-entropy, gpt2_124m
+#                      bf16 then fp32 for the same iterations in the time given
+#                      (an estimate: it uses what it is given; `--plan` cuts it to
+#                      what is left of a session after `tests gpt`)
+#                                     -> learn.json, learn_*_metrics.jsonl, logs
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -112,7 +118,7 @@ bench|150+|2026-11-29 and 11-30: cut at its 150 s budget before nin_cifar10 fini
 dp|8|2026-11-25
 plans|30?|2026-11-29, not timed alone: a 216 s call of probe plans dp bench, less the others
 gpt|105|2026-11-30: a 153 s call of tests gpt, less tests' 48 s (bench_bf16 and gpt_gpu only: the microbenchmarks' 90 s came after)
-learn|575?|not yet run on a GPU"
+learn|575?|an estimate, its budget: not yet run on a GPU"
 
 # a call's own limit: stages stop (each at its budget, or earlier where
 # the call's time runs out) so that the call ends before the device tool's

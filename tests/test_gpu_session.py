@@ -420,6 +420,8 @@ exec {sys.executable} "$@"
     res = _session("gpt", env={"OUT": str(back), "WORK": str(work), "PYTHON": str(stub),
                                "WHEELS": str(tmp_path / "none"), "PIP_FIND_LINKS": "",
                                "STAGE_BUDGET_S": "70"}, timeout=120)
+    assert calls.exists(), (res.returncode, res.stderr, (work / "stages.txt").read_text(),
+                            (work / "status.txt").read_text())
     gpt = [line.split() for line in calls.read_text().splitlines()
            if line.startswith("benchmarks/gpt_gpu.py")][0]
     deadline = int(gpt[gpt.index("--deadline-s") + 1])
