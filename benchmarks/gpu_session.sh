@@ -12,8 +12,9 @@
 #
 # Each start of a lent GPU machine costs part of a short lease (about 30 s
 # each of six starts on an H200, 2026-11-25; 15 minutes of device time in all,
-# 600 s a command), so run the stages together in at most two calls: `--plan`
-# says which. The runner gives each stage its budget or what is left of the
+# 600 s a command), so run the stages together in as few calls as fit:
+# `--plan` says which, and which of them fit one session's device time (the
+# budgets of all stages do not: they need two sessions). The runner gives each stage its budget or what is left of the
 # call's, whichever is less, and skips a stage with under 20 s left (said in
 # summary.txt). Stages (each stops itself at its budget, so its reports always
 # come back):
@@ -52,6 +53,12 @@
 #                      benchmarks/layernorm_kernel_gpu.py (20 s at most): the
 #                      layer-norm kernels, warp per row against block per row
 #                                                         -> layernorm_kernel_gpu.json
+#   learn       575 s  benchmarks/learn_gpu.py, issue 45's learning target: a BPE on
+#                      the machine's stdlib, the unigram cross-entropy, gpt2_124m
+#                      bf16 then fp32 for the same iterations in the time given
+#                      (an estimate: it uses what it is given; `--plan` cuts it to
+#                      what is left of a session after `tests gpt`)
+#                                     -> learn.json, learn_*_metrics.jsonl, logs
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -81,7 +88,9 @@
 # file's python-version), STAGE_BUDGET_S (a stage's budget in seconds instead
 # of the plan's: the tests, on a loaded CPU-only machine, where the probe
 # stage's install + env.txt + probe took over its 60 s), CALL_BUDGET_S (a
-# call's seconds, default 590), WORK, OUT. The exit status is the first
+# call's seconds, default 590), DEVICE_BUDGET_S and START_S (`--plan` only:
+# a session's device time, default 900, and a machine start's, default 30),
+# WORK, OUT. The exit status is the first
 # failing stage's (124 where a stage was skipped for want of time).
 set -u
 
@@ -109,7 +118,7 @@ bench|150+|2026-11-29 and 11-30: cut at its 150 s budget before nin_cifar10 fini
 dp|8|2026-11-25
 plans|30?|2026-11-29, not timed alone: a 216 s call of probe plans dp bench, less the others
 gpt|105|2026-11-30: a 153 s call of tests gpt, less tests' 48 s (bench_bf16 and gpt_gpu only: the microbenchmarks' 90 s came after)
-learn|575?|not yet run on a GPU"
+learn|575?|an estimate, its budget: not yet run on a GPU"
 
 # a call's own limit: stages stop (each at its budget, or earlier where
 # the call's time runs out) so that the call ends before the device tool's
@@ -148,11 +157,42 @@ plan_table() {  # the stages in the order of `all`: budget, time measured, what;
       $((total / 60)) "$CALL_BUDGET_S"
   echo "calls (the budgets of each within ${CALL_BUDGET_S} s; \`all\` runs what fits and packs):"
   for call in "${calls[@]}"; do echo "  benchmarks/gpu_session.sh $call"; done
+  # the sessions: a session's device time (DEVICE_BUDGET_S) pays a machine
+  # start (START_S), every call's budgets and HANDBACK_S for the transfers
+  # and the hand-back (give_back, or the idle wait before the machine goes
+  # back); a call that does not fit goes to the next session -- but for
+  # `learn` alone, which uses what it is given: it gets what is left where
+  # that is at least LEARN_MIN_S (an estimate: the BPE, start-up and
+  # compilation, and bf16 to its crossing, not yet run on a GPU)
+  local handback_s=30 learn_min_s=300 used=0 n=0 line="" cb left
+  echo "sessions (${DEVICE_BUDGET_S} s of device time each: a machine start, ${START_S} s;" \
+      "the calls' budgets; ${handback_s} s for the transfers and the hand-back):"
+  for call in "${calls[@]}"; do
+    cb=0; for stage in $call; do cb=$((cb + $(budget "$stage"))); done
+    left=$((DEVICE_BUDGET_S - used - handback_s))
+    if [ -n "$line" ] && [ "$cb" -gt "$left" ] && [ "$call" = learn ] &&
+        [ "$left" -ge "$learn_min_s" ]; then
+      line="$line, then CALL_BUDGET_S=$left benchmarks/gpu_session.sh learn (cut from"
+      line="$line $cb s: it uses what it is given; where the calls before took less, the"
+      line="$line device tool's budget_left_s less $((handback_s + 10)), up to $CALL_BUDGET_S)"
+      used=$((used + left)); continue
+    fi
+    if [ -z "$line" ] || [ "$cb" -gt "$left" ]; then
+      [ -z "$line" ] || echo "  session $n ($((used + handback_s)) s$([ $((used + handback_s)) \
+          -le "$DEVICE_BUDGET_S" ] || echo ": over ${DEVICE_BUDGET_S} s, cut it with CALL_BUDGET_S")): $line"
+      n=$((n + 1)); used=$START_S; line=""
+    fi
+    line="${line:+$line, then }benchmarks/gpu_session.sh $call"; used=$((used + cb))
+  done
+  echo "  session $n ($((used + handback_s)) s$([ $((used + handback_s)) -le "$DEVICE_BUDGET_S" ] ||
+      echo ": over ${DEVICE_BUDGET_S} s, cut it with CALL_BUDGET_S")): $line"
 }
 
 if [ "$1" = --plan ]; then
   [ $# -eq 1 ] || usage
   whole_seconds CALL_BUDGET_S "$CALL_BUDGET_S"
+  DEVICE_BUDGET_S="${DEVICE_BUDGET_S:-900}"; START_S="${START_S:-30}"
+  whole_seconds DEVICE_BUDGET_S "$DEVICE_BUDGET_S"; whole_seconds START_S "$START_S"
   plan_table
   exit 0
 fi
@@ -165,6 +205,7 @@ if [ "$1" != fetch ] && [ "$1" != --stage ]; then
   # everything, and a call killed at its limit still leaves the stages done
   if [ "$1" = all ]; then
     [ $# -eq 1 ] || usage
+    # shellcheck disable=SC2086  # one stage per word
     set -- $ALL_ORDER
   fi
   for stage in "$@"; do [ -n "$(budget "$stage")" ] || usage; done
@@ -191,6 +232,7 @@ if [ "$1" != fetch ] && [ "$1" != --stage ]; then
     cp "$WORK/summary.txt" "$OUT/summary.txt.part" && mv -f "$OUT/summary.txt.part" "$OUT/summary.txt"
   }
   child=""
+  # shellcheck disable=SC2329  # (called by the traps below)
   on_signal() {  # the call killed: end the stage, say so, pack what there is
     trap '' TERM INT HUP
     if [ -n "$child" ]; then
@@ -368,7 +410,6 @@ case "$MODE" in
     limit "$PYTHON" benchmarks/gpu_probe.py --out "$OUT"
     step probe $? ;;
   tests)
-    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
     # where pytest-xdist is installed (the GPU image has it): a worker per
     # core, at most 12 (each holds a CUDA context, ~0.5 GiB of the GPU); on
     # an H200's 16 cores 12 workers ran the 319 GPU tests in 37 s (2026-11-29)
@@ -377,6 +418,7 @@ case "$MODE" in
       n=$(nproc 2>/dev/null || echo 4); [ "$n" -le 12 ] || n=12
       workers=(-n "$n")
     fi
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
     limit "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs "${workers[@]}" \
         --junitxml="$OUT/pytest_gpu.xml" $PYTEST_ARGS tests > "$OUT/pytest_gpu.txt" 2>&1
     step pytest_gpu $? ;;
@@ -402,6 +444,7 @@ case "$MODE" in
     : > "$OUT/gpu_dp.json"
     # (one GPU: 2 ranks share it, so auto must fall back to MPI and say why)
     for run in "1 mpi" "2 mpi" "2 auto"; do
+      # shellcheck disable=SC2086  # ranks, backend
       set -- $run
       # (into a file, then its last line: limit in a pipeline could not be ended)
       limit "$mpiexec" -n "$1" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \

@@ -47,11 +47,30 @@ def test_plan_lists_the_stages_in_order_and_the_calls_they_need(tmp_path):
     assert all(re.fullmatch(r"\d+[+?]?", r[2]) and r[3] == "s" for r in rows), rows
     assert int(lines[total_at].split()[1].rstrip("s")) == sum(budgets.values())
     # the calls: every stage once, in order, each call's budgets within 590 s
-    calls = [line.split()[1:] for line in lines[total_at + 2:]]
-    assert [line.split()[0] for line in lines[total_at + 2:]] == \
+    sessions_at = next(i for i, line in enumerate(lines) if line.startswith("sessions"))
+    calls = [line.split()[1:] for line in lines[total_at + 2:sessions_at]]
+    assert [line.split()[0] for line in lines[total_at + 2:sessions_at]] == \
         ["benchmarks/gpu_session.sh"] * len(calls)
     assert sum(calls, []) == STAGES and len(calls) == 3   # learn: a call of its own
     assert all(sum(budgets[s] for s in call) <= 590 for call in calls), calls
+    # the sessions: 900 s of device time each, a start of 30 s and 30 s for the
+    # transfers and hand-back; `tests gpt` and all of learn's 575 s do not fit
+    # one, so learn gets what is left (CALL_BUDGET_S), the rest a second session
+    assert 30 + budgets["tests"] + budgets["gpt"] + budgets["learn"] + 30 > 900
+    left = 900 - 30 - budgets["tests"] - budgets["gpt"] - 30
+    assert lines[sessions_at + 1:] == [
+        f"  session 1 (900 s): benchmarks/gpu_session.sh tests gpt, then "
+        f"CALL_BUDGET_S={left} benchmarks/gpu_session.sh learn (cut from "
+        f"{budgets['learn']} s: it uses what it is given; where the calls before took "
+        f"less, the device tool's budget_left_s less 40, up to 590)",
+        f"  session 2 ({30 + sum(budgets[s] for s in calls[2]) + 30} s): "
+        f"benchmarks/gpu_session.sh {' '.join(calls[2])}"], lines[sessions_at:]
+    # a shorter lease: learn's whole call alone is over it, and says so
+    short = _session("--plan", env={"DEVICE_BUDGET_S": "600"}).stdout.splitlines()
+    at = next(i for i, line in enumerate(short) if line.startswith("sessions"))
+    assert short[at + 2] == "  session 2 (635 s: over 600 s, cut it with CALL_BUDGET_S): " \
+        "benchmarks/gpu_session.sh learn", short[at:]
+    assert len(short) == at + 4
     for bad in (("bogus",), ("probe", "bogus"), ("all", "probe"), ("--plan", "x"),
                 ("--stage",)):
         res = _session(*bad, env={"OUT": str(tmp_path / "o"), "WORK": str(tmp_path / "w")})
@@ -64,6 +83,10 @@ def test_plan_lists_the_stages_in_order_and_the_calls_they_need(tmp_path):
             assert res.returncode == 2 and not res.stdout and not (tmp_path / "o").exists()
             assert res.stderr.strip().endswith(f"{name} must be a whole number of "
                                                f"seconds (> 0), not '{budget}'"), res.stderr
+    for name in ("DEVICE_BUDGET_S", "START_S"):
+        res = _session("--plan", env={name: "9m"})
+        assert res.returncode == 2 and not res.stdout and res.stderr.strip().endswith(
+            f"{name} must be a whole number of seconds (> 0), not '9m'"), res.stderr
     res = _session("probe", env={"OUT": str(tmp_path / "o"), "WORK": str(tmp_path / "o/w")})
     assert res.returncode == 2 and "must not be inside OUT" in res.stderr
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
@@ -397,6 +420,8 @@ exec {sys.executable} "$@"
     res = _session("gpt", env={"OUT": str(back), "WORK": str(work), "PYTHON": str(stub),
                                "WHEELS": str(tmp_path / "none"), "PIP_FIND_LINKS": "",
                                "STAGE_BUDGET_S": "70"}, timeout=120)
+    assert calls.exists(), (res.returncode, res.stderr, (work / "stages.txt").read_text(),
+                            (work / "status.txt").read_text())
     gpt = [line.split() for line in calls.read_text().splitlines()
            if line.startswith("benchmarks/gpt_gpu.py")][0]
     deadline = int(gpt[gpt.index("--deadline-s") + 1])
