@@ -20,20 +20,16 @@ step's launches (48 bias adds, 12 GELUs each way).
 Needs CuPy and a GPU: without them it says so and exits 2."""
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
-
-def _timed(cupy, launch, reps):
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import kernel_bench  # noqa: E402  (benchmarks/kernel_bench.py)
 
 
 def main(argv=None):
@@ -42,23 +38,13 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=768, help="the model width (qkv 3x, MLP 4x)")
     ap.add_argument("--approximate", choices=("none", "tanh"), default="tanh",
                     help="the GELU form (default GPT-2's, jobs/gpt2_124m.yaml)")
-    ap.add_argument("--reps", type=int, default=20, help="launches a kernel a round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--bound-gbs", type=float, default=4800.0,
-                    help="the memory bound in GB/s (default an H200's 4800)")
-    ap.add_argument("--budget-s", type=float, default=60.0,
-                    help="no round starts after this many seconds (at least one runs)")
+    kernel_bench.add_timing_args(ap)
     args = ap.parse_args(argv)
-    if min(args.rows, args.width, args.reps, args.rounds) < 1 or args.width % 8:
-        print("bias_gelu_gpu.py: --rows, --reps, --rounds must be >= 1 and --width a "
-              "positive multiple of 8", file=sys.stderr)
-        return 2
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:   # no CuPy, or no GPU
-        print(f"bias_gelu_gpu.py: needs CuPy and a GPU ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
+    cupy = kernel_bench.need_cupy(
+        "bias_gelu_gpu.py", "--rows, --reps, --rounds must be >= 1 and --width a positive "
+        "multiple of 8" if min(args.rows, args.width, args.reps, args.rounds) < 1
+        or args.width % 8 else None)
+    if cupy is None:
         return 2
     from purine_mpi.gpu import kernels
 
@@ -116,27 +102,22 @@ def main(argv=None):
         agreement[name] = all(np.array_equal(a, b) for a, b in zip(*got))
         launch(False)
         launch(True)   # warm-up
-    times = {(name, vec): [] for name in cases for vec in (False, True)}
-    rounds = 0
-    while rounds < args.rounds and (rounds == 0 or time.monotonic() - began < args.budget_s):
-        # interleaved: each kernel once a round, old and new next to each other,
-        # which goes first alternating from round to round (neither always
-        # follows the other's traffic)
-        for name in cases:
-            for vec in ((False, True) if rounds % 2 == 0 else (True, False)):
-                times[(name, vec)].append(
-                    _timed(cupy, lambda: cases[name][0](vec), args.reps))
-        rounds += 1
+    launches = {(name, vec): (lambda launch, vec: lambda: launch(vec))(cases[name][0], vec)
+                for name in cases for vec in (False, True)}
+    # interleaved: each kernel once a round, old and new next to each other,
+    # which goes first alternating from round to round (neither always
+    # follows the other's traffic)
+    times, rounds = kernel_bench.interleaved(
+        cupy, launches, args, began,
+        order=lambda r: [(name, vec) for name in cases
+                         for vec in ((False, True) if r % 2 == 0 else (True, False))])
     results = {}
     for name, (_, moved, _) in cases.items():
-        entry = {"bytes": moved, "bound_ms": round(moved / (args.bound_gbs * 1e9) * 1e3, 4),
+        entry = {"bytes": moved, "bound_ms": kernel_bench.bound_ms(moved, args.bound_gbs),
                  "bitwise_equal": agreement[name]}
         for vec in (False, True):
-            med = float(np.median(times[(name, vec)]))
-            gbs = moved / (med * 1e-3) / 1e9
-            entry["new" if vec else "old"] = {
-                "ms": round(med, 4), "ms_rounds": [round(t, 4) for t in times[(name, vec)]],
-                "gb_per_s": round(gbs, 1), "fraction_of_bound": round(gbs / args.bound_gbs, 3)}
+            entry["new" if vec else "old"] = kernel_bench.rates(
+                times[(name, vec)], moved, args.bound_gbs, with_bytes=False)
         entry["speedup"] = round(entry["old"]["ms"] / entry["new"]["ms"], 3)
         results[name] = entry
     # a GPT-2 step's launches of each (12 blocks: the bias on qkv, the
@@ -163,9 +144,7 @@ def main(argv=None):
         "benchmark": "bias_gelu_gpu", "headline": headline, "ms_per_gpt2_step": step,
         "rows": n, "width": w,
         "approximate": args.approximate,
-        "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
-        "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
-        "kernels": results}
+        **kernel_bench.run_info(cupy, args, rounds), "kernels": results}
     print(json.dumps(report, indent=1))
     return 0
 

@@ -32,19 +32,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import kernel_bench  # noqa: E402  (benchmarks/kernel_bench.py)
 
 FORWARD, BACKWARD = "layernorm_forward_bits_f32", "layernorm_backward_bdy_f32"
 THREADS = 256   # PURINE_LN_THREADS of both sources
-
-
-def _timed(cupy, launch, reps):
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
 def _old_source():
@@ -71,23 +64,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--cols", type=int, default=768)
-    ap.add_argument("--reps", type=int, default=50, help="launches a kernel a round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--bound-gbs", type=float, default=4800.0,
-                    help="the memory bound in GB/s (default an H200's 4800)")
-    ap.add_argument("--budget-s", type=float, default=60.0,
-                    help="no round starts after this many seconds (at least one runs)")
+    kernel_bench.add_timing_args(ap, reps=50)
     args = ap.parse_args(argv)
-    if min(args.rows, args.cols, args.reps, args.rounds) < 1:
-        print("layernorm_kernel_gpu.py: --rows, --cols, --reps and --rounds must be >= 1",
-              file=sys.stderr)
-        return 2
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:   # no CuPy, or no GPU
-        print(f"layernorm_kernel_gpu.py: needs CuPy and a GPU ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
+    cupy = kernel_bench.need_cupy(
+        "layernorm_kernel_gpu.py", "--rows, --cols, --reps and --rounds must be >= 1"
+        if min(args.rows, args.cols, args.reps, args.rounds) < 1 else None)
+    if cupy is None:
         return 2
     from purine_mpi.gpu import kernel_source
 
@@ -131,25 +113,16 @@ def main(argv=None):
     agreement = {name: _differ(cupy, out["new"][name], out["old"][name])
                  for name in ("y", "mean", "rstd", "dx", "dyxhat")}
     moved = {FORWARD: n * c * (4 + 2) + n * 8, BACKWARD: n * c * (2 + 4 + 4 + 4) + n * 8}
-    times = {k: [] for k in launches}
-    rounds = 0
-    while rounds < args.rounds and (rounds == 0 or time.monotonic() - began < args.budget_s):
-        for name, launch in launches.items():   # interleaved: each kernel once a round
-            times[name].append(_timed(cupy, launch, args.reps))
-        rounds += 1
+    # interleaved: each kernel once a round
+    times, rounds = kernel_bench.interleaved(cupy, launches, args, began)
     results = {}
     for name, ms in times.items():
-        med = float(np.median(ms))
         nbytes = moved[name.split(":")[0]]
-        gbs = nbytes / (med * 1e-3) / 1e9
-        results[name] = {"ms": round(med, 4), "ms_rounds": [round(t, 4) for t in ms],
-                         "bytes": nbytes, "gb_per_s": round(gbs, 1),
-                         "fraction_of_bound": round(gbs / args.bound_gbs, 3),
-                         "bound_ms": round(nbytes / (args.bound_gbs * 1e9) * 1e3, 4)}
+        results[name] = kernel_bench.rates(ms, nbytes, args.bound_gbs)
+        results[name]["bound_ms"] = kernel_bench.bound_ms(nbytes, args.bound_gbs)
     report = {
         "benchmark": "layernorm_kernel_gpu", "rows": n, "cols": c,
-        "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
-        "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
+        **kernel_bench.run_info(cupy, args, rounds),
         "grids": grids, "threads": THREADS, "kernels": results,
         "forward_speedup": round(results[f"{FORWARD}:old"]["ms"]
                                  / results[f"{FORWARD}:new"]["ms"], 3),

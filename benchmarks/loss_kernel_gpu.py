@@ -28,46 +28,31 @@ bits written); agreement: the loss and every dx bit of the two paths equal.
 Needs CuPy and a GPU: without them it says so and exits 2."""
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import kernel_bench  # noqa: E402  (benchmarks/kernel_bench.py)
+
 FORWARD = ("softmax_loss_forward_rows", "softmax_loss_forward_vec")
 BACKWARD = (None, "softmax_loss_backward_vec")   # None: softmax_loss_backward
-
-
-def _timed(cupy, launch, reps):
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--classes", type=int, default=50304)
-    ap.add_argument("--reps", type=int, default=20, help="launches a kernel a round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--bound-gbs", type=float, default=4800.0,
-                    help="the memory bound in GB/s (default an H200's 4800)")
-    ap.add_argument("--budget-s", type=float, default=60.0,
-                    help="no round starts after this many seconds (at least one runs)")
+    kernel_bench.add_timing_args(ap)
     args = ap.parse_args(argv)
-    if min(args.rows, args.classes, args.reps, args.rounds) < 1:
-        print("loss_kernel_gpu.py: --rows, --classes, --reps and --rounds must be >= 1",
-              file=sys.stderr)
-        return 2
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:   # no CuPy, or no GPU
-        print(f"loss_kernel_gpu.py: needs CuPy and a GPU ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
+    cupy = kernel_bench.need_cupy(
+        "loss_kernel_gpu.py", "--rows, --classes, --reps and --rounds must be >= 1"
+        if min(args.rows, args.classes, args.reps, args.rounds) < 1 else None)
+    if cupy is None:
         return 2
     from purine_mpi.gpu import kernels
     from purine_mpi.ops.softmax import LOSS_CHUNK
@@ -163,25 +148,14 @@ def main(argv=None):
         moved[name] = per * n * c
     for launch in launches.values():   # warm-up
         launch()
-    times = {k: [] for k in launches}
-    rounds = 0
-    while rounds < args.rounds and (rounds == 0 or time.monotonic() - began < args.budget_s):
-        for name, launch in launches.items():   # interleaved: each kernel once a round
-            times[name].append(_timed(cupy, launch, args.reps))
-        rounds += 1
-    results = {}
-    for name, ms in times.items():
-        med = float(np.median(ms))
-        gbs = moved[name] / (med * 1e-3) / 1e9
-        results[name] = {"ms": round(med, 4), "ms_rounds": [round(t, 4) for t in ms],
-                         "bytes": moved[name], "gb_per_s": round(gbs, 1),
-                         "fraction_of_bound": round(gbs / args.bound_gbs, 3)}
+    # interleaved: each kernel once a round
+    times, rounds = kernel_bench.interleaved(cupy, launches, args, began)
+    results = {name: kernel_bench.rates(ms, moved[name], args.bound_gbs)
+               for name, ms in times.items()}
     kernels_rows = {k: results.pop(k) for k in BITS}
     report = {
         "benchmark": "loss_kernel_gpu", "rows": n, "classes": c, "dtype": "float32",
-        "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(errors="replace"),
-        "reps": args.reps, "rounds": rounds, "bound_gb_per_s": args.bound_gbs,
-        "kernels": results,
+        **kernel_bench.run_info(cupy, args, rounds), "kernels": results,
         "forward_speedup": round(results[FORWARD[0]]["ms"] / results[FORWARD[1]]["ms"], 3),
         "backward_speedup": round(results["softmax_loss_backward"]["ms"]
                                   / results[BACKWARD[1]]["ms"], 3),

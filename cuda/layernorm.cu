@@ -194,6 +194,18 @@ __device__ void layernorm_forward_impl(long long rows, long long cols, const T* 
   }
 }
 
+// The backward's inputs at W elements (both passes of
+// layernorm_backward_rows): dy's and x's from i on (i: the row's offset +
+// c), g's from column c on.
+template <int W, typename T, typename D>
+__device__ __forceinline__ void purine_ln_backward_load(const D* dy, const T* x, const T* g,
+                                                        long long i, long long c, T* d, T* xv,
+                                                        T* gv) {
+  purine_ln_load<W>(x, i, xv);
+  purine_ln_load<W>(dy, i, d);
+  purine_ln_load<W>(g, c, gv);
+}
+
 // D: dy's storage (T, or bfloat16 bits for T float: layernorm_backward_bdy_f32)
 // COPY (T float, has_dx): also dx's bfloat16 bits into `copy`
 template <int W, typename T, typename D, bool COPY>
@@ -212,9 +224,7 @@ __device__ void layernorm_backward_rows(long long rows, long long cols, const D*
     double sa = 0.0, sk = 0.0;
     for (long long c = lane * W; c < n; c += step) {
       T xv[W], d[W], gv[W], p[W];
-      purine_ln_load<W>(x, at + c, xv);
-      purine_ln_load<W>(dy, at + c, d);
-      purine_ln_load<W>(g, c, gv);
+      purine_ln_backward_load<W>(dy, x, g, at + c, c, d, xv, gv);
       for (int j = 0; j < W; ++j) {
         const T xhat = (T)(xv[j] - mu) * rs;
         const T dxhat = d[j] * gv[j];
@@ -229,9 +239,7 @@ __device__ void layernorm_backward_rows(long long rows, long long cols, const D*
     const T k = (T)(purine_ln_warp_sum(sk) / (double)cols);
     for (long long c = lane * W; c < n; c += step) {
       T xv[W], d[W], gv[W], v[W];
-      purine_ln_load<W>(x, at + c, xv);
-      purine_ln_load<W>(dy, at + c, d);
-      purine_ln_load<W>(g, c, gv);
+      purine_ln_backward_load<W>(dy, x, g, at + c, c, d, xv, gv);
       for (int j = 0; j < W; ++j) {
         const T xhat = (T)(xv[j] - mu) * rs;
         const T dxhat = d[j] * gv[j];

@@ -522,23 +522,17 @@ def test_gpt_gpu_recompute_layers_reach_the_job():
     assert at_two["parallel"]["micro_batches"] == 2
 
 
-def test_our_sides_in_one_process_each_report_their_own_peak(host_build_dir, monkeypatch,
-                                                            tmp_path):
-    """gpt_gpu.run_purine, the default side then PURINE_FC_EPILOGUE=cublaslt,
-    in one process on the emulated device (the bf16 tiny GPT): each side's
-    ``peak_memory_bytes`` is its own -- the cuBLASLt side's no more than the
-    default's (issue 45: on an H200 it read 19.1 GB against 9.64, about
-    twice, as the default side's trainer kept its device arena in use: its
-    data reader's prefetch thread held it, runtime/dispatcher
-    ``_stop_prefetch``). Fails before: the second side's figure was the
-    first's plus its own (2.0x). ``device_memory`` says what each side made
-    (the cuBLASLt plans only on its side, none refused) and left."""
+def _tiny_gpt_on_the_emulated_device(host_build_dir, monkeypatch, tmp_path, name):
+    """benchmarks/gpt_gpu.py loaded as module ``name`` on the emulated
+    device, cuBLAS and cuBLASLt reset, and the bf16 tiny GPT's config
+    (jobs/gpt_tiny.yaml, batch 2 x 32 tokens of purine_mpi/data's sources
+    written to ``tmp_path``): ``(bench, config)``."""
     import gc
 
     from purine_mpi.data.text import write_text
     from tests.emulated_gpu.helpers import emulated_gpu_env
     emulated_gpu_env(monkeypatch, host_build_dir)
-    spec = importlib.util.spec_from_file_location("gpt_gpu_sides", GPT_GPU)
+    spec = importlib.util.spec_from_file_location(name, GPT_GPU)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from purine_mpi.gpu import blas, blaslt
@@ -552,6 +546,22 @@ def test_our_sides_in_one_process_each_report_their_own_peak(host_build_dir, mon
         f"data.train.path={tokens}", f"data.test.path={tokens}", "data.train.batch_size=2",
         "data.train.sequence_length=32", "device=0", "precision=bf16",
         "checkpoint.interval=0"], check_files=False)
+    return bench, config
+
+
+def test_our_sides_in_one_process_each_report_their_own_peak(host_build_dir, monkeypatch,
+                                                            tmp_path):
+    """gpt_gpu.run_purine, the default side then PURINE_FC_EPILOGUE=cublaslt,
+    in one process on the emulated device (the bf16 tiny GPT): each side's
+    ``peak_memory_bytes`` is its own -- the cuBLASLt side's no more than the
+    default's (issue 45: on an H200 it read 19.1 GB against 9.64, about
+    twice, as the default side's trainer kept its device arena in use: its
+    data reader's prefetch thread held it, runtime/dispatcher
+    ``_stop_prefetch``). Fails before: the second side's figure was the
+    first's plus its own (2.0x). ``device_memory`` says what each side made
+    (the cuBLASLt plans only on its side, none refused) and left."""
+    bench, config = _tiny_gpt_on_the_emulated_device(host_build_dir, monkeypatch, tmp_path,
+                                                     "gpt_gpu_sides")
     args = types.SimpleNamespace(device=0, iters=2, warmup=1)
     sides = {}
     for side in ("purine", "purine_fc_cublaslt"):
@@ -582,25 +592,10 @@ def test_a_side_reusing_memory_released_during_it_still_reports_its_own_peak(
     read 64 MiB less than those."""
     import gc
 
-    from purine_mpi.data.text import write_text
     from purine_mpi.tools import bench as tools_bench
-    from tests.emulated_gpu.helpers import emulated_gpu_env
-    emulated_gpu_env(monkeypatch, host_build_dir)
-    spec = importlib.util.spec_from_file_location("gpt_gpu_release", GPT_GPU)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench, config = _tiny_gpt_on_the_emulated_device(host_build_dir, monkeypatch, tmp_path,
+                                                     "gpt_gpu_release")
     import cupy
-    from purine_mpi.gpu import blas, blaslt
-    from purine_mpi.job.config import load_config
-    blas.reset()
-    blaslt.reset()
-    gc.collect()
-    tokens = str(tmp_path / "tokens.h5")
-    write_text(os.path.join(REPO, "purine_mpi", "data"), tokens, glob="*.py", val_fraction=0.1)
-    config = load_config(os.path.join(REPO, "jobs", "gpt_tiny.yaml"), overrides=[
-        f"data.train.path={tokens}", f"data.test.path={tokens}", "data.train.batch_size=2",
-        "data.train.sequence_length=32", "device=0", "precision=bf16",
-        "checkpoint.interval=0"], check_files=False)
     held = [cupy.zeros(64 << 20, dtype=cupy.uint8)]   # an earlier side's, still in use
     real = tools_bench.run_bench
 

@@ -4,6 +4,7 @@ exactly the pinned wheels for the pinned Python, a stage installs only what
 the interpreter lacks and records the environment, and the probe's checks
 say FAIL or SKIP with one line why on a machine without a GPU (no
 traceback)."""
+import contextlib
 import json
 import os
 import pathlib
@@ -245,6 +246,27 @@ exec {sys.executable} "$@"
     return stub
 
 
+def recording_python(tmp_path, scripts):
+    """An interpreter standing in for the GPU machine's: a script matching
+    the shell pattern ``scripts`` appends its arguments to
+    ``tmp_path/calls.txt``, prints ``{}`` and exits 0; pip and env.txt's
+    script say one line; anything else is the real interpreter.
+    ``(stub, calls)``. (Also tests/test_learn_gpu.py's.)"""
+    stub = tmp_path / "python"
+    calls = tmp_path / "calls.txt"
+    stub.write_text(f"""#!/bin/sh
+if [ "$1 $2" = "-m pip" ] || [ "$*" = "-" ]; then
+  cat > /dev/null; echo "stand-in python: $*"; exit 0
+fi
+case "$1" in
+  {scripts}) echo "$*" >> {calls}; echo '{{}}'; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    return stub, calls
+
+
 def _archived(back):
     with tarfile.open(back / "gpu_session.tgz") as tar:
         return {name.lstrip("./") for name in tar.getnames()}
@@ -256,29 +278,45 @@ def _wait_for(predicate, runner, deadline):
         time.sleep(0.5)
 
 
+@contextlib.contextmanager
+def _call_to_kill(tmp_path, stages, **stub):
+    """gpu_session.sh ``stages`` started in the background with the stand-in
+    interpreter (``_stub_python(tmp_path, **stub)``), OUT and WORK in
+    ``tmp_path``, no wheels, 200 s a stage: yields ``(runner, work, back)``
+    and kills the call if it still runs at the end."""
+    work, back = tmp_path / "work", tmp_path / "out"
+    env = dict(cli_env(), OUT=str(back), WORK=str(work),
+               PYTHON=str(_stub_python(tmp_path, **stub)),
+               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
+    runner = subprocess.Popen(["bash", str(SCRIPT), *stages], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield runner, work, back
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+
+
+def _terminate(runner, timeout):
+    """TERM to the call, as the device tool at its limit: its (stdout, stderr)."""
+    runner.send_signal(signal.SIGTERM)
+    return runner.communicate(timeout=timeout)
+
+
 def test_a_call_killed_mid_stage_still_leaves_the_stages_done_packed(tmp_path):
     """``plans tests``: the plans stage ends (failing: no GPU here) and its
     reports are packed at once; the call is killed (TERM, as the device
     tool at its limit) while the tests stage's pytest runs: that pytest is
     ended with it, and $OUT holds the archive (both stages' files so far,
     no cache) and the summary saying so, nothing else."""
-    work, back = tmp_path / "work", tmp_path / "out"
-    env = dict(cli_env(), OUT=str(back), WORK=str(work),
-               PYTHON=str(_stub_python(tmp_path, pytest_sleeps=True)),
-               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
-    runner = subprocess.Popen(["bash", str(SCRIPT), "plans", "tests"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _call_to_kill(tmp_path, ["plans", "tests"], pytest_sleeps=True) as (runner, work,
+                                                                            back):
         deadline = time.monotonic() + 240
         _wait_for(lambda: (back / "summary.txt").is_file(), runner, deadline)
         assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]
         assert {"cudnn_plans.json", "cudnn_plans.log", "status.txt"} <= _archived(back)
         _wait_for(lambda: (tmp_path / "pytest.pid").is_file(), runner, deadline)
-        runner.send_signal(signal.SIGTERM)
-        stdout, stderr = runner.communicate(timeout=60)
-    finally:
-        if runner.poll() is None:
-            runner.kill()
+        stdout, stderr = _terminate(runner, 60)
     assert runner.returncode == 143, (stdout, stderr)
     assert sorted(os.listdir(back)) == ["gpu_session.tgz", "summary.txt"]
     names = _archived(back)
@@ -300,22 +338,13 @@ def test_a_call_killed_in_a_step_of_its_own_timeout_ends_at_once(tmp_path):
     only the stage's trap can end it. Killed (TERM) while the bf16 bench
     runs, the call ends within seconds, not when that step's timeout
     expires, packed, and the bench is gone."""
-    work, back = tmp_path / "work", tmp_path / "out"
-    env = dict(cli_env(), OUT=str(back), WORK=str(work),
-               PYTHON=str(_stub_python(tmp_path, sleeps_on="--precision bf16")),
-               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
-    runner = subprocess.Popen(["bash", str(SCRIPT), "gpt"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _call_to_kill(tmp_path, ["gpt"], sleeps_on="--precision bf16") as (runner, work,
+                                                                              back):
         _wait_for(lambda: (tmp_path / "sleeper.pid").is_file(), runner,
                   time.monotonic() + 120)
         killed = time.monotonic()
-        runner.send_signal(signal.SIGTERM)
-        stdout, stderr = runner.communicate(timeout=90)
+        stdout, stderr = _terminate(runner, 90)
         took = time.monotonic() - killed
-    finally:
-        if runner.poll() is None:
-            runner.kill()
     assert runner.returncode == 143 and took < 15, (took, stdout, stderr)
     summary = (back / "summary.txt").read_text()
     assert re.search(r"^gpt killed\(TERM\) \d+$", summary, re.M), summary
@@ -330,20 +359,11 @@ def test_a_call_killed_between_stages_says_so_not_that_a_finished_stage_was_kill
     """TERM while the runner packs after a stage (its summary script
     slowed to 4 s here): the stage stays recorded as it ended, and
     stages.txt says the call was killed between stages."""
-    work, back = tmp_path / "work", tmp_path / "out"
-    env = dict(cli_env(), OUT=str(back), WORK=str(work),
-               PYTHON=str(_stub_python(tmp_path, sleeps_on="gpu_session_summary.py", sleep_s=4)),
-               WHEELS=str(tmp_path / "none"), PIP_FIND_LINKS="", STAGE_BUDGET_S="200")
-    runner = subprocess.Popen(["bash", str(SCRIPT), "plans", "tests"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _call_to_kill(tmp_path, ["plans", "tests"], sleeps_on="gpu_session_summary.py",
+                       sleep_s=4) as (runner, work, back):
         _wait_for(lambda: (tmp_path / "sleeper.pid").is_file(), runner,
                   time.monotonic() + 120)
-        runner.send_signal(signal.SIGTERM)
-        stdout, stderr = runner.communicate(timeout=60)
-    finally:
-        if runner.poll() is None:
-            runner.kill()
+        stdout, stderr = _terminate(runner, 60)
     assert runner.returncode == 143, (stdout, stderr)
     stages = (work / "stages.txt").read_text()
     assert re.search(r"^plans failed\(\d+\) \d+ \(budget 200 s\)$", stages, re.M), stages
@@ -386,18 +406,7 @@ def test_the_gpt_stage_runs_its_headline_before_the_microbenchmarks(tmp_path):
     record their arguments and return at once."""
     plan = _session("--plan").stdout
     budget = int(re.search(r"^gpt +(\d+)s", plan, re.M).group(1))
-    stub = tmp_path / "python"
-    calls = tmp_path / "calls.txt"
-    stub.write_text(f"""#!/bin/sh
-if [ "$1 $2" = "-m pip" ] || [ "$*" = "-" ]; then
-  cat > /dev/null; echo "stand-in python: $*"; exit 0
-fi
-case "$1" in
-  benchmarks/*.py) echo "$*" >> {calls}; echo '{{}}'; exit 0 ;;
-esac
-exec {sys.executable} "$@"
-""")
-    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    stub, calls = recording_python(tmp_path, "benchmarks/*.py")
     work, back = tmp_path / "work", tmp_path / "out"
     res = _session("gpt", env={"OUT": str(back), "WORK": str(work), "PYTHON": str(stub),
                                "WHEELS": str(tmp_path / "none"), "PIP_FIND_LINKS": ""},

@@ -224,25 +224,15 @@ def test_the_learn_stage_runs_the_script_inside_its_budget(tmp_path):
     margins, its work under cache/ (left out of the archive), its reports in
     the stage's folder."""
     import os
-    import stat
     import tarfile
+
+    from tests.test_gpu_session import recording_python
     script = pathlib.Path(REPO) / "benchmarks/gpu_session.sh"
     plan = subprocess.run(["bash", str(script), "--plan"], capture_output=True, text=True,
                           env=cli_env(), timeout=60).stdout
     budget = int(next(line.split()[1] for line in plan.splitlines()
                       if line.startswith("learn ")).rstrip("s"))
-    calls = tmp_path / "calls.txt"
-    stub = tmp_path / "python"
-    stub.write_text(f"""#!/bin/sh
-if [ "$1 $2" = "-m pip" ] || [ "$*" = "-" ]; then
-  cat > /dev/null; echo "stand-in python: $*"; exit 0
-fi
-case "$1" in
-  benchmarks/learn_gpu.py) echo "$*" >> {calls}; echo '{{}}'; exit 0 ;;
-esac
-exec {sys.executable} "$@"
-""")
-    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    stub, calls = recording_python(tmp_path, "benchmarks/learn_gpu.py")
     work, back = tmp_path / "work", tmp_path / "out"
     res = subprocess.run(["bash", str(script), "learn"], capture_output=True, text=True,
                          env=dict(cli_env(), OUT=str(back), WORK=str(work), PYTHON=str(stub),

@@ -116,6 +116,15 @@ def test_docgen_write_never_writes_through_a_link(tmp_path):
     assert not path.is_symlink() and path.read_text().startswith("<!-- Generated")
 
 
+def _refused_the_folder(res, folder):
+    """``res`` ended with exit 2 and one line naming ``folder``, no traceback."""
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"error: {folder} is a folder, but the output is one file: give the file's path"], \
+        res.stderr
+
+
 def test_calibrate_refuses_a_folder_as_its_link_file_before_measuring(tmp_path):
     """``mpiexec -n 2 predict --calibrate DIR`` (an existing folder): one
     line naming it and exit 2 on every rank, before the measurements, as
@@ -131,11 +140,7 @@ def test_calibrate_refuses_a_folder_as_its_link_file_before_measuring(tmp_path):
     res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "predict",
                           "--calibrate", str(folder)], cwd=REPO, env=cli_env(),
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2, res.stderr
-    assert "Traceback" not in res.stderr, res.stderr
-    assert res.stderr.strip().splitlines() == [
-        f"error: {folder} is a folder, but the output is one file: give the file's path"], \
-        res.stderr
+    _refused_the_folder(res, folder)
     assert os.listdir(folder) == []
 
 
@@ -165,11 +170,7 @@ def test_choose_refuses_a_folder_as_its_calibration_file_before_measuring(tmp_pa
     res = subprocess.run([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
                           "--choose", "--calibration", str(folder)], cwd=REPO, env=cli_env(),
                          capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2, res.stderr
-    assert "Traceback" not in res.stderr, res.stderr
-    assert res.stderr.strip().splitlines() == [
-        f"error: {folder} is a folder, but the output is one file: give the file's path"], \
-        res.stderr
+    _refused_the_folder(res, folder)
     assert os.listdir(folder) == [] and sorted(os.listdir(tmp_path)) == ["cal", "job.yaml"]
 
 

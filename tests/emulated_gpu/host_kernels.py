@@ -16,6 +16,7 @@ import types
 import numpy as np
 
 from . import capture
+from .arrays import NoDevice
 
 _HOST_PRELUDE = r"""
 // Stand-ins for the CUDA built-ins used by cuda/*.cu, so they compile as host
@@ -817,24 +818,6 @@ def compile_using_nvrtc(source, options=(), arch=None, filename="kern.cu", **_):
     return _BINARY_MAGIC + json.dumps([list(options), source]).encode(), None
 
 
-class _HostDevice:
-    """``cupy.cuda.Device``: one device, no context to set."""
-    id = 0
-    compute_capability = "90"
-
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def use(self):
-        pass
-
-
 def keep_kernels_in(monkeypatch, build_dir):
     """Point ``$PURINE_CACHE_DIR`` (where ``gpu.load_kernel`` keeps compiled
     kernels) at ``build_dir`` for this test, unless the test chose one: the
@@ -911,7 +894,7 @@ def host_cupy(build_dir):
                                       compiler=types.SimpleNamespace(
                                           compile_using_nvrtc=compile_using_nvrtc),
                                       nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)),
-                                      Device=_HostDevice,
+                                      Device=NoDevice,
                                       device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
                                       get_current_stream=lambda: (capture.current_stream()
                                                                   or DEFAULT_STREAM))
