@@ -807,7 +807,8 @@ def _write_calibration(path, cal, seconds=1e-3, add=1e-10, **trace):
     at ``path`` made of constructed traces (``_calibration_trace``: every
     op ``seconds`` at the job's batch, 0.3 of it at the small batch; or
     ``seconds`` a law of the graph and the op, ``_op_cost``, at both
-    batches, with the traces' ``gap`` and ``after`` from ``trace``), so
+    batches, with the traces' ``gap`` and ``after`` from ``trace``, and
+    the file then holds the gaps and least times as a measured one does), so
     ``plan --choose`` prices from known op times and measures nothing."""
     from purine_mpi.job.config import load_job
     from purine_mpi.tools import choose
@@ -818,9 +819,10 @@ def _write_calibration(path, cal, seconds=1e-3, add=1e-10, **trace):
         path, (), (f"data.train.batch_size={small_b}",)),
         seconds if callable(seconds) else 0.3 * seconds, **trace)
 
-    def entry(d):
+    def entry(d):  # a law's file holds the dispatcher's gap and the ops' least times too
         return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
-                "iterations": d.iterations, "gaps": d.gaps, "fastest": d.fastest}
+                "iterations": d.iterations,
+                **({"gaps": d.gaps, "fastest": d.fastest} if callable(seconds) else {})}
     cal.write_text(json.dumps({"format": choose.CALIBRATION_FORMAT,
                                "key": choose.calibration_key(job), "job": job.name,
                                **entry(big), "small": dict(entry(small), batch=small_b),
