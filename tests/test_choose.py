@@ -49,18 +49,40 @@ def _choose(job, cal, *extra, np=2):
     return json.loads(res.stdout), res
 
 
+#: the constructed calibration's op law: each op takes fixed + rate x its
+#: work (``scaling/work.op_work``: FLOPs, batch bytes, or all bytes for an
+#: update), the ops ``GAP`` apart, ``AFTER`` seconds of loop between
+#: iterations, local adds at ``ADD`` seconds per byte
+FIXED, GAP, AFTER, ADD = 50e-6, 30e-6, 4e-3, 1e-10
+RATE = {"flops": 2e-11, "bytes": 1e-9, "all bytes": 1e-10}
+
+
+def _op_cost(graph, name):
+    from purine_mpi.tools.scaling.work import op_work
+    unit, work = op_work(graph, name)
+    return FIXED + RATE[unit] * work
+
+
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    """The job, its calibration file and the first (calibrating) --np 2 choice."""
+    """The job, its calibration file and the first --np 2 choice. The file
+    is constructed (``_write_calibration`` at ``_op_cost``), not measured:
+    what these tests read of it (the pipeline's cut of equal time, so its
+    memory; the node correction's ratios; which settings the simulation
+    completes) is then the same on every run, whatever the machine's load.
+    Measuring is test_an_old_calibration_file_is_measured_again's and
+    test_scheme_auto_chooses_the_same_on_every_rank_and_trains'."""
     tmp = tmp_path_factory.mktemp("choose")
     job, cal = _job(tmp), tmp / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD)
     free, first = _choose(job, cal)
     return job, cal, free, first
 
 
 def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     job, cal, free, first = calibrated
-    assert "calibration: timing" in first.stderr and cal.exists()
+    # the constructed calibration is read, not measured again
+    assert "calibration: timing" not in first.stderr and first.returncode == 0
     rows = [r for r in free["candidates"] if "error" not in r]
     staged = [r for r in rows if r["label"].startswith("pipeline")]
     whole = [r for r in rows if not r["label"].startswith("pipeline")]
@@ -118,8 +140,8 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     assert res.returncode == 0, res.stderr
     # the start-up block's scheme row (its label column is as wide as the
     # longest label: a 'micro-batches' row, there where the best's count is
-    # more than 1, widens it; which count is best depends on the timed
-    # calibration: under load 2 micro-batches were predicted fastest)
+    # more than 1, widens it; which count is best depends on the
+    # calibration's op times)
     rows = dict(re.findall(r"^  (\S.*?)  +(\S.*)$", res.stdout, re.M))
     assert rows.get("scheme", "").startswith("pipeline"), res.stdout
     micro = best["parallel"].get("micro_batches", 1)
@@ -780,26 +802,31 @@ parallel: {scheme: data}
 """
 
 
-def _write_calibration(path, cal, seconds=1e-3):
+def _write_calibration(path, cal, seconds=1e-3, add=1e-10, **trace):
     """A calibration file (``choose.read_calibration``'s format) of the job
     at ``path`` made of constructed traces (``_calibration_trace``: every
-    op ``seconds`` at the job's batch, 0.3 of it at the small batch), so
+    op ``seconds`` at the job's batch, 0.3 of it at the small batch; or
+    ``seconds`` a law of the graph and the op, ``_op_cost``, at both
+    batches, with the traces' ``gap`` and ``after`` from ``trace``, and
+    the file then holds the gaps and least times as a measured one does), so
     ``plan --choose`` prices from known op times and measures nothing."""
     from purine_mpi.job.config import load_job
     from purine_mpi.tools import choose
     job = load_job(path, (), check_files=False)
     small_b = choose.small_batch(job.train_batch)
-    big = _calibration_trace(choose._calibration_job(path, ()), seconds)
+    big = _calibration_trace(choose._calibration_job(path, ()), seconds, **trace)
     small = _calibration_trace(choose._calibration_job(
-        path, (), (f"data.train.batch_size={small_b}",)), 0.3 * seconds)
+        path, (), (f"data.train.batch_size={small_b}",)),
+        seconds if callable(seconds) else 0.3 * seconds, **trace)
 
-    def entry(d):
+    def entry(d):  # a law's file holds the dispatcher's gap and the ops' least times too
         return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
-                "iterations": d.iterations}
+                "iterations": d.iterations,
+                **({"gaps": d.gaps, "fastest": d.fastest} if callable(seconds) else {})}
     cal.write_text(json.dumps({"format": choose.CALIBRATION_FORMAT,
                                "key": choose.calibration_key(job), "job": job.name,
                                **entry(big), "small": dict(entry(small), batch=small_b),
-                               choose.ADD_RATE_KEY: 1e-10}))
+                               choose.ADD_RATE_KEY: add}))
 
 
 def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
