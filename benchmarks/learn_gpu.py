@@ -420,7 +420,8 @@ def main(argv=None):
 
     def on_term(*_):
         raise Stopped()
-    signal.signal(signal.SIGTERM, on_term)
+    # (restored at the end: main() also runs inside other processes, the tests')
+    before = signal.signal(signal.SIGTERM, on_term)
     try:
         t = time.time()
         res["corpus"] = build_corpus(args.stdlib, work / "corpus", int(args.corpus_mb * 1e6))
@@ -478,6 +479,7 @@ def main(argv=None):
             judge()
         return 1
     finally:
+        signal.signal(signal.SIGTERM, before)
         res["total_s"] = round(time.time() - t0, 1)
         say()
         print(json.dumps(res, indent=1))

@@ -217,15 +217,17 @@ def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypa
     cudnn.reset()
 
 
-def _stub_python(tmp_path, pytest_sleeps=False, sleeps_on=None, sleep_s=300):
+def _stub_python(tmp_path, pytest_sleeps=False, sleeps_on=None, sleep_s=300, pytest_s=0):
     """An interpreter standing in for the GPU machine's: ``-m pytest``
-    records its pid, then writes a pytest tally and a JUnit XML (one
-    passing GPU-only check) or (``pytest_sleeps``) sleeps 300 s; pip (the
+    records its pid, then (after ``pytest_s`` seconds) writes a pytest
+    tally and a JUnit XML (one passing GPU-only check) or
+    (``pytest_sleeps``) sleeps 300 s; pip (the
     install, pip list) and env.txt's script say one line (seconds each on a
     loaded CPU otherwise); anything else is the real interpreter."""
     stub = tmp_path / "python"
-    act = "exec sleep 300" if pytest_sleeps else """
-  for a in "$@"; do case "$a" in --junitxml=*) xml="${a#--junitxml=}" ;; esac; done
+    act = "exec sleep 300" if pytest_sleeps else f"""
+  sleep {pytest_s}
+  for a in "$@"; do case "$a" in --junitxml=*) xml="${{a#--junitxml=}}" ;; esac; done
   echo '<testsuites><testsuite><testcase classname="tests.test_gpu_kernel_options" \
 name="test_a_kernel_keeps_subnormals_on_the_gpu"/></testsuite></testsuites>' > "$xml"
   echo "1 passed in 0.01s"
@@ -375,12 +377,13 @@ def test_a_call_killed_between_stages_says_so_not_that_a_finished_stage_was_kill
 
 
 def test_a_stage_that_does_not_fit_the_call_is_skipped_and_said(tmp_path):
-    """CALL_BUDGET_S=20: the first stage gets the 20 s (not its 120), the
-    second has under 20 s left and is skipped, which the summary says, and
-    the exit status is 124."""
+    """CALL_BUDGET_S=20: the first stage gets the 20 s (not its 120) and
+    takes 2 of them (its stand-in pytest), the second has under 20 s left
+    and is skipped, which the summary says, and the exit status is 124."""
     work, back = tmp_path / "work", tmp_path / "out"
     res = _session("tests", "plans", env={
-        "OUT": str(back), "WORK": str(work), "PYTHON": str(_stub_python(tmp_path)),
+        "OUT": str(back), "WORK": str(work),
+        "PYTHON": str(_stub_python(tmp_path, pytest_s=2)),
         "WHEELS": str(tmp_path / "none"), "PIP_FIND_LINKS": "", "CALL_BUDGET_S": "20"},
         timeout=120)
     assert res.returncode == 124, res.stderr
