@@ -368,7 +368,10 @@ def test_attention_kernels_keep_one_causal_mask_a_length(monkeypatch):
     declared = im2col.held_by([h for k, (_, ins, outs) in zip(kernels, cases)
                                for h in k.host_scratch(ins, outs)])
     assert declared == 2 * t * t * 4
-    assert declared <= kept <= declared + (16 << 10), (kept, declared)
+    # (to within 32 KiB of Python's objects: other threads of the test
+    # process allocate too, once 16.2 KiB in a full run; a mask kept twice
+    # is 256 KiB)
+    assert declared <= kept <= declared + (32 << 10), (kept, declared)
     assert sum(a.nbytes for a in im2col._SHARED.values()) == declared
     for dtype in (np.float32, np.float64):
         row = np.triu(np.full((t, t), -np.inf, dtype), 1)

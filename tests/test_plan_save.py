@@ -153,7 +153,7 @@ def added(run):
 #: that only reads each array (the scheme's bytes, no HDF5), then a real
 #: save; each rank prints the resident bytes each added and its figure
 _PROBE = """
-import json, os, sys
+import gc, json, os, sys
 import numpy as np
 from purine_mpi.job.checkpoint_file import _write_dict, save_checkpoint
 from purine_mpi.job.config import load_job
@@ -200,6 +200,12 @@ for path in sys.argv[2:]:
                                 "streamed": streamed, "saved": saved}) + "\\n")
     finally:
         t.close()
+        # the closed trainer's memory freed now (its readers' threads end at
+        # close, its cycles are collected here): not by a collection during
+        # the next layout's measured save, which would read as a save that
+        # frees memory
+        del t
+        gc.collect()
 """
 
 

@@ -199,3 +199,16 @@ def test_plot_never_writes_through_a_link_planted_at_its_out(tmp_path):
     plot_runs([str(run)], str(tmp_path / "curves"))  # no extension: matplotlib's png
     assert (tmp_path / "curves").read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
+
+
+def test_an_earlier_runs_outcome_is_not_the_next_runs(tmp_path):
+    """An in-process run whose loop recorded its outcome but whose log was
+    never written (a rank other than 0, or no log) left that outcome to the
+    next run of the process: a later run stopped by SIGTERM ended its log
+    with "finished at iteration 1 (exit 143)". Before: that last line."""
+    from purine_mpi.base import logfile
+    logfile.new_run()
+    logfile.set_outcome({"iter": 1}, 1)
+    _end(tmp_path / "run", 143, log=True)
+    last = (tmp_path / "run" / "train.log").read_text().strip().splitlines()[-1]
+    assert last == "run ended: stopped by SIGTERM (exit 143)", last

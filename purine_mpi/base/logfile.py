@@ -45,9 +45,12 @@ def end_status():
 
 def new_run():
     """A run of this process begins (its folder locked, its log opened):
-    the exit status an earlier run of this process ended with is not its."""
-    global _end_status
-    _end_status = None
+    the exit status an earlier run of this process ended with is not its,
+    nor the outcome an earlier run's loop recorded (one whose log was
+    never written, a rank other than 0's, would else end this run's log
+    with "finished at iteration N")."""
+    global _end_status, _outcome
+    _end_status, _outcome = None, None
 
 
 def open_run_log(out_dir, rank=0):
