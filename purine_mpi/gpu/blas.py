@@ -173,6 +173,29 @@ def reset():
         _say_once.clear()
 
 
+def release_streams(ptrs):
+    """Destroy the handles bound to the streams whose pointers ``ptrs``
+    lists (under every scope) and drop their workspaces: a closed
+    dispatcher's streams (runtime/streams_dispatcher.StreamExecutor.close),
+    whose handles would otherwise keep ``PURINE_CUBLAS_WORKSPACE_MB`` of
+    device memory each for the life of the process. Call it with those
+    streams idle and no graph that captured their products to replay.
+    Returns the workspace bytes released."""
+    ptrs = {int(p) for p in ptrs}
+    freed = 0
+    with _lock:
+        cublas = _state["cublas"]
+        for key in [k for k, e in _handles.items() if e.stream_ptr in ptrs]:
+            entry = _handles.pop(key)
+            freed += int(getattr(entry.workspace, "nbytes", 0))
+            if cublas is not None:
+                try:
+                    cublas.destroy(entry.handle)
+                except Exception:   # a driver already torn down: nothing to keep
+                    pass
+    return freed
+
+
 def made_handles(device=None):
     """The cuBLAS handles made so far (on ``device``; None: every device):
     {(device, stream ptr, scope): bytes of its workspace}, what

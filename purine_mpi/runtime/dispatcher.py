@@ -428,6 +428,7 @@ class Dispatcher:
         for w in self.workers:
             w.join(timeout=5)
         self._stop_prefetch()
+        self.executor.close()   # a GPU's: its streams' cuBLAS handles and workspaces
 
     def _stop_prefetch(self):
         """End the data readers' prefetch threads (ops/data.py), letting the
