@@ -91,6 +91,32 @@ def test_a_frozen_weight_and_an_sgd_update_keep_their_casts(monkeypatch):
     assert len(_weight_casts(g, params)) == 17
 
 
+@pytest.mark.parametrize("scheme,folds", [
+    ({"scheme": "data"}, True), ({"scheme": "tensor", "tensor_parallel": 2}, True),
+    ({"scheme": "sharded", "shard": 1, "backend": "nccl"}, False),
+    ({"scheme": "sharded", "shard": 3, "backend": "nccl"}, False)],
+    ids=["data", "tensor", "zero1", "zero3"])
+def test_schemes_fold_where_the_update_writes_the_whole_weight(tmp_path, scheme, folds):
+    """Rank 0 of 2 in bf16 on a GPU (composed offline): scheme data's and
+    tensor's updates move each (shard of a) weight whole, so their Casts
+    go; a ZeRO stage's update moves a shard of a bucket and an all-gather
+    writes the weights the products read: the Casts of the gathered weights
+    stay (the old path, where it was)."""
+    from tests.conftest import make_job
+    from tests.gpt_nets import gpt_config, text_h5
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.tools.graph import compose_for
+    raw = gpt_config(text_h5(tmp_path), layers=2, width=16, heads=2, length=8, batch=4,
+                     iters=4, parallel=dict(scheme, bucket_mb=0.02))
+    raw.update(device=0, precision="bf16")
+    g = compose_for(make_job(validate_config(raw, check_files=False)), 2, 0)
+    weight_casts = [op for op in g.ops.values() if op.op_type == "Cast" and
+                    g.blobs[g.storage_root(op.inputs[0])].kind in ("param", "param_buffer",
+                                                                   "bucket")]
+    copies = [b for b in g.blobs.values() if b.kind == "param_copy"]
+    assert (not weight_casts and copies) if folds else (weight_casts and not copies)
+
+
 # ------------------------------------------------------------- kernels
 def _cast(w, mode):
     """The Cast's result on the host (base/precision): bits or float32."""
@@ -179,7 +205,8 @@ def test_a_copy_of_the_wrong_storage_is_refused(device):
 
 
 # ------------------------------------------------------------- trainer
-def _train(monkeypatch, tmp_path, name, precision, iters, fold, resume=None, interval=0):
+def _train(monkeypatch, tmp_path, name, precision, iters, fold, resume=None, interval=0,
+           clip=None):
     from tests.conftest import FakeWorld, make_job
     from tests.gpt_nets import gpt_config, text_h5
     from purine_mpi.base.backend import to_numpy
@@ -191,6 +218,8 @@ def _train(monkeypatch, tmp_path, name, precision, iters, fold, resume=None, int
     raw.update(device=0, precision=precision, cuda_graph=False)
     raw["data"].pop("test")
     raw["solver"].update(base_lr=0.01, test_interval=0)
+    if clip is not None:
+        raw["solver"]["clip_gradients"] = clip
     raw["checkpoint"] = {"interval": interval, "keep": 0}
     out = tmp_path / name
     t = Trainer(make_job(validate_config(raw, check_files=False)), str(out), world=FakeWorld(),
@@ -216,23 +245,26 @@ def _check_copies(copies, masters):
         assert value.tobytes() == _cast(masters[w], mode).tobytes(), name
 
 
-@pytest.mark.parametrize("precision,storage", [("bf16", "1"), ("bf16", "0"), ("fp16", "1")],
-                         ids=["bf16-bits", "bf16-float32", "fp16"])
+@pytest.mark.parametrize("precision,storage,clip", [("bf16", "1", None), ("bf16", "0", 0.05),
+                                                    ("fp16", "1", None)],
+                         ids=["bf16-bits", "bf16-float32-clipped", "fp16"])
 def test_folded_and_separate_casts_train_bit_for_bit_alike(host_build_dir, monkeypatch,
-                                                           tmp_path, precision, storage):
+                                                           tmp_path, precision, storage, clip):
     """A tiny GPT, 5 steps on the emulated device, with the copies written by
     the update and with the Casts: the same losses and float32 masters, bit
     for bit; the update's copies are the roundings of the final masters.
-    fp16: step 3 holds an injected inf, skipped alike (the masters and
-    their copies untouched by it)."""
+    bf16 with float32 storage (copies of bfloat16 values in float32) also
+    clips the gradients (solver.clip_gradients 0.05). fp16: step 3 holds an
+    injected inf, skipped alike (the masters and their copies untouched by
+    it)."""
     from tests.emulated_gpu import emulated_trainer_env
     emulated_trainer_env(monkeypatch, host_build_dir)
     monkeypatch.setenv("PURINE_BF16_STORAGE", storage)
     if precision == "fp16":
         monkeypatch.setenv("PURINE_FP16_INJECT_INF", "3")
     iters = 5
-    old = _train(monkeypatch, tmp_path, "old", precision, iters, fold=False)
-    new = _train(monkeypatch, tmp_path, "new", precision, iters, fold=True)
+    old = _train(monkeypatch, tmp_path, "old", precision, iters, fold=False, clip=clip)
+    new = _train(monkeypatch, tmp_path, "new", precision, iters, fold=True, clip=clip)
     assert old[3] and not old[2]             # the old path: Casts, no copies kept
     assert not new[3] and new[2]             # the fold: no weight Cast
     assert sorted(new[0]) == list(range(1, iters + 1))
