@@ -194,6 +194,57 @@ def test_the_adam_kernels_write_the_casts_bits(device, mode):
         assert device.to_host(copy2).tobytes() == _cast(got[48:], mode).tobytes()
 
 
+@pytest.mark.parametrize("mode", ["bits", "bf16"])
+def test_the_update_ops_write_their_copy_output(device, mode):
+    """The ops (ops/updates.py) with the fold's attrs: AdamWUpdate's fourth
+    output and MultiAdamUpdate's outputs after the flat buffers are the
+    Cast of the new weights -- on the device by the kernel, on the host
+    (NumPy: the op's generic path, ops/basic.cast_copy after the update);
+    ``infer`` gives the copies' shapes and storage."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.catalog import get_kernel_class
+    bits = mode == "bits"
+    rng = np.random.default_rng(9)
+    w, g = rng.standard_normal((2, 7, 5)).astype(np.float32)
+    m = (0.1 * rng.standard_normal((7, 5))).astype(np.float32)
+    v = np.abs(0.01 * rng.standard_normal((7, 5))).astype(np.float32)
+    attrs = {"weight_decay": 0.1, "copy_dtype": "bfloat16", "copy_bits": bits}
+    single = get_kernel_class("AdamWUpdate")
+    shapes = single.infer(attrs, [((7, 5), "float32")] * 4 + [((1,), "float32"),
+                                                               ((1,), "int64")])
+    assert shapes[3] == ((7, 5), BITS if bits else "float32")
+    lr, it = np.array([0.01], np.float32), np.array([2], np.int64)
+    for put in (device.to_device, np.array):
+        state = [put(a.copy()) for a in (w, m, v)]
+        copy = put(np.zeros((7, 5), np.uint16 if bits else np.float32))
+        op = single(Op("u", "AdamWUpdate", [], [], dict(attrs)))
+        device.launched.clear()
+        op.run([state[0], put(g), state[1], state[2], lr, it], state + [copy])
+        if put is device.to_device:
+            assert device.launched == ["adam_update"]   # the copy in the same pass
+        new_w = np.asarray(device.to_host(state[0]) if put is device.to_device else state[0])
+        got = device.to_host(copy) if put is device.to_device else copy
+        assert np.asarray(got).tobytes() == _cast(new_w, mode).tobytes(), put
+    # the multi-tensor op on the host: parameter 1 of 2 has a copy
+    multi = get_kernel_class("MultiAdamUpdate")
+    mattrs = {"sizes": [35, 35], "offsets": [0, 64], "lr_mults": [1.0, 1.0],
+              "decay_mults": [1.0, 1.0], "weight_decay": 0.1, "decoupled": True,
+              "params": ["a", "b"], "copy_of": [1], "copy_dtype": "bfloat16",
+              "copy_bits": [bits]}
+    flat = [np.zeros(99, np.float32) for _ in range(3)]
+    for f, a in zip(flat, (w, m, v)):
+        f[:35], f[64:] = a.reshape(-1), a.reshape(-1)
+    ins = flat + [lr, it, g.copy(), g.copy()]
+    shapes = multi.infer(mattrs, [(a.shape, str(a.dtype)) for a in ins])
+    assert shapes[3] == ((7, 5), BITS if bits else "float32") and len(shapes) == 4
+    copy = np.zeros((7, 5), np.uint16 if bits else np.float32)
+    op = multi(Op("u", "MultiAdamUpdate", [], [], mattrs))
+    op.setup(ins, flat + [copy])
+    op.run(ins, flat + [copy])
+    assert flat[0][:35].tobytes() == flat[0][64:].tobytes()
+    assert copy.tobytes() == _cast(flat[0][64:].reshape(7, 5), mode).tobytes()
+
+
 def test_a_copy_of_the_wrong_storage_is_refused(device):
     from purine_mpi.gpu import kernels
     w, g, m, v = (device.to_device(np.ones(8, np.float32)) for _ in range(4))

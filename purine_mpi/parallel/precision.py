@@ -585,15 +585,25 @@ def refresh_weight_copies(copies, ws):
     """Make each weight copy of ``copies`` (``weight_copies``: those the
     updates write, ``fold_weight_casts``) from its weight in workspace
     ``ws``, as the Cast did before the forward (ops/basic.cast_copy: the
-    same kernels); on a GPU waits for them. Returns the number made."""
+    same kernels). On a GPU the devices are idle before (the weights'
+    writers done, on whichever stream) and after (the copies written
+    before the iteration's streams read them). Returns the number made."""
     from ..ops.basic import cast_copy
-    devices = set()
+    devices = []
+    for copy, _, _ in copies:
+        device = getattr(ws[copy], "device", None)
+        if hasattr(device, "synchronize") and device not in devices:
+            devices.append(device)
+    for device in devices:
+        device.synchronize()
     for copy, src, dtype in copies:
         dst = ws[copy]
-        cast_copy(ws[src], dst, dtype)
         device = getattr(dst, "device", None)
-        if device is not None and hasattr(device, "synchronize"):
-            devices.add(device)
+        if hasattr(device, "__enter__"):   # a GPU's array: launched on its device
+            with device:
+                cast_copy(ws[src], dst, dtype)
+        else:
+            cast_copy(ws[src], dst, dtype)
     for device in devices:
         device.synchronize()
     return len(copies)
