@@ -70,6 +70,10 @@ DEFAULT_WORKSPACE_MB = 32
 _lock = threading.RLock()
 _state = {"checked": False, "cublas": None, "reason": None, "noted": False}
 _handles = {}   # (device, stream ptr, scope) -> _Handle
+#: [(handle key, workspace bytes)] of every handle made since the process
+#: began, released or not (``made_since``, ``made_totals``: what a run made,
+#: also where its close released them since)
+_made_log = []
 _scope = threading.local()   # .key: the replay stream of the graph being captured
 _products = threading.local()   # .tf32: this thread's products' TF32 (None: the process's)
 
@@ -196,6 +200,30 @@ def release_streams(ptrs):
     return freed
 
 
+def made_mark():
+    """A mark of the handles made so far, for ``made_since``."""
+    with _lock:
+        return len(_made_log)
+
+
+def made_since(mark, device=None):
+    """{(device, stream ptr, scope): workspace bytes} of the handles made
+    since ``made_mark()`` returned ``mark`` (on ``device``; None: every
+    device), released since or not: what a run made, which its close
+    released (``release_streams``)."""
+    with _lock:
+        return {key: n for key, n in _made_log[mark:] if device is None or key[0] == device}
+
+
+def made_totals(device):
+    """(handles, workspace bytes) made on ``device`` since the process
+    began, released or not: the difference over a run is what it made
+    (benchmarks/gpt_gpu.py's ``device_memory``)."""
+    with _lock:
+        made = [n for key, n in _made_log if key[0] == device]
+        return len(made), int(sum(made))
+
+
 def made_handles(device=None):
     """The cuBLAS handles made so far (on ``device``; None: every device):
     {(device, stream ptr, scope): bytes of its workspace}, what
@@ -265,6 +293,7 @@ def _create(cublas, cupy, device, stream_ptr):
         raise
     entry = _Handle(handle, workspace, stream_ptr, tf32)
     _handles[(device, stream_ptr, getattr(_scope, "key", None))] = entry
+    _made_log.append(((device, stream_ptr, getattr(_scope, "key", None)), int(nbytes)))
     return entry
 
 
