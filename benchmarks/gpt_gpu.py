@@ -254,10 +254,12 @@ def _lt_counts():
 
 
 def _workspaces(device):
-    """{handle key: workspace bytes} of the cuBLAS handles made so far on
-    ``device`` (gpu/blas.py; the process's, as ``_lt_counts``)."""
+    """(handles, workspace bytes) of the cuBLAS handles made so far on
+    ``device`` (gpu/blas.made_totals; the process's, as ``_lt_counts``:
+    a side's are the difference, counted also after its close released
+    them)."""
     from purine_mpi.gpu import blas
-    return blas.made_handles(device) if device >= 0 else {}
+    return blas.made_totals(device) if device >= 0 else (0, 0)
 
 
 def run_purine(config, args):
@@ -302,7 +304,7 @@ def run_purine(config, args):
     if raw is not None:
         key = str(device)
         pools = ((res.get("cuda_graph") or {}).get("capture_pool_bytes") or {}).get(key, 0)
-        made = {k: v for k, v in _workspaces(device).items() if k not in handles}
+        made = [a - b for a, b in zip(_workspaces(device), handles)]
         plans_after, refused_after = _lt_counts()
         out["device_memory"] = {
             "peak_bytes": peak,
@@ -312,8 +314,8 @@ def run_purine(config, args):
             "arena_bytes": (res.get("device_arena_bytes") or {}).get(key),
             "scratch_bytes": (res.get("device_scratch_bytes") or {}).get(key),
             "capture_pool_bytes": int(pools),
-            "cublas_handles": len(made),
-            "cublas_workspace_bytes": int(sum(made.values())),
+            "cublas_handles": made[0],
+            "cublas_workspace_bytes": made[1],
             "cublaslt_plans": plans_after - plans,
             "cublaslt_refused": refused_after - refused}
     return out

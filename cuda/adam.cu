@@ -15,8 +15,23 @@
 // that starts them afresh): the kernel reads both itself, so a captured graph
 // replays with each iteration's values.
 //
-// Compiled at run time by purine_mpi.gpu.load_kernel("adam") (NVRTC, so no
-// #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
+// The low-precision copy of the weights (the precision pass's ``<w>@bf16``,
+// parallel/precision.fold_weight_casts): with copy_mode != 0 the kernel
+// writes, in the same pass, the rounding of each new float32 weight --
+//   1  the nearest bfloat16, kept in float32 storage    (copy32)
+//   2  the nearest float16, kept in float32 storage     (copy32)
+//   3  the nearest bfloat16 as its uint16 bits           (copy16)
+// by precision.cuh's functions, so the bits of a separate Cast op's
+// round_bf16 / round_fp16 / to_bf16_bits pass over the updated weights
+// (cuda/precision.cu), without its launch and its read of the weights.
+// Only the float32 entry points take a copy (the f64 ones ignore it: the
+// low precisions round float32 storage only).
+//
+// Compiled at run time by purine_mpi.gpu.load_kernel("adam") (NVRTC: the
+// loader inlines precision.cuh); one extern "C" entry point per dtype:
+// <name>_f32, <name>_f64.
+
+#include "precision.cuh"
 
 #define CUDA_KERNEL_LOOP(i, n)                                              \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
@@ -24,6 +39,22 @@
 
 // One element of the step, in place on w, m, v from the raw gradient g
 // (adam_update and adam_multi: the same arithmetic, so the same bits).
+// element i of a weight's low-precision copy from its new value w (copy_mode
+// as in the header; 0: none)
+__device__ __forceinline__ void adam_copy(float w, long long i, unsigned int* copy32,
+                                          unsigned short* copy16, int copy_mode) {
+  if (copy_mode == 3) {
+    copy16[i] = (unsigned short)(purine_round_bf16(purine_float_bits(w)) >> 16);
+  } else if (copy_mode == 1) {
+    copy32[i] = purine_round_bf16(purine_float_bits(w));
+  } else if (copy_mode == 2) {
+    copy32[i] = purine_round_fp16(purine_float_bits(w));
+  }
+}
+
+__device__ __forceinline__ void adam_copy(double, long long, unsigned int*, unsigned short*,
+                                          int) {}
+
 template <typename T>
 __device__ void adam_element(T* w, T* m, T* v, T g, T grad_scale, double rate, double decay,
                              int decoupled, T step, T correction2, T tb1, T ob1, T tb2, T ob2,
@@ -45,7 +76,8 @@ __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
                           double lr_value, const T* lr_ptr, int has_lr_ptr,
                           long long it_value, const long long* it_ptr, int has_it_ptr,
                           double b1, double b2, T delta, T grad_scale, double decay,
-                          int decoupled) {
+                          int decoupled, unsigned int* copy32, unsigned short* copy16,
+                          int copy_mode) {
   const double rate = has_lr_ptr ? lr_value * (double)lr_ptr[0] : lr_value;
   const double s = (double)((has_it_ptr ? it_ptr[0] : 0) + it_value + 1);
   const T step = (T)(rate / (1.0 - pow(b1, s)));
@@ -54,6 +86,7 @@ __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
   CUDA_KERNEL_LOOP(index, total) {
     adam_element<T>(w + index, m + index, v + index, g[index], grad_scale, rate, decay,
                     decoupled, step, correction2, tb1, ob1, tb2, ob2, delta);
+    adam_copy(w[index], index, copy32, copy16, copy_mode);
   }
 }
 
@@ -62,9 +95,10 @@ __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
       long long total, T* w, const T* g, T* m, T* v, double lr_value,               \
       const T* lr_ptr, int has_lr_ptr, long long it_value, const long long* it_ptr, \
       int has_it_ptr, double b1, double b2, T delta, T grad_scale, double decay,    \
-      int decoupled) {                                                              \
+      int decoupled, unsigned int* copy32, unsigned short* copy16, int copy_mode) { \
     adam_impl<T>(total, w, g, m, v, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr, \
-                 has_it_ptr, b1, b2, delta, grad_scale, decay, decoupled);          \
+                 has_it_ptr, b1, b2, delta, grad_scale, decay, decoupled, copy32,   \
+                 copy16, copy_mode);                                                \
   }
 
 PURINE_ADAM_ENTRY(f32, float)
@@ -80,7 +114,9 @@ PURINE_ADAM_ENTRY(f64, double)
 // arithmetic of adam_update with rate = lr * lr_mults[s] and decay =
 // decays[s] (weight_decay * decay_mult), both in double as there: bit for
 // bit the single-parameter kernel's result. lr = lr_value, or *lr_ptr when
-// has_lr_ptr (the lr blob on the device, without lr_mult).
+// has_lr_ptr (the lr blob on the device, without lr_mult). Parameter s's
+// low-precision copy (see the header) is at the address `copies[s]` in mode
+// `copy_modes[s]` (0: none; the address then unread).
 template <typename T>
 __device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
                                 const unsigned long long* grads, const long long* starts,
@@ -88,7 +124,8 @@ __device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
                                 const double* decays, int segments, double lr_value,
                                 const T* lr_ptr, int has_lr_ptr, long long it_value,
                                 const long long* it_ptr, int has_it_ptr, double b1, double b2,
-                                T delta, T grad_scale, int decoupled) {
+                                T delta, T grad_scale, int decoupled,
+                                const unsigned long long* copies, const int* copy_modes) {
   const double lr = has_lr_ptr ? (double)lr_ptr[0] : lr_value;
   const double s = (double)((has_it_ptr ? it_ptr[0] : 0) + it_value + 1);
   const double correction1 = 1.0 - pow(b1, s);
@@ -106,6 +143,11 @@ __device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
     adam_element<T>(w + at, m + at, v + at, g[index - starts[lo]], grad_scale, rate,
                     decays[lo], decoupled, (T)(rate / correction1), correction2, tb1, ob1,
                     tb2, ob2, delta);
+    const int mode = copy_modes[lo];
+    if (mode != 0) {
+      adam_copy(w[at], index - starts[lo], (unsigned int*)copies[lo],
+                (unsigned short*)copies[lo], mode);
+    }
   }
 }
 
@@ -115,10 +157,12 @@ __device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
       const long long* starts, const long long* offsets, const double* lr_mults,         \
       const double* decays, int segments, double lr_value, const T* lr_ptr,              \
       int has_lr_ptr, long long it_value, const long long* it_ptr, int has_it_ptr,       \
-      double b1, double b2, T delta, T grad_scale, int decoupled) {                      \
+      double b1, double b2, T delta, T grad_scale, int decoupled,                        \
+      const unsigned long long* copies, const int* copy_modes) {                         \
     adam_multi_impl<T>(total, w, m, v, grads, starts, offsets, lr_mults, decays,         \
                        segments, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr,         \
-                       has_it_ptr, b1, b2, delta, grad_scale, decoupled);                \
+                       has_it_ptr, b1, b2, delta, grad_scale, decoupled, copies,         \
+                       copy_modes);                                                      \
   }
 
 PURINE_ADAM_MULTI_ENTRY(f32, float)

@@ -77,9 +77,19 @@ def test_bytes_of_ops_match_a_hand_count(graphs):
     assert bt.op_bytes(off, off.ops["h0_attn.attn"]) == (
         n * 3 * C * f32 + n * C * f32 + B * heads * T * f32, 4 * (n * 3 * C + n * C))
     # AdamW over the flat weights: w, m, v and the gradients read, w, m, v
-    # written, 4 bytes each, and the lr and the iteration (4 + 8)
+    # written, 4 bytes each, and the lr and the iteration (4 + 8); and the
+    # copies of the weights the products read, which it writes in the same
+    # pass (parallel/precision.fold_weight_casts): every parameter but the
+    # layer norms' and the position embedding, 2 bytes an element as bits
+    # (the weights), 4 as float32 (the biases, read by the fc's epilogue)
     p = sum(b.size for b in on.params())
-    assert bt.op_bytes(on, on.ops["solver.update"]) == (7 * p * f32 + 4 + 8, 0)
+    copied = {b.name: b.size for b in on.params() if "ln" not in b.name
+              and not b.name.startswith("wpe")}
+    weights = sum(n for name, n in copied.items() if name.endswith("weight"))
+    assert sorted(on.blobs[on.blobs[c].alias_of].attrs["copy_of"] for c in
+                  on.ops["solver.update"].outputs[3:]) == sorted(copied)
+    assert bt.op_bytes(on, on.ops["solver.update"]) == (
+        7 * p * f32 + 4 + 8 + weights * bits + (sum(copied.values()) - weights) * f32, 0)
     # fp32: no casts, no conversions
     fp32 = g["fp32"]
     assert all(bt.op_bytes(fp32, op)[1] == 0 and bt.op_class(op) != "casts"

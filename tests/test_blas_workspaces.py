@@ -105,3 +105,50 @@ def test_handles_are_per_scope_on_one_stream(monkeypatch, host_build_dir):
         with blas.workspace_scope(scope):
             handles.add(blas.reserve(stream))
     assert len(handles) == 2
+
+
+def _pool_ptrs(rt):
+    return {int(s.ptr) for _, s in rt.pool.items()}
+
+
+def test_a_closed_dispatcher_releases_its_streams_handles(monkeypatch, host_build_dir):
+    """Closing a GPU dispatcher destroys the cuBLAS handles of its streams
+    (capture scopes included) and drops their workspaces
+    (``blas.release_streams``): a closed trainer's handles no longer stay in
+    ``blas._handles`` with ``PURINE_CUBLAS_WORKSPACE_MB`` each. A handle of
+    another stream stays; a runtime two dispatchers share keeps its handles
+    until the second closes."""
+    emulated = use_emulated_cupy(monkeypatch, host_build_dir)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    import cupy
+    other = cupy.cuda.Stream(non_blocking=True)   # a stream no dispatcher owns
+    blas.reserve(other)
+    rt = SimulatedRuntime(0)
+    first = make_dispatcher(_two_products(), runtime=rt, cuda_graph=True, log=lambda m: None)
+    second = make_dispatcher(_two_products(), runtime=rt, cuda_graph=True, log=lambda m: None)
+    try:
+        for d in (first, second):
+            d.workspace.set("x", x)
+            for n in "ab":
+                d.workspace.set(f"w_{n}", rng.standard_normal((4, 5)).astype(np.float32))
+            for it in range(3):
+                d.run(it)
+        mine = _pool_ptrs(rt)
+        held = {k: n for k, n in blas.made_handles().items() if k[1] in mine}
+        assert len(held) >= 2 and all(n == blas.workspace_bytes() for n in held.values())
+        live = set(blas._state["cublas"].handles)
+        first.close()   # the runtime's other user still runs: its handles stay
+        assert {k for k in blas.made_handles() if k[1] in mine} == set(held)
+        second.run(3)
+        second.close()
+        assert not [k for k in blas.made_handles() if k[1] in mine]
+        gone = live - set(blas._state["cublas"].handles)
+        assert len(gone) == len(held)   # destroyed in the emulated cuBLAS too
+        assert [k for k in blas.made_handles() if k[1] == int(other.ptr)]
+        second.close()   # closing again releases nothing more, raises nothing
+    finally:
+        first.close()
+        second.close()
+        gpu.clear_kernel_cache()
+    del emulated

@@ -152,6 +152,10 @@ VARS = {v.name: v for v in [
         "operands, the logits the softmax loss reads) stored as them, 2 bytes an element, "
         "written as bits by its producer "
         "(0: float32 storage, each product converting its operands)", gpu_only=True),
+    Var("PURINE_FOLD_WEIGHT_CASTS", FLAG, True, _flag,
+        "bf16/fp16: the fused Adam/AdamW update writes each weight's low-precision copy "
+        "in its pass over the new weights, instead of a Cast op per weight before the "
+        "forward (0: the Cast ops)", gpu_only=True),
     Var("PURINE_CUDNN_BENCHMARK", FLAG, True, _flag,
         "time cuDNN's plans and keep the fastest (0: the heuristic's first)", gpu_only=True),
     Var("PURINE_CUDNN_DETERMINISTIC", FLAG, True, _flag,

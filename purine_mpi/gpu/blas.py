@@ -70,6 +70,10 @@ DEFAULT_WORKSPACE_MB = 32
 _lock = threading.RLock()
 _state = {"checked": False, "cublas": None, "reason": None, "noted": False}
 _handles = {}   # (device, stream ptr, scope) -> _Handle
+#: [(handle key, workspace bytes)] of every handle made since the process
+#: began, released or not (``made_since``, ``made_totals``: what a run made,
+#: also where its close released them since)
+_made_log = []
 _scope = threading.local()   # .key: the replay stream of the graph being captured
 _products = threading.local()   # .tf32: this thread's products' TF32 (None: the process's)
 
@@ -173,6 +177,53 @@ def reset():
         _say_once.clear()
 
 
+def release_streams(ptrs):
+    """Destroy the handles bound to the streams whose pointers ``ptrs``
+    lists (under every scope) and drop their workspaces: a closed
+    dispatcher's streams (runtime/streams_dispatcher.StreamExecutor.close),
+    whose handles would otherwise keep ``PURINE_CUBLAS_WORKSPACE_MB`` of
+    device memory each for the life of the process. Call it with those
+    streams idle and no graph that captured their products to replay.
+    Returns the workspace bytes released."""
+    ptrs = {int(p) for p in ptrs}
+    freed = 0
+    with _lock:
+        cublas = _state["cublas"]
+        for key in [k for k, e in _handles.items() if e.stream_ptr in ptrs]:
+            entry = _handles.pop(key)
+            freed += int(getattr(entry.workspace, "nbytes", 0))
+            if cublas is not None:
+                try:
+                    cublas.destroy(entry.handle)
+                except Exception:   # a driver already torn down: nothing to keep
+                    pass
+    return freed
+
+
+def made_mark():
+    """A mark of the handles made so far, for ``made_since``."""
+    with _lock:
+        return len(_made_log)
+
+
+def made_since(mark, device=None):
+    """{(device, stream ptr, scope): workspace bytes} of the handles made
+    since ``made_mark()`` returned ``mark`` (on ``device``; None: every
+    device), released since or not: what a run made, which its close
+    released (``release_streams``)."""
+    with _lock:
+        return {key: n for key, n in _made_log[mark:] if device is None or key[0] == device}
+
+
+def made_totals(device):
+    """(handles, workspace bytes) made on ``device`` since the process
+    began, released or not: the difference over a run is what it made
+    (benchmarks/gpt_gpu.py's ``device_memory``)."""
+    with _lock:
+        made = [n for key, n in _made_log if key[0] == device]
+        return len(made), int(sum(made))
+
+
 def made_handles(device=None):
     """The cuBLAS handles made so far (on ``device``; None: every device):
     {(device, stream ptr, scope): bytes of its workspace}, what
@@ -242,6 +293,7 @@ def _create(cublas, cupy, device, stream_ptr):
         raise
     entry = _Handle(handle, workspace, stream_ptr, tf32)
     _handles[(device, stream_ptr, getattr(_scope, "key", None))] = entry
+    _made_log.append(((device, stream_ptr, getattr(_scope, "key", None)), int(nbytes)))
     return entry
 
 

@@ -172,8 +172,10 @@ def _dtype_name(dtype):
         return str(np.dtype(dtype))
 
 #: blob kinds whose storage persists across iterations (the memory plan
-#: gives them no arena slot; the recompute pass never recomputes them)
-PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
+#: gives them no arena slot; the recompute pass never recomputes them).
+#: ``param_copy``: a weight's low-precision copy that its update writes
+#: (parallel/precision.fold_weight_casts), read by the next iteration
+PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket", "param_copy")
 
 #: blob attr of a full (gathered or not yet reduce-scattered) bucket that a
 #: ZeRO stage makes transient (parallel/sharding.py): the model state's

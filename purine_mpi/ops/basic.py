@@ -191,6 +191,27 @@ def _weighted_sum_grad(g, op):
         g.emit("Scaled", [dloss, w], [g.grad_blob(x)])
 
 
+def cast_copy(src, dst, dtype):
+    """``dst`` = float32 ``src`` rounded to ``dtype`` (``bfloat16`` or
+    ``float16``), a Cast op's result outside its op: float32 storage, or
+    bfloat16 bits where ``dst`` is bits -- the same kernels (cuda/
+    precision.cu) on a GPU, base/precision's on the host (a scratch made
+    here: not for a captured iteration). The weight copies' refresh
+    (parallel/precision.refresh_weight_copies) and an update op's fallback
+    where its kernel does not write the copy itself."""
+    if is_bits(dst):
+        narrow(src, dst, lambda: np.empty(wire_scratch(dst.size).shape, np.uint32))
+        return
+    if get_xp(dst) is not np:
+        from ..gpu.kernels import round_copy
+        round_copy(src, dst, dtype)
+        return
+    from ..base.precision import round_to, scratch_spec
+    carry([src], [dst])
+    shape, sdtype = scratch_spec(dst.shape, dtype)
+    round_to(dst, dtype, np.empty(shape, sdtype))
+
+
 @register
 class Cast(OpKernel):
     """y = x rounded to attr ``dtype`` (``bfloat16`` or ``float16``), kept in

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..base.precision import BITS
 from ..gpu.raw import carry, raw_kernels
 from .registry import OpKernel, register
 
@@ -160,16 +161,22 @@ class MultiSGDUpdate(OpKernel):
         a = self.attrs
         live = self.live()
         grads = [ins[len(self.flat) + len(self.scalars) + k] for k in live]
+        flat = outs[:len(self.flat)]
         xp = get_xp(outs[0])
-        k = raw_kernels(xp, *outs, *grads)
+        k = raw_kernels(xp, *flat, *grads)
         if live and k is not None and \
-                all(x.flags.c_contiguous for x in list(outs) + list(grads)):
+                all(x.flags.c_contiguous for x in list(flat) + list(grads)):
             wd = float(a.get("weight_decay", 0.0))
+            extra = {}
+            copies = weight_copies(a, outs[len(self.flat):])
+            if copies:
+                extra = dict(copies=[copies.get(i) for i in live],
+                             precision=a["copy_dtype"])
             self._table = k.MultiTensorTable(
                 grads, [a["offsets"][i] for i in live],
                 [float(a["lr_mults"][i]) for i in live],
                 [wd * float(a["decay_mults"][i]) for i in live], outs[0].dtype,
-                factor_dtype=self.factor_dtype)
+                factor_dtype=self.factor_dtype, **extra)
 
     def live(self):
         """The indices of the parameters this op moves: a frozen one's
@@ -201,6 +208,23 @@ class MultiSGDUpdate(OpKernel):
             single = dict(a, lr_mult=lr_mult, decay_mult=decay_mult)
             _sgd_step(get_xp(w_new), w_new[view], grad.reshape(-1), v_new[view], lr, single,
                       w_new[view], v_new[view])
+
+
+def weight_copies(attrs, extra):
+    """{parameter index: its low-precision copy} of a multi-tensor update
+    whose ``attrs["copy_of"]`` lists the parameters (by index) whose copies
+    its outputs after the flat buffers (``extra``) are
+    (parallel/precision.fold_weight_casts); {} without."""
+    return {int(k): c for k, c in zip(attrs.get("copy_of", ()), extra)}
+
+
+def copy_outputs(attrs, ins, count):
+    """(shape, dtype) of ``count`` weight copies of attr ``copy_bits`` (bits:
+    BITS, else float32; one or one per copy) of the parameters whose (shape, dtype) ``ins``
+    lists: an update op's outputs after its own (fold_weight_casts)."""
+    bits = attrs.get("copy_bits")
+    bits = list(bits) if isinstance(bits, (list, tuple)) else [bool(bits)] * count
+    return [(tuple(s), BITS if b else "float32") for (s, _), b in zip(ins[:count], bits)]
 
 
 def _sgd_step(xp, w, grad, v, lr, a, w_new, v_new):
@@ -406,16 +430,37 @@ class AdamUpdate(_AdaptiveUpdate):
     states = ("m", "v")
     needs_iter = True
 
+    @classmethod
+    def infer(cls, attrs, ins):
+        out = super().infer(attrs, ins)
+        if attrs.get("copy_dtype"):   # the weight's low-precision copy (w@bf16@new)
+            out += copy_outputs(attrs, ins, 1)
+        return out
+
     def run(self, ins, outs):
+        """The update (below); with attr ``copy_dtype`` (parallel/precision
+        .fold_weight_casts) a fourth output, the weight's low-precision
+        copy, is written from the new weight: by the fused kernel in its
+        pass, else after the update (ops/basic.cast_copy): the bits of a
+        Cast of it either way."""
+        copy = outs[3] if len(outs) > 3 else None
+        if self._update(ins, outs[:3], copy) and copy is not None:
+            from .basic import cast_copy
+            cast_copy(outs[0], copy, self.attrs["copy_dtype"])
+
+    def _update(self, ins, outs, copy):
+        """Returns whether the copy is still to write (not by the kernel)."""
         w, grad, m, v, lr, it = ins
         if frozen(self.attrs):
             carry((w, m, v), outs)   # frozen: the weight and states as they are
-            return
+            return False   # unchanged: so is its copy
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, m, v)
-        if k is None or not all(o.flags.c_contiguous for o in outs):
+        if k is None or not all(o.flags.c_contiguous for o in outs) or (
+                copy is not None and (not copy.flags.c_contiguous
+                                      or np.dtype(w.dtype) != np.float32)):
             super().run(ins, outs)
-            return
+            return True
         # on a GPU: one fused kernel (cuda/adam.cu), no temporaries; the lr
         # and iteration blobs on the device are read by the kernel
         carry((w, m, v), outs)
@@ -428,7 +473,9 @@ class AdamUpdate(_AdaptiveUpdate):
                       delta=float(a.get("delta", 1e-8)), grad_scale=float(a.get("grad_scale", 1.0)),
                       weight_decay=float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0)),
                       decoupled=self.decoupled, lr_mult=float(a.get("lr_mult", 1.0)),
-                      step0=int(a.get("step0", 0)))
+                      step0=int(a.get("step0", 0)), copy=copy,
+                      precision=a.get("copy_dtype", "bfloat16"))
+        return False
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         m, v = states
@@ -477,8 +524,24 @@ class MultiAdamUpdate(MultiSGDUpdate):
         ("learning rate", "iteration")
     factor_dtype = np.float64
 
+    @classmethod
+    def infer(cls, attrs, ins):
+        out = super().infer(attrs, ins)
+        of = [int(k) for k in attrs.get("copy_of", ())]
+        if of:   # the copies of parameters copy_of (fold_weight_casts): their shapes
+            grads = ins[len(cls.flat) + len(cls.scalars):]
+            out += copy_outputs(attrs, [grads[k] for k in of], len(of))
+        return out
+
     def run(self, ins, outs):
+        """The update (see the class); with attr ``copy_of`` (parallel/
+        precision.fold_weight_casts) the outputs after the flat buffers are
+        the low-precision copies (attr ``copy_dtype``) of those parameters,
+        written from their new weights by the kernel in its pass (the
+        table's copies), else after each one's update (ops/basic.cast_copy)."""
         a = self.attrs
+        copies = weight_copies(a, outs[3:])
+        outs = outs[:3]
         carry(ins[:3], outs)
         lr, it = ins[3:5]
         table = getattr(self, "_table", None)
@@ -495,12 +558,16 @@ class MultiAdamUpdate(MultiSGDUpdate):
         single = AdamWUpdate if a.get("decoupled") else AdamUpdate
         shared = {k: a[k] for k in ("momentum", "momentum2", "delta", "weight_decay",
                                     "grad_scale", "step0") if k in a}
-        for grad, off, size, lr_mult, decay_mult in self.segments(ins[5:]):
+        live = self.live()
+        for k, (grad, off, size, lr_mult, decay_mult) in zip(live, self.segments(ins[5:])):
             views = [o[int(off):int(off) + int(size)].reshape(grad.shape) for o in outs]
             kernel = single(types.SimpleNamespace(
                 name=self.op.name, op_type=single.op_type,
                 attrs=dict(shared, lr_mult=lr_mult, decay_mult=decay_mult)))
             kernel.run([views[0], grad, views[1], views[2], lr, it], views)
+            if k in copies:
+                from .basic import cast_copy
+                cast_copy(views[0], copies[k], a["copy_dtype"])
 
 
 #: update op type and state names of each ``solver.type``

@@ -208,15 +208,19 @@ def prepare_for_device(graph, device, train=True, precision="fp32"):
     """``place_on_device``, then (``device >= 0``) the precision pass
     (``parallel/precision.py``: the GEMMs, convolutions and attention in
     bf16/fp16 for such a ``precision``) and the fusions of
-    ``parallel/fuse.py`` (the SGD one for a training graph). Returns the graph."""
+    ``parallel/fuse.py`` (the SGD one for a training graph), then, in
+    training, the weight casts folded into the Adam updates
+    (``precision.fold_weight_casts``). Returns the graph."""
     place_on_device(graph, device)
     if int(device) >= 0:
         from .fuse import fuse_for_device
-        from .precision import apply_precision
+        from .precision import apply_precision, fold_weight_casts
         redraw_attention_masks(graph)
         redraw_dropout_masks(graph)
         apply_precision(graph, precision)
         fuse_for_device(graph, train=train)
+        if train and fold_weight_casts(graph):
+            graph.infer_shapes().validate()
     return graph
 
 

@@ -97,6 +97,12 @@ class Dispatcher:
         for op in self.order:
             k = self.kernels[op.name]
             k.setup(k.ins, k.outs)
+        from ..parallel.precision import weight_copies
+        #: the low-precision weight copies the updates write
+        #: (parallel/precision.fold_weight_casts) and the workspace's
+        #: ``weights_version`` they were last made from their weights at
+        self.weight_copies = weight_copies(graph)
+        self._copies_at = None
         self._defer_tail = defer_tail
         self._error = self._raised = None  # the first op error; the one run() raised
         #: the scheduling core (runtime/scheduler.Schedule): ready counts,
@@ -285,6 +291,13 @@ class Dispatcher:
         work alone may return once it is queued (the stream executors;
         call ``synchronize`` before reading a blob on the host)."""
         it = self.iteration if iteration is None else iteration
+        version = getattr(self.workspace, "weights_version", 0)
+        if self.weight_copies and self._copies_at != version:
+            # the first run, or weights set from outside since (fillers,
+            # --init, a resume): each copy from its weight, as a Cast would
+            from ..parallel.precision import refresh_weight_copies
+            refresh_weight_copies(self.weight_copies, self.workspace)
+            self._copies_at = version
         self.executor.start(it)
         self.iteration = it
         self._raise_unreported()  # a deferred tail op failed after the last run returned
@@ -415,6 +428,7 @@ class Dispatcher:
         for w in self.workers:
             w.join(timeout=5)
         self._stop_prefetch()
+        self.executor.close()   # a GPU's: its streams' cuBLAS handles and workspaces
 
     def _stop_prefetch(self):
         """End the data readers' prefetch threads (ops/data.py), letting the

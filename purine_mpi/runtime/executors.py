@@ -55,6 +55,10 @@ class Executor:
     def attach(self, core):
         self.core = core
 
+    def close(self):
+        """Release what the executor holds beyond its dispatcher (the
+        dispatcher's ``close``, after its workers ended). Nothing here."""
+
     def units(self, ops, deps):
         return ops, deps
 

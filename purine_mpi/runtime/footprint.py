@@ -319,7 +319,7 @@ def _groups(graph):
 
 def _row_of(graph, names, batch, update_reads, comm_blobs, planned):
     kinds = {graph.blobs[n].kind for n in names}
-    if kinds & {"param", "param_buffer"}:
+    if kinds & {"param", "param_buffer", "param_copy"}:   # with the weights' bf16 copies
         return "weights"
     if kinds & {"grad", "bucket"}:
         return "gradients"
@@ -690,7 +690,7 @@ def model_state_roots(graph, working=False):
         kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
         if transient and marks[0] in MODEL_STATE_ROWS:
             out[root] = marks[0]
-        elif kinds & {"param", "param_buffer"}:
+        elif kinds & {"param", "param_buffer", "param_copy"}:
             out[root] = "weights"
         elif "bucket" in kinds or ("grad" in kinds and (read or transient)):
             out[root] = "gradients"

@@ -112,7 +112,37 @@ class StreamExecutor(Executor):
         self.devices = sorted({k[0] for k in keys.values() if k is not None})
         if self.runtime is None and self.devices:
             self.runtime = CudaRuntime()
+        if self.runtime is not None and not getattr(self, "_counted", False):
+            # the executors using the runtime: the last to close releases
+            # its streams' cuBLAS handles (``close``)
+            self.runtime.users = getattr(self.runtime, "users", 0) + 1
+            self._counted = True
         return with_stream_threads(graph, keys)
+
+    def close(self):
+        """The last executor of its runtime to close destroys the cuBLAS
+        handles bound to the runtime's streams and drops their workspaces
+        (``gpu/blas.release_streams``; ``PURINE_CUBLAS_WORKSPACE_MB``, 32
+        MiB, each: a closed trainer's two used to stay in the process's
+        ``blas._handles`` for good), after the streams are idle. A runtime
+        another live executor shares keeps them (its captured graphs baked
+        those workspaces in)."""
+        rt = self.runtime
+        if rt is None or not getattr(self, "_counted", False):
+            return
+        self._counted = False
+        rt.users = getattr(rt, "users", 1) - 1
+        if rt.users > 0:
+            return
+        pool = getattr(rt, "pool", None)
+        streams = [s for _, s in pool.items()] if pool is not None else []
+        if not streams:
+            return
+        from ..gpu import blas
+        try:
+            rt.sync_streams()
+        finally:
+            blas.release_streams(int(s.ptr) for s in streams if hasattr(s, "ptr"))
 
     def attach(self, core):
         super().attach(core)

@@ -195,6 +195,10 @@ class Workspace:
         workspace's, so that it always reuses this one's: the two regions
         are one, as large as the larger, not the sum)."""
         self.graph = graph
+        #: counts the writes from outside (``set``, ``weights_changed``):
+        #: a dispatcher makes its weight copies again when it changed
+        #: (parallel/precision.fold_weight_casts)
+        self.weights_version = 0
         self.arrays = {**window_arrays(graph), **dict(shared or {})}
         # a blob owned elsewhere that other blobs view: they view its memory
         self._flat = {b.alias_of: self.arrays[b.alias_of].reshape(-1)
@@ -408,8 +412,16 @@ class Workspace:
         flat = self._flat.get(root)
         return self.arrays[root].reshape(-1) if flat is None else flat
 
+    def weights_changed(self):
+        """Say that weights were written from outside the graph (not through
+        ``set``): the next run makes the low-precision weight copies its
+        updates keep again (parallel/precision.refresh_weight_copies)."""
+        self.weights_version += 1
+
     def set(self, name, value):
-        """Copy ``value`` into blob ``name`` (shape-checked)."""
+        """Copy ``value`` into blob ``name`` (shape-checked; then
+        ``weights_changed``)."""
+        self.weights_version += 1
         arr = self.arrays[name]
         value = np.asarray(value) if not hasattr(value, "__cuda_array_interface__") else value
         if tuple(value.shape) != tuple(arr.shape):

@@ -47,8 +47,44 @@ def _unread_int64(cupy):
     return array
 
 
+#: cuda/adam.cu's copy modes: (the copy's dtype, the precision) -> mode
+_COPY_MODES = {(np.dtype(np.float32), "bfloat16"): 1, (np.dtype(np.float32), "float16"): 2,
+               (np.dtype(np.uint16), "bfloat16"): 3}
+
+
+def copy_mode(copy, precision, like):
+    """cuda/adam.cu's mode of a weight's low-precision copy ``copy`` of
+    ``precision`` (``bfloat16`` or ``float16``) for the float32 weights
+    ``like``: 1 (bfloat16 values in float32 storage), 2 (float16 values in
+    float32 storage) or 3 (bfloat16 bits, uint16); 0 without a copy."""
+    if copy is None:
+        return 0
+    mode = _COPY_MODES.get((np.dtype(copy.dtype), str(precision)))
+    if mode is None or np.dtype(like.dtype) != np.dtype(np.float32):
+        raise ValueError(f"adam: a {precision} copy of {np.dtype(copy.dtype)} storage for "
+                         f"{np.dtype(like.dtype)} weights (float32 weights and a float32 "
+                         "copy, or bfloat16 bits as uint16)")
+    if not copy.flags.c_contiguous or int(copy.size) != int(like.size):
+        raise ValueError(f"adam: the {precision} copy must be C-contiguous with the weight's "
+                         f"{int(like.size)} elements, got {int(copy.size)}")
+    return mode
+
+
+_UNREAD16 = {}
+
+
+def _unread_uint16(cupy):
+    """A one-element uint16 device array the kernel is given but never
+    writes (no copy of that kind), made once."""
+    array = _UNREAD16.get(id(cupy))
+    if array is None:
+        array = _UNREAD16[id(cupy)] = cupy.empty((1,), dtype=np.uint16)
+    return array
+
+
 def adam_update(w, g, m, v, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
-                grad_scale=1.0, weight_decay=0.0, decoupled=False, lr_mult=1.0, step0=0):
+                grad_scale=1.0, weight_decay=0.0, decoupled=False, lr_mult=1.0, step0=0,
+                copy=None, precision="bfloat16"):
     """In place, Adam (``decoupled=False``: the weight decay is L2 added to
     the gradient) or AdamW (``decoupled=True``: ``w *= 1 - rate *
     weight_decay`` first), step ``iteration - step0 + 1`` (``step0``: the
@@ -58,12 +94,20 @@ def adam_update(w, g, m, v, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
 
     ``w``, ``m`` and ``v`` must be C-contiguous; ``lr`` is a number or a
     one-element CuPy array, ``iteration`` a number or the one-element int64
-    iteration blob on the device: the kernel reads either itself."""
+    iteration blob on the device: the kernel reads either itself.
+
+    ``copy``: the weight's low-precision copy (``precision``: bfloat16 or
+    float16; a float32 array of its values, or for bfloat16 a uint16 array
+    of its bits), written in the same pass from the new weights: the bits
+    of a Cast's rounding of them (parallel/precision.fold_weight_casts)."""
     cupy = import_cupy()
     for name, array in (("w", w), ("m", m), ("v", v)):
         if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
             raise ValueError(f"adam_update: {name} must be a C-contiguous "
                              "CuPy array (it is updated in place)")
+    mode = copy_mode(copy, precision, w)
+    copy32 = (copy if mode in (1, 2) else w).view(np.uint32)   # w: never written
+    copy16 = copy if mode == 3 else _unread_uint16(cupy)
     dtype_suffix(w.dtype)
     g = _input(cupy, g, "adam_update: g")
     _same_as("adam_update", "w", w, g=g, m=m, v=v)
@@ -77,7 +121,8 @@ def adam_update(w, g, m, v, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
     _base._launch("adam", "adam_update", w.dtype, w.size,
                   (w, g, m, v, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr, has_it_ptr,
                    np.float64(beta1), np.float64(beta2), t(delta), t(grad_scale),
-                   np.float64(weight_decay), _int(bool(decoupled))))
+                   np.float64(weight_decay), _int(bool(decoupled)),
+                   copy32.reshape(-1), copy16.reshape(-1), _int(mode)))
 
 
 def _adam_iteration(cupy, iteration, step0):
@@ -111,9 +156,14 @@ class MultiTensorTable:
     here); ``offsets``: each parameter's element offset in the flat buffers;
     ``lr_mults``/``decays``: per-parameter rate multiplier and weight decay
     (weight_decay * decay_mult), kept in ``factor_dtype`` (default the
-    weights' dtype; float64 for :func:`adam_multi`, whose rate is a double)."""
+    weights' dtype; float64 for :func:`adam_multi`, whose rate is a double);
+    ``copies``: per parameter its low-precision copy or None (
+    :func:`adam_multi` writes it from the new weights, ``precision``:
+    bfloat16 or float16; :func:`copy_mode`); their arrays are kept alive
+    here too."""
 
-    def __init__(self, grads, offsets, lr_mults, decays, dtype, factor_dtype=None):
+    def __init__(self, grads, offsets, lr_mults, decays, dtype, factor_dtype=None,
+                 copies=None, precision="bfloat16"):
         cupy = import_cupy()
         dtype = np.dtype(dtype)
         dtype_suffix(dtype)
@@ -138,6 +188,15 @@ class MultiTensorTable:
         self.decays = cupy.asarray(np.asarray(decays, factor_dtype))
         self.factor_dtype = factor_dtype
         self.dtype = dtype
+        copies = [None] * len(grads) if copies is None else list(copies)
+        if len(copies) != len(grads):
+            raise ValueError("MultiTensorTable: one copy (or None) per gradient")
+        modes = [copy_mode(c, precision, g) for c, g in zip(copies, grads)]
+        self.copies = copies
+        self.copy_modes_host = modes
+        self.copy_pointers = cupy.asarray(np.asarray(
+            [data_ptr(c) if c is not None else 0 for c in copies], np.uint64))
+        self.copy_modes = cupy.asarray(np.asarray(modes, np.int32))
 
 
 def _check_flat(cupy, what, table, factor_dtype, **flat):
@@ -179,7 +238,9 @@ def adam_multi(w, m, v, table, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8
     lr_mult and weight_decay * decay_mult) in one kernel, in place on the
     flat weight and moment buffers ``w``, ``m`` and ``v`` (1-D,
     C-contiguous): bit for bit the single-parameter kernel's result.
-    ``lr``, ``iteration`` and ``step0`` as for :func:`adam_update` (without lr_mult)."""
+    ``lr``, ``iteration`` and ``step0`` as for :func:`adam_update` (without lr_mult).
+    The table's copies (``MultiTensorTable(copies=...)``) are written in the
+    same pass, as :func:`adam_update`'s ``copy``."""
     cupy = import_cupy()
     _check_flat(cupy, "adam_multi", table, np.float64, w=w, m=m, v=v)
     t = w.dtype.type
@@ -193,7 +254,8 @@ def adam_multi(w, m, v, table, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8
                   (w, m, v, table.pointers, table.starts, table.offsets, table.lr_mults,
                    table.decays, _int(table.segments), lr_value, lr_ptr, has_lr_ptr,
                    it_value, it_ptr, has_it_ptr, np.float64(beta1), np.float64(beta2),
-                   t(delta), t(grad_scale), _int(bool(decoupled))))
+                   t(delta), t(grad_scale), _int(bool(decoupled)), table.copy_pointers,
+                   table.copy_modes))
 
 
 # --------------------------------------------------------- learning rate ---

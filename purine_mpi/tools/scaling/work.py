@@ -21,7 +21,7 @@ from ..flops import op_flops
 #: (graph/core.PERSISTENT_KINDS, and the fused and sharded views of them:
 #: parallel/fuse.py, parallel/sharding.py)
 WEIGHT_KINDS = frozenset(("param", "param_buffer", "state", "state_buffer", "lr", "iter",
-                          "bucket", "param_shard", "param_gathered"))
+                          "bucket", "param_shard", "param_gathered", "param_copy"))
 
 #: element-wise op types whose time follows the bytes they write, by kind:
 #: an op of a candidate that the trace does not hold (a micro-batch's
