@@ -790,19 +790,21 @@ def _fit(off, end, size, best_fit=False):
     """The offset a unit of ``size`` bytes takes beside blocks [off, end)
     (arrays): the lowest gap that holds it, or with ``best_fit`` the
     smallest (the lowest of those), else the end of the highest block."""
-    if not len(off):
+    n = len(off)
+    if not n:
         return 0
     s = np.lexsort((end, off))
-    o, e = off[s], end[s]
-    run = np.maximum.accumulate(e)
-    at = np.concatenate(([0], run[:-1]))
-    gaps = o - at
-    fits = gaps >= size
-    if not fits.any():
+    run = np.maximum.accumulate(end[s])
+    at = np.empty(n, dtype=np.int64)   # the end of the blocks below each block
+    at[0] = 0
+    at[1:] = run[:-1]
+    gaps = off[s] - at
+    fits = np.flatnonzero(gaps >= size)
+    if not len(fits):
         return int(run[-1])
-    if best_fit:
-        return int(at[np.argmin(np.where(fits, gaps, np.iinfo(np.int64).max))])
-    return int(at[np.argmax(fits)])
+    if best_fit:   # the smallest gap that holds it, the lowest of a tie
+        return int(at[fits[np.argmin(gaps[fits])]])
+    return int(at[fits[0]])
 
 
 def _waits(link, ops):
