@@ -448,3 +448,56 @@ def test_shared_answers_weighed_without_a_byte_bound_keep_by_count():
         for k, w in (("a", 40), ("b", 50), ("c", 60)):
             assert kept.answer(lambda: k, lambda: w) == w
         assert list(kept._kept) == ["b", "c"] and kept.kept_bytes == 110
+
+
+# ------------------------------------------------------ the colouring's fit
+def _concatenated_fit(off, end, size, best_fit=False):
+    """``memory_plan._fit`` as it was before a648a1f (the gaps by a
+    concatenation, the fitting ones by a mask)."""
+    if not len(off):
+        return 0
+    s = np.lexsort((end, off))
+    o, e = off[s], end[s]
+    run = np.maximum.accumulate(e)
+    at = np.concatenate(([0], run[:-1]))
+    gaps = o - at
+    fits = gaps >= size
+    if not fits.any():
+        return int(run[-1])
+    if best_fit:
+        return int(at[np.argmin(np.where(fits, gaps, np.iinfo(np.int64).max))])
+    return int(at[np.argmax(fits)])
+
+
+def test_fit_is_the_fit_it_replaced():
+    """Random blocks (ties of offsets, zero sizes, nested and adjacent
+    blocks, none): the same offset, first fit and best fit."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n = int(rng.integers(0, 9))
+        off = rng.integers(0, 6, n).astype(np.int64) * 64
+        end = off + rng.integers(0, 4, n) * 64
+        size = int(rng.integers(0, 4)) * 64
+        for best_fit in (False, True):
+            assert memory_plan._fit(off, end, size, best_fit) == \
+                _concatenated_fit(off, end, size, best_fit), (off, end, size, best_fit)
+
+
+def test_hard_sets_made_once_are_each_colourings_own(digits_h5):
+    """``_hard_sets``, made once for all colourings of a plan, are the
+    ``_hard`` units and the soft pairs each colouring made for itself
+    (digits_lenet at 2 micro-batches, its control edges allowed)."""
+    from purine_mpi.tools.graph import compose_for
+    g = compose_for(_job("digits_lenet.yaml", digits_h5, ("parallel.micro_batches=2",)), 1, 0)
+    seen = []
+    with _spied_colourings(seen):
+        memory_plan.plan_memory(g, keep=memory_plan.batch_blobs(g), order_ops=True)
+    (units, n_ops, link, align), _ = max(seen, key=lambda s: len(s[0][0]))
+    pairs = memory_plan._interference(units, n_ops, link)
+    hard = memory_plan._hard_sets(pairs)
+    assert len(hard) == len(units) > 20
+    for i in range(len(units)):
+        assert np.array_equal(hard[i], memory_plan._hard(pairs, i))
+        mine = slice(pairs.ptr[i], pairs.ptr[i + 1])
+        assert np.array_equal(pairs.soft_of[i], pairs.other[mine][pairs.soft[mine]])
+    assert any(len(s) for s in pairs.soft_of)   # some pairs control edges may order

@@ -459,7 +459,7 @@ def _dynamic_order(units, pairs, align, tie, limit=None):
     names = list(pairs.index)
     n = len(names)
     size = np.array([_aligned(units[u][4], align) for u in names], dtype=np.int64)
-    hard = [_hard(pairs, i) for i in range(n)]
+    hard = _hard_sets(pairs)
     placed = np.zeros(n, dtype=bool)
     off_of = np.zeros(n, dtype=np.int64)
     end_of = np.zeros(n, dtype=np.int64)
@@ -639,6 +639,8 @@ class _Pairs:
     other: object      # unit i's are other[ptr[i]:ptr[i + 1]], and
     soft: object       # soft[...]: control edges may order them
     writers: list      # [positions of unit i's writers]: where edges go
+    hard: list = None  # [_hard(self, i)], made once for all colourings (``_hard_sets``)
+    soft_of: list = None   # [unit i's soft pairs' indices]
 
 
 def _interference(units, n_ops, link=None):
@@ -672,6 +674,7 @@ def _interference(units, n_ops, link=None):
     lo_at = np.searchsorted(last_sorted, z, "left")
     hi_at = np.searchsorted(last_sorted, first, "left")
     pi, pj, ps = array("l"), array("l"), array("b")   # each pair once
+    p2p = bool(link is not None and link["waits"])   # else _waits is 0 for any ops
     for i, w in enumerate(win):
         zi, _, _, _, before, thread = w
         if lo_at[i] >= hi_at[i]:
@@ -690,7 +693,7 @@ def _interference(units, n_ops, link=None):
                 # another rank, for a Send behind the writers: a pipeline's
                 # stage would wait for itself)
                 ps.append(thread is not None and not late & ~thread and
-                          not _waits(link, late << zi) & ~units[names[i]][1])
+                          not (p2p and _waits(link, late << zi) & ~units[names[i]][1]))
         pi.extend(repeat(i, len(pj) - found))
     mine = np.frombuffer(pi, dtype=np.int64) if pi else np.zeros(0, np.int64)
     theirs = np.frombuffer(pj, dtype=np.int64) if pj else np.zeros(0, np.int64)
@@ -727,18 +730,22 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     off_of = np.zeros(n, dtype=np.int64)
     end_of = np.zeros(n, dtype=np.int64)
     win, first, last = pairs.windows, pairs.first, pairs.last
+    hard, soft_of = _hard_sets(pairs), pairs.soft_of
     for k, unit in enumerate(order):
         i = pairs.index[unit]
         size = _aligned(units[unit][4], align)
         f = first[i]
-        busy = _hard(pairs, i)
+        busy = hard[i]
         busy = busy[where[busy] >= 0]
         offset = _fit(off_of[busy], end_of[busy], size, best_fit)
-        other = pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]]
-        other = other[pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]]
-        other = other[where[other] >= 0]
-        meet = other[(off_of[other] < offset + size) & (offset < end_of[other])]
-        for j in meet[np.argsort(where[meet], kind="stable")].tolist():
+        other = soft_of[i]
+        if len(other):
+            other = other[where[other] >= 0]
+            meet = other[(off_of[other] < offset + size) & (offset < end_of[other])]
+            meet = meet[np.argsort(where[meet], kind="stable")].tolist() if len(meet) else ()
+        else:
+            meet = ()
+        for j in meet:
             (zi, _, lo, touch, before, _), (zj, _, lj, tj, bj, _) = win[i], win[j]
             if last[j] < f:  # j before i: j's ops into i's writers
                 edges.append((_not_before(tj, lj, zi, before), zi, pairs.writers[i]))
@@ -748,6 +755,17 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
+
+
+def _hard_sets(pairs):
+    """``pairs.hard`` and ``pairs.soft_of``: each unit's ``_hard`` units and
+    the units control edges may order apart from it (index arrays), made
+    once for every colouring of the plan (the same arrays each would make)."""
+    if pairs.hard is None:
+        pairs.hard = [_hard(pairs, i) for i in range(len(pairs.index))]
+        pairs.soft_of = [pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]][
+            pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]] for i in range(len(pairs.index))]
+    return pairs.hard
 
 
 def _hard(pairs, i):
@@ -772,19 +790,21 @@ def _fit(off, end, size, best_fit=False):
     """The offset a unit of ``size`` bytes takes beside blocks [off, end)
     (arrays): the lowest gap that holds it, or with ``best_fit`` the
     smallest (the lowest of those), else the end of the highest block."""
-    if not len(off):
+    n = len(off)
+    if not n:
         return 0
     s = np.lexsort((end, off))
-    o, e = off[s], end[s]
-    run = np.maximum.accumulate(e)
-    at = np.concatenate(([0], run[:-1]))
-    gaps = o - at
-    fits = gaps >= size
-    if not fits.any():
+    run = np.maximum.accumulate(end[s])
+    at = np.empty(n, dtype=np.int64)   # the end of the blocks below each block
+    at[0] = 0
+    at[1:] = run[:-1]
+    gaps = off[s] - at
+    fits = np.flatnonzero(gaps >= size)
+    if not len(fits):
         return int(run[-1])
-    if best_fit:
-        return int(at[np.argmin(np.where(fits, gaps, np.iinfo(np.int64).max))])
-    return int(at[np.argmax(fits)])
+    if best_fit:   # the smallest gap that holds it, the lowest of a tie
+        return int(at[fits[np.argmin(gaps[fits])]])
+    return int(at[fits[0]])
 
 
 def _waits(link, ops):
