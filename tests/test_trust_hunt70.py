@@ -1,0 +1,79 @@
+"""Session 70's trust hunt: what a user of the CLI met, each test failing
+on the code before its fix (the assertion named in each docstring)."""
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, run_cli_args, run_cli_here
+
+JOBS = os.path.join(REPO, "jobs")
+
+
+def test_resume_of_a_checkpoint_without_run_id_is_refused_from_its_metadata(tmp_path,
+                                                                            monkeypatch):
+    """``train --out R --resume OTHER.h5`` (a checkpoint with no ``run_id``:
+    written by an older purine_mpi or another tool) into a folder holding a
+    run: refused ("holds another run") from the file's metadata alone.
+    Before, the refusal first read the whole file (``load_checkpoint``: every
+    array, GBs for a large model) to say what was wrong with it, then refused
+    all the same (this test's ``_read_section`` guard raised)."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job import checkpoint_file
+    from purine_mpi.job.checkpoint_file import save_checkpoint
+    from purine_mpi.job.rundir import choose_run_dir
+    from purine_mpi.job.run_checkpoints import save_run_checkpoint
+    run = tmp_path / "run"
+    save_run_checkpoint(str(run), 5, keep=2, params={"w": np.ones(3, np.float32)},
+                        run_id="mine")
+    other = tmp_path / "other.h5"
+    save_checkpoint(str(other), {"w": np.ones(3, np.float32)}, iteration=7)
+    before = sorted(os.listdir(run))
+
+    def no_array_read(*args, **kw):
+        raise AssertionError("an array of the checkpoint was read")
+    monkeypatch.setattr(checkpoint_file, "_read_section", no_array_read)
+    with pytest.raises(UserError) as got:
+        choose_run_dir("j", out=str(run), resume=str(other))
+    assert "holds another run" in str(got.value) and "run unknown" in str(got.value), got.value
+    assert sorted(os.listdir(run)) == before
+    bad = tmp_path / "foreign.h5"  # what is wrong with a foreign file: still said
+    import h5py
+    with h5py.File(bad, "w") as f:
+        f.attrs["format"] = "other"
+    with pytest.raises(UserError) as got:
+        choose_run_dir("j", out=str(run), resume=str(bad))
+    assert "is not a purine_mpi checkpoint" in str(got.value), got.value
+
+
+@pytest.mark.parametrize("command", [
+    ("plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "2", "--choose",
+     "--calibration"),
+    ("predict", "--calibrate")], ids=["plan-choose-calibration", "predict-calibrate"])
+def test_a_folder_that_cannot_be_made_names_the_option_given(command, tmp_path):
+    """``plan --choose --calibration FILE/x.json`` or ``predict --calibrate
+    FILE/x.json`` (a file where the folder would be): the one line tells to
+    give another of the option the path came from. Before, ``make_folder``
+    said "give another --out" whatever the option (this test's endswith),
+    and these commands have no --out for that file."""
+    (tmp_path / "file").write_text("x")
+    run = run_cli_here if command[0] == "plan" else run_cli_args  # predict starts MPI
+    res = run(*command, str(tmp_path / "file" / "x.json"))
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {tmp_path / 'file'}: cannot make this folder"), line
+    assert line.endswith(f"give another {command[-1]}"), line
+
+
+def test_write_helpers_name_the_option_given(tmp_path):
+    """``check_writable``/``make_parent`` with an option: each of their lines
+    (a file in the way, a name too long) names it."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.base.runfiles import check_writable, make_parent
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError) as got:
+        make_parent(str(tmp_path / "file" / "x.json"), "--calibration")
+    assert str(got.value).endswith("give another --calibration"), got.value
+    with pytest.raises(UserError) as got:
+        check_writable(str(tmp_path / ("n" * 300 + ".json")), "--calibrate")
+    assert str(got.value).endswith("give a shorter --calibrate"), got.value
