@@ -299,7 +299,7 @@ def cmd_predict(args):
     if form == "scaling":
         return run_scaling(args)
     if form == "calibrate":  # LINK.json writable: exit 2 before the measurements, not after
-        _check_written_by_rank0(args.calibrate)
+        _check_written_by_rank0(args.calibrate, "--calibrate")
         return run_calibrate(args)
     from .job.checkpoint_file import load_params
     from .tools.predict import predict_split
@@ -317,7 +317,7 @@ def cmd_predict(args):
     return 0
 
 
-def _check_written_by_rank0(out):
+def _check_written_by_rank0(out, option="--out"):
     """predict's --out (or --calibrate's LINK.json), which rank 0 alone
     writes: checked up front, before
     any evaluation, on rank 0, whose verdict every rank takes (one line by
@@ -326,7 +326,8 @@ def _check_written_by_rank0(out):
     from .base.runfiles import check_writable
     from .comm.world import rank0_decides
     from .train.collectives import get_world
-    rank0_decides(get_world(), lambda: check_writable(out), "predict's check of --out")
+    rank0_decides(get_world(), lambda: check_writable(out, option),
+                  f"predict's check of {option}")
 
 
 def cmd_generate(args):
