@@ -77,3 +77,44 @@ def test_write_helpers_name_the_option_given(tmp_path):
     with pytest.raises(UserError) as got:
         check_writable(str(tmp_path / ("n" * 300 + ".json")), "--calibrate")
     assert str(got.value).endswith("give a shorter --calibrate"), got.value
+
+
+@pytest.mark.parametrize("entry", ["1", "-1"])
+def test_a_set_of_one_entry_of_a_list_is_blamed_on_its_set(entry, digits_h5):
+    """``--set net.9.bottom.1=nosuch`` (an entry of a list the file has): the
+    refusal of that list (``net[9].bottom``, judged whole when the graph is
+    built) names the ``--set``. Before, the key written (``net.9.bottom.1``)
+    was not found to be inside the key refused, and the line named the
+    file's line of the layer (``error: ...digits_lenet.yaml:21: key
+    'net[9].bottom': ... 'nosuch' ...``: this test's startswith)."""
+    res = run_cli_here("plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "1",
+                       "--set", f"data.train.path={digits_h5}", "--set",
+                       f"data.test.path={digits_h5}", "--set", f"net.9.bottom.{entry}=nosuch")
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: --set net.9.bottom.{entry}=nosuch: key 'net[9].bottom'"), \
+        line
+    assert "'nosuch'" in line
+
+
+def test_a_set_entry_of_a_checked_list_is_blamed_on_the_file_only_where_it_is_at_fault():
+    """Where the config is checked before the graph (``solver.stepvalues``,
+    an increasing list): ``--set solver.stepvalues.2=100`` under the file's
+    [300, 600, 800] names the --set (before: the file, this test's first
+    startswith); under the file's own [600, 300, 800] the file stays named,
+    as the config without the --set is refused on the same key."""
+    import yaml
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job.config import resolve_config
+    with open(os.path.join(JOBS, "digits_lenet.yaml"), encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    raw["solver"].update(lr_policy="multistep", stepvalues=[300, 600, 800])
+    with pytest.raises(UserError) as got:
+        resolve_config(raw, "f.yaml", ["solver.stepvalues.2=100"], check_files=False)
+    assert str(got.value).startswith("--set solver.stepvalues.2=100: key 'solver.stepvalues'"), \
+        got.value
+    raw["solver"]["stepvalues"] = [600, 300, 800]
+    with pytest.raises(UserError) as got:
+        resolve_config(raw, "f.yaml", ["solver.stepvalues.2=850"], check_files=False)
+    assert str(got.value).startswith("f.yaml: key 'solver.stepvalues'"), got.value
