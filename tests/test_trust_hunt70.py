@@ -118,3 +118,18 @@ def test_a_set_entry_of_a_checked_list_is_blamed_on_the_file_only_where_it_is_at
     with pytest.raises(UserError) as got:
         resolve_config(raw, "f.yaml", ["solver.stepvalues.2=850"], check_files=False)
     assert str(got.value).startswith("f.yaml: key 'solver.stepvalues'"), got.value
+
+
+def test_scheme_auto_given_to_plan_names_the_set_or_the_line(digits_h5):
+    """``plan --np 2 --set parallel.scheme=auto`` (a command that needs the
+    scheme itself): the refusal names the ``--set`` that wrote ``auto``.
+    Before, a plain UserError naming the file (``jobs/digits_lenet.yaml:
+    key 'parallel.scheme': auto is chosen ...``), which holds ``data``, and
+    without the line where the file gives it (this test's startswith)."""
+    res = run_cli_here("plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "2",
+                       "--set", f"data.train.path={digits_h5}", "--set",
+                       f"data.test.path={digits_h5}", "--set", "parallel.scheme=auto")
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --set parallel.scheme=auto: key 'parallel.scheme': auto is "
+                           "chosen by train at start-up"), line
