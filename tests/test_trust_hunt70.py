@@ -161,3 +161,61 @@ def test_data_text_from_a_device_says_it_is_no_file():
     assert res.stderr.strip().splitlines()[-1] == (
         "error: data text: --from /dev/null is not a regular file (expected a UTF-8 text file "
         "or a folder of them)"), res.stderr
+
+
+def test_plan_choose_never_writes_its_calibration_over_another_file(tmp_path, digits_h5):
+    """``plan --choose --calibration FILE`` where FILE is the user's (a
+    config, a data file, JSON of another program): one line, exit 2, the
+    file as it was. Before, the calibration ran and its JSON was renamed
+    over the file (the config replaced: this test's file comparison), as
+    over a stale cache. A calibration of ours (another job's) is still
+    replaced: that is the cache."""
+    config = tmp_path / "job.yaml"
+    config.write_text(open(os.path.join(JOBS, "digits_lenet.yaml"), encoding="utf-8").read())
+    before = config.read_bytes()
+    res = run_cli_here("plan", str(config), "--np", "2", "--set",
+                       f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}",
+                       "--choose", "--calibration", str(config))
+    assert config.read_bytes() == before, "the config was replaced"
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: --calibration {config} exists and is not a JSON object: writing the "
+        "calibration there would replace it; give another --calibration, or remove the file "
+        "first"), res.stderr
+
+
+def test_refuse_other_json_tells_ours_from_the_rest(tmp_path):
+    """``refuse_other_json``: a missing or empty file and one of ours pass;
+    JSON of another kind, text that is not JSON and binary data are refused
+    with what they hold."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job.outputs import refuse_other_json
+
+    def ours(d):
+        return isinstance(d, dict) and d.get("format") == "purine_mpi.link"
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "link.json").write_text('{"format": "purine_mpi.link"}')
+    for name in ("missing.json", "empty.json", "link.json"):
+        refuse_other_json(str(tmp_path / name), "--calibrate", "the link model", ours)
+    (tmp_path / "other.json").write_text('{"format": "x"}')
+    (tmp_path / "broken.json").write_text('{"format": ')
+    (tmp_path / "data.bin").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    for name, held in (("other.json", "holds JSON of another kind"),
+                       ("broken.json", "is not JSON"), ("data.bin", "is not a JSON object")):
+        with pytest.raises(UserError) as got:
+            refuse_other_json(str(tmp_path / name), "--calibrate", "the link model", ours)
+        assert f"--calibrate {tmp_path / name} exists and {held}" in str(got.value)
+
+
+def test_predict_calibrate_never_writes_its_link_over_another_file(tmp_path):
+    """``predict --calibrate job.yaml`` (a file of the user's given where the
+    link model goes): one line, exit 2, before any measurement. Before, the
+    link model was renamed over the config after the measurements."""
+    config = tmp_path / "job.yaml"
+    config.write_text("name: x\n")
+    res = run_cli_args("predict", "--calibrate", str(config))
+    assert config.read_text() == "name: x\n"
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: --calibrate {config} exists and is not a JSON object: writing the link model "
+        "there would replace it; give another --calibrate, or remove the file first"), res.stderr
