@@ -385,6 +385,7 @@ def cmd_plan(args):
                         "--resume and --init (plan JOB --np N --resume shows a setting's "
                         "start-up load)")
     job = _load(args, check_files=False)
+    _memory_limits(args)  # a size that does not parse: its one line, before a note about it
     for note in _cpu_device_memory_note(args, job):
         print(note, file=sys.stderr)
     if choose:

@@ -219,3 +219,16 @@ def test_predict_calibrate_never_writes_its_link_over_another_file(tmp_path):
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: --calibrate {config} exists and is not a JSON object: writing the link model "
         "there would replace it; give another --calibrate, or remove the file first"), res.stderr
+
+
+def test_a_device_memory_that_does_not_parse_is_its_one_line():
+    """``plan --device-memory 10XB`` of a CPU job: the refusal of the size
+    alone. Before, a note first said "--device-memory 10XB checks nothing:
+    the job runs on the CPU" of a value then refused (this test's count of
+    lines)."""
+    res = run_cli_here("plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "2",
+                       "--device-memory", "10XB")
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: --device-memory 10XB: expected a size"), lines
