@@ -234,12 +234,13 @@ def test_a_device_memory_that_does_not_parse_is_its_one_line():
         "error: --device-memory 10XB: expected a size"), lines
 
 
-def test_inspect_diff_of_equal_values_in_two_dtypes_says_they_differ(tmp_path):
+def test_inspect_diff_of_equal_values_in_two_dtypes_names_the_dtypes(tmp_path):
     """``inspect A.h5 --diff B.h5`` where one dataset holds the same values
     as float32 in A and float64 in B (another model's export, a converted
-    file): ``differs``, its two dtypes named. Before: ``equal``, 0 and 0,
-    no word of the dtypes (this test's status), of files a resume tells
-    apart (a dtype mismatch is refused)."""
+    file): equal in value (as test_trust_rinsp68 has int64 against uint64),
+    its two dtypes named. Before: ``equal``, 0 and 0, no word of the dtypes
+    (this test's ``dtypes``), of files a resume tells apart (a dtype
+    mismatch is refused)."""
     import json
 
     from purine_mpi.job.checkpoint_file import save_checkpoint
@@ -249,7 +250,7 @@ def test_inspect_diff_of_equal_values_in_two_dtypes_says_they_differ(tmp_path):
                        "--json")
     assert res.returncode == 0, res.stderr
     row = next(r for r in json.loads(res.stdout)["diff"]["datasets"] if r["name"] == "/params/w")
-    assert row["status"] == "differs" and row["equal"] is False, row
+    assert row["status"] == "equal" and row["equal"] is True, row
     assert row["dtypes"] == ["float32", "float64"] and row["max_abs_diff"] == 0.0, row
     text = run_cli_here("inspect", str(tmp_path / "a.h5"), "--diff", str(tmp_path / "b.h5"))
     assert "(dtypes differ: float32 vs float64)" in text.stdout, text.stdout

@@ -609,7 +609,7 @@ def _diff_rows(path, other, a_sets, b_sets):
             rows.append(row)
             continue
         numeric = all(_numeric(d) and _kind(d) != "json" for d in (a, b))
-        if numeric and a.dtype != b.dtype:  # equal values of another type: not the same data
+        if numeric and a.dtype != b.dtype:  # equal values may be of two types: said
             row["dtypes"] = [str(a.dtype), str(b.dtype)]
         if numeric and a.shape != b.shape:
             row["shapes"] = [list(a.shape), list(b.shape)]
@@ -640,9 +640,7 @@ def _status(row):
     infinities in the same places): a reader testing ``not row["equal"]``
     would take null for a difference, ``status`` says which."""
     if "max_abs_diff" in row:
-        # a NaN on one side only: nan, differs; float32 against float64 of the
-        # same values differs too (a resume refuses it, a reader gets another type)
-        row["equal"] = row["max_abs_diff"] == 0.0 and "dtypes" not in row
+        row["equal"] = row["max_abs_diff"] == 0.0  # a NaN on one side only: nan, differs
     elif "shapes" in row:
         row["equal"] = False
     row["status"] = ("not_compared" if row["equal"] is None else
