@@ -254,3 +254,22 @@ def test_inspect_diff_of_equal_values_in_two_dtypes_names_the_dtypes(tmp_path):
     assert row["dtypes"] == ["float32", "float64"] and row["max_abs_diff"] == 0.0, row
     text = run_cli_here("inspect", str(tmp_path / "a.h5"), "--diff", str(tmp_path / "b.h5"))
     assert "(dtypes differ: float32 vs float64)" in text.stdout, text.stdout
+
+
+def test_a_scheme_refused_at_build_names_the_set_that_gave_its_key():
+    """``plan --np 3 --set parallel.scheme=tensor --set
+    parallel.tensor_parallel=2`` (3 ranks, not a multiple of 2): the refusal
+    names the ``--set`` that wrote ``parallel.tensor_parallel``. Before, a
+    UserError formatted by hand as ``{job.path}: key '...'`` named the file
+    (``jobs/digits_lenet.yaml: key 'parallel.tensor_parallel'``), which
+    holds no such key, and without a line where the file has one (this
+    test's startswith); the same for the other refusals of a key written so
+    (pipeline stages, parameter-server modes, one_sided transport, export
+    onnx, generate, predict --split, device)."""
+    res = run_cli_here("plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "3", "--set",
+                       "parallel.scheme=tensor", "--set", "parallel.tensor_parallel=2")
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --set parallel.tensor_parallel=2: key "
+                           "'parallel.tensor_parallel': scheme tensor runs replicas x 2 ranks"), \
+        line
