@@ -88,7 +88,7 @@ def text_spec(job):
         spec = job.data.get(phase)
         if spec is not None:
             if spec.source != "text":
-                raise ConfigError(job.path, "data.{phase}.source", f"generate needs a "
+                raise ConfigError(job.path, f"data.{phase}.source", f"generate needs a "
                                   f"language model trained on source text, got {spec.source}")
             return spec
     raise ConfigError(job.path, "data", f"generate needs a data.train or data.test spec "

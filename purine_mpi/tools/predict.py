@@ -60,7 +60,7 @@ def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
     from ..train.trainer import Trainer
     spec = job.data.get(split)
     if spec is None:
-        raise ConfigError(job.path, "data.{split}", f"predict --split {split} "
+        raise ConfigError(job.path, f"data.{split}", f"predict --split {split} "
                           "needs that data")
     order = job.data.order + (() if "test" in job.data.order else ("test",))
     job = job.replace(data=dataclasses.replace(
