@@ -299,7 +299,9 @@ def cmd_predict(args):
     if form == "scaling":
         return run_scaling(args)
     if form == "calibrate":  # LINK.json writable: exit 2 before the measurements, not after
-        _check_written_by_rank0(args.calibrate)
+        from .tools.scaling.link import FORMAT as LINK_FORMAT
+        _check_written_by_rank0(args.calibrate, "--calibrate", lambda d: isinstance(d, dict)
+                                and d.get("format") == LINK_FORMAT)
         return run_calibrate(args)
     from .job.checkpoint_file import load_params
     from .tools.predict import predict_split
@@ -317,16 +319,23 @@ def cmd_predict(args):
     return 0
 
 
-def _check_written_by_rank0(out):
-    """predict's --out (or --calibrate's LINK.json), which rank 0 alone
-    writes: checked up front, before
+def _check_written_by_rank0(out, option="--out", link=None):
+    """predict's --out (or --calibrate's LINK.json: ``link``, the test of
+    a link file's JSON, and an existing file of another kind refused,
+    ``refuse_other_json``), which rank 0 alone writes: checked up front, before
     any evaluation, on rank 0, whose verdict every rank takes (one line by
     rank 0 and exit 2 on every rank, not rank 0's own ``error: rank 0: ...``
     and an abort after the whole pass)."""
     from .base.runfiles import check_writable
     from .comm.world import rank0_decides
     from .train.collectives import get_world
-    rank0_decides(get_world(), lambda: check_writable(out), "predict's check of --out")
+    from .job.outputs import refuse_other_json
+
+    def check():
+        if link is not None:
+            refuse_other_json(out, option, "the link model", link)
+        check_writable(out, option)
+    rank0_decides(get_world(), check, f"predict's check of {option}")
 
 
 def cmd_generate(args):
@@ -376,6 +385,7 @@ def cmd_plan(args):
                         "--resume and --init (plan JOB --np N --resume shows a setting's "
                         "start-up load)")
     job = _load(args, check_files=False)
+    _memory_limits(args)  # a size that does not parse: its one line, before a note about it
     for note in _cpu_device_memory_note(args, job):
         print(note, file=sys.stderr)
     if choose:
@@ -409,6 +419,9 @@ def _plan_choose(args, job):
               f"measurements as predict --ranks-per-node {k} corrects it", file=sys.stderr,
               flush=True)
     calibration = args.calibration or default_calibration(job)
+    from .job.outputs import refuse_other_json  # a cache: never over a file of another kind
+    refuse_other_json(calibration, "--calibration", "the calibration",
+                      lambda d: isinstance(d, dict) and "key" in d and "per_rank" in d)
     choice = choose(args.config, _seeded(args), args.np, limits, link, calibration,
                     log=lambda line: print(line, file=sys.stderr, flush=True),
                     every_count=args.choose_all)

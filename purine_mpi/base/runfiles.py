@@ -134,7 +134,7 @@ def disk_error(path, exc):
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR)
 
 
-def cannot_write(path, tmp, exc):
+def cannot_write(path, tmp, exc, option="--out"):
     """The ``UserError`` for an ``OSError`` ``exc`` of creating ``tmp`` (the
     temporary name a write of ``path`` goes through) where files cannot be
     made: one line naming ``path``; None for any other error (one of
@@ -143,13 +143,13 @@ def cannot_write(path, tmp, exc):
     mine = getattr(exc, "filename", None) == tmp or str(tmp) in str(exc)
     if code in _REFUSED and mine:
         return UserError(f"{path}: cannot be written there ({os.strerror(code)}); give "
-                         "another --out")
+                         f"another {option}")
     if code == errno.ENAMETOOLONG and mine:
-        return name_too_long(path, tmp)
+        return name_too_long(path, tmp, option)
     return None
 
 
-def name_too_long(path, tmp=None):
+def name_too_long(path, tmp=None, option="--out"):
     """The ``UserError`` for a ``path`` too long for the file system
     (ENAMETOOLONG): its name, or (``tmp``) the temporary name
     ``PATH.tmp.<pid>`` its write goes through, which a name near the limit
@@ -171,7 +171,7 @@ def name_too_long(path, tmp=None):
                f"{len(os.fsencode(str(path)))})")
     else:
         why = os.strerror(errno.ENAMETOOLONG)
-    return UserError(f"{path}: the name is too long: {why}; give a shorter --out")
+    return UserError(f"{path}: the name is too long: {why}; give a shorter {option}")
 
 
 def _pathconf(folder, name, default):
@@ -212,32 +212,35 @@ def missing_folders(path):
     return ([target] if target in missing else []) + rest
 
 
-def make_folder(path):
-    """``os.makedirs(path, exist_ok=True)`` for an output the user named;
-    a folder that cannot be made there is one line naming it (exit 2)."""
+def make_folder(path, option="--out"):
+    """``os.makedirs(path, exist_ok=True)`` for an output the user named
+    with ``option`` (the option the line tells to give again: ``--out``,
+    ``--calibration``, ``--calibrate``); a folder that cannot be made there
+    is one line naming it (exit 2)."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         if exc.errno == errno.ENAMETOOLONG:
-            raise name_too_long(path) from None
+            raise name_too_long(path, option=option) from None
         code = exc.errno if exc.errno in _REFUSED + (errno.EEXIST,) else None
         if code is None:
             raise
         why = "a file is there" if code == errno.EEXIST else os.strerror(code)
-        raise UserError(f"{path}: cannot make this folder ({why}); give another --out") \
+        raise UserError(f"{path}: cannot make this folder ({why}); give another {option}") \
             from None
 
 
-def make_parent(path):
+def make_parent(path, option="--out"):
     """``make_folder`` of the folder that holds the file ``path`` (as the
-    system finds it, ``folder_of``): what every writer of an output file
-    calls before its write; returns that folder."""
+    system finds it, ``folder_of``; ``option``: the option that named it):
+    what every writer of an output file calls before its write; returns
+    that folder."""
     folder = folder_of(path)
-    make_folder(folder)
+    make_folder(folder, option)
     return folder
 
 
-def check_writable(path):
+def check_writable(path, option="--out"):
     """Before a command's work: ``path`` (a file the user named with --out)
     can be written, found as its write would find it (its folder made, a
     file of its own made there and removed): the same one line as that
@@ -256,7 +259,7 @@ def check_writable(path):
     tmp = temp_name(path)
     ours = False  # from the open on: a file under that name is this check's
     try:
-        make_folder(folder)
+        make_folder(folder, option)
         if os.path.lexists(tmp):
             os.remove(tmp)  # never written through a link left under that name
         ours = True
@@ -265,7 +268,7 @@ def check_writable(path):
                 pass
         except OSError as exc:
             ours = False
-            raise disk_error(path, exc) or cannot_write(path, tmp, exc) or exc
+            raise disk_error(path, exc) or cannot_write(path, tmp, exc, option) or exc
     finally:
         if ours and os.path.lexists(tmp):
             os.remove(tmp)

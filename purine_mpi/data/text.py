@@ -108,8 +108,9 @@ def text_files(src, glob=None):
             raise UserError(f"data text: --glob {glob} applies to a folder, but --from {src} "
                             "is a file")
         return [(os.path.basename(src), src)]
-    if not os.path.isdir(src):
-        raise UserError(f"data text: --from {src} not found (expected a UTF-8 text file or a "
+    if not os.path.isdir(src):  # a pipe, a device (/dev/null): there, but no file to read
+        what = "is not a regular file" if os.path.exists(src) else "not found"
+        raise UserError(f"data text: --from {src} {what} (expected a UTF-8 text file or a "
                         "folder of them)")
     pattern = glob or "*"
     found = []

@@ -35,7 +35,7 @@ import json
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import ConfigError, UserError
 from ..base.runfiles import make_parent, write_replacing
 from .onnx_gpt import EMITTERS as GPT_EMITTERS, GPT_OPS, OPSET_GPT
 
@@ -55,13 +55,13 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
     from ..job.replica import forward_graph, trained_values
     if job.graph is not None:  # forward_graph builds the net: list only
-        raise UserError(f"{job.path}: key 'graph': export onnx writes the test phase of a "
-                        "net: list (docs/config.md); a graph config has none, and its ops "
-                        "would not be in the model")
+        raise ConfigError(job.path, "graph", f"export onnx writes the test phase of a "
+                          "net: list (docs/config.md); a graph config has none, and its ops "
+                          "would not be in the model")
     if job.data.test is None:
-        raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
-                        "phase: the config needs a data.test section (its sample shape is the "
-                        "model's input shape)")
+        raise ConfigError(job.path, "data.test", f"export onnx writes the test "
+                          "phase: the config needs a data.test section (its sample shape is the "
+                          "model's input shape)")
     graph = forward_graph(job, "test", job.data.test)
     values = trained_values(graph, job, weights_path)
     # a model of NaN weights computes nothing: exit 3, as export hf, test,

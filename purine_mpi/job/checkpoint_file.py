@@ -367,21 +367,39 @@ def _run_lock_holder(path):
     return f"the run: {text}"
 
 
+def _check_header(f, path):
+    """The root attributes and layout of the open checkpoint ``f`` checked
+    (format, version, ``check_attrs``, ``check_layout``): no array is read.
+    Returns (attrs, the digest /state is verified against)."""
+    attrs = read_attrs(f)
+    if attrs.get("format") != FORMAT:
+        raise UserError(f"'{path}' is not a purine_mpi checkpoint: its root attribute "
+                        f"'format' is {attrs.get('format')!r}, expected {FORMAT!r}")
+    version = attrs.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise UserError(f"checkpoint '{path}' has format version {version!r}; this "
+                        f"purine_mpi reads version {VERSION} and older")
+    check_attrs(attrs, path)
+    return attrs, check_layout(f, path, CHECKSUM)  # /params, /state and its digest
+
+
+@names_the_file("checkpoint")
+def checkpoint_header(path):
+    """A checkpoint's root attributes, after the checks ``load_checkpoint``
+    makes of its metadata (missing, not HDF5, foreign, of a later version,
+    attributes out of range, groups missing): the same UserErrors, with no
+    array read, so a refusal that needs only these costs no read of a file
+    of gigabytes."""
+    with open_h5(path) as f:
+        return _check_header(f, path)[0]
+
+
 @names_the_file("checkpoint")
 def load_checkpoint(path):
     """Read a whole checkpoint. Raises UserError (naming the file and what is
     wrong) for a missing, non-HDF5, truncated, damaged, edited or foreign file."""
     with open_h5(path) as f:
-        attrs = read_attrs(f)
-        if attrs.get("format") != FORMAT:
-            raise UserError(f"'{path}' is not a purine_mpi checkpoint: its root attribute "
-                            f"'format' is {attrs.get('format')!r}, expected {FORMAT!r}")
-        version = attrs.get("version")
-        if not isinstance(version, int) or version > VERSION:
-            raise UserError(f"checkpoint '{path}' has format version {version!r}; this "
-                            f"purine_mpi reads version {VERSION} and older")
-        check_attrs(attrs, path)
-        expected = check_layout(f, path, CHECKSUM)  # /params, /state and its digest
+        attrs, expected = _check_header(f, path)
         sections = {}  # /params and /solver were written with Fletcher-32 checksums
         for section in ("params", "solver", "state"):
             sections[section] = _read_section(f, section, path, section != "state") \

@@ -302,6 +302,10 @@ def _blamed_override(exc, overrides, raw, without=None):
     (the file's ``min_lr: 0.5`` above its ``base_lr: 0.05``, under ``--set
     solver.base_lr=0.1``: the file's pair was refused before the --set)."""
     source = _override_at(exc.key, overrides, raw)
+    if source is not None and without is not None and _in_list_at(exc.key, source, raw):
+        again = without([text for text in overrides if text != source])
+        if again is not None and again.key == exc.key:
+            return None  # the file's own entries of that list are refused without it
     if source is not None or not getattr(exc, "also", ()):
         return source
     found = {_override_at(key, overrides, raw) for key in exc.also} - {None}
@@ -329,7 +333,32 @@ def _override_at(key, overrides, raw):
             return text
         if set_parts[:len(parts)] == parts and not _has_path(raw, parts):
             return text  # a mapping --set made for its key (a mistyped section)
+        if _in_list_at(key, text, raw):
+            return text  # an entry of the file's list judged whole (net.9.bottom.1)
     return None
+
+
+def _in_list_at(key, text, raw):
+    """Whether the ``--set`` ``text`` replaced an entry of the list of
+    plain values the file holds at the config key ``key`` (``--set
+    net.9.bottom.1=x`` and an error on ``net[9].bottom``, a list judged
+    whole): a check of that list reads the value the --set gave. Before, the
+    refusal named the file's line of the list, which holds the entry the
+    --set replaced. Not a list of mappings (``net``: a --set of one layer's
+    key is not what a rule of the whole net, a missing loss, is about)."""
+    parts = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")
+    set_parts = _set_key_parts(text, raw)
+    if len(set_parts) != len(parts) + 1 or set_parts[:len(parts)] != parts:
+        return False
+    node = raw
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return isinstance(node, list) and not any(isinstance(v, (dict, list)) for v in node)
 
 
 def _set_key_parts(text, raw):

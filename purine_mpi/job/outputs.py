@@ -8,8 +8,12 @@ writes one file. ``refuse_other_kind`` (``predict`` and ``data``, which
 write HDF5 by a rename over ``--out``) refuses an existing ``--out`` that
 holds something else than what the command writes (a data file for
 ``predict``, predictions for ``data``, a file that is not HDF5 or an HDF5
-file of another program), unless ``--force``.
+file of another program), unless ``--force``. ``refuse_other_json`` is
+its counterpart for the JSON files of ``plan --choose --calibration`` and
+``predict --calibrate``, caches a later run replaces whole: never a file
+that is not one (a config, a data file given by mistake).
 """
+import json
 import os
 
 from ..base.errors import UserError
@@ -151,3 +155,38 @@ def refuse_other_kind(out, kind, what, force=False, option="--out"):
         "holds " + KIND_WORDS[have] + (f" ({detail})" if detail else "")
     raise UserError(f"{option} {out} exists and {held}: writing {what} there would "
                     f"replace it; give another {option}, or --force to replace it")
+
+
+def refuse_other_json(path, option, what, ours):
+    """A UserError (exit 2) when the existing file ``path`` (given with
+    ``option``) is not one ``ours`` (a test of its parsed JSON object)
+    accepts: writing ``what`` there, by a rename over the name, would
+    replace a file of the user's (``plan --choose --calibration job.yaml``
+    replaced the config with the calibration). A missing or empty file may
+    be written; a file of ours (another job's calibration, an older format)
+    is replaced, as the cache it is. A file that does not start as a JSON
+    object is told from its first bytes, not read whole."""
+    if not path or not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    try:
+        with open(path, "rb") as f:
+            first = f.read(4096).lstrip()[:1]
+            f.seek(0)
+            if first == b"{" and os.path.getsize(path) <= _JSON_MAX:
+                try:
+                    if ours(json.loads(f.read().decode("utf-8"))):
+                        return
+                    held = "holds JSON of another kind"
+                except ValueError:  # not UTF-8, not JSON
+                    held = "is not JSON"
+            else:
+                held = "is not a JSON object" if first != b"{" else \
+                    f"holds over {_JSON_MAX >> 20} MiB, more than this command writes"
+    except OSError:
+        return  # unreadable: the write says why where it fails
+    raise UserError(f"{option} {path} exists and {held}: writing {what} there would replace "
+                    f"it; give another {option}, or remove the file first")
+
+
+#: the largest JSON file ``refuse_other_json`` reads to tell its kind
+_JSON_MAX = 256 << 20

@@ -52,7 +52,7 @@ import time
 from ..base import logfile
 from ..base.errors import UserError
 from ..base.runfiles import disk_error, missing_folders, open_run_file, refuse_link
-from .checkpoint_file import LATEST, load_checkpoint, load_params
+from .checkpoint_file import LATEST, checkpoint_header, load_checkpoint, load_params
 from .outputs import file_in_the_way
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
 from .rundir_force import delete_our_run
@@ -207,7 +207,8 @@ def check_resume_continues(out, resume, held=None):
     if mine and theirs and mine == theirs:
         return
     if not mine:  # a folder (the run's own), a data file, a damaged file: what it is, said
-        load_checkpoint(resume)  # as into another --out, not "another run (run unknown)"
+        checkpoint_header(resume)  # as into another --out, not "another run (run unknown)";
+        # its metadata alone: the refusal below needs no read of its (maybe GBs of) arrays
     what = (f"run {theirs[:12]}" if theirs else "a run whose checkpoints name no run_id")
     raise UserError(f"--out {out} holds another run ({what}; {', '.join(held[:4])}"
                     f"{', ...' if len(held) > 4 else ''}) than --resume {resume} (run "

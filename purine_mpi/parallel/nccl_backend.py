@@ -13,7 +13,7 @@ requires. A collective over a group (``attrs['group']``) stays on MPI.
 
 Layer: parallel (imports: comm).
 """
-from ..base.errors import GraphError, UserError
+from ..base.errors import ConfigError, GraphError
 from ..comm.nccl import NCCL_STREAM, choose_backend
 from ..comm.ops import bucket_reductions
 from .schemes import SCHEMES, scheme_of
@@ -35,8 +35,8 @@ def apply_backend(graph, job, world, device):
                f"{' and '.join(served)}, mode sync; this job runs scheme "
                f"{par.scheme}, mode {par.mode}")
         if requested == "nccl":
-            raise UserError(f"{job.path}: key 'parallel.backend': nccl cannot run here: {why}; "
-                            "use mpi or auto")
+            raise ConfigError(job.path, "parallel.backend", f"nccl cannot run here: {why}; "
+                              "use mpi or auto")
         backend, why = "mpi", f"auto: {why}"
     else:
         backend, why = choose_backend(requested, world, device)
@@ -44,9 +44,9 @@ def apply_backend(graph, job, world, device):
             and bucket_reductions(graph):
         # backend auto's choice (a scheme NCCL does not reduce: hybrid,
         # tensor), or --device past the config rules
-        raise UserError(f"{job.path}: key 'parallel.grad_dtype': {par.grad_dtype} on GPU "
-                        f"{device} reduces the buckets through NCCL, and this job's go through "
-                        f"{backend} ({why}); use parallel.backend: nccl or grad_dtype: fp32")
+        raise ConfigError(job.path, "parallel.grad_dtype", f"{par.grad_dtype} on GPU "
+                          f"{device} reduces the buckets through NCCL, and this job's go through "
+                          f"{backend} ({why}); use parallel.backend: nccl or grad_dtype: fp32")
     if backend == "nccl":
         use_nccl(graph)
     return backend, why

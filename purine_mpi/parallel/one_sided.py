@@ -38,7 +38,7 @@ its transport and why.
 """
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import ConfigError
 from ..comm.windows import (WindowLayout, allocate_or_fall_back, fake_host_of, node_groups,
                             pair_transport, rma_across_hosts)
 from .placement import asks_for_gpu
@@ -48,9 +48,9 @@ def refuse_on_gpu(job, what):
     """``parallel.transport: one_sided`` where ``what`` runs on GPUs: a
     user error naming both keys (windows of GPU memory are not built)."""
     where = f"device: {job.device}" if job.device >= 0 else "backend: cupy"
-    raise UserError(f"{job.path}: key 'parallel.transport': one_sided needs {what} on the "
-                    f"CPU, but key '{where.split(':')[0]}' puts them on a GPU ({where}; windows "
-                    "of GPU memory are not built yet); use auto or two_sided")
+    raise ConfigError(job.path, "parallel.transport", f"one_sided needs {what} on the "
+                      f"CPU, but key '{where.split(':')[0]}' puts them on a GPU ({where}; windows "
+                      "of GPU memory are not built yet); use auto or two_sided")
 
 
 def _live(world):

@@ -177,9 +177,9 @@ def select_device(job, rank_on_node=None):
         return -1
     from ..base.backend import cupy_available
     if not cupy_available():
-        raise UserError(f"{path}: key 'device': device {device} asks for a GPU, but CuPy with "
-                        "a CUDA device is not available here; install purine_mpi[gpu] (a "
-                        "cupy-cudaXXx wheel matching the driver) or set device: -1")
+        raise ConfigError(path, "device", f"device {device} asks for a GPU, but CuPy with "
+                          "a CUDA device is not available here; install purine_mpi[gpu] (a "
+                          "cupy-cudaXXx wheel matching the driver) or set device: -1")
     import cupy
     count = cupy.cuda.runtime.getDeviceCount()
     rank_on_node = local_rank() if rank_on_node is None else int(rank_on_node)

@@ -146,23 +146,23 @@ def check_degree(pairs, degree, path):
     """A UserError (exit 2) naming ``parallel.tensor_parallel`` when a
     split width is not divisible by the degree, or nothing can be split."""
     if not pairs:
-        raise UserError(f"{path}: key 'parallel.tensor_parallel': scheme tensor found no "
-                        "layers to split: it splits a fully connected layer whose output "
-                        "reaches another fully connected layer (over its last axis) through "
-                        "element-wise layers only (relu, gelu, dropout), e.g. a transformer's "
-                        "MLP; use scheme: data for this net")
+        raise ConfigError(path, "parallel.tensor_parallel", f"scheme tensor found no "
+                          "layers to split: it splits a fully connected layer whose output "
+                          "reaches another fully connected layer (over its last axis) through "
+                          "element-wise layers only (relu, gelu, dropout), e.g. a transformer's "
+                          "MLP; use scheme: data for this net")
     heads = [p for p in pairs if "heads" in p and p["heads"] % degree]
     if heads:
         p = heads[0]
-        raise UserError(f"{path}: key 'parallel.tensor_parallel': attention layer "
-                        f"'{p['layer']}' has num_heads {p['heads']}, not divisible by the "
-                        f"tensor-parallel degree {degree}; choose a degree that divides it")
+        raise ConfigError(path, "parallel.tensor_parallel", f"attention layer "
+                          f"'{p['layer']}' has num_heads {p['heads']}, not divisible by the "
+                          f"tensor-parallel degree {degree}; choose a degree that divides it")
     bad = [p for p in pairs if p["width"] % degree]
     if bad:
         p = bad[0]
-        raise UserError(f"{path}: key 'parallel.tensor_parallel': layer '{p['column']}' has "
-                        f"num_output {p['width']}, not divisible by the tensor-parallel degree "
-                        f"{degree}; choose a degree that divides it")
+        raise ConfigError(path, "parallel.tensor_parallel", f"layer '{p['column']}' has "
+                          f"num_output {p['width']}, not divisible by the tensor-parallel degree "
+                          f"{degree}; choose a degree that divides it")
 
 
 def describe_splits(pairs, degree):

@@ -168,6 +168,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
         report = d.capture_report()
+        diverged = _diverged(trainer, world)
         replicas = trainer.graphs.data_size
         moved = transport_figures(d, trainer.graphs, iters, moved_before)
     finally:
@@ -263,7 +264,29 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     if world.rank == 0:
         result.update(throughput_flops(job, result, trainer.graphs.graph if on_gpu else None,
                                        places + server_places))
+    if diverged:  # after every collective of the figures: no rank (nor server) left waiting
+        from ..job.checkpoint_check import NonFiniteWeights
+        raise NonFiniteWeights(
+            f"bench: {job.name} diverged: the loss or the weights hold NaN or inf after the "
+            f"{warmup + iters} iterations ({'the config' if real_data else 'synthetic'} data, "
+            f"solver.base_lr {job.solver.base_lr:g}); no figure is reported: they would time "
+            "arithmetic on non-finite numbers, which runs at another speed than the run's "
+            "(lower solver.base_lr, or check the config with a short train run)")
     return result if world.rank == 0 else None
+
+
+def _diverged(trainer, world):
+    """Whether the loss of the last timed iteration (the host's, where it
+    holds it) or a weight or its solver state is NaN or inf on any rank of
+    ``world``: one allreduce, at the same place on every rank."""
+    from ..train.divergence import DivergenceWatch
+    bad = not DivergenceWatch.params_finite(trainer)
+    if not trainer.graphs.deferred:
+        bad = bad or not trainer.loss_now()[1]
+    if world.size > 1:
+        bad = bool(world.allreduce(np.array([int(bad)], np.int64), "max",
+                                   "bench's check of a diverged loss (allreduce)")[0])
+    return bad
 
 
 #: bench's fields of the bytes each collective type carries per iteration

@@ -250,7 +250,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
     """``calibrate``'s two traced runs, written to ``cache``."""
     from ..base.runfiles import check_writable, folder_of, make_parent  # link/.. as read
     if cache:  # a folder there, a file in the way: one line (exit 2) before the runs
-        check_writable(cache)
+        check_writable(cache, "--calibration")
     if log:
         batches = f"batch {job.train_batch}" + (f" and {small_b}" if small_b else "")
         log(f"calibration: timing the ops of {job.name} on one rank at {batches} "
@@ -264,7 +264,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
         small = _traced_run(path, overrides, small_sets,
                             os.path.join(base, f".calibration-{key}-{os.getpid()}-small"))
     if cache:
-        make_parent(cache)
+        make_parent(cache, "--calibration")
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,

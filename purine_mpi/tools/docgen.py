@@ -80,7 +80,7 @@ def main(argv=None):
         return 0
     if args.write:
         try:  # a folder that cannot be made, a file that cannot be written: one line, 2
-            make_parent(args.path)  # link/.. as the system reads it
+            make_parent(args.path, "--path")  # link/.. as the system reads it
             write_text_replacing(args.path, text)  # never half-written, never through a link
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -88,11 +88,11 @@ def text_spec(job):
         spec = job.data.get(phase)
         if spec is not None:
             if spec.source != "text":
-                raise UserError(f"{job.path}: key 'data.{phase}.source': generate needs a "
-                                f"language model trained on source text, got {spec.source}")
+                raise ConfigError(job.path, f"data.{phase}.source", f"generate needs a "
+                                  f"language model trained on source text, got {spec.source}")
             return spec
-    raise UserError(f"{job.path}: key 'data': generate needs a data.train or data.test spec "
-                    "with source text (its sequence_length is the context)")
+    raise ConfigError(job.path, "data", f"generate needs a data.train or data.test spec "
+                      "with source text (its sequence_length is the context)")
 
 
 class Generator:

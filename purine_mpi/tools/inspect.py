@@ -609,6 +609,8 @@ def _diff_rows(path, other, a_sets, b_sets):
             rows.append(row)
             continue
         numeric = all(_numeric(d) and _kind(d) != "json" for d in (a, b))
+        if numeric and a.dtype != b.dtype:  # equal values may be of two types: said
+            row["dtypes"] = [str(a.dtype), str(b.dtype)]
         if numeric and a.shape != b.shape:
             row["shapes"] = [list(a.shape), list(b.shape)]
         elif numeric and a.size:
@@ -778,6 +780,8 @@ def _format_text(report):
         for row in diff["datasets"]:
             if "max_abs_diff" in row:
                 tail = f"{_fmt(row['max_abs_diff']):>13} {_fmt(row['rel_l2_diff']):>13}"
+                if "dtypes" in row:
+                    tail += f"  (dtypes differ: {row['dtypes'][0]} vs {row['dtypes'][1]})"
                 if row["unread_fill"]:  # compared as the fill values, not read
                     tail += (f"  ({row['unread_fill']:,} values written by neither file, "
                              "compared as their fill values)")

@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import ConfigError, UserError
 from ..base.runfiles import make_parent, stop_if_write_failed, write_hdf5_replacing
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
@@ -60,8 +60,8 @@ def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
     from ..train.trainer import Trainer
     spec = job.data.get(split)
     if spec is None:
-        raise UserError(f"{job.path}: key 'data.{split}': predict --split {split} "
-                        "needs that data")
+        raise ConfigError(job.path, f"data.{split}", f"predict --split {split} "
+                          "needs that data")
     order = job.data.order + (() if "test" in job.data.order else ("test",))
     job = job.replace(data=dataclasses.replace(
         job.data, test=dataclasses.replace(spec, shuffle=False), order=order))

@@ -98,10 +98,10 @@ def scheme_of(job):
     par = job.parallel
     cls = scheme_class(par.scheme, par.mode) or mode_class(par.mode)
     if cls is None:  # parallel.scheme: auto, before train or plan --choose chose one
-        from ...base.errors import UserError
-        raise UserError(f"{job.path}: key 'parallel.scheme': {par.scheme} is chosen by train "
-                        "at start-up, or shown by plan --np N --choose; this command needs "
-                        "the scheme itself: give it with --set parallel.scheme=...")
+        from ...base.errors import ConfigError  # the key: its line, or the --set that wrote it
+        raise ConfigError(job.path, "parallel.scheme", f"{par.scheme} is chosen by train "
+                          "at start-up, or shown by plan --np N --choose; this command needs "
+                          "the scheme itself: give it with --set parallel.scheme=...")
     return cls()
 
 

@@ -18,7 +18,7 @@ stage's R ranks (with tensor shards, those holding this rank's shard),
 before the stage's buckets, numbered among the stage's tensor allreduces
 in the slice's emission order, its schedule's with micro-batches
 (tensor_parallel.sum_over_shard_replicas)."""
-from ...base.errors import UserError
+from ...base.errors import ConfigError, UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline
 
@@ -31,8 +31,8 @@ class Hybrid(Pipeline):
     def check_world(self, job, size, count):
         path = job.path
         if count < 2:
-            raise UserError(f"{path}: key 'parallel.stages': scheme {self.config_name} needs "
-                            f"at least 2 stages, got {count}; with one stage use scheme: data")
+            raise ConfigError(path, "parallel.stages", f"scheme {self.config_name} needs "
+                              f"at least 2 stages, got {count}; with one stage use scheme: data")
         t = self.tensor_degree(job)
         if t > 1 and size % (count * t):
             raise UserError(f"{path}: keys 'parallel.stages', 'parallel.tensor_parallel': "
@@ -41,11 +41,11 @@ class Hybrid(Pipeline):
                             f"is not a multiple of {count * t}; start a multiple of {count * t} "
                             "ranks or change the stages or the tensor shards")
         if size % count:
-            raise UserError(f"{path}: key 'parallel.stages': scheme {self.config_name} runs "
-                            "replicas x "
-                            f"{count} stages, but the world size {size} is not a "
-                            f"multiple of the {count} stage(s); start a multiple of {count} "
-                            "ranks or change the stages")
+            raise ConfigError(path, "parallel.stages", f"scheme {self.config_name} runs "
+                              "replicas x "
+                              f"{count} stages, but the world size {size} is not a "
+                              f"multiple of the {count} stage(s); start a multiple of {count} "
+                              "ranks or change the stages")
 
     def reduce_stages(self, comp, grads, job, world):
         """Each stage's buckets allreduced over its replicas; one replica (as

@@ -10,7 +10,7 @@ A run on one rank has no servers: the rank trains alone as ``scheme: data``
 does (with a note). A worker's part is ``param_server.WorkerScheme(job,
 world)``, this class with the worker's World and its graph.
 """
-from ...base.errors import UserError
+from ...base.errors import ConfigError
 from .base import SERVER_KEYS, Composition, Scheme, ranks_word, register_scheme
 from .data import DataParallel
 
@@ -49,9 +49,9 @@ class ParameterServers(DataParallel):
             return clipped(Composition(graph.validate(), self.layout(job, world)), job, world)
         # test and predict compose the net on every rank (no servers): they
         # evaluate a parameter-server run's weights as any other's
-        raise UserError(f"{job.path}: key 'parallel.mode': mode '{job.parallel.mode}' "
-                        "(parameter servers) runs in train and bench only; evaluate its "
-                        "weights on one rank, or on several with --set parallel.mode=sync")
+        raise ConfigError(job.path, "parallel.mode", f"mode '{job.parallel.mode}' "
+                          "(parameter servers) runs in train and bench only; evaluate its "
+                          "weights on one rank, or on several with --set parallel.mode=sync")
 
     # ---- the notes of the mode, whatever the scheme (Scheme.settings_without_effect)
     @classmethod

@@ -18,7 +18,7 @@ emission order, the whole net's (with micro-batches its schedule's;
 ``solver.clip_gradients`` adds the squared norms of every rank of the
 replica, a replicated weight counted on shard 0 of its stage only. Checkpoints hold
 whole blobs: each stage's shards joined on save, split on load."""
-from ...base.errors import UserError
+from ...base.errors import ConfigError, UserError
 from .base import Composition, Layout, Scheme, register_scheme
 
 
@@ -60,10 +60,10 @@ class Pipeline(Scheme):
         if not count or size != count:
             why = ("is more than" if count and size % count == 0 else
                    "is not a multiple of") + f" the {count} stage(s)"
-            raise UserError(f"{job.path}: key 'parallel.stages': scheme pipeline runs "
-                            f"one rank per stage, but the world size {size} {why}; start "
-                            f"{count} rank(s) (mpiexec -n {count}), change the stages, or use "
-                            "scheme: hybrid for several replicas of the pipeline")
+            raise ConfigError(job.path, "parallel.stages", f"scheme pipeline runs "
+                              f"one rank per stage, but the world size {size} {why}; start "
+                              f"{count} rank(s) (mpiexec -n {count}), change the stages, or use "
+                              "scheme: hybrid for several replicas of the pipeline")
 
     def compose(self, graph, grads, job, world):
         """This rank's slice (parallel/compose.compose_stages); on one rank
@@ -92,9 +92,9 @@ class Pipeline(Scheme):
             return None
         from ..placement import asks_for_gpu
         if asks_for_gpu(job):  # device or backend: cupy (also given on the command line)
-            raise UserError(f"{job.path}: key 'parallel.tensor_parallel': scheme pipeline with "
-                            "tensor parallelism runs on the CPU (device -1), not on a GPU; "
-                            "set device: -1, or tensor_parallel: 1")
+            raise ConfigError(job.path, "parallel.tensor_parallel", f"scheme pipeline with "
+                              "tensor parallelism runs on the CPU (device -1), not on a GPU; "
+                              "set device: -1, or tensor_parallel: 1")
         from ..tensor_parallel import split_for
         pairs = split_for(graph, job, lay, train)
         split = getattr(world, "split_groups", None)

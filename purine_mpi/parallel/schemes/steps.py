@@ -4,7 +4,7 @@ hybrid's allreduce of each stage, fp16's loss scaling and gradient clipping
 on the reduced gradients. Each returns or completes a ``Composition`` (base.py)."""
 import numpy as np
 
-from ...base.errors import UserError
+from ...base.errors import ConfigError
 from ..micro_batch import add_schedule, replicate_micro_batches
 from .base import Composition, scheme_of
 
@@ -186,8 +186,8 @@ def compose_stages(graph, job, world, copies=None):
     stages = job.stage_map
     unknown = sorted(set(stages) - set(job.layer_names))
     if unknown:
-        raise UserError(f"{job.path}: key 'parallel.stages': no layer named "
-                        f"{', '.join(unknown)} in the net")
+        raise ConfigError(job.path, "parallel.stages", f"no layer named "
+                          f"{', '.join(unknown)} in the net")
     # a phase lacks some layers (accuracy is test-only, dropout masks train-only)
     present = {k: v for k, v in stages.items() if any(layer_of(op, [k]) for op in graph.ops)}
     place_layers(graph, present)

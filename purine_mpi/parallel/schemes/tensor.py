@@ -6,7 +6,7 @@ blobs: the shards are joined on save and split on load. With
 ``parallel.grad_dtype: bf16`` the replicas' bucket allreduces run in
 bfloat16; the tensor groups' allreduces of activations and partial sums
 stay float32 (they are no gradient buckets)."""
-from ...base.errors import UserError
+from ...base.errors import ConfigError
 from .base import Layout, Scheme, register_scheme
 from .data import DataParallel
 
@@ -27,10 +27,10 @@ class TensorParallel(DataParallel):
             return Scheme.layout(self, job, world)
         t = par.tensor_parallel
         if world.size % t:
-            raise UserError(f"{job.path}: key 'parallel.tensor_parallel': scheme "
-                            f"{self.config_name} runs replicas x {t} ranks, but the world "
-                            f"size {world.size} is not a multiple of {t}; start a multiple of "
-                            f"{t} ranks or change the degree")
+            raise ConfigError(job.path, "parallel.tensor_parallel", f"scheme "
+                              f"{self.config_name} runs replicas x {t} ranks, but the world "
+                              f"size {world.size} is not a multiple of {t}; start a multiple of "
+                              f"{t} ranks or change the degree")
         return Layout(par.scheme, world.size // t, 1, world.rank // t, 0, par.micro_batches, t,
                       world.rank % t)
 

@@ -247,7 +247,7 @@ def save_link(path, link, extra=None):
     # written through a link planted there, never half-written; a folder
     # that cannot be made or a full disk is one line naming it (exit 2)
     from ...base.runfiles import make_parent, write_text_replacing
-    make_parent(path)
+    make_parent(path, "--calibrate")  # predict --calibrate LINK.json: its one writer
     write_text_replacing(path, json.dumps(data, indent=1) + "\n")
     return path
 
