@@ -152,3 +152,62 @@ def test_a_closed_dispatcher_releases_its_streams_handles(monkeypatch, host_buil
         second.close()
         gpu.clear_kernel_cache()
     del emulated
+
+
+@register
+class _Faulting(OpKernel):
+    """y = x, or an error (a kernel fault) while ``FAULT`` holds True."""
+
+    op_type = "TestBlasFault"
+    FAULT = [False]
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        if self.FAULT[0]:
+            raise RuntimeError("an illegal memory access (simulated fault)")
+        outs[0][...] = ins[0]
+
+
+def test_a_dispatcher_closed_after_a_failed_run_leaves_the_device_alone(monkeypatch,
+                                                                        host_build_dir):
+    """A run that raised (an op's fault, a stall: a collective that never
+    completes) leaves work on the streams that may never finish, or a
+    device whose every call now fails: closing the dispatcher then must
+    neither wait for its streams (a stuck collective: the run's
+    ``finally: close()`` would hang for good, the StallError never
+    reported, no rank aborting the job) nor destroy its cuBLAS handles
+    (cublasDestroy synchronizes the device), nor raise in place of the
+    run's error. A clean run's close releases them (above)."""
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    g = _two_products()
+    dev = Location(0, 0)
+    g.add_op("fault", "TestBlasFault", ["z_a"], ["f"], location=dev, thread=0)
+    g.infer_shapes()
+    rt = SimulatedRuntime(0)
+    d = make_dispatcher(g, runtime=rt, cuda_graph=False, log=lambda m: None)
+    rng = np.random.default_rng(0)
+    d.workspace.set("x", rng.standard_normal((6, 5)).astype(np.float32))
+    for n in "ab":
+        d.workspace.set(f"w_{n}", rng.standard_normal((4, 5)).astype(np.float32))
+    try:
+        d.run(0)
+        mine = _pool_ptrs(rt)
+        held = {k for k in blas.made_handles() if k[1] in mine}
+        assert held
+        _Faulting.FAULT[0] = True
+        with pytest.raises(Exception, match="simulated fault"):
+            d.run(1)
+
+        def stuck():   # what a stream with a hung collective does
+            raise AssertionError("close waited for the streams of a failed run")
+        monkeypatch.setattr(rt, "sync_streams", stuck)
+        d.close()
+        assert {k for k in blas.made_handles() if k[1] in mine} == held
+    finally:
+        _Faulting.FAULT[0] = False
+        monkeypatch.undo()
+        d.close()
+        gpu.clear_kernel_cache()

@@ -383,3 +383,62 @@ def test_a_weight_set_from_outside_is_copied_before_the_next_run():
         assert np.asarray(ws["w@bf16"]).tobytes() == _cast(third, "bits").tobytes()
     finally:
         d.close()
+
+
+# ------------------------------------------------------------- memory
+def test_plan_counts_the_persistent_copies_as_the_run_holds_them(host_build_dir, monkeypatch,
+                                                                 tmp_path):
+    """``plan``'s device figures of a bf16 AdamW GPT (emulated device, one
+    iteration) against the measured peak, less the cuBLAS workspaces that
+    dwarf the rest (32 MiB: the copies are under 1% of the total). Folded,
+    the copies are kept between iterations (kind param_copy, outside the
+    arena): the weights row is the Casts' run's plus their bytes (each
+    rounded up to the device allocator's 512 bytes at most); either way the
+    plan is the peak within 2%."""
+    from tests.emulated_gpu.helpers import emulated_gpu_env
+    emulated_gpu_env(monkeypatch, host_build_dir)
+    rows = {}
+    for fold in (True, False):
+        monkeypatch.setenv("PURINE_FOLD_WEIGHT_CASTS", "1" if fold else "0")
+        rows[fold], copies = _plan_and_peak(tmp_path)
+        assert bool(copies) == fold
+        if fold:
+            held = copies
+    grown = rows[True]["weights"] - rows[False]["weights"]
+    assert sum(held) <= grown < sum(held) + 512 * len(held), (rows, held)
+
+
+def _plan_and_peak(tmp_path):
+    """(plan's device rows, [bytes of each weight copy the graph keeps])
+    of the tiny bf16 GPT, after checking the plan's total (less the cuBLAS
+    workspaces) against one iteration's measured peak."""
+    import gc
+    from tests.conftest import make_job
+    from tests.gpt_nets import gpt_config, text_h5
+    from purine_mpi.gpu import blas, import_cupy
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.tools.bench import run_bench
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.plan import offline_footprint
+    raw = gpt_config(text_h5(tmp_path), layers=1, width=32, heads=2, length=16, batch=4,
+                     iters=1)
+    raw.update(device=0, precision="bf16", cuda_graph=False)
+    raw["data"].pop("test")
+    job = make_job(validate_config(raw, check_files=False))
+    fp = offline_footprint(job, 1, 0)
+    rows = fp.devices[0]
+    copies = [int(np.prod(b.shape)) * (2 if b.dtype == BITS else 4)
+              for b in compose_for(job, 1, 0).blobs.values()
+              if b.kind == "param_copy" and not b.alias_of]
+    blas.reset()
+    mark = blas.made_mark()
+    gc.collect()
+    held = import_cupy().get_default_memory_pool().used_bytes()
+    res = run_bench(job, iters=1, warmup=0)
+    workspaces = sum(blas.made_since(mark, 0).values())
+    assert rows["cublas_workspaces"] == workspaces > 0
+    planned = fp.device_total(0) - workspaces
+    measured = res["device_peak_bytes"]["0"] - held - workspaces
+    assert sum(copies) < 0.2 * measured
+    assert abs(planned - measured) <= 0.02 * measured, (rows, planned, measured, copies)
+    return rows, copies

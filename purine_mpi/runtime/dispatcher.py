@@ -103,6 +103,9 @@ class Dispatcher:
         #: ``weights_version`` they were last made from their weights at
         self.weight_copies = weight_copies(graph)
         self._copies_at = None
+        #: False from a ``run``/``drain`` that raised (an op's fault, a
+        #: stall): ``close`` then leaves the device alone (``_failed``)
+        self._clean = True
         self._defer_tail = defer_tail
         self._error = self._raised = None  # the first op error; the one run() raised
         #: the scheduling core (runtime/scheduler.Schedule): ready counts,
@@ -290,6 +293,7 @@ class Dispatcher:
         raises the first op error. ``sync=False``: an iteration of device
         work alone may return once it is queued (the stream executors;
         call ``synchronize`` before reading a blob on the host)."""
+        self._clean = False   # until this run returns
         it = self.iteration if iteration is None else iteration
         version = getattr(self.workspace, "weights_version", 0)
         if self.weight_copies and self._copies_at != version:
@@ -316,6 +320,7 @@ class Dispatcher:
         self._progress_until(self._run_done)
         self.iteration += 1
         self.executor.finish(it, sync)
+        self._clean = True
 
     def _run_done(self):
         """(lock held) This iteration's non-tail ops are done, the last one's
@@ -330,10 +335,12 @@ class Dispatcher:
     def drain(self):
         """Wait until the deferred tail of the last ``run`` has finished, and
         the devices: then every blob holds its value of that iteration."""
+        self._clean = False   # until this drain returns
         if self.schedule.tail_todo:
             self._progress_until(self.schedule.tail_done)
         self._raise_unreported()
         self.executor.synchronize()
+        self._clean = True
 
     def _raise_unreported(self):
         """Raise the first op error unless run() or drain() raised it already."""
@@ -428,7 +435,19 @@ class Dispatcher:
         for w in self.workers:
             w.join(timeout=5)
         self._stop_prefetch()
-        self.executor.close()   # a GPU's: its streams' cuBLAS handles and workspaces
+        # a GPU's: its streams' cuBLAS handles and workspaces -- unless a run
+        # failed (``_failed``)
+        self.executor.close(release=not self._failed())
+
+    def _failed(self):
+        """Whether the last ``run``/``drain`` raised, or an op failed since
+        (a deferred tail op): the streams may hold work that never finishes
+        (a collective a stall left posted) or a device whose every call now
+        fails (a kernel's fault). A close then neither waits for the streams
+        nor destroys their cuBLAS handles (cublasDestroy synchronizes the
+        device): it would hang, or raise in place of the run's error, in
+        the ``finally`` that closes the run before the error is reported."""
+        return not self._clean or self._error is not None
 
     def _stop_prefetch(self):
         """End the data readers' prefetch threads (ops/data.py), letting the

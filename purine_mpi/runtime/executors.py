@@ -55,9 +55,11 @@ class Executor:
     def attach(self, core):
         self.core = core
 
-    def close(self):
+    def close(self, release=True):
         """Release what the executor holds beyond its dispatcher (the
-        dispatcher's ``close``, after its workers ended). Nothing here."""
+        dispatcher's ``close``, after its workers ended; ``release`` False
+        after a failed run: give up its share, touch no device). Nothing
+        here."""
 
     def units(self, ops, deps):
         return ops, deps

@@ -119,20 +119,22 @@ class StreamExecutor(Executor):
             self._counted = True
         return with_stream_threads(graph, keys)
 
-    def close(self):
+    def close(self, release=True):
         """The last executor of its runtime to close destroys the cuBLAS
         handles bound to the runtime's streams and drops their workspaces
         (``gpu/blas.release_streams``; ``PURINE_CUBLAS_WORKSPACE_MB``, 32
         MiB, each: a closed trainer's two used to stay in the process's
         ``blas._handles`` for good), after the streams are idle. A runtime
         another live executor shares keeps them (its captured graphs baked
-        those workspaces in)."""
+        those workspaces in). ``release`` False (the dispatcher's run
+        failed: a stuck collective or a faulted device): nothing is waited
+        for or destroyed, the handles stay (the process is ending)."""
         rt = self.runtime
         if rt is None or not getattr(self, "_counted", False):
             return
         self._counted = False
         rt.users = getattr(rt, "users", 1) - 1
-        if rt.users > 0:
+        if rt.users > 0 or not release:
             return
         pool = getattr(rt, "pool", None)
         streams = [s for _, s in pool.items()] if pool is not None else []
