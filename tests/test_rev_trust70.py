@@ -36,7 +36,8 @@ def _lenet_config(tmp_path, digits_h5, solver):
     solver's learning-rate schedule replaced by ``solver`` (flow text)."""
     text = open(os.path.join(JOBS, "digits_lenet.yaml"), encoding="utf-8").read()
     text = text.replace("data/digits.h5", digits_h5)
-    text = text.replace("lr_policy: step,\n         gamma: 0.1, stepsize: 600,", solver + ",\n        ")
+    text = text.replace("lr_policy: step,\n         gamma: 0.1, stepsize: 600,",
+                        solver + ",\n        ")
     assert solver in text
     path = tmp_path / "job.yaml"
     path.write_text(text)
