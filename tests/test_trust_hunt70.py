@@ -135,7 +135,7 @@ def test_scheme_auto_given_to_plan_names_the_set_or_the_line(digits_h5):
                            "chosen by train at start-up"), line
 
 
-def test_bench_of_a_diverging_config_reports_no_figure():
+def test_bench_of_a_diverging_config_reports_no_figure(digits_h5):
     """``bench --json`` of a config whose loss goes NaN (``solver.base_lr``
     1e30): exit 3 (a diverged run) and one line saying so, no JSON. Before,
     the figures of the NaN arithmetic were printed as the config's speed,
@@ -143,7 +143,10 @@ def test_bench_of_a_diverging_config_reports_no_figure():
     against 2,800 to 3,700 for the finite run on the test VM, and an MFU to
     match."""
     res = run_cli_args("bench", os.path.join(JOBS, "digits_lenet.yaml"), "--iters", "2",
-                       "--warmup", "1", "--json", "--set", "solver.base_lr=1e30")
+                       "--warmup", "1", "--json", "--set", "solver.base_lr=1e30",
+                       # the data's shapes (a checkout has no data/digits.h5)
+                       "--set", f"data.train.path={digits_h5}",
+                       "--set", f"data.test.path={digits_h5}")
     assert res.returncode == 3, (res.stdout[:300], res.stderr)
     assert res.stdout.strip() == "", res.stdout[:300]
     line = res.stderr.strip().splitlines()[-1]

@@ -266,6 +266,10 @@ def _resolve(raw, path="<config>", overrides=(), iters=None, check_files=True, b
             return None
         source = _blamed_override(exc, overrides, raw, without)
         if source is None:
+            # the file's fault, found with the test ``without`` makes: a later
+            # look at the error (the CLI's blame_override, which cannot
+            # resolve the config again) takes this verdict, not its own
+            exc.file_at_fault = True
             raise
         raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem,
                           exc.also) from None
@@ -277,7 +281,9 @@ def blame_override(exc, path, overrides):
     one did, as ``resolve_config`` names it for the checks of the config
     itself: ``--set data.train=null`` or ``--set net=[]`` made errors that
     named the file, which holds neither; else with the line of the file
-    where its key is written (``locate``). ``exc`` as it is otherwise."""
+    where its key is written (``locate``), as for an error the loader found
+    the file's own (``file_at_fault``: refused alike without the --set).
+    ``exc`` as it is otherwise."""
     if not isinstance(exc, ConfigError) or path is None or str(exc.path) != str(path):
         return exc
     try:
@@ -285,7 +291,8 @@ def blame_override(exc, path, overrides):
         raw, lines = _read_lines(path) if text is None else _parse_lines(text, str(path))
     except ConfigError:
         return exc
-    source = _blamed_override(exc, overrides, raw) if overrides else None
+    source = _blamed_override(exc, overrides, raw) \
+        if overrides and not getattr(exc, "file_at_fault", False) else None
     if source is None:
         return locate(exc, path, lines)
     return ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem, exc.also)

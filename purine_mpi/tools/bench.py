@@ -118,7 +118,8 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     from ..runtime.trace import Profiler
     from ..train.collectives import world_mean
     from ..train.trainer import Trainer
-    from .bench_transport import counters, no_servers, ps_figures, ps_server, transport_figures
+    from .bench_transport import (BENCH_TAG, counters, no_servers, ps_figures, ps_server,
+                                  transport_figures)
     from .flops import rank_place
     world = get_world()
     install_abort_handler(world)
@@ -132,7 +133,12 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         job = job.replace(checkpoint=dataclasses.replace(job.checkpoint, interval=0))
         job, sub = split_workers(job, world)
         if sub is None:
-            return ps_server(job, world, warmup, dispatcher)
+            # a server's part; then rank 0's verdict on the workers' divergence,
+            # so that every rank ends alike (one line by rank 0, exit 3 on all)
+            ps_server(job, world, warmup, dispatcher)
+            if world.recv_object(0, BENCH_TAG, "bench's verdict on a diverged run"):
+                raise _diverged_error(job, warmup, iters, real_data)
+            return None
         scheme, world = WorkerScheme(job, gworld), sub
         servers = scheme.ranks["servers"]
     peak = start_peak_memory(xp_for_device(0)) if cupy_available() else None   # before any allocation
@@ -180,6 +186,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     server_places = []
     moved.update(ps_figures(gworld, servers, server_places)
                  if servers is not None and gworld.rank == 0 else no_servers())
+    if servers is not None and gworld.rank == 0:  # the servers wait for it (ps_server above)
+        for s in servers:
+            gworld.send_object(bool(diverged), s, BENCH_TAG, "bench's verdict on a diverged run")
     plan = trainer.ws.plan
     state = model_state_figures(trainer)
     state.update(per_rank_figures(world, state))
@@ -265,14 +274,20 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         result.update(throughput_flops(job, result, trainer.graphs.graph if on_gpu else None,
                                        places + server_places))
     if diverged:  # after every collective of the figures: no rank (nor server) left waiting
-        from ..job.checkpoint_check import NonFiniteWeights
-        raise NonFiniteWeights(
-            f"bench: {job.name} diverged: the loss or the weights hold NaN or inf after the "
-            f"{warmup + iters} iterations ({'the config' if real_data else 'synthetic'} data, "
-            f"solver.base_lr {job.solver.base_lr:g}); no figure is reported: they would time "
-            "arithmetic on non-finite numbers, which runs at another speed than the run's "
-            "(lower solver.base_lr, or check the config with a short train run)")
+        raise _diverged_error(job, warmup, iters, real_data)
     return result if world.rank == 0 else None
+
+
+def _diverged_error(job, warmup, iters, real_data):
+    """The NonFiniteWeights (exit 3) of a bench run that diverged: the same
+    on every rank, a parameter-server run's servers too."""
+    from ..job.checkpoint_check import NonFiniteWeights
+    return NonFiniteWeights(
+        f"bench: {job.name} diverged: the loss or the weights hold NaN or inf after the "
+        f"{warmup + iters} iterations ({'the config' if real_data else 'synthetic'} data, "
+        f"solver.base_lr {job.solver.base_lr:g}); no figure is reported: they would time "
+        "arithmetic on non-finite numbers, which runs at another speed than the run's "
+        "(lower solver.base_lr, or check the config with a short train run)")
 
 
 def _diverged(trainer, world):
