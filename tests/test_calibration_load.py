@@ -143,3 +143,49 @@ def test_a_calibration_slowed_by_other_processes_predicts_as_one_alone(traced, t
         # read as wall time (the rule before): the load of the trace's moment
         # in every setting's figure
         assert got[2] > 0.8 * LOAD * got[0], sets
+
+
+def test_two_calibration_traces_under_different_loads_fit_the_law_of_both_alone(
+        traced, tmp_path):
+    """The calibration's two traces (the job's batch and the small one,
+    ``choose.affine_costs``: each op's cost per call and per unit of work)
+    run one after the other, at whatever load each meets. The small trace
+    slowed three times over, the big one not: read as CPU time, the fitted
+    law and every setting's prediction are those of both traces alone (read
+    as wall time, the slowed small trace reads as ops costing more per call
+    than per work: a micro-batch setting priced otherwise)."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor, _calibration_job, small_batch
+    from purine_mpi.tools.scaling.link import make_link
+    from purine_mpi.tools.scaling.trace_reader import read_traces
+    cfg, run = traced
+    small_sets = (f"data.train.batch_size={small_batch(16)}",)
+    small_run = tmp_path / "small_run"
+    res = run_cli_args("train", cfg, "--out", small_run, "--iters", 8, "--profile-iters", "3:8",
+                       *[a for s in small_sets for a in ("--set", s)])
+    assert res.returncode == 0, res.stderr
+    big = _copy(run, tmp_path / "big", _stretched(_events(run), 1.0))
+    alone = _copy(small_run, tmp_path / "alone", _stretched(_events(small_run), 1.0))
+    loaded = _copy(small_run, tmp_path / "loaded", _stretched(_events(small_run), LOAD))
+    d, job = read_traces(str(big), cpu=True)
+    small_job = _calibration_job(str(cfg), (), small_sets)
+    link = make_link(None, None, None, gamma=1e-10)
+    preds = {}
+    for name, folder, cpu in (("alone", alone, True), ("loaded", loaded, True),
+                              ("wall", loaded, False)):
+        s, _ = read_traces(str(folder), cpu=cpu)
+        preds[name] = Predictor(job, d, link, small=(s, small_job), add=1e-10)
+    assert preds["alone"].fit and preds["loaded"].fit.keys() == preds["alone"].fit.keys()
+    def numbers(p):  # {op: (unit, fixed, rate)} -> [fixed, rate, ...] in one order
+        return [v for name in sorted(preds["alone"].fit) for v in p.fit[name][1:]]
+    for name, law in preds["alone"].fit.items():
+        got = preds["loaded"].fit[name]
+        assert got[0] == law[0] and got[1:] == pytest.approx(law[1:], rel=1e-6), name
+    assert numbers(preds["wall"]) != pytest.approx(numbers(preds["alone"]), rel=0.05)
+    for sets in [("parallel.scheme=data", "parallel.micro_batches=2"),
+                 ("parallel.scheme=data", "parallel.micro_batches=4")]:
+        cand = load_job(str(cfg), sets, check_files=False)
+        want = preds["alone"].predict(cand, 2)[0]
+        assert preds["loaded"].predict(cand, 2)[0] == pytest.approx(want, rel=1e-6), sets
+        # the rule before: the slowed small trace's law, a prediction apart
+        assert preds["wall"].predict(cand, 2)[0] != pytest.approx(want, rel=0.02), sets
