@@ -273,7 +273,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
                     "iterations": d.iterations, "gaps": d.gaps, "fastest": d.fastest,
-                    "load": d.load}
+                    "load": getattr(d, "load", {})}
         text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
                            **entry(durations),
                            "small": dict(entry(small), batch=small_b) if small else None,
