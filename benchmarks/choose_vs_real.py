@@ -215,7 +215,7 @@ def config_figures(config, a, folder):
         chosen[name] = cands
         if not unranked:
             unit, unranked = u, ps
-    if a.baseline_root:  # another checkout's plan, default link: its ranking of the same runs
+    if getattr(a, "baseline_root", None):  # another checkout's plan: its ranking of these runs
         cands, _, _ = ranked(config, base, a.ranks, folder, None, a.baseline_root)
         chosen["baseline"] = cands[:a.top] if a.top else cands
     # every plan's settings, measured once in the same rounds: the primary
