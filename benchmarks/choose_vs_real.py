@@ -6,6 +6,7 @@
         [--configs benchmarks/cifar10_quick_wide.yaml jobs/gpt_small.yaml] [--ranks 2] \\
         [--rounds 3] [--top K] [--iters 10] [--warmup 3] [--set KEY=VALUE ...] [--with-ps] \\
         [--calibrate-link | --network LINK.json [--ranks-per-node K]] [--compare]
+        [--baseline-root CHECKOUT]
 
 Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
 ``--set``):
@@ -67,23 +68,29 @@ DEFAULT_CONFIGS = [os.path.join("benchmarks", "cifar10_quick_wide.yaml"),
                    os.path.join("jobs", "gpt_small.yaml")]
 
 
-def ranked(config, sets, ranks, folder, link=None):
+def ranked(config, sets, ranks, folder, link=None, root=None):
     """``plan --choose --json``'s ranked candidates that fit, best first
     (not the unranked parameter servers, ``"ranked": false``: listed after
     every ranked setting whatever their prediction, never the choice).
     ``link``: None (plan's default link, no node correction) or (FILE,
-    K): ``--network FILE`` and, when K, ``--ranks-per-node K``."""
+    K): ``--network FILE`` and, when K, ``--ranks-per-node K``. ``root``:
+    the plan of another checkout (``--baseline-root``), with its own
+    calibration file; None: this one's."""
     name = os.path.splitext(os.path.basename(config))[0]
     args = ["plan", config, "--np", str(ranks), "--choose", "--json",
-            "--calibration", os.path.join(folder, f"calibration_{name}.json")]
+            "--calibration", os.path.join(folder, f"calibration_{name}"
+                                          + ("_baseline" if root else "") + ".json")]
     if link is not None:
         args += ["--network", link[0]]
         if link[1]:
             args += ["--ranks-per-node", str(link[1])]
     for s in sets:
         args += ["--set", s]
+    env = sharded.rank_env()
+    if root:
+        env["PYTHONPATH"] = os.path.abspath(root)
     res = subprocess.run([sys.executable, "-m", "purine_mpi", *args], cwd=sharded.ROOT,
-                         env=sharded.rank_env(), capture_output=True, text=True, timeout=3600)
+                         env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         sys.exit(f"plan --choose {config} failed ({res.returncode}): "
                  f"{res.stderr.strip()[-600:]}")
@@ -208,6 +215,9 @@ def config_figures(config, a, folder):
         chosen[name] = cands
         if not unranked:
             unit, unranked = u, ps
+    if getattr(a, "baseline_root", None):  # another checkout's plan: its ranking of these runs
+        cands, _, _ = ranked(config, base, a.ranks, folder, None, a.baseline_root)
+        chosen["baseline"] = cands[:a.top] if a.top else cands
     # every plan's settings, measured once in the same rounds: the primary
     # plan's first, in its order, then those only another plan ranked
     seen, candidates = set(), []
@@ -275,6 +285,10 @@ def main(argv=None):
                    help="with --network or --calibrate-link: also rank with plan's default "
                         "link and with the file less its node object, every plan's settings "
                         "measured in the same rounds (figures under compare)")
+    p.add_argument("--baseline-root", metavar="CHECKOUT",
+                   help="also rank with the plan of another checkout of purine_mpi (its "
+                        "own calibration, plan's default link), its settings measured in the "
+                        "same rounds: its ranking figures under compare.baseline")
     a = p.parse_args(argv)
     if (a.compare or a.ranks_per_node) and not (a.network or a.calibrate_link):
         p.error("--compare and --ranks-per-node need --network or --calibrate-link")

@@ -38,6 +38,7 @@ for bit. On GPUs: ``streams_dispatcher.StreamExecutor`` and
 import time
 
 from ..base.errors import OpError
+from ..ops import hostgemm
 from .scheduler import ready_priority, twin_order
 
 
@@ -106,6 +107,7 @@ class Executor:
         """Run one op's kernel on the host; (its Pending or None, start time)."""
         core = self.core
         k = core.kernels[op.name]
+        c0 = time.thread_time() if core.profiler is not None else 0.0
         t0 = time.perf_counter()
         try:
             if op.accumulate:
@@ -121,8 +123,15 @@ class Executor:
         except Exception as exc:
             raise OpError(op, exc, core.rank) from exc
         if result is None and core.profiler is not None:
-            core.profiler.record(op, k.category, t0, time.perf_counter(),
-                                 core.label(op.name), tid)
+            # the op's CPU time on this thread beside its wall time: the
+            # calibration's op costs undisturbed by other processes sharing
+            # the cores (docs/formats.md, "Traces": ``args.cpu_us``)
+            # (not where host products run on a pool of threads as well:
+            # this thread's CPU time would be a part of the op's)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            core.profiler.record(op, k.category, t0, t1, core.label(op.name), tid,
+                                 {"cpu_us": round((c1 - c0) * 1e6, 1)}
+                                 if hostgemm.threads() == 1 else None)
         return result, t0
 
 

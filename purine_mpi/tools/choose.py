@@ -91,9 +91,11 @@ CALIBRATION_WINDOW = "3:8"
 #: (``small``: the affine op cost); 3 each trace's dispatcher gap per op
 #: (``gaps``: trace_reader.dispatch_gap, the cost per op apart from the cost
 #: per iteration) and each op's least time (``fastest``: trace_reader.
-#: op_minima, the fit of its cost per call); a file of another format is
+#: op_minima, the fit of its cost per call); 4 the op times as CPU time and
+#: the iteration and gaps over the trace's load factor (``load``:
+#: trace_reader.read_traces with ``cpu``); a file of another format is
 #: measured again
-CALIBRATION_FORMAT = 3
+CALIBRATION_FORMAT = 4
 #: the calibration file's key of the host's add rate (seconds per byte,
 #: ``scaling/link.reduce_cost_per_byte``), measured with the traces: the
 #: predictions price local adds and untraced copies at it, so one
@@ -196,10 +198,12 @@ def read_calibration(cache, key, small_b):
     def durations(d):
         if not isinstance(d, dict) or not isinstance(d.get("iterations"), int):
             raise ValueError("iterations")
-        return Durations(ranks(d, "per_rank", by_op),
-                         ranks(d, "iter_seconds", lambda v: v is None or seconds(v)),
-                         d["iterations"], ranks(d, "gaps", seconds, True),
-                         ranks(d, "fastest", by_op, True))
+        got = Durations(ranks(d, "per_rank", by_op),
+                        ranks(d, "iter_seconds", lambda v: v is None or seconds(v)),
+                        d["iterations"], ranks(d, "gaps", seconds, True),
+                        ranks(d, "fastest", by_op, True))
+        got.load = ranks(d, "load", seconds, True)
+        return got
     small = data.get("small")
     if not isinstance(small, (dict, type(None))) or (small or {}).get("batch") != small_b:
         return None
@@ -268,7 +272,8 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
-                    "iterations": d.iterations, "gaps": d.gaps, "fastest": d.fastest}
+                    "iterations": d.iterations, "gaps": d.gaps, "fastest": d.fastest,
+                    "load": getattr(d, "load", {})}
         text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
                            **entry(durations),
                            "small": dict(entry(small), batch=small_b) if small else None,
@@ -297,7 +302,10 @@ def _traced_run(path, overrides, sets, folder):
                 raise UserError("plan --choose: the calibration run (one rank, data parallel"
                                 + (f", {', '.join(sets)}" if sets else "")
                                 + f") failed with status {status}: {tail}")
-            durations, _ = read_traces(folder)
+            # each op's CPU time, the iteration and the dispatcher's gaps over
+            # the load factor: the one trace prices every setting, each then
+            # run at the machine's load of its own moment, not the trace's
+            durations, _ = read_traces(folder, cpu=True)
         finally:  # the child has ended (``_run_child``): nothing writes there any more
             shutil.rmtree(folder, ignore_errors=True)
     except _Forwarded as exc:

@@ -46,6 +46,9 @@ class Durations:
         #: the ops that ran only inside CUDA graph replays, timed as a whole
         #: (``replayed_ops``, which ``read_traces`` gives)
         self.replayed = set(replayed)
+        #: {rank: the trace's load factor} where its op times were read as
+        #: CPU time (``read_traces(cpu=True)``: ``load_factor``), else empty
+        self.load = {}
         self._rows = {}  # base name -> total rows of its [a:b] chunks
         # base name -> the names of its chunks on any rank: ``lookup`` asks
         # for every op of every candidate's graph (a name matched against
@@ -360,23 +363,74 @@ def dispatch_gap(events, skip_first=True):
     return statistics.median(gaps) if gaps else None
 
 
-def read_traces(folder):
+#: the categories of the events that wait on other ranks or the network
+#: (their wall time is the op's time, not CPU time: ``cpu_time``)
+WAITING_CATEGORIES = ("comm", "rma", "staging")
+
+
+def load_factor(events):
+    """The wall time over the CPU time of the host ops of ``events`` that
+    carry ``args.cpu_us`` (runtime/executors.py: the op's thread's CPU time,
+    recorded where each op runs on one thread): how much longer than its own
+    work an op took because its thread waited for a core (other processes,
+    other ranks on the same cores); at least 1. None where no such op is
+    there (an older trace, a GPU run, host products on several threads)."""
+    wall = cpu = 0.0
+    for e in events:
+        c = (e.get("args") or {}).get("cpu_us")
+        if e.get("cat") in WAITING_CATEGORIES or not _is_time(c) or c < 0:
+            continue
+        wall += e["dur"]
+        cpu += c
+    return max(1.0, wall / cpu) if cpu > 0 else None
+
+
+def cpu_time(events, factor):
+    """``events`` with each host op's ``dur`` its CPU time (``args.cpu_us``),
+    one without it its wall time over ``factor`` (``load_factor``); the
+    waiting events (``WAITING_CATEGORIES``) as they are: the op times of an
+    undisturbed run, whatever else ran on the machine at the time."""
+    out = []
+    for e in events:
+        if e.get("cat") not in WAITING_CATEGORIES:
+            c = (e.get("args") or {}).get("cpu_us")
+            e = dict(e, dur=min(e["dur"], c) if _is_time(c) and c >= 0 else e["dur"] / factor)
+        out.append(e)
+    return out
+
+
+def read_traces(folder, cpu=False):
     """(Durations, job) of a trace folder (the job of its config.yaml,
     job/job.py); a UserError when the folder lacks the traces or the run's
     config.yaml, or when the run was traced under parameter servers
-    (``refuse_server_run``)."""
+    (``refuse_server_run``). ``cpu``: where a rank's trace records its ops'
+    CPU time (``load_factor``), the ops take it (``cpu_time``), and the
+    traced iteration and the dispatcher's gaps (``dispatch_gap``: the
+    dispatcher thread's own work, slowed alike) their wall time over the
+    load factor (``Durations.load``): the times the rank would take with
+    its cores to itself (``plan --choose``'s calibration, tools/choose.py:
+    the one-rank trace priced every setting at the load of the moment it
+    ran, which differed from the load each setting then met)."""
     from ...job.config import load_job
     files = trace_files(folder)
     per_rank, iter_s, counts, gaps, fastest, replayed = {}, {}, [], {}, {}, set()
-    servers = []
+    servers, load = [], {}
     for rank, path in files.items():
         events, server = load_trace(path)
         if server:  # a parameter server's graph: not a replica of the net
             servers.append(rank)
             continue
+        factor = load_factor(events) if cpu else None
+        gap = dispatch_gap(events)
+        if factor is not None:
+            load[rank] = factor
+            events = cpu_time(events, factor)
         grouped = _per_iteration(events, True)   # grouped once for both readers
         medians, period, n = median_durations(events, grouped=grouped)
-        gap = dispatch_gap(events)
+        if factor is not None:
+            # the iteration from the first events' starts: wall time
+            period = None if period is None else period / factor
+            gap = None if gap is None else gap / factor
         fastest[rank] = op_minima(events, grouped=grouped)
         if gap is not None:
             gaps[rank] = gap
@@ -395,7 +449,9 @@ def read_traces(folder):
     job = load_job(cfg_path, check_files=False)
     if job.parallel.servers:  # an async run's servers, or an older version's, write no label
         refuse_server_run(folder, job, servers, cfg_path)
-    return Durations(per_rank, iter_s, min(counts), gaps, fastest, replayed), job
+    d = Durations(per_rank, iter_s, min(counts), gaps, fastest, replayed)
+    d.load = load
+    return d, job
 
 
 def refuse_server_run(folder, job, servers, cfg_path):
