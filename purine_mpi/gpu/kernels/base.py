@@ -45,7 +45,12 @@ PLAIN_ENTRY_POINTS = {
                    "gelu_backward_vec_f32", "gelu_backward_copy_vec_f32",
                    "gelu_backward_bx_vec_f32", "gelu_backward_bx_copy_vec_f32",
                    "gelu_backward_bdy_vec_f32", "gelu_backward_bdy_copy_vec_f32",
-                   "gelu_backward_bdy_bx_vec_f32", "gelu_backward_bdy_bx_copy_vec_f32"),
+                   "gelu_backward_bdy_bx_vec_f32", "gelu_backward_bdy_bx_copy_vec_f32",
+                   # dx and the column sums of dx (an fc bias gradient) in one pass
+                   "gelu_backward_colsum_f32", "gelu_backward_copy_colsum_f32",
+                   "gelu_backward_bx_colsum_f32", "gelu_backward_bx_copy_colsum_f32",
+                   "gelu_backward_bdy_colsum_f32", "gelu_backward_bdy_copy_colsum_f32",
+                   "gelu_backward_bdy_bx_colsum_f32", "gelu_backward_bdy_bx_copy_colsum_f32"),
     "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32",
                   "layernorm_backward_copy_f32", "layernorm_backward_bdy_copy_f32"),
     "dropout": ("philox_words", "dropout_apply_copy_f32", "dropout_backward_copy_f32",

@@ -459,6 +459,67 @@ def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy, vec=True):
     return out
 
 
+def gelu_backward_bias_grad(dy, x, approximate, out, db, round_to=None, copy=None,
+                            partial=None, fused=True):
+    """``gelu_backward`` of a (rows, cols) ``dy`` and ``x`` into the float32
+    ``out`` (and ``copy``), and ``db`` (float32, cols) = the column sums of
+    that dx -- the bias gradient of the fully connected layer whose output
+    GELU read (``sum_rows(out, db)``'s bits). ``fused`` (default) with cols
+    a multiple of 4 and every base aligned (``out`` 16 bytes, bits operands
+    8, float32 ones 16): one pass, cuda/activation.cu
+    ``gelu_backward[_bdy][_bx][_copy]_colsum_f32`` (blocks of tiles of
+    columns x ranges of rows, the splits ``sum_rows`` takes for the shape,
+    each column's dx added in double in row order and a fixed tree: the
+    sums of ``sum_rows_vec_f32`` bit for bit), then, with more than one
+    range, ``bias_grad_finish``; else ``gelu_backward`` then ``sum_rows``.
+    dx is ``gelu_backward``'s bit for bit either way, db ``sum_rows``'s.
+    ``partial``: scratch of ``bias_grad_scratch(out.shape)`` (None: a new
+    device array). dy, x as ``gelu_backward``'s; ``out`` may be ``dy``."""
+    cupy = import_cupy()
+    if out is None or out.ndim != 2:
+        raise ValueError("gelu_backward_bias_grad: a 2-D float32 out (rows, cols) is needed")
+    _bits_array(out, np.float32, "gelu_backward_bias_grad: out")
+    rows, cols = int(out.shape[0]), int(out.shape[1])
+    if not isinstance(db, cupy.ndarray) or db.size != cols or \
+            np.dtype(db.dtype) != np.dtype(np.float32) or not db.flags.c_contiguous:
+        raise ValueError(f"gelu_backward_bias_grad: db must be a C-contiguous float32 CuPy "
+                         f"array of {cols} elements")
+    if copy is not None:
+        _bits_x(copy, "gelu_backward_bias_grad: copy", like=out)
+    operands = []
+    for what, a in (("dy", dy), ("x", x)):
+        if _is_bits(a):
+            operands.append(_bits_x(a, f"gelu_backward_bias_grad: {what}", like=out))
+            continue
+        a = _input(cupy, a, f"gelu_backward_bias_grad: {what}")
+        if np.dtype(a.dtype) != np.dtype(np.float32) or tuple(a.shape) != tuple(out.shape):
+            raise TypeError(f"gelu_backward_bias_grad: a float32 or bits {what} of out's "
+                            f"shape, got {a.dtype} {tuple(a.shape)}")
+        operands.append(a)
+    aligned = all(data_ptr(a) % (8 if _is_bits(a) else 16) == 0
+                  for a in (*operands, out, *((copy,) if copy is not None else ())))
+    if not (fused and cols % 4 == 0 and aligned and rows > 0 and cols > 0):
+        gelu_backward(operands[0], operands[1], approximate, out=out, round_to=round_to,
+                      copy=copy)
+        if cols:
+            _column_sum(out, db, False, partial, "gelu_backward_bias_grad")
+        return out, db
+    splits = bias_grad_splits(rows, cols, 1)
+    partial = _partial(partial, out.shape, "gelu_backward_bias_grad")
+    func = "gelu_backward" + "_bdy" * _is_bits(operands[0]) + "_bx" * _is_bits(operands[1]) + \
+        "_copy" * (copy is not None) + "_colsum_f32"
+    args = _gelu_args("gelu_backward_bias_grad", approximate, round_to, np.float32)
+    blocks = min(-(-cols // (4 * SUM_ROWS_TILE)) * splits, _MAX_BLOCKS)
+    extra = (copy,) if copy is not None else ()
+    _base._launch_blocks("activation", func, None, blocks, _REDUCE_THREADS,
+                         (np.int64(cols), *operands, np.int64(rows), np.int64(splits), *args,
+                          out, *extra, partial, db))
+    if splits > 1:
+        _base._launch("reduce", "bias_grad_finish", db.dtype, cols,
+                      (np.int64(splits), _int(0), partial, db))
+    return out, db
+
+
 # ------------------------------------------------------------- reductions ---
 
 def _per_channel(dy, out, what):
