@@ -221,3 +221,150 @@ def test_in_whole_blocks_of_256_threads_the_partials_are_sum_rows_vec(host_build
             np.testing.assert_array_equal(partial.view(np.uint64), partial_old.view(np.uint64))
         else:
             np.testing.assert_array_equal(db.view(np.uint32), db_old.view(np.uint32))
+
+
+# ------------------------------------------------------- the op and the pass
+
+def _op_case(rng, rows, cols, dy_bits, x_bits):
+    dy = (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-4, 4, (rows, cols)))
+    x = 3 * rng.standard_normal((rows, cols))
+    dy, x = dy.astype(np.float32), x.astype(np.float32)
+    return (_bf16_bits(dy) if dy_bits else dy), (_bf16_bits(x) if x_bits else x)
+
+
+@pytest.mark.parametrize("dy_bits,x_bits,copy", [(True, True, True), (False, False, False),
+                                                 (False, True, True)])
+@pytest.mark.parametrize("shape", [(16, 64), (5, 3, 24), (7, 6)])
+def test_the_op_with_bias_grad_is_geluGrad_then_the_bias_gradient(device, dy_bits, x_bits, copy,
+                                                                  shape):
+    """GeluGrad with ``bias_grad`` (db its last output) against GeluGrad and
+    InnerProductGradBias, on the device (one launch where the width is a
+    multiple of 4, plus the finish where the rows are split) and on the
+    host: dx, its copy and db bit for bit."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.registry import make_kernel
+    rng = np.random.default_rng(sum(shape) + dy_bits + 2 * x_bits)
+    rows = int(np.prod(shape[:-1]))
+    dy, x = _op_case(rng, rows, shape[-1], dy_bits, x_bits)
+    dy, x = dy.reshape(shape), x.reshape(shape)
+    attrs = dict({"approximate": "tanh"}, **({"bits_copy": [0], "bits_out": [1]} if copy else {}))
+    outs = ["dx", "copy"] if copy else ["dx"]
+    fused = make_kernel(Op("g", "GeluGrad", ["dy", "x"], outs + ["db"],
+                           dict(attrs, bias_grad=True)))
+    plain = make_kernel(Op("g", "GeluGrad", ["dy", "x"], outs, dict(attrs)))
+    bias = make_kernel(Op("b", "InnerProductGradBias", ["dx"], ["db"], {}))
+
+    def arrays(put):
+        o = [put(np.zeros(shape, np.float32))]
+        if copy:
+            o.append(put(np.zeros(shape, np.uint16)))
+        return [put(dy), put(x)], o, put(np.full(shape[-1], np.nan, np.float32))
+
+    for put, get, launched in ((device.to_device, lambda a: np.array(device.to_host(a)), True),
+                               (np.array, np.asarray, False)):
+        ins, o, db = arrays(put)
+        fused.setup(ins, o + [db])
+        device.launched.clear()
+        fused.run(ins, o + [db])
+        new = [get(a) for a in o + [db]]
+        got = list(device.launched)
+        ins, o, db = arrays(put)
+        plain.setup(ins, o)
+        bias.setup([o[0]], [db])
+        plain.run(ins, o)
+        bias.run([o[0]], [db])
+        old = [get(a) for a in o + [db]]
+        for a, b in zip(new, old):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        if launched and shape[-1] % 4 == 0:
+            name = "gelu_backward" + "_bdy" * dy_bits + "_bx" * x_bits + "_copy" * copy + \
+                "_colsum_f32"
+            assert got[0] == name and "sum_rows_vec_f32" not in got, got
+
+
+def _gpt_graph(monkeypatch, host_build_dir, fold, precision="bf16"):
+    from tests.test_bf16_storage import _gpt
+    monkeypatch.setenv("PURINE_GELU_BIAS_GRAD", "1" if fold else "0")
+    return _gpt(monkeypatch, host_build_dir, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_pass_folds_the_mlp_fc_bias_gradient_only(host_build_dir, monkeypatch, precision):
+    """In the 2-block GPT with PURINE_GELU_BIAS_GRAD=1: each block's MLP fc
+    bias gradient (the one that read GeluGrad's dx) is gone, its db the
+    GeluGrad's last output; every other bias gradient (qkv, the
+    projections) stays; nothing changes with the variable off (the
+    default)."""
+    off = _gpt_graph(monkeypatch, host_build_dir, False, precision)
+    on = _gpt_graph(monkeypatch, host_build_dir, True, precision)
+    prod_off = off.producers()
+    bias_off = {op.outputs[0]: op.inputs[0] for op in off.ops.values()
+                if op.op_type == "InnerProductGradBias"}
+    of_gelu = {db for db, dx in bias_off.items() if prod_off[dx][0].op_type == "GeluGrad"}
+    assert len(of_gelu) == 2   # one a block
+    assert not any(op.attrs.get("bias_grad") for op in off.ops.values())
+    bias_on = {op.outputs[0] for op in on.ops.values() if op.op_type == "InnerProductGradBias"}
+    assert bias_on == set(bias_off) - of_gelu
+    prod_on = on.producers()
+    for db in of_gelu:
+        (g,) = prod_on[db]
+        assert g.op_type == "GeluGrad" and g.attrs["bias_grad"] and g.outputs[-1] == db
+        assert on.blobs[db].dtype == "float32"
+        assert len(g.outputs) == (3 if precision == "bf16" else 2)
+    assert len(on.ops) == len(off.ops) - 2
+
+
+def test_the_pass_leaves_other_patterns(host_build_dir, monkeypatch):
+    """A GeluGrad whose dx an InnerProductGradBias sums, but whose x is not
+    an fc output (a Gelu of a graph input), and an accumulating bias
+    gradient, are not folded."""
+    from purine_mpi.graph.core import Graph
+    from purine_mpi.parallel.fuse import fold_gelu_bias_grads
+    def graph(x_from_fc, accumulate):
+        g = Graph()
+        for name, shape in (("a", (4, 8)), ("w", (8, 8)), ("b", (8,)), ("x", (4, 8)),
+                            ("dy", (4, 8)), ("dx", (4, 8)), ("db", (8,))):
+            g.add_blob(name, shape)
+        if x_from_fc:
+            g.add_op("fc", "InnerProduct", ["a", "w", "b"], ["x"], {})
+        g.add_op("gg", "GeluGrad", ["dy", "x"], ["dx"], {"approximate": "none"})
+        g.add_op("gb", "InnerProductGradBias", ["dx"], ["db"], {}, accumulate=accumulate)
+        return g
+
+    for x_from_fc, accumulate in ((False, False), (True, True)):
+        g = graph(x_from_fc, accumulate)
+        assert fold_gelu_bias_grads(g) == []
+        assert "gb" in g.ops and not g.ops["gg"].attrs.get("bias_grad")
+    g = graph(True, False)   # and the pattern itself is folded
+    assert fold_gelu_bias_grads(g) == ["gb"]
+    assert g.ops["gg"].outputs == ["dx", "db"] and g.ops["gg"].attrs["bias_grad"]
+
+
+def test_a_bf16_gpt_trains_bitwise_the_same_with_the_fold(host_build_dir, monkeypatch):
+    """Three captured AdamW steps of the 2-block bf16 GPT on the emulated
+    device: the losses and every weight bit for bit the same with
+    PURINE_GELU_BIAS_GRAD=1 as without, the fused kernel launched in place
+    of each GELU backward kernel and one column-sum launch fewer for each."""
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.helpers import bf16_gpt_steps
+    from tests.test_precision import SOLVER
+    runs = {}
+    for fold in ("1", "0"):
+        with monkeypatch.context() as m:
+            m.setenv("PURINE_GELU_BIAS_GRAD", fold)
+            use_emulated_cupy(m, host_build_dir)
+            runs[fold] = bf16_gpt_steps(m, SOLVER, 3, 2, cuda_graph=True)
+    on, off = runs["1"], runs["0"]
+    assert on[0] == off[0] and on[0][-1] != on[0][0]
+    assert sorted(on[1]) == sorted(off[1])
+    for name in on[1]:
+        np.testing.assert_array_equal(on[1][name].view(np.uint32), off[1][name].view(np.uint32),
+                                      err_msg=name)
+    first_on, first_off = on[2][0], off[2][0]
+    gelu = first_off["gelu_backward_bdy_bx_copy_vec_f32"]   # a block's, counted as launched
+    assert gelu > 0 and gelu % 2 == 0
+    assert first_on["gelu_backward_bdy_bx_copy_colsum_f32"] == gelu
+    assert first_on.get("gelu_backward_bdy_bx_copy_vec_f32", 0) == 0
+    assert first_off.get("gelu_backward_bdy_bx_copy_colsum_f32", 0) == 0
+    sums = ("sum_rows_vec_f32", "sum_rows_f32", "sum_rows_bits_vec_f32", "sum_rows_bits_f32")
+    assert sum(first_on.get(f, 0) for f in sums) == sum(first_off.get(f, 0) for f in sums) - gelu
