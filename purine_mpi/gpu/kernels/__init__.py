@@ -37,6 +37,7 @@ from .elementwise import (dropout_forward, dropout_apply, dropout_backward, phil
                           gelu_forward_bits, gelu_backward, gelu_backward_bias_grad,
                           channel_sum, bias_grad, bias_grad_scratch,
                           sum_rows, embedding_grad, embedding_grad_scratch, layernorm_forward,
-                          layernorm_backward,
+                          layernorm_backward, layernorm_backward_sums, layernorm_sums_ok,
+                          layernorm_sums_scratch,
                           round_in_place, round_copy, to_bf16_bits_device,
                           from_bf16_bits_device)

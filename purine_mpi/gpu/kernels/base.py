@@ -52,7 +52,10 @@ PLAIN_ENTRY_POINTS = {
                    "gelu_backward_bdy_colsum_f32", "gelu_backward_bdy_copy_colsum_f32",
                    "gelu_backward_bdy_bx_colsum_f32", "gelu_backward_bdy_bx_copy_colsum_f32"),
     "layernorm": ("layernorm_forward_bits_f32", "layernorm_backward_bdy_f32",
-                  "layernorm_backward_copy_f32", "layernorm_backward_bdy_copy_f32"),
+                  "layernorm_backward_copy_f32", "layernorm_backward_bdy_copy_f32",
+                  # dx and the partial column sums of dy and dy * xhat (db, dg)
+                  "layernorm_backward_colsum_f32", "layernorm_backward_copy_colsum_f32",
+                  "layernorm_backward_bdy_colsum_f32", "layernorm_backward_bdy_copy_colsum_f32"),
     "dropout": ("philox_words", "dropout_apply_copy_f32", "dropout_backward_copy_f32",
                 "dropout_backward_packed_copy_f32"),
     "lr_policy": ("learning_rate", "iteration_next"),

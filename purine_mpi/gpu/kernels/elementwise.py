@@ -853,6 +853,101 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
     return dx, dyxhat
 
 
+#: cuda/layernorm.cu's layernorm_backward_..._colsum_f32: the most 128-column
+#: chunks a lane holds (PURINE_LN_SUM_CHUNKS) and the rows a warp takes
+#: (PURINE_LN_SUM_ROWS), which size the grid
+LN_SUM_CHUNKS, LN_SUM_ROWS = 8, 4
+
+
+def layernorm_sums_ok(shape, dtype):
+    """Whether ``layernorm_backward_sums`` takes an x of ``shape`` and
+    ``dtype``: float32, the width a multiple of 4 and at most 128
+    ``LN_SUM_CHUNKS`` (1024; GPT-2 124M's 768), at least one row."""
+    if np.dtype(dtype) != np.dtype(np.float32) or not len(shape):
+        return False
+    cols = int(shape[-1])
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return rows > 0 and 0 < cols <= 128 * LN_SUM_CHUNKS and cols % 4 == 0
+
+
+def layernorm_sums_blocks(rows):
+    """The jobs of ``layernorm_backward_sums`` (its grid: one block a job):
+    ``LN_SUM_ROWS`` rows a warp of _REDUCE_THREADS / 32 warps a block, at
+    most _MAX_BLOCKS (then a job takes more rows). A function of the rows
+    alone, passed to the kernel: each job's rows, so the partial sums'
+    order, depend on the shape alone, not on the grid that runs them."""
+    per_block = (_REDUCE_THREADS // 32) * LN_SUM_ROWS
+    return max(1, min(-(-int(rows) // per_block), _MAX_BLOCKS))
+
+
+def layernorm_sums_scratch(shape):
+    """The (shape, dtype) of ``layernorm_backward_sums``' partial sums for an
+    x of ``shape``: db's then dg's, a double per column per block."""
+    cols = int(shape[-1])
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return ((2 * cols * layernorm_sums_blocks(rows),), np.float64)
+
+
+def layernorm_backward_sums(dy, x, g, mean, rstd, dx, dg, db, copy=None, partial=None):
+    """``layernorm_backward``'s dx (and ``copy``) of a float32 x (width a
+    multiple of 4, at most 1024: ``layernorm_sums_ok``) and the weight and
+    bias gradients ``dg`` = the column sums of dy * xhat and ``db`` = those
+    of dy (float32, x's width), without dy * xhat in memory:
+    cuda/layernorm.cu ``layernorm_backward[_bdy][_copy]_colsum_f32`` (the
+    _vec path's dx bit for bit; each block's partial column sums, its
+    warps' float32 sums of their rows added in warp order in double) then
+    reduce.cu's ``bias_grad_finish_f32`` adding each column's block sums in
+    block order, for db and for dg (the second stage): no atomics, the same
+    bits every run. ``dx`` may be None (no dx; then no ``copy``).
+    ``partial``: scratch of ``layernorm_sums_scratch(x.shape)`` (None: a new
+    device array)."""
+    cupy = import_cupy()
+    if not layernorm_sums_ok(x.shape, x.dtype):
+        raise ValueError(f"layernorm_backward_sums: a float32 x of width a multiple of 4 and "
+                         f"at most {128 * LN_SUM_CHUNKS}, got {x.dtype} {tuple(x.shape)}")
+    if copy is not None:
+        if dx is None:
+            raise ValueError("layernorm_backward_sums: a copy takes a dx")
+        _bits_array(copy, np.uint16, "layernorm_backward_sums: copy")
+        if copy.size != x.size or any(copy is a for a in (x, g, mean, rstd)):
+            raise ValueError(f"layernorm_backward_sums: copy must be x's {x.size} elements on "
+                             f"no input's bytes but a bits dy's, got {copy.size}")
+    n = int(np.prod(x.shape[:-1], dtype=np.int64))
+    c = int(x.shape[-1])
+    outs = {name: (a, c) for name, a in (("dg", dg), ("db", db))}
+    if dx is not None:
+        outs["dx"] = (dx, x.size)
+    bits = _is_bits(dy)
+    if bits:
+        _bits_array(dy, np.uint16, "layernorm_backward_sums: dy")
+        if dy.size != x.size:
+            raise ValueError(f"layernorm_backward_sums: a bits dy of x's {x.size} elements, "
+                             f"got {dy.size}")
+    else:
+        outs["dy"] = (dy, x.size)
+    x, rows, cols = _ln_rows(cupy, "layernorm_backward_sums", x, g=(g, c), mean=(mean, n),
+                             rstd=(rstd, n), **outs)
+    blocks = layernorm_sums_blocks(rows)
+    (want,), dtype = layernorm_sums_scratch(x.shape)
+    if partial is None:
+        partial = cupy.empty(want, dtype=dtype)
+    elif partial.dtype != dtype or partial.size < want or not partial.flags.c_contiguous:
+        raise ValueError(f"layernorm_backward_sums: partial must be a contiguous float64 array "
+                         f"of at least {want} elements, got {partial.size} {partial.dtype}")
+    func = "layernorm_backward" + "_bdy" * bits + "_copy" * (copy is not None) + "_colsum_f32"
+    if copy is not None:
+        args = (dx, copy, np.int64(blocks), partial)
+    else:
+        args = (x if dx is None else dx, _int(dx is not None), np.int64(blocks), partial)
+    _base._launch_blocks("layernorm", func, None, blocks, _REDUCE_THREADS,
+                         (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd, *args))
+    half = cols * blocks
+    for q, out in enumerate((db, dg)):
+        _base._launch("reduce", "bias_grad_finish", out.dtype, cols,
+                      (np.int64(blocks), _int(0), partial[q * half:(q + 1) * half], out))
+    return dx, dg, db
+
+
 # -------------------------------------------------------------- rounding ---
 
 #: the entry point of cuda/precision.cu for each dtype name
