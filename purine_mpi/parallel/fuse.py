@@ -53,6 +53,16 @@ for what it waited for (``_fused_into``).
     second read of dx. The same bits (the sums' blocks and order are
     ``sum_rows``'s).
 
+``fold_layernorm_sums(graph)``
+    (``PURINE_LN_SUMS=1``; off by default until a GPU has timed it:
+    benchmarks/layernorm_kernel_gpu.py) Each ``LayerNormGrad`` that writes
+    dg and db gets attr ``column_sums``: on a GPU (float32, width a
+    multiple of 4 up to 1024) its backward kernel writes the blocks'
+    partial column sums of dy and dy * xhat and a finishing kernel adds
+    them (``kernels.layernorm_backward_sums``), in place of dy * xhat in
+    scratch and two column-sum kernels. dx keeps its bits; dg and db are
+    the same sums in another fixed order (last bits).
+
 ``fuse_for_device(graph, train=True)`` applies them to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
 """
@@ -337,15 +347,31 @@ def fold_gelu_bias_grads(graph):
     return folded
 
 
+def fold_layernorm_sums(graph):
+    """Mark each ``LayerNormGrad`` that writes dg and db, not accumulating,
+    ``column_sums`` (see the module docstring). Returns their names."""
+    marked = []
+    for op in graph.ops.values():
+        wanted = op.attrs.get("outputs", ())
+        if op.op_type == "LayerNormGrad" and not op.accumulate and "dg" in wanted and \
+                "db" in wanted:
+            op.attrs["column_sums"] = True
+            marked.append(op.name)
+    return marked
+
+
 def fuse_for_device(graph, train=True):
     """The rewrites on a placed graph (the update and clip ones on a
-    training graph; the GELU bias-gradient fold where
-    ``PURINE_GELU_BIAS_GRAD`` is on); returns the graph."""
+    training graph; the GELU bias-gradient fold and the layer norms'
+    column sums where ``PURINE_GELU_BIAS_GRAD`` / ``PURINE_LN_SUMS`` are
+    on); returns the graph."""
     fuse_relu(graph)
     if train:
         from ..base import env
         if env.get("PURINE_GELU_BIAS_GRAD"):
             fold_gelu_bias_grads(graph)
+        if env.get("PURINE_LN_SUMS"):
+            fold_layernorm_sums(graph)
         fuse_dgrad_relu(graph)
         fuse_clip(graph)
         fuse_updates(graph)
