@@ -123,11 +123,13 @@ __device__ __forceinline__ T purine_add_rn(T a, T b) { return a + b; }
 template <typename T>
 __device__ __forceinline__ T purine_mul_rn(T a, T b) { return a * b; }
 #endif
-// dx = dy * d of the GELU gradient. A GPU's product of a NaN is its one
-// canonical NaN; x86's, of two NaNs, the first operand's, which g++ may
-// swap, differently in each kernel instantiated: the host build (the
+// dx = dy * d of the GELU gradient, and y = x * Phi(x) of its forward. A
+// GPU's product of a NaN is its one canonical NaN; x86's, of two NaNs, the
+// first operand's, which g++ may swap, differently in each kernel
+// instantiated (and as the source around it changes: the forward's vec and
+// old kernels parted when the _colsum kernels came): the host build (the
 // emulated device) multiplies in one out-of-line function, so that every
-// gradient kernel (dy float32 or bits, with a copy or not) gives the same
+// kernel (dy float32 or bits, with a copy or not, vec or not) gives the same
 // NaN for the same operands.
 #ifdef __CUDACC__
 template <typename T>
@@ -220,7 +222,7 @@ __device__ void gelu_forward_loop(long long total, const X* x, int round, Y* y) 
     } else {
       purine_normal(v, &factor, &unused);
     }
-    purine_store(y, i, T(v * factor), round);
+    purine_store(y, i, purine_mul_dx(v, factor), round);
   }
 }
 
@@ -497,7 +499,7 @@ __device__ __forceinline__ float purine_gelu_y(float v) {
   } else {
     purine_normal(v, &factor, &unused);
   }
-  return float(v * factor);
+  return purine_mul_dx(v, factor);
 }
 
 template <bool TANH>
