@@ -696,10 +696,12 @@ __device__ void gelu_backward_colsum_loop(long long cols, const D* dy, const X* 
         for (; i + (batch - 1) * d < last; i += batch * d) {
           typename GD::type g[PURINE_GELU_SUM_BATCH];
           typename GX::type v[PURINE_GELU_SUM_BATCH];
+#pragma unroll
           for (int b = 0; b < batch; ++b) {
             g[b] = GD::load(dy, (i + b * d) * cols + c);
             v[b] = GX::load(x, (i + b * d) * cols + c);
           }
+#pragma unroll
           for (int b = 0; b < batch; ++b) {
             float r[4];
             purine_gelu_four<D, X, TANH, COPY>(g[b], v[b], round, (i + b * d) * cols + c, dx,

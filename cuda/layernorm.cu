@@ -345,7 +345,15 @@ extern "C" __global__ void layernorm_backward_bdy_copy_f32(long long rows, long 
 // (and the block size, fixed), so the same bits every run. cols a multiple of 4, at most 128 PURINE_LN_SUM_CHUNKS;
 // an array off the 16-byte (bits: 8-byte) grid is read and written an
 // element at a time in the same lanes (VEC false): the same numbers.
-#define PURINE_LN_SUM_CHUNKS 8   // 1024 columns at most
+#define PURINE_LN_SUM_CHUNKS 6   // 768 columns at most (GPT-2 124M's width)
+// a lane's 2 x 4 CH float32 sums live in registers: 128 a thread at CH 6 on
+// sm_90, no spills (CH 8 took 168, one block of 256 threads an SM); bounded
+// so that two blocks fit an SM
+#ifdef __CUDACC__
+#define PURINE_LN_SUM_BOUNDS __launch_bounds__(256, 2)
+#else
+#define PURINE_LN_SUM_BOUNDS
+#endif
 #define PURINE_LN_SUM_ROWS 4     // rows a warp, the launcher's grid
 
 template <bool VEC, typename T, typename V>
@@ -370,8 +378,8 @@ __device__ void layernorm_backward_colsum_rows(long long rows, long long cols, c
                                                const float* x, const float* g,
                                                const float* mean, const float* rstd,
                                                float* dx, int has_dx, unsigned short* copy,
-                                               long long blocks, double* partial) {
-  __shared__ double sums[2][128 * PURINE_LN_SUM_CHUNKS];
+                                               long long blocks, double* partial,
+                                               double* sums) {   // 2 x 128 CHUNKS, shared
   const long long warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
   const long long lane = threadIdx.x & 31u, step = 128;
   // job b: the rows b warps + warp + k blocks warps of each warp, partial sums
@@ -430,16 +438,18 @@ __device__ void layernorm_backward_colsum_rows(long long rows, long long cols, c
           const long long c = lane * 4 + k * step;
           if (c >= cols) break;
           for (int j = 0; j < 4; ++j) {
-            sums[0][c + j] = (w == 0 ? 0.0 : sums[0][c + j]) + (double)db[k][j];
-            sums[1][c + j] = (w == 0 ? 0.0 : sums[1][c + j]) + (double)dg[k][j];
+            double* s0 = sums + c + j;                              // db's
+            double* s1 = sums + 128 * PURINE_LN_SUM_CHUNKS + c + j;   // dg's
+            *s0 = (w == 0 ? 0.0 : *s0) + (double)db[k][j];
+            *s1 = (w == 0 ? 0.0 : *s1) + (double)dg[k][j];
           }
         }
       }
     }
     __syncthreads();
     for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
-      partial[c * blocks + job] = sums[0][c];
-      partial[(cols + c) * blocks + job] = sums[1][c];
+      partial[c * blocks + job] = sums[c];
+      partial[(cols + c) * blocks + job] = sums[128 * PURINE_LN_SUM_CHUNKS + c];
     }
   }
 }
@@ -450,6 +460,8 @@ __device__ void layernorm_backward_colsum(long long rows, long long cols, const 
                                           const float* rstd, float* dx, int has_dx,
                                           unsigned short* copy, long long blocks,
                                           double* partial) {
+  // one array for every instantiation below (each its own: 16 of them)
+  __shared__ double sums[2 * 128 * PURINE_LN_SUM_CHUNKS];
   const bool vec = purine_ln_vec_ok(dy) && purine_ln_vec_ok(x) && purine_ln_vec_ok(g) &&
                    purine_ln_vec_ok(dx) && (!COPY || purine_ln_vec_ok(copy));
   const int chunks = (int)((cols + 127) / 128);
@@ -457,10 +469,10 @@ __device__ void layernorm_backward_colsum(long long rows, long long cols, const 
   case CH:                                                                                 \
     if (vec) {                                                                             \
       layernorm_backward_colsum_rows<CH, true, D, COPY>(rows, cols, dy, x, g, mean, rstd, \
-                                                        dx, has_dx, copy, blocks, partial); \
+                                                        dx, has_dx, copy, blocks, partial, sums); \
     } else {                                                                               \
       layernorm_backward_colsum_rows<CH, false, D, COPY>(rows, cols, dy, x, g, mean, rstd, \
-                                                         dx, has_dx, copy, blocks, partial); \
+                                                         dx, has_dx, copy, blocks, partial, sums); \
     }                                                                                      \
     break;
   switch (chunks) {
@@ -470,15 +482,14 @@ __device__ void layernorm_backward_colsum(long long rows, long long cols, const 
     PURINE_LN_COLSUM_CASE(4)
     PURINE_LN_COLSUM_CASE(5)
     PURINE_LN_COLSUM_CASE(6)
-    PURINE_LN_COLSUM_CASE(7)
-    PURINE_LN_COLSUM_CASE(8)
     default: break;   // the launcher never asks (cols > 128 PURINE_LN_SUM_CHUNKS)
   }
 #undef PURINE_LN_COLSUM_CASE
 }
 
 #define PURINE_LN_BACKWARD_COLSUM(NAME, D)                                                  \
-  extern "C" __global__ void NAME##_colsum_f32(long long rows, long long cols, const D* dy,  \
+  extern "C" __global__ void PURINE_LN_SUM_BOUNDS NAME##_colsum_f32(                       \
+      long long rows, long long cols, const D* dy,                                          \
                                                const float* x, const float* g,              \
                                                const float* mean, const float* rstd,        \
                                                float* dx, int has_dx, long long blocks,     \
@@ -486,7 +497,7 @@ __device__ void layernorm_backward_colsum(long long rows, long long cols, const 
     layernorm_backward_colsum<D, false>(rows, cols, dy, x, g, mean, rstd, dx, has_dx,       \
                                         nullptr, blocks, partial);                          \
   }                                                                                         \
-  extern "C" __global__ void NAME##_copy_colsum_f32(                                        \
+  extern "C" __global__ void PURINE_LN_SUM_BOUNDS NAME##_copy_colsum_f32(                   \
       long long rows, long long cols, const D* dy, const float* x, const float* g,          \
       const float* mean, const float* rstd, float* dx, unsigned short* copy,                \
       long long blocks, double* partial) {                                                  \

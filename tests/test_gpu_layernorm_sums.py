@@ -71,7 +71,7 @@ def _reference(dy, x, g, mean, rstd):
 
 @pytest.mark.parametrize("dy_bits,copy", [(True, True), (False, False), (False, True),
                                           (True, False)])
-@pytest.mark.parametrize("shape", [(300, 64), (37, 768), (5, 12), (70, 1024)])
+@pytest.mark.parametrize("shape", [(300, 64), (37, 768), (5, 12), (70, 640)])
 def test_dx_is_todays_kernels_bit_for_bit(device, dy_bits, copy, shape):
     rng = np.random.default_rng(shape[0] + shape[1] + 2 * dy_bits + copy)
     args = _inputs(rng, *shape, dy_bits)
@@ -135,7 +135,8 @@ def test_the_sums_are_the_same_run_to_run(device):
 def test_shapes_it_does_not_take_are_refused_in_a_line(device):
     assert kernels.layernorm_sums_ok((4, 768), np.float32)
     assert not kernels.layernorm_sums_ok((4, 770), np.float32)
-    assert not kernels.layernorm_sums_ok((4, 1028), np.float32)
+    assert not kernels.layernorm_sums_ok((4, 772), np.float32)
+    assert not kernels.layernorm_sums_ok((4, 1024), np.float32)   # GPT-2 medium: today's path
     assert not kernels.layernorm_sums_ok((4, 768), np.float64)
     x = device.to_device(np.zeros((4, 6), np.float32))
     with pytest.raises(ValueError, match="multiple of 4"):

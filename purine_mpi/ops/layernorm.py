@@ -222,7 +222,7 @@ class LayerNormGrad(OpKernel):
 
     With attr ``column_sums: true`` (parallel/fuse.fold_layernorm_sums,
     opted in by ``PURINE_LN_SUMS=1``), dg and db both wanted and a float32
-    x of width a multiple of 4 up to 1024 on a GPU: one backward kernel
+    x of width a multiple of 4 up to 768 on a GPU: one backward kernel
     that also writes each block's partial column sums of dy and dy * xhat,
     and a finishing kernel for each (``kernels.layernorm_backward_sums``):
     no dy * xhat array (x's size) in the scratch, dy not read again for db;

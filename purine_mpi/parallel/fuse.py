@@ -57,7 +57,7 @@ for what it waited for (``_fused_into``).
     (``PURINE_LN_SUMS=1``; off by default until a GPU has timed it:
     benchmarks/layernorm_kernel_gpu.py) Each ``LayerNormGrad`` that writes
     dg and db gets attr ``column_sums``: on a GPU (float32, width a
-    multiple of 4 up to 1024) its backward kernel writes the blocks'
+    multiple of 4 up to 768) its backward kernel writes the blocks'
     partial column sums of dy and dy * xhat and a finishing kernel adds
     them (``kernels.layernorm_backward_sums``), in place of dy * xhat in
     scratch and two column-sum kernels. dx keeps its bits; dg and db are

@@ -856,13 +856,14 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
 #: cuda/layernorm.cu's layernorm_backward_..._colsum_f32: the most 128-column
 #: chunks a lane holds (PURINE_LN_SUM_CHUNKS) and the rows a warp takes
 #: (PURINE_LN_SUM_ROWS), which size the grid
-LN_SUM_CHUNKS, LN_SUM_ROWS = 8, 4
+LN_SUM_CHUNKS, LN_SUM_ROWS = 6, 4
 
 
 def layernorm_sums_ok(shape, dtype):
     """Whether ``layernorm_backward_sums`` takes an x of ``shape`` and
     ``dtype``: float32, the width a multiple of 4 and at most 128
-    ``LN_SUM_CHUNKS`` (1024; GPT-2 124M's 768), at least one row."""
+    ``LN_SUM_CHUNKS`` (768: GPT-2 124M's; a lane's sums are registers),
+    at least one row."""
     if np.dtype(dtype) != np.dtype(np.float32) or not len(shape):
         return False
     cols = int(shape[-1])
@@ -890,7 +891,7 @@ def layernorm_sums_scratch(shape):
 
 def layernorm_backward_sums(dy, x, g, mean, rstd, dx, dg, db, copy=None, partial=None):
     """``layernorm_backward``'s dx (and ``copy``) of a float32 x (width a
-    multiple of 4, at most 1024: ``layernorm_sums_ok``) and the weight and
+    multiple of 4, at most 768: ``layernorm_sums_ok``) and the weight and
     bias gradients ``dg`` = the column sums of dy * xhat and ``db`` = those
     of dy (float32, x's width), without dy * xhat in memory:
     cuda/layernorm.cu ``layernorm_backward[_bdy][_copy]_colsum_f32`` (the
