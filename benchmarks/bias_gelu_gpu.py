@@ -10,10 +10,15 @@ median ms of a launch over the rounds, the GB/s of the bytes it must move
 (bias: float32 read, bits written, 6 bytes an element; GELU forward: bits
 in, bits out, 4; backward: dy and x bits read, float32 dx and its bits
 written, 10; the bias gradients' column sums ``sum_rows``, old against
-``sum_rows_vec_f32`` / ``sum_rows_bits_vec_f32``: x read once, 4 or 2)
+``sum_rows_vec_f32`` / ``sum_rows_bits_vec_f32``: x read once, 4 or 2;
+``gelu_backward_bias_grad``: GELU's backward with fc1's bias gradient,
+old the backward kernel then ``sum_rows`` reading dx again, 14 bytes an
+element, new ``gelu_backward_bdy_bx_copy_colsum_f32``, the column sums in
+the same pass, 10 -- the row's rates are of the 10 both must move)
 and that rate's fraction of ``--bound-gbs`` (4800: an H200's HBM3e); each pair's speedup and whether new and old agree bit for bit;
 and ``ms_per_gpt2_step``: old, new and bound summed over a GPT-2 124M
-step's launches (48 bias adds, 12 GELUs each way).
+step's launches (48 bias adds, 12 GELUs each way, 12 GELU backwards with
+their bias gradient).
 
     python benchmarks/bias_gelu_gpu.py [--rows 16384 --approximate tanh]
 
@@ -79,6 +84,22 @@ def main(argv=None):
     cases["gelu_backward_bdy_bx_copy"] = (
         lambda vec: kernels.gelu_backward(dy, x, args.approximate, out=dx, copy=copy, vec=vec),
         10 * n * m, (dx, copy))
+    # GELU's backward with fc1's bias gradient: old, the _vec kernel then
+    # sum_rows_vec_f32 reading dx again (+ bias_grad_finish); new, one pass
+    # (gelu_backward_bdy_bx_copy_colsum_f32 + the finish), PURINE_GELU_BIAS_GRAD=1
+    dx2, copy2 = cupy.empty((n, m), np.float32), cupy.empty_like(x)
+    db2 = cupy.empty((m,), np.float32)
+    partial2 = cupy.empty(kernels.bias_grad_scratch((n, m))[0], np.float64)
+
+    def gelu_bias(vec):
+        if vec:
+            kernels.gelu_backward_bias_grad(dy, x, args.approximate, dx2, db2, copy=copy2,
+                                            partial=partial2)
+            return
+        kernels.gelu_backward(dy, x, args.approximate, out=dx2, copy=copy2)
+        kernels.sum_rows(dx2, db2, partial=partial2)
+
+    cases["gelu_backward_bias_grad"] = (gelu_bias, 10 * n * m, (dx2, copy2, db2, partial2))
     # the bias gradients' column sums (cuda/reduce.cu sum_rows): float32 dys of
     # the projection / fc2 and fc1, the qkv's dy as bits (sum_rows_bits)
     for label, a in ((f"sum_rows_{w}", values(n * w, 1.0, 0.5).reshape(n, w)),
@@ -124,11 +145,13 @@ def main(argv=None):
     # projection, fc1 and fc2; one GELU each way): old and new ms a step, to
     # set beside a profile's per-kernel totals
     per_step = {f"bias_bits_{3 * w}": 12, f"bias_bits_{w}": 24, f"bias_bits_{4 * w}": 12,
-                "gelu_forward_bits": 12, "gelu_backward_bdy_bx_copy": 12}
+                "gelu_forward_bits": 12, "gelu_backward_bdy_bx_copy": 12,
+                "gelu_backward_bias_grad": 12}
     step = {}
     for group, names in (("bias_bits", [k for k in per_step if k.startswith("bias_bits")]),
                          ("gelu_forward_bits", ["gelu_forward_bits"]),
-                         ("gelu_backward_bdy_bx_copy", ["gelu_backward_bdy_bx_copy"])):
+                         ("gelu_backward_bdy_bx_copy", ["gelu_backward_bdy_bx_copy"]),
+                         ("gelu_backward_bias_grad", ["gelu_backward_bias_grad"])):
         step[group] = {side: round(sum(per_step[k] * results[k][side]["ms"] for k in names), 3)
                        for side in ("old", "new")}
         step[group]["bound"] = round(sum(per_step[k] * results[k]["bound_ms"] for k in names), 3)

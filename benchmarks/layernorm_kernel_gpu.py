@@ -15,7 +15,12 @@ dx, dyxhat written, 2 + 4 + 4 + 4 bytes an element, and mean and rstd read)
 and that rate's fraction of ``--bound-gbs`` (4800: an H200's HBM3e); and
 the new kernels' agreement with the old (the number of elements whose bits
 differ and the largest difference, per output: the new kernels change only
-the order of the double sums, so few or none).
+the order of the double sums, so few or none). And ``layernorm_backward_sums``
+(PURINE_LN_SUMS=1): the backward with dg and db, old the warp-per-row
+backward writing dyxhat and ``sum_rows`` over dy and dyxhat (2 + 4 + 4 + 4
++ 2 + 4 = 20 bytes an element), new ``layernorm_backward_bdy_colsum_f32``
+and the two finishes (10 bytes an element, its rates' bytes, + the blocks'
+partial sums); dx must agree bit for bit, dg and db in their last bits.
 
     python benchmarks/layernorm_kernel_gpu.py [--rows 16384 --cols 768]
 
@@ -37,6 +42,9 @@ if HERE not in sys.path:
 import kernel_bench  # noqa: E402  (benchmarks/kernel_bench.py)
 
 FORWARD, BACKWARD = "layernorm_forward_bits_f32", "layernorm_backward_bdy_f32"
+#: the backward with dg's and db's column sums: old (the backward, dyxhat,
+#: two sum_rows) against new (kernels.layernorm_backward_sums)
+SUMS = "layernorm_backward_sums"
 THREADS = 256   # PURINE_LN_THREADS of both sources
 
 
@@ -102,17 +110,52 @@ def main(argv=None):
             np.int64(n), np.int64(c), dy, x, g, s["mean"], s["rstd"], o["dx"], np.int32(1),
             o["dyxhat"], np.int32(1)))
 
+    # the backward with dg's and db's column sums (PURINE_LN_SUMS=1): old, the
+    # warp-per-row backward writing dyxhat, then sum_rows over dy (db) and over
+    # dyxhat (dg); new, layernorm_backward_bdy_colsum_f32 (the blocks' partial
+    # sums) and bias_grad_finish for each
+    from purine_mpi.gpu import kernels
+    st = out["old"]
+    xd, dyd, gd = (cupy.asarray(a) for a in (x, dy, g))   # (CuPy's own arrays already)
+    sums = {side: {"dx": cupy.empty((n, c), f32), "dg": cupy.empty(c, f32),
+                   "db": cupy.empty(c, f32)} for side in ("old", "new")}
+    dyxhat = cupy.empty((n, c), f32)
+    col_partial = cupy.empty(kernels.bias_grad_scratch((n, c))[0], np.float64)
+    ln_partial = cupy.empty(kernels.layernorm_sums_scratch((n, c))[0], np.float64)
+
+    def with_sums(side):
+        o = sums[side]
+        if side == "new":
+            return lambda: kernels.layernorm_backward_sums(
+                dyd, xd, gd, st["mean"], st["rstd"], o["dx"], o["dg"], o["db"],
+                partial=ln_partial)
+
+        def old():
+            kernels.sum_rows(dyd, o["db"], partial=col_partial)
+            kernels.layernorm_backward(dyd, xd, gd, st["mean"], st["rstd"], dx=o["dx"],
+                                       dyxhat=dyxhat)
+            kernels.sum_rows(dyxhat, o["dg"], partial=col_partial)
+        return old
+
     launches = {}
     for side in ("old", "new"):
         launches[f"{FORWARD}:{side}"] = forward(side)
     for side in ("old", "new"):
         launches[f"{BACKWARD}:{side}"] = backward(side)
+    for side in ("old", "new"):
+        launches[f"{SUMS}:{side}"] = with_sums(side)
     for launch in launches.values():   # compile, warm up; the outputs compared below
         launch()
     cupy.cuda.Device().synchronize()
     agreement = {name: _differ(cupy, out["new"][name], out["old"][name])
                  for name in ("y", "mean", "rstd", "dx", "dyxhat")}
-    moved = {FORWARD: n * c * (4 + 2) + n * 8, BACKWARD: n * c * (2 + 4 + 4 + 4) + n * 8}
+    agreement.update({f"sums_{name}": _differ(cupy, sums["new"][name], sums["old"][name])
+                      for name in ("dx", "dg", "db")})
+    # the backward with its sums: what both must move, the new one's (dy, x
+    # read, dx written); the old one moves 10 bytes an element more (dyxhat
+    # written and read, dy read again) -- see SUMS_OLD_BYTES in the report
+    moved = {FORWARD: n * c * (4 + 2) + n * 8, BACKWARD: n * c * (2 + 4 + 4 + 4) + n * 8,
+             SUMS: n * c * (2 + 4 + 4) + n * 8}
     # interleaved: each kernel once a round
     times, rounds = kernel_bench.interleaved(cupy, launches, args, began)
     results = {}
@@ -128,6 +171,9 @@ def main(argv=None):
                                  / results[f"{FORWARD}:new"]["ms"], 3),
         "backward_speedup": round(results[f"{BACKWARD}:old"]["ms"]
                                   / results[f"{BACKWARD}:new"]["ms"], 3),
+        "backward_with_sums_speedup": round(results[f"{SUMS}:old"]["ms"]
+                                            / results[f"{SUMS}:new"]["ms"], 3),
+        "backward_with_sums_old_bytes": n * c * (2 + 4 + 4 + 4 + 2 + 4) + n * 8,
         "agreement": agreement}
     print(json.dumps(report, indent=1))
     return 0

@@ -123,11 +123,13 @@ __device__ __forceinline__ T purine_add_rn(T a, T b) { return a + b; }
 template <typename T>
 __device__ __forceinline__ T purine_mul_rn(T a, T b) { return a * b; }
 #endif
-// dx = dy * d of the GELU gradient. A GPU's product of a NaN is its one
-// canonical NaN; x86's, of two NaNs, the first operand's, which g++ may
-// swap, differently in each kernel instantiated: the host build (the
+// dx = dy * d of the GELU gradient, and y = x * Phi(x) of its forward. A
+// GPU's product of a NaN is its one canonical NaN; x86's, of two NaNs, the
+// first operand's, which g++ may swap, differently in each kernel
+// instantiated (and as the source around it changes: the forward's vec and
+// old kernels parted when the _colsum kernels came): the host build (the
 // emulated device) multiplies in one out-of-line function, so that every
-// gradient kernel (dy float32 or bits, with a copy or not) gives the same
+// kernel (dy float32 or bits, with a copy or not, vec or not) gives the same
 // NaN for the same operands.
 #ifdef __CUDACC__
 template <typename T>
@@ -220,7 +222,7 @@ __device__ void gelu_forward_loop(long long total, const X* x, int round, Y* y) 
     } else {
       purine_normal(v, &factor, &unused);
     }
-    purine_store(y, i, T(v * factor), round);
+    purine_store(y, i, purine_mul_dx(v, factor), round);
   }
 }
 
@@ -497,7 +499,7 @@ __device__ __forceinline__ float purine_gelu_y(float v) {
   } else {
     purine_normal(v, &factor, &unused);
   }
-  return float(v * factor);
+  return purine_mul_dx(v, factor);
 }
 
 template <bool TANH>
@@ -585,6 +587,189 @@ PURINE_GELU_BACKWARD_VEC(gelu_backward, float, float)
 PURINE_GELU_BACKWARD_VEC(gelu_backward_bx, float, unsigned short)
 PURINE_GELU_BACKWARD_VEC(gelu_backward_bdy, unsigned short, float)
 PURINE_GELU_BACKWARD_VEC(gelu_backward_bdy_bx, unsigned short, unsigned short)
+
+// ------------------------------- GELU's gradient with its bias gradient ---
+// gelu_backward<_bdy><_bx><_copy>_colsum_f32: the _vec kernels' dx (and
+// copy) of a (rows, cols) dy and x, and in the same pass the column sums
+// of dx a fully connected layer's bias gradient takes (the fc feeding
+// GELU: db = sum over rows of dx; ops/activation.py GeluGrad with attr
+// ``bias_grad``, parallel/fuse.fold_gelu_bias_grads) -- where the graph
+// had GeluGrad write dx and InnerProductGradBias read all of it again
+// (cuda/reduce.cu sum_rows_vec_f32). The column sums are sum_rows_vec's
+// bit for bit: the same blocks (a tile of 4 x PURINE_GELU_SUM_TILE
+// columns x a range of rows, split s of `splits`: rows [s*rows/splits,
+// (s+1)*rows/splits), the splits bias_grad_splits gives sum_rows for the
+// shape), the same row lanes (a block of B threads: min(B, TILE) lanes of
+// 4 columns x B / lanes row lanes), each column's float32 dx added in
+// double in row order, the same fixed-order shared-memory tree over the
+// row lanes; with one split the block writes db[c] (rounded to float32),
+// else its partial sum to partial[c * splits + s] and reduce.cu's
+// bias_grad_finish_f32 adds each column's partials in split order. No
+// atomics: the same bits every run, and the bits of the two-kernel path.
+// For cols a multiple of 4 and 16-byte aligned dx (8-byte aligned bits
+// operands), as the launcher checks (else it takes the two kernels).
+// Launched with at most PURINE_GELU_SUM_THREADS threads a block. dx may
+// be dy, copy a bits dy or x (each element read before it is written).
+#define PURINE_GELU_SUM_THREADS 256
+#define PURINE_GELU_SUM_TILE 32      // PURINE_SUM_ROWS_TILE of cuda/reduce.cu
+#define PURINE_GELU_SUM_BATCH 8      // rows' loads in flight a thread
+
+#ifdef __CUDACC__
+typedef float4 purine_gelu_f4;
+#else
+struct alignas(16) purine_gelu_f4 { float x, y, z, w; };
+#endif
+
+// four consecutive float32 (one 16-byte load) or bfloat16 bits (8 bytes)
+template <typename T> struct purine_four;
+template <> struct purine_four<float> {
+  typedef purine_gelu_f4 type;
+  static __device__ __forceinline__ type load(const float* x, long long i) {
+    return *(const purine_gelu_f4*)(const void*)(x + i);
+  }
+  static __device__ __forceinline__ float at(const type& a, int k) {
+    return k == 0 ? a.x : k == 1 ? a.y : k == 2 ? a.z : a.w;
+  }
+};
+template <> struct purine_four<unsigned short> {
+  typedef uint2 type;
+  static __device__ __forceinline__ type load(const unsigned short* x, long long i) {
+    return *(const uint2*)(const void*)(x + i);
+  }
+  static __device__ __forceinline__ float at(const type& a, int k) {
+    const unsigned int w = k < 2 ? a.x : a.y;
+    return purine_bits_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
+  }
+};
+
+// dx and copy of one row's four columns at i; the four dx values in r
+template <typename D, typename X, bool TANH, bool COPY>
+__device__ __forceinline__ void purine_gelu_four(const typename purine_four<D>::type& g,
+                                                 const typename purine_four<X>::type& v,
+                                                 int round, long long i, float* dx,
+                                                 unsigned short* copy, float* r) {
+  for (int k = 0; k < 4; ++k) {
+    r[k] = purine_gelu_dx<TANH>(purine_four<D>::at(g, k), purine_four<X>::at(v, k), round);
+  }
+  purine_gelu_f4 o;
+  o.x = r[0]; o.y = r[1]; o.z = r[2]; o.w = r[3];
+  *(purine_gelu_f4*)(void*)(dx + i) = o;
+  if (COPY) {
+    uint2 b;
+    b.x = (purine_round_bf16(purine_float_bits(r[0])) >> 16) |
+          purine_round_bf16(purine_float_bits(r[1]));
+    b.y = (purine_round_bf16(purine_float_bits(r[2])) >> 16) |
+          purine_round_bf16(purine_float_bits(r[3]));
+    *(uint2*)(void*)(copy + i) = b;
+  }
+}
+
+template <typename D, typename X, bool TANH, bool COPY>
+__device__ void gelu_backward_colsum_loop(long long cols, const D* dy, const X* x,
+                                          long long rows, long long splits, int round,
+                                          float* dx, unsigned short* copy, double* partial,
+                                          float* db) {
+  __shared__ double sums[4][PURINE_GELU_SUM_THREADS];
+  const unsigned int tid = threadIdx.x;
+  const unsigned int lanes = blockDim.x < PURINE_GELU_SUM_TILE ? blockDim.x
+                                                               : PURINE_GELU_SUM_TILE;
+  const unsigned int depth = blockDim.x / lanes;   // row lanes
+  const unsigned int lane = tid % lanes, row_lane = tid / lanes;
+  const long long tile_cols = 4 * PURINE_GELU_SUM_TILE;
+  const long long tiles = (cols + tile_cols - 1) / tile_cols;
+  const long long d = depth;
+  typedef purine_four<D> GD;
+  typedef purine_four<X> GX;
+  for (long long job = blockIdx.x; job < tiles * splits; job += gridDim.x) {
+    const long long tile = job / splits, j = job - tile * splits;
+    const long long first = j * rows / splits, last = (j + 1) * rows / splits;
+    const long long start = tile * tile_cols;
+    const long long width = cols - start < tile_cols ? cols - start : tile_cols;
+    for (long long offset = 0; offset < width; offset += 4 * (long long)lanes) {
+      const long long c = start + offset + 4 * (long long)lane;   // columns c .. c + 3
+      const bool mine = row_lane < depth && offset + 4 * (long long)lane < width;
+      double sum[4] = {0.0, 0.0, 0.0, 0.0};
+      if (mine) {
+        const int batch = PURINE_GELU_SUM_BATCH;
+        long long i = first + row_lane;
+        // a batch of rows' loads, then each row's dx, stores and adds in row order
+        for (; i + (batch - 1) * d < last; i += batch * d) {
+          typename GD::type g[PURINE_GELU_SUM_BATCH];
+          typename GX::type v[PURINE_GELU_SUM_BATCH];
+#pragma unroll
+          for (int b = 0; b < batch; ++b) {
+            g[b] = GD::load(dy, (i + b * d) * cols + c);
+            v[b] = GX::load(x, (i + b * d) * cols + c);
+          }
+#pragma unroll
+          for (int b = 0; b < batch; ++b) {
+            float r[4];
+            purine_gelu_four<D, X, TANH, COPY>(g[b], v[b], round, (i + b * d) * cols + c, dx,
+                                               copy, r);
+            for (int k = 0; k < 4; ++k) sum[k] += (double)r[k];
+          }
+        }
+        for (; i < last; i += d) {
+          const typename GD::type g = GD::load(dy, i * cols + c);
+          const typename GX::type v = GX::load(x, i * cols + c);
+          float r[4];
+          purine_gelu_four<D, X, TANH, COPY>(g, v, round, i * cols + c, dx, copy, r);
+          for (int k = 0; k < 4; ++k) sum[k] += (double)r[k];
+        }
+      }
+      for (int k = 0; k < 4; ++k) sums[k][tid] = sum[k];
+      __syncthreads();
+      for (unsigned int stride = 1; stride < depth; stride <<= 1) {
+        if (row_lane % (2 * stride) == 0 && row_lane + stride < depth) {
+          for (int k = 0; k < 4; ++k) sums[k][tid] += sums[k][tid + stride * lanes];
+        }
+        __syncthreads();
+      }
+      if (mine && row_lane == 0) {
+        for (int k = 0; k < 4; ++k) {
+          const double total = sums[k][tid];
+          if (splits == 1) db[c + k] = (float)total;
+          else partial[(c + k) * splits + j] = total;
+        }
+      }
+      __syncthreads();   // every total is read: sums may be reused
+    }
+  }
+}
+
+template <typename D, typename X, bool COPY>
+__device__ void gelu_backward_colsum(long long cols, const D* dy, const X* x, long long rows,
+                                     long long splits, int tanh_form, int round, float* dx,
+                                     unsigned short* copy, double* partial, float* db) {
+  if (tanh_form) {
+    gelu_backward_colsum_loop<D, X, true, COPY>(cols, dy, x, rows, splits, round, dx, copy,
+                                                partial, db);
+  } else {
+    gelu_backward_colsum_loop<D, X, false, COPY>(cols, dy, x, rows, splits, round, dx, copy,
+                                                 partial, db);
+  }
+}
+
+#define PURINE_GELU_BACKWARD_COLSUM(NAME, D, X)                                              \
+  extern "C" __global__ void NAME##_colsum_f32(long long cols, const D* dy, const X* x,      \
+                                               long long rows, long long splits,             \
+                                               int tanh_form, int round, float* dx,          \
+                                               double* partial, float* db) {                 \
+    gelu_backward_colsum<D, X, false>(cols, dy, x, rows, splits, tanh_form, round, dx,       \
+                                      nullptr, partial, db);                                 \
+  }                                                                                          \
+  extern "C" __global__ void NAME##_copy_colsum_f32(                                         \
+      long long cols, const D* dy, const X* x, long long rows, long long splits,             \
+      int tanh_form, int round, float* dx, unsigned short* copy, double* partial,            \
+      float* db) {                                                                           \
+    gelu_backward_colsum<D, X, true>(cols, dy, x, rows, splits, tanh_form, round, dx, copy,  \
+                                     partial, db);                                           \
+  }
+
+PURINE_GELU_BACKWARD_COLSUM(gelu_backward, float, float)
+PURINE_GELU_BACKWARD_COLSUM(gelu_backward_bx, float, unsigned short)
+PURINE_GELU_BACKWARD_COLSUM(gelu_backward_bdy, unsigned short, float)
+PURINE_GELU_BACKWARD_COLSUM(gelu_backward_bdy_bx, unsigned short, unsigned short)
 
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \
   extern "C" __global__ void relu_forward_##SUFFIX(long long total, const T* x,        \

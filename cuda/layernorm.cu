@@ -325,3 +325,185 @@ extern "C" __global__ void layernorm_backward_bdy_copy_f32(long long rows, long 
   layernorm_backward_impl<float, unsigned short, true>(rows, cols, dy, x, g, mean, rstd, dx, 1,
                                                        dyxhat, has_dyxhat, copy);
 }
+
+// ------------------------------------ the backward with dg's and db's sums ---
+// layernorm_backward[_bdy][_copy]_colsum_f32: layernorm_backward_rows<4>'s
+// dx (and copy) bit for bit -- the same lanes, columns, row sums and
+// expressions -- and, in place of dyxhat and the two column-sum kernels
+// after it (cuda/reduce.cu sum_rows over dy and over dyxhat), the block's
+// partial column sums of dy (db) and of dy * xhat (dg), written to
+// partial[(q * cols + c) * gridDim.x + blockIdx.x] (q 0: db, 1: dg, in
+// double) for reduce.cu's bias_grad_finish_f32 to add in block order (the
+// second stage). The rows are cut into `blocks` jobs (the launcher's,
+// a function of the rows: PURINE_LN_SUM_ROWS rows a warp; a block a job,
+// grid-stride): job b's warp w takes rows b warps + w + k blocks warps. A
+// lane owns columns 4 lane + 128 k .. + 3 (k < CH, the row's chunks: cols
+// <= 128 CH) of every row its warp takes and adds its rows' terms in
+// float32 in row order; then the job's warps add theirs in warp order into
+// shared doubles (a barrier between warps) and the job writes column b of
+// the partial sums: no atomics, and the order depends on the shape alone
+// (and the block size, fixed), so the same bits every run. cols a multiple of 4, at most 128 PURINE_LN_SUM_CHUNKS;
+// an array off the 16-byte (bits: 8-byte) grid is read and written an
+// element at a time in the same lanes (VEC false): the same numbers.
+#define PURINE_LN_SUM_CHUNKS 6   // 768 columns at most (GPT-2 124M's width)
+// a lane's 2 x 4 CH float32 sums live in registers: 128 a thread at CH 6 on
+// sm_90, no spills (CH 8 took 168, one block of 256 threads an SM); bounded
+// so that two blocks fit an SM
+#ifdef __CUDACC__
+#define PURINE_LN_SUM_BOUNDS __launch_bounds__(256, 2)
+#else
+#define PURINE_LN_SUM_BOUNDS
+#endif
+#define PURINE_LN_SUM_ROWS 4     // rows a warp, the launcher's grid
+
+template <bool VEC, typename T, typename V>
+__device__ __forceinline__ void purine_ln_load4(const T* p, long long i, V* v) {
+  if (VEC) {
+    purine_ln_load<4>(p, i, v);
+  } else {
+    for (int j = 0; j < 4; ++j) purine_ln_load<1>(p, i + j, v + j);
+  }
+}
+template <bool VEC, typename Y, typename V>
+__device__ __forceinline__ void purine_ln_put4(Y* p, long long i, const V* v) {
+  if (VEC) {
+    purine_ln_put<4>(p, i, v);
+  } else {
+    for (int j = 0; j < 4; ++j) purine_ln_put<1>(p, i + j, v + j);
+  }
+}
+
+template <int CH, bool VEC, typename D, bool COPY>
+__device__ void layernorm_backward_colsum_rows(long long rows, long long cols, const D* dy,
+                                               const float* x, const float* g,
+                                               const float* mean, const float* rstd,
+                                               float* dx, int has_dx, unsigned short* copy,
+                                               long long blocks, double* partial,
+                                               double* sums) {   // 2 x 128 CHUNKS, shared
+  const long long warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  const long long lane = threadIdx.x & 31u, step = 128;
+  // job b: the rows b warps + warp + k blocks warps of each warp, partial sums
+  // column b (grid-stride over the jobs: the sums depend on `blocks` alone)
+  for (long long job = blockIdx.x; job < blocks; job += gridDim.x) {
+    float db[CH][4], dg[CH][4];
+    for (int k = 0; k < CH; ++k) {
+      for (int j = 0; j < 4; ++j) db[k][j] = dg[k][j] = 0.0f;
+    }
+    for (long long first = job * warps; first < rows; first += blocks * warps) {
+      const long long r = first + warp;
+      const long long n = r < rows ? cols : 0;   // a warp past the last row: an empty one
+      const long long at = (r < rows ? r : 0) * cols;
+      const float mu = mean[r < rows ? r : 0], rs = rstd[r < rows ? r : 0];
+      double sa = 0.0, sk = 0.0;
+      for (int k = 0; k < CH; ++k) {
+        const long long c = lane * 4 + k * step;
+        if (c >= n) break;
+        float xv[4], d[4], gv[4];
+        purine_ln_load4<VEC>(x, at + c, xv);
+        purine_ln_load4<VEC>(dy, at + c, d);
+        purine_ln_load4<VEC>(g, c, gv);
+        for (int j = 0; j < 4; ++j) {
+          const float xhat = (float)(xv[j] - mu) * rs;
+          const float dxhat = d[j] * gv[j];
+          sa += (double)dxhat;
+          sk += (double)dxhat * (double)xhat;
+          dg[k][j] += d[j] * xhat;
+          db[k][j] += d[j];
+        }
+      }
+      if (!has_dx) continue;  // uniform over the grid: every warp shuffles alike
+      const float a = (float)(purine_ln_warp_sum(sa) / (double)cols);
+      const float kk = (float)(purine_ln_warp_sum(sk) / (double)cols);
+      for (int k = 0; k < CH; ++k) {
+        const long long c = lane * 4 + k * step;
+        if (c >= n) break;
+        float xv[4], d[4], gv[4], v[4];
+        purine_ln_load4<VEC>(x, at + c, xv);
+        purine_ln_load4<VEC>(dy, at + c, d);
+        purine_ln_load4<VEC>(g, c, gv);
+        for (int j = 0; j < 4; ++j) {
+          const float xhat = (float)(xv[j] - mu) * rs;
+          const float dxhat = d[j] * gv[j];
+          v[j] = (float)((float)(dxhat - (float)(xhat * kk)) - a) * rs;
+        }
+        purine_ln_put4<VEC>(dx, at + c, v);
+        if (COPY) purine_ln_put4<VEC>(copy, at + c, v);
+      }
+    }
+    // the job's warps' sums, in warp order, then its partial sums
+    for (long long w = 0; w < warps; ++w) {
+      __syncthreads();   // warp w - 1 is done (and, w 0, the last job's writes)
+      if (warp == w) {
+        for (int k = 0; k < CH; ++k) {
+          const long long c = lane * 4 + k * step;
+          if (c >= cols) break;
+          for (int j = 0; j < 4; ++j) {
+            double* s0 = sums + c + j;                              // db's
+            double* s1 = sums + 128 * PURINE_LN_SUM_CHUNKS + c + j;   // dg's
+            *s0 = (w == 0 ? 0.0 : *s0) + (double)db[k][j];
+            *s1 = (w == 0 ? 0.0 : *s1) + (double)dg[k][j];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+      partial[c * blocks + job] = sums[c];
+      partial[(cols + c) * blocks + job] = sums[128 * PURINE_LN_SUM_CHUNKS + c];
+    }
+  }
+}
+
+template <typename D, bool COPY>
+__device__ void layernorm_backward_colsum(long long rows, long long cols, const D* dy,
+                                          const float* x, const float* g, const float* mean,
+                                          const float* rstd, float* dx, int has_dx,
+                                          unsigned short* copy, long long blocks,
+                                          double* partial) {
+  // one array for every instantiation below (each its own: 16 of them)
+  __shared__ double sums[2 * 128 * PURINE_LN_SUM_CHUNKS];
+  const bool vec = purine_ln_vec_ok(dy) && purine_ln_vec_ok(x) && purine_ln_vec_ok(g) &&
+                   purine_ln_vec_ok(dx) && (!COPY || purine_ln_vec_ok(copy));
+  const int chunks = (int)((cols + 127) / 128);
+#define PURINE_LN_COLSUM_CASE(CH)                                                          \
+  case CH:                                                                                 \
+    if (vec) {                                                                             \
+      layernorm_backward_colsum_rows<CH, true, D, COPY>(rows, cols, dy, x, g, mean, rstd, \
+                                                        dx, has_dx, copy, blocks, partial, sums); \
+    } else {                                                                               \
+      layernorm_backward_colsum_rows<CH, false, D, COPY>(rows, cols, dy, x, g, mean, rstd, \
+                                                         dx, has_dx, copy, blocks, partial, sums); \
+    }                                                                                      \
+    break;
+  switch (chunks) {
+    PURINE_LN_COLSUM_CASE(1)
+    PURINE_LN_COLSUM_CASE(2)
+    PURINE_LN_COLSUM_CASE(3)
+    PURINE_LN_COLSUM_CASE(4)
+    PURINE_LN_COLSUM_CASE(5)
+    PURINE_LN_COLSUM_CASE(6)
+    default: break;   // the launcher never asks (cols > 128 PURINE_LN_SUM_CHUNKS)
+  }
+#undef PURINE_LN_COLSUM_CASE
+}
+
+#define PURINE_LN_BACKWARD_COLSUM(NAME, D)                                                  \
+  extern "C" __global__ void PURINE_LN_SUM_BOUNDS NAME##_colsum_f32(                       \
+      long long rows, long long cols, const D* dy,                                          \
+                                               const float* x, const float* g,              \
+                                               const float* mean, const float* rstd,        \
+                                               float* dx, int has_dx, long long blocks,     \
+                                               double* partial) {                           \
+    layernorm_backward_colsum<D, false>(rows, cols, dy, x, g, mean, rstd, dx, has_dx,       \
+                                        nullptr, blocks, partial);                          \
+  }                                                                                         \
+  extern "C" __global__ void PURINE_LN_SUM_BOUNDS NAME##_copy_colsum_f32(                   \
+      long long rows, long long cols, const D* dy, const float* x, const float* g,          \
+      const float* mean, const float* rstd, float* dx, unsigned short* copy,                \
+      long long blocks, double* partial) {                                                  \
+    layernorm_backward_colsum<D, true>(rows, cols, dy, x, g, mean, rstd, dx, 1, copy,       \
+                                       blocks, partial);                                    \
+  }
+
+PURINE_LN_BACKWARD_COLSUM(layernorm_backward, float)
+PURINE_LN_BACKWARD_COLSUM(layernorm_backward_bdy, unsigned short)

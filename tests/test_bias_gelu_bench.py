@@ -23,7 +23,8 @@ def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys,  # noq
     report = json.loads(capsys.readouterr().out)
     per_element = {"bias_bits_48": 6 * 48, "bias_bits_16": 6 * 16, "bias_bits_64": 6 * 64,
                    "gelu_forward_bits": 4 * 64, "gelu_backward_bdy_bx_copy": 10 * 64,
-                   "sum_rows_16": 4 * 16, "sum_rows_64": 4 * 64, "sum_rows_bits_48": 2 * 48}
+                   "sum_rows_16": 4 * 16, "sum_rows_64": 4 * 64, "sum_rows_bits_48": 2 * 48,
+                   "gelu_backward_bias_grad": 10 * 64}
     assert set(report["kernels"]) == set(per_element)
     assert report["rounds"] == 2
     for name, row in report["kernels"].items():
@@ -33,7 +34,8 @@ def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys,  # noq
             assert len(row[side]["ms_rounds"]) == 2
             assert row[side]["ms"] > 0 and row[side]["fraction_of_bound"] >= 0
     step = report["ms_per_gpt2_step"]
-    assert set(step) == {"bias_bits", "gelu_forward_bits", "gelu_backward_bdy_bx_copy"}
+    assert set(step) == {"bias_bits", "gelu_forward_bits", "gelu_backward_bdy_bx_copy",
+                         "gelu_backward_bias_grad"}
     bias = report["kernels"]
     assert step["bias_bits"]["old"] == pytest.approx(
         12 * bias["bias_bits_48"]["old"]["ms"] + 24 * bias["bias_bits_16"]["old"]["ms"]

@@ -22,14 +22,22 @@ def test_the_benchmark_times_old_and_new_and_they_agree(emulated, capsys):  # no
                                       "--rounds", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     f, b = layernorm_kernel_gpu.FORWARD, layernorm_kernel_gpu.BACKWARD
-    assert set(report["kernels"]) == {f"{k}:{side}" for k in (f, b) for side in ("old", "new")}
+    s = layernorm_kernel_gpu.SUMS
+    assert set(report["kernels"]) == {f"{k}:{side}" for k in (f, b, s)
+                                      for side in ("old", "new")}
     assert report["rounds"] == 2
     assert report["grids"] == {"old": 5, "new": 1}
     for name, row in report["kernels"].items():
         assert len(row["ms_rounds"]) == 2
-        assert row["bytes"] == (6 if name.startswith(f) else 14) * 5 * 96 + 8 * 5
+        per = 6 if name.startswith(f) else 10 if name.startswith(s) else 14
+        assert row["bytes"] == per * 5 * 96 + 8 * 5
         assert row["gb_per_s"] > 0 and row["fraction_of_bound"] >= 0
+    assert report["backward_with_sums_old_bytes"] == 20 * 5 * 96 + 8 * 5
+    assert report["backward_with_sums_speedup"] > 0
     for output, agreement in report["agreement"].items():
+        if output in ("sums_dg", "sums_db"):   # the same sums in another order
+            assert agreement["max_abs_diff"] < 1e-3, output
+            continue
         assert agreement == {"elements_differing": 0, "max_abs_diff": 0.0}, output
 
 

@@ -147,6 +147,14 @@ VARS = {v.name: v for v in [
     Var("PURINE_BF16_GEMM", FLAG, True, _flag,
         "bf16 ops' fully connected products as bfloat16 cuBLAS GemmEx on their operands' "
         "bits (0: their float32 storage on TF32 tensor cores)", gpu_only=True),
+    Var("PURINE_GELU_BIAS_GRAD", FLAG, False, _flag,
+        "the MLP's fc bias gradient summed in GELU's backward pass (one read of dx, "
+        "the same bits; off until a GPU has timed it: benchmarks/bias_gelu_gpu.py)",
+        gpu_only=True),
+    Var("PURINE_LN_SUMS", FLAG, False, _flag,
+        "a layer norm's weight and bias gradients summed in its backward pass (no dy * xhat "
+        "array; dx the same bits, dg and db the same sums in another order; off until a GPU "
+        "has timed it: benchmarks/layernorm_kernel_gpu.py)", gpu_only=True),
     Var("PURINE_BF16_STORAGE", FLAG, True, _flag,
         "bf16: a blob whose every reader takes bfloat16 bits (the fully connected products' "
         "operands, the logits the softmax loss reads) stored as them, 2 bytes an element, "

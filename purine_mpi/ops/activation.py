@@ -14,7 +14,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..base.precision import BITS, from_bf16_bits, is_bits, to_bf16_bits, value_dtype, wire_scratch
-from ..gpu.raw import KERNEL_DTYPES, float_kernels, raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, column_scratch, float_kernels, last_axis_rows, raw_kernels
 from .registry import OpKernel, gradient, out_dtype, register, spans
 
 
@@ -475,7 +475,16 @@ class GeluGrad(OpKernel):
     dy or an x stored as bits (``in_place`` (0, 1), (1, 1): 2 bytes an
     element each, each element read before its copy is written): where they
     die at this op the memory plan puts it there, as the Cast's copy came
-    after them (GPT: dx's bits on the projection's data gradient's)."""
+    after them (GPT: dx's bits on the projection's data gradient's).
+
+    With attr ``bias_grad: true`` (parallel/fuse.fold_gelu_bias_grads,
+    opted in by ``PURINE_GELU_BIAS_GRAD=1``: the fc feeding GELU, whose
+    bias gradient summed this dx) a last output, db = dx summed over every
+    axis but the last (float32): on a GPU in the same pass
+    (``kernels.gelu_backward_bias_grad``, the column sums of the
+    ``InnerProductGradBias`` it replaces bit for bit, with its scratch), on
+    the host ``InnerProductGradBias``'s sum of dx: db and dx keep their
+    bits; dx is no longer read again."""
 
     op_type = "GeluGrad"
     # dx over dy; dx's bits copy (bits_copy) over a dy or an x stored as bits
@@ -490,9 +499,13 @@ class GeluGrad(OpKernel):
         return (0,)
 
     def scratch_specs(self, ins, outs):
-        if _fused_gelu(*ins):
-            return []
-        return [(ins[1].shape, ins[1].dtype)] * 4
+        """The CuPy chain's four temporaries (dtypes without the kernel);
+        with ``bias_grad`` last the column sums' partial sums (``column_scratch``
+        of dx, as ``InnerProductGradBias``'s)."""
+        specs = [] if _fused_gelu(*ins) else [(ins[1].shape, ins[1].dtype)] * 4
+        if self.attrs.get("bias_grad"):
+            specs += column_scratch(outs[0])
+        return specs
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
@@ -504,8 +517,9 @@ class GeluGrad(OpKernel):
         if copy not in ([], [0]) or (copy and value_dtype(dtype) != np.float32):
             raise ShapeError(f"GeluGrad: bits_copy takes [0] of a float32 dx, got {copy} "
                              f"({value_dtype(dtype)})")
-        # a bits dy: float32 dx
-        return [(shape, value_dtype(dtype))] + [(shape, BITS)] * len(copy)
+        # a bits dy: float32 dx; bias_grad: db last, dx's dtype
+        db = [((shape[-1],), value_dtype(dtype))] if attrs.get("bias_grad") else []
+        return [(shape, value_dtype(dtype))] + [(shape, BITS)] * len(copy) + db
 
     def host_temporaries(self, ins, outs):
         """A chunk's t, d, e, f; for a bits x a chunk's float32 x; for a
@@ -516,7 +530,7 @@ class GeluGrad(OpKernel):
         wide = is_bits(dy) or is_bits(x)
         specs = [((n,), np.float32 if wide else x.dtype)] * 4
         specs += [((n,), np.float32) for a in (x, dy) if is_bits(a)]
-        if len(outs) > 1:
+        if "bits_copy" in self.attrs and self.attrs["bits_copy"]:
             specs.append((wire_scratch(n).shape, np.uint32))
         return specs
 
@@ -524,23 +538,53 @@ class GeluGrad(OpKernel):
         return _rounds_own(self, outs[0]) if _fused_gelu(*ins) else ()
 
     def run(self, ins, outs):
+        db = outs[-1] if self.attrs.get("bias_grad") else None
+        if db is not None:
+            outs = outs[:-1]
+        if not self._dx(ins, outs, db) and db is not None:
+            self._bias_grad(ins, outs, db)
+
+    def _bias_grad(self, ins, outs, db):
+        """db = dx summed over every axis but the last, where the fused pass
+        (``gelu_backward_bias_grad``) did not: ``InnerProductGradBias``'s
+        kernels and calls on a float32 dx."""
+        dx = outs[0]
+        xp = get_xp(dx)
+        k = float_kernels(xp, dx, db)
+        rows = dx.reshape(last_axis_rows(dx.shape))
+        if k is not None:
+            partial = self.temporaries(ins[1], *self.scratch_specs(ins, outs + [db]))[-1]
+            k.bias_grad(rows, out=db, partial=partial)
+            return
+        xp.sum(dx.reshape(-1, dx.shape[-1]), axis=0, out=db)
+
+    def _dx(self, ins, outs, db):
         dy, x = ins
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
         copy = outs[1] if len(outs) > 1 else None
         k = float_kernels(xp, dy, x, outs[0])
         if k is not None:
+            if db is not None and np.dtype(outs[0].dtype) == np.dtype(np.float32):
+                (partial,) = self.temporaries(x, *self.scratch_specs(ins, outs + [db]))
+                rows = last_axis_rows(outs[0].shape)
+                k.gelu_backward_bias_grad(dy.reshape(rows), x.reshape(rows), approximate,
+                                          outs[0].reshape(rows), db,
+                                          round_to=_own_rounding(self, ins, outs),
+                                          copy=None if copy is None else copy.reshape(rows),
+                                          partial=partial)
+                return True
             k.gelu_backward(dy, x, approximate, out=outs[0],
                             round_to=_own_rounding(self, ins, outs), copy=copy)
-            return
+            return False
         if xp is not np:
             if is_bits(x) or is_bits(dy) or copy is not None:
                 raise TypeError(f"GeluGrad: bfloat16 bits take a float32 dy, x and dx, got "
                                 f"{dy.dtype}, {x.dtype} and {outs[0].dtype}")
-            t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
+            t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs + [db]))[:4]
             _gelu_factor(xp, x, approximate, t, d, e, f)
             xp.multiply(dy, d, out=outs[0])
-            return
+            return False
         flat, g, dx = x.reshape(-1), dy.reshape(-1), outs[0].reshape(-1)   # dx may be dy
         temps = self.temporaries(outs[0], *self.host_temporaries(ins, outs))
         rest = temps[4:-1] if copy is not None else temps[4:]
@@ -553,6 +597,7 @@ class GeluGrad(OpKernel):
             np.multiply(_host_x(g, s, wdy), d, out=dx[s])
             if bits is not None:
                 to_bf16_bits(dx[s], bits[s], temps[-1])
+        return False
 
 
 @gradient("Gelu")

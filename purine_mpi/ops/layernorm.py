@@ -218,7 +218,15 @@ class LayerNormGrad(OpKernel):
     kernel, on the host dy is widened into a float32 temporary first);
     where dy dies at this op the plan puts the copy there, as the Cast's
     copy came after dy died (the final layer norm's dy: the head's data
-    gradient)."""
+    gradient).
+
+    With attr ``column_sums: true`` (parallel/fuse.fold_layernorm_sums,
+    opted in by ``PURINE_LN_SUMS=1``), dg and db both wanted and a float32
+    x of width a multiple of 4 up to 768 on a GPU: one backward kernel
+    that also writes each block's partial column sums of dy and dy * xhat,
+    and a finishing kernel for each (``kernels.layernorm_backward_sums``):
+    no dy * xhat array (x's size) in the scratch, dy not read again for db;
+    dx as before bit for bit, dg and db the same sums in another order."""
 
     op_type = "LayerNormGrad"
 
@@ -251,9 +259,20 @@ class LayerNormGrad(OpKernel):
             if len(outs) > len(wanted) else []
         return part + whole + wide + copy
 
+    def _sums_in_pass(self, x):
+        """Whether the GPU path is ``layernorm_backward_sums`` (attr
+        ``column_sums``, dg and db wanted, a shape it takes)."""
+        from ..gpu.kernels.elementwise import layernorm_sums_ok
+        wanted = self.attrs["outputs"]
+        return bool(self.attrs.get("column_sums")) and "dg" in wanted and "db" in wanted and \
+            layernorm_sums_ok(tuple(x.shape), x.dtype)
+
     def scratch_specs(self, ins, outs):
         if not _fused(ins[1]):
             return list(_grad_specs(ins[1]))     # the generic path's
+        if self._sums_in_pass(ins[1]):   # the blocks' partial sums of db and dg
+            from ..gpu.kernels.elementwise import layernorm_sums_scratch
+            return [layernorm_sums_scratch(tuple(ins[1].shape))]
         # the fused kernel's dy * xhat, for dg's column sums; the column
         # sums' partial sums (one array: db's are done when dg's start)
         wanted = self.attrs["outputs"]
@@ -298,6 +317,11 @@ class LayerNormGrad(OpKernel):
             from ..base.precision import from_bf16_bits
             _grad_host(from_bf16_bits(dy, temps[-1]), x, g, mean, rstd, got, temps[:-1],
                        copy, bits)
+            return
+        if k is not None and self._sums_in_pass(x):
+            (partial,) = self.temporaries(x, *self.scratch_specs(ins, outs))
+            k.layernorm_backward_sums(dy, x, g, mean, rstd, got.get("dx"), got["dg"], got["db"],
+                                      copy=copy, partial=partial)
             return
         if k is not None:
             temps = self.temporaries(x, *self.scratch_specs(ins, outs))

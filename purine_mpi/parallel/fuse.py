@@ -43,6 +43,26 @@ for what it waited for (``_fused_into``).
     launch instead of one per gradient (GPT-2: 148), the same bits. Blob
     names stay (the updates read the same ``g@clip`` aliases).
 
+``fold_gelu_bias_grads(graph)``
+    (``PURINE_GELU_BIAS_GRAD=1``; off by default until a GPU has timed
+    it: benchmarks/bias_gelu_gpu.py) An ``InnerProductGradBias`` whose dy
+    is the dx of a ``GeluGrad`` (its only writer) whose x is the output of
+    a biased ``InnerProduct`` (the MLP's fc and GELU) moves into that
+    GeluGrad (attr ``bias_grad``, db its last output): the column sums of
+    dx in the same pass as dx (``kernels.gelu_backward_bias_grad``), not a
+    second read of dx. The same bits (the sums' blocks and order are
+    ``sum_rows``'s).
+
+``fold_layernorm_sums(graph)``
+    (``PURINE_LN_SUMS=1``; off by default until a GPU has timed it:
+    benchmarks/layernorm_kernel_gpu.py) Each ``LayerNormGrad`` that writes
+    dg and db gets attr ``column_sums``: on a GPU (float32, width a
+    multiple of 4 up to 768) its backward kernel writes the blocks'
+    partial column sums of dy and dy * xhat and a finishing kernel adds
+    them (``kernels.layernorm_backward_sums``), in place of dy * xhat in
+    scratch and two column-sum kernels. dx keeps its bits; dg and db are
+    the same sums in another fixed order (last bits).
+
 ``fuse_for_device(graph, train=True)`` applies them to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
 """
@@ -289,11 +309,69 @@ def fuse_clip(graph):
     return created
 
 
+def fold_gelu_bias_grads(graph):
+    """Fold each fc bias gradient of GELU's dx into the GeluGrad (see the
+    module docstring): only where the ``InnerProductGradBias`` (one input,
+    not accumulating) reads the dx (output 0) of one ``GeluGrad`` (its only
+    writer, not accumulating, on the same device) whose x is written by an
+    ``InnerProduct`` with a bias alone, no blob involved is a view, and db
+    has that one writer. Returns the names of the bias-gradient ops removed."""
+    folded = []
+    prod = graph.producers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    for op in list(graph.ops.values()):
+        if op.op_type != "InnerProductGradBias" or op.accumulate or len(op.inputs) != 1 \
+                or len(op.outputs) != 1:
+            continue
+        dx, db = op.inputs[0], op.outputs[0]
+        writers = prod.get(dx, [])
+        if len(writers) != 1 or len(prod.get(db, [])) != 1:
+            continue
+        g = writers[0]
+        if g.op_type != "GeluGrad" or g.accumulate or g.location != op.location or \
+                g.attrs.get("bias_grad") or not g.outputs or g.outputs[0] != dx or \
+                len(g.inputs) != 2:
+            continue
+        fc = prod.get(g.inputs[1], [])
+        if len(fc) != 1 or fc[0].op_type != "InnerProduct" or len(fc[0].inputs) != 3 or \
+                fc[0].outputs[0] != g.inputs[1]:
+            continue
+        if any(graph.blobs[b].alias_of or b in viewed for b in (dx, db, g.inputs[1])):
+            continue
+        g.outputs.append(db)
+        g.attrs["bias_grad"] = True
+        graph.remove_op(op.name)
+        _fused_into(graph, op, g)
+        prod = graph.producers()
+        folded.append(op.name)
+    return folded
+
+
+def fold_layernorm_sums(graph):
+    """Mark each ``LayerNormGrad`` that writes dg and db, not accumulating,
+    ``column_sums`` (see the module docstring). Returns their names."""
+    marked = []
+    for op in graph.ops.values():
+        wanted = op.attrs.get("outputs", ())
+        if op.op_type == "LayerNormGrad" and not op.accumulate and "dg" in wanted and \
+                "db" in wanted:
+            op.attrs["column_sums"] = True
+            marked.append(op.name)
+    return marked
+
+
 def fuse_for_device(graph, train=True):
     """The rewrites on a placed graph (the update and clip ones on a
-    training graph); returns the graph."""
+    training graph; the GELU bias-gradient fold and the layer norms'
+    column sums where ``PURINE_GELU_BIAS_GRAD`` / ``PURINE_LN_SUMS`` are
+    on); returns the graph."""
     fuse_relu(graph)
     if train:
+        from ..base import env
+        if env.get("PURINE_GELU_BIAS_GRAD"):
+            fold_gelu_bias_grads(graph)
+        if env.get("PURINE_LN_SUMS"):
+            fold_layernorm_sums(graph)
         fuse_dgrad_relu(graph)
         fuse_clip(graph)
         fuse_updates(graph)

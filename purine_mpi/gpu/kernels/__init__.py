@@ -34,9 +34,10 @@ from .elementwise import (dropout_forward, dropout_apply, dropout_backward, phil
                           dropout_forward_packed, dropout_backward_packed,
                           relu_forward,
                           relu_backward, bias_act, bias_bits, add_bits, add_copy, gelu_forward,
-                          gelu_forward_bits, gelu_backward,
+                          gelu_forward_bits, gelu_backward, gelu_backward_bias_grad,
                           channel_sum, bias_grad, bias_grad_scratch,
                           sum_rows, embedding_grad, embedding_grad_scratch, layernorm_forward,
-                          layernorm_backward,
+                          layernorm_backward, layernorm_backward_sums, layernorm_sums_ok,
+                          layernorm_sums_scratch,
                           round_in_place, round_copy, to_bf16_bits_device,
                           from_bf16_bits_device)

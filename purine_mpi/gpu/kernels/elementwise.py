@@ -459,6 +459,67 @@ def _gelu_backward_f32(cupy, dy, x, approximate, out, round_to, copy, vec=True):
     return out
 
 
+def gelu_backward_bias_grad(dy, x, approximate, out, db, round_to=None, copy=None,
+                            partial=None, fused=True):
+    """``gelu_backward`` of a (rows, cols) ``dy`` and ``x`` into the float32
+    ``out`` (and ``copy``), and ``db`` (float32, cols) = the column sums of
+    that dx -- the bias gradient of the fully connected layer whose output
+    GELU read (``sum_rows(out, db)``'s bits). ``fused`` (default) with cols
+    a multiple of 4 and every base aligned (``out`` 16 bytes, bits operands
+    8, float32 ones 16): one pass, cuda/activation.cu
+    ``gelu_backward[_bdy][_bx][_copy]_colsum_f32`` (blocks of tiles of
+    columns x ranges of rows, the splits ``sum_rows`` takes for the shape,
+    each column's dx added in double in row order and a fixed tree: the
+    sums of ``sum_rows_vec_f32`` bit for bit), then, with more than one
+    range, ``bias_grad_finish``; else ``gelu_backward`` then ``sum_rows``.
+    dx is ``gelu_backward``'s bit for bit either way, db ``sum_rows``'s.
+    ``partial``: scratch of ``bias_grad_scratch(out.shape)`` (None: a new
+    device array). dy, x as ``gelu_backward``'s; ``out`` may be ``dy``."""
+    cupy = import_cupy()
+    if out is None or out.ndim != 2:
+        raise ValueError("gelu_backward_bias_grad: a 2-D float32 out (rows, cols) is needed")
+    _bits_array(out, np.float32, "gelu_backward_bias_grad: out")
+    rows, cols = int(out.shape[0]), int(out.shape[1])
+    if not isinstance(db, cupy.ndarray) or db.size != cols or \
+            np.dtype(db.dtype) != np.dtype(np.float32) or not db.flags.c_contiguous:
+        raise ValueError(f"gelu_backward_bias_grad: db must be a C-contiguous float32 CuPy "
+                         f"array of {cols} elements")
+    if copy is not None:
+        _bits_x(copy, "gelu_backward_bias_grad: copy", like=out)
+    operands = []
+    for what, a in (("dy", dy), ("x", x)):
+        if _is_bits(a):
+            operands.append(_bits_x(a, f"gelu_backward_bias_grad: {what}", like=out))
+            continue
+        a = _input(cupy, a, f"gelu_backward_bias_grad: {what}")
+        if np.dtype(a.dtype) != np.dtype(np.float32) or tuple(a.shape) != tuple(out.shape):
+            raise TypeError(f"gelu_backward_bias_grad: a float32 or bits {what} of out's "
+                            f"shape, got {a.dtype} {tuple(a.shape)}")
+        operands.append(a)
+    aligned = all(data_ptr(a) % (8 if _is_bits(a) else 16) == 0
+                  for a in (*operands, out, *((copy,) if copy is not None else ())))
+    if not (fused and cols % 4 == 0 and aligned and rows > 0 and cols > 0):
+        gelu_backward(operands[0], operands[1], approximate, out=out, round_to=round_to,
+                      copy=copy)
+        if cols:
+            _column_sum(out, db, False, partial, "gelu_backward_bias_grad")
+        return out, db
+    splits = bias_grad_splits(rows, cols, 1)
+    partial = _partial(partial, out.shape, "gelu_backward_bias_grad")
+    func = "gelu_backward" + "_bdy" * _is_bits(operands[0]) + "_bx" * _is_bits(operands[1]) + \
+        "_copy" * (copy is not None) + "_colsum_f32"
+    args = _gelu_args("gelu_backward_bias_grad", approximate, round_to, np.float32)
+    blocks = min(-(-cols // (4 * SUM_ROWS_TILE)) * splits, _MAX_BLOCKS)
+    extra = (copy,) if copy is not None else ()
+    _base._launch_blocks("activation", func, None, blocks, _REDUCE_THREADS,
+                         (np.int64(cols), *operands, np.int64(rows), np.int64(splits), *args,
+                          out, *extra, partial, db))
+    if splits > 1:
+        _base._launch("reduce", "bias_grad_finish", db.dtype, cols,
+                      (np.int64(splits), _int(0), partial, db))
+    return out, db
+
+
 # ------------------------------------------------------------- reductions ---
 
 def _per_channel(dy, out, what):
@@ -790,6 +851,102 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None, copy=None):
                               x if dx is None else dx, _int(dx is not None),
                               x if dyxhat is None else dyxhat, _int(dyxhat is not None)))
     return dx, dyxhat
+
+
+#: cuda/layernorm.cu's layernorm_backward_..._colsum_f32: the most 128-column
+#: chunks a lane holds (PURINE_LN_SUM_CHUNKS) and the rows a warp takes
+#: (PURINE_LN_SUM_ROWS), which size the grid
+LN_SUM_CHUNKS, LN_SUM_ROWS = 6, 4
+
+
+def layernorm_sums_ok(shape, dtype):
+    """Whether ``layernorm_backward_sums`` takes an x of ``shape`` and
+    ``dtype``: float32, the width a multiple of 4 and at most 128
+    ``LN_SUM_CHUNKS`` (768: GPT-2 124M's; a lane's sums are registers),
+    at least one row."""
+    if np.dtype(dtype) != np.dtype(np.float32) or not len(shape):
+        return False
+    cols = int(shape[-1])
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return rows > 0 and 0 < cols <= 128 * LN_SUM_CHUNKS and cols % 4 == 0
+
+
+def layernorm_sums_blocks(rows):
+    """The jobs of ``layernorm_backward_sums`` (its grid: one block a job):
+    ``LN_SUM_ROWS`` rows a warp of _REDUCE_THREADS / 32 warps a block, at
+    most _MAX_BLOCKS (then a job takes more rows). A function of the rows
+    alone, passed to the kernel: each job's rows, so the partial sums'
+    order, depend on the shape alone, not on the grid that runs them."""
+    per_block = (_REDUCE_THREADS // 32) * LN_SUM_ROWS
+    return max(1, min(-(-int(rows) // per_block), _MAX_BLOCKS))
+
+
+def layernorm_sums_scratch(shape):
+    """The (shape, dtype) of ``layernorm_backward_sums``' partial sums for an
+    x of ``shape``: db's then dg's, a double per column per block."""
+    cols = int(shape[-1])
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return ((2 * cols * layernorm_sums_blocks(rows),), np.float64)
+
+
+def layernorm_backward_sums(dy, x, g, mean, rstd, dx, dg, db, copy=None, partial=None):
+    """``layernorm_backward``'s dx (and ``copy``) of a float32 x (width a
+    multiple of 4, at most 768: ``layernorm_sums_ok``) and the weight and
+    bias gradients ``dg`` = the column sums of dy * xhat and ``db`` = those
+    of dy (float32, x's width), without dy * xhat in memory:
+    cuda/layernorm.cu ``layernorm_backward[_bdy][_copy]_colsum_f32`` (the
+    _vec path's dx bit for bit; each block's partial column sums, its
+    warps' float32 sums of their rows added in warp order in double) then
+    reduce.cu's ``bias_grad_finish_f32`` adding each column's block sums in
+    block order, for db and for dg (the second stage): no atomics, the same
+    bits every run. ``dx`` may be None (no dx; then no ``copy``).
+    ``partial``: scratch of ``layernorm_sums_scratch(x.shape)`` (None: a new
+    device array)."""
+    cupy = import_cupy()
+    if not layernorm_sums_ok(x.shape, x.dtype):
+        raise ValueError(f"layernorm_backward_sums: a float32 x of width a multiple of 4 and "
+                         f"at most {128 * LN_SUM_CHUNKS}, got {x.dtype} {tuple(x.shape)}")
+    if copy is not None:
+        if dx is None:
+            raise ValueError("layernorm_backward_sums: a copy takes a dx")
+        _bits_array(copy, np.uint16, "layernorm_backward_sums: copy")
+        if copy.size != x.size or any(copy is a for a in (x, g, mean, rstd)):
+            raise ValueError(f"layernorm_backward_sums: copy must be x's {x.size} elements on "
+                             f"no input's bytes but a bits dy's, got {copy.size}")
+    n = int(np.prod(x.shape[:-1], dtype=np.int64))
+    c = int(x.shape[-1])
+    outs = {name: (a, c) for name, a in (("dg", dg), ("db", db))}
+    if dx is not None:
+        outs["dx"] = (dx, x.size)
+    bits = _is_bits(dy)
+    if bits:
+        _bits_array(dy, np.uint16, "layernorm_backward_sums: dy")
+        if dy.size != x.size:
+            raise ValueError(f"layernorm_backward_sums: a bits dy of x's {x.size} elements, "
+                             f"got {dy.size}")
+    else:
+        outs["dy"] = (dy, x.size)
+    x, rows, cols = _ln_rows(cupy, "layernorm_backward_sums", x, g=(g, c), mean=(mean, n),
+                             rstd=(rstd, n), **outs)
+    blocks = layernorm_sums_blocks(rows)
+    (want,), dtype = layernorm_sums_scratch(x.shape)
+    if partial is None:
+        partial = cupy.empty(want, dtype=dtype)
+    elif partial.dtype != dtype or partial.size < want or not partial.flags.c_contiguous:
+        raise ValueError(f"layernorm_backward_sums: partial must be a contiguous float64 array "
+                         f"of at least {want} elements, got {partial.size} {partial.dtype}")
+    func = "layernorm_backward" + "_bdy" * bits + "_copy" * (copy is not None) + "_colsum_f32"
+    if copy is not None:
+        args = (dx, copy, np.int64(blocks), partial)
+    else:
+        args = (x if dx is None else dx, _int(dx is not None), np.int64(blocks), partial)
+    _base._launch_blocks("layernorm", func, None, blocks, _REDUCE_THREADS,
+                         (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd, *args))
+    half = cols * blocks
+    for q, out in enumerate((db, dg)):
+        _base._launch("reduce", "bias_grad_finish", out.dtype, cols,
+                      (np.int64(blocks), _int(0), partial[q * half:(q + 1) * half], out))
+    return dx, dg, db
 
 
 # -------------------------------------------------------------- rounding ---
