@@ -640,6 +640,7 @@ class _Pairs:
     soft: object       # soft[...]: control edges may order them
     writers: list      # [positions of unit i's writers]: where edges go
     hard: list = None  # [_hard(self, i)], each made at its first use (``hard_of``)
+    hard_lists: list = None   # the same as lists of ints (``hard_list_of``)
     soft_other: list = None   # [unit i's ``other`` that control edges may order], so
 
     def hard_of(self, i):
@@ -652,6 +653,16 @@ class _Pairs:
         busy = self.hard[i]
         if busy is None:
             busy = self.hard[i] = _hard(self, i)
+        return busy
+
+    def hard_list_of(self, i):
+        """``hard_of(i)`` as a list (made once): a colouring walks a few
+        tens of units in Python faster than it indexes arrays of them."""
+        if self.hard_lists is None:
+            self.hard_lists = [None] * len(self.index)
+        busy = self.hard_lists[i]
+        if busy is None:
+            busy = self.hard_lists[i] = self.hard_of(i).tolist()
         return busy
 
     def soft_of(self, i):
@@ -750,14 +761,20 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     where = np.full(n, -1, dtype=np.int64)      # placement index, -1: not yet placed
     off_of = np.zeros(n, dtype=np.int64)
     end_of = np.zeros(n, dtype=np.int64)
+    placed = [None] * n     # (offset, end) of each unit placed, for _fit_blocks
     win, first, last = pairs.windows, pairs.first, pairs.last
     for k, unit in enumerate(order):
         i = pairs.index[unit]
         size = _aligned(units[unit][4], align)
         f = first[i]
-        busy = pairs.hard_of(i)
-        busy = busy[where[busy] >= 0]
-        offset = _fit(off_of[busy], end_of[busy], size, best_fit)
+        hard = pairs.hard_list_of(i)
+        if len(hard) <= FIT_IN_PYTHON:   # _fit's Python walk, without the arrays
+            offset = _fit_blocks([placed[j] for j in hard if placed[j] is not None], size,
+                                 best_fit)
+        else:
+            busy = pairs.hard_of(i)
+            busy = busy[where[busy] >= 0]
+            offset = _fit(off_of[busy], end_of[busy], size, best_fit)
         other = pairs.soft_of(i)
         if len(other):   # most units have none: no arrays to make
             other = other[where[other] >= 0]
@@ -769,6 +786,7 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
                 else:
                     edges.append((_not_before(touch, lo, zj, bj), zj, pairs.writers[j]))
         where[i], off_of[i], end_of[i] = k, offset, offset + size
+        placed[i] = (offset, offset + size)
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
@@ -799,7 +817,7 @@ def _fit(off, end, size, best_fit=False):
     if not len(off):
         return 0
     if len(off) <= FIT_IN_PYTHON:
-        return _fit_small(off.tolist(), end.tolist(), size, best_fit)
+        return _fit_blocks(list(zip(off.tolist(), end.tolist())), size, best_fit)
     s = np.lexsort((end, off))
     o, e = off[s], end[s]
     run = np.maximum.accumulate(e)
@@ -813,20 +831,20 @@ def _fit(off, end, size, best_fit=False):
     return int(at[np.argmax(fits)])
 
 
-#: ``_fit`` on at most this many blocks walks them in Python (``_fit_small``):
+#: ``_fit`` on at most this many blocks walks them in Python (``_fit_blocks``):
 #: the same offset, without NumPy's cost a call on a few tens of blocks (a
 #: plan places each unit beside the few it overlaps, in up to hundreds of
 #: orders)
 FIT_IN_PYTHON = 64
 
 
-def _fit_small(off, end, size, best_fit):
-    """``_fit`` of lists: the blocks by offset then end, each gap the block's
-    offset less the highest end before it (0 before the first); the first
-    gap that holds ``size``, or with ``best_fit`` the first of the smallest
-    such, else the highest end."""
+def _fit_blocks(blocks, size, best_fit):
+    """``_fit`` of a list of (offset, end): the blocks by offset then end,
+    each gap the block's offset less the highest end before it (0 before
+    the first); the first gap that holds ``size``, or with ``best_fit`` the
+    first of the smallest such, else the highest end."""
     run, best, at = 0, None, None
-    for o, e in sorted(zip(off, end)):
+    for o, e in sorted(blocks):
         gap = o - run
         if gap >= size:
             if not best_fit:
