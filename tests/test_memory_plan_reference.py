@@ -157,3 +157,24 @@ def test_interference_pairs_are_neighbours_only(text_h5, monkeypatch):
     # one more copy adds about as many pairs as the one before did
     assert p8 - p4 <= 2.2 * (p4 - p2), counts
     assert p8 / u8 <= 1.2 * p4 / u4, counts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fit_in_python_is_the_numpy_fit(seed, monkeypatch):
+    """``_fit`` on a few blocks walks them in Python (``_fit_small``, the
+    colourings' common case); on more, NumPy: the same offset either way,
+    first and best fit, on random blocks with shared offsets and ends, gaps
+    that hold the unit exactly, overlapping blocks and none that fits."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        n = int(rng.integers(1, 40))
+        off = rng.integers(0, 12, n) * 64
+        end = off + rng.integers(1, 6, n) * 64
+        size = int(rng.integers(1, 5)) * 64
+        for best_fit in (False, True):
+            small = mp._fit(off, end, size, best_fit)
+            with monkeypatch.context() as m:
+                m.setattr(mp, "FIT_IN_PYTHON", 0)
+                assert mp._fit(off, end, size, best_fit) == small, (off, end, size, best_fit)
+            assert isinstance(small, int)

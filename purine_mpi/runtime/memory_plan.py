@@ -641,6 +641,7 @@ class _Pairs:
     writers: list      # [positions of unit i's writers]: where edges go
     hard: list = None  # [_hard(self, i)], made once for all colourings (``_hard_sets``)
     soft_of: list = None   # [unit i's soft pairs' indices]
+    hard_lists: list = None   # [hard[i] as a list of ints where it has at most FIT_IN_PYTHON, else None]
 
 
 def _interference(units, n_ops, link=None):
@@ -729,17 +730,24 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     where = np.full(n, -1, dtype=np.int64)      # placement index, -1: not yet placed
     off_of = np.zeros(n, dtype=np.int64)
     end_of = np.zeros(n, dtype=np.int64)
+    placed = [None] * n     # (offset, end) of each unit placed, for _fit_blocks
     win, first, last = pairs.windows, pairs.first, pairs.last
     hard, soft_of = _hard_sets(pairs), pairs.soft_of
+    hard_lists = pairs.hard_lists
     for k, unit in enumerate(order):
         i = pairs.index[unit]
         size = _aligned(units[unit][4], align)
         f = first[i]
-        busy = hard[i]
-        busy = busy[where[busy] >= 0]
-        offset = _fit(off_of[busy], end_of[busy], size, best_fit)
+        busy = hard_lists[i]
+        if busy is not None:   # _fit's Python walk, without the arrays
+            offset = _fit_blocks([placed[j] for j in busy if placed[j] is not None], size,
+                                 best_fit)
+        else:
+            busy = hard[i]
+            busy = busy[where[busy] >= 0]
+            offset = _fit(off_of[busy], end_of[busy], size, best_fit)
         other = soft_of[i]
-        if len(other):
+        if len(other):   # most units have none: no arrays to make
             other = other[where[other] >= 0]
             meet = other[(off_of[other] < offset + size) & (offset < end_of[other])]
             meet = meet[np.argsort(where[meet], kind="stable")].tolist() if len(meet) else ()
@@ -752,6 +760,7 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
             else:
                 edges.append((_not_before(touch, lo, zj, bj), zj, pairs.writers[j]))
         where[i], off_of[i], end_of[i] = k, offset, offset + size
+        placed[i] = (offset, offset + size)
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
@@ -765,6 +774,7 @@ def _hard_sets(pairs):
         pairs.hard = [_hard(pairs, i) for i in range(len(pairs.index))]
         pairs.soft_of = [pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]][
             pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]] for i in range(len(pairs.index))]
+        pairs.hard_lists = [h.tolist() if len(h) <= FIT_IN_PYTHON else None for h in pairs.hard]
     return pairs.hard
 
 
@@ -793,6 +803,8 @@ def _fit(off, end, size, best_fit=False):
     n = len(off)
     if not n:
         return 0
+    if len(off) <= FIT_IN_PYTHON:
+        return _fit_blocks(list(zip(off.tolist(), end.tolist())), size, best_fit)
     s = np.lexsort((end, off))
     run = np.maximum.accumulate(end[s])
     at = np.empty(n, dtype=np.int64)   # the end of the blocks below each block
@@ -805,6 +817,31 @@ def _fit(off, end, size, best_fit=False):
     if best_fit:   # the smallest gap that holds it, the lowest of a tie
         return int(at[fits[np.argmin(gaps[fits])]])
     return int(at[fits[0]])
+
+
+#: ``_fit`` on at most this many blocks walks them in Python (``_fit_blocks``):
+#: the same offset, without NumPy's cost a call on a few tens of blocks (a
+#: plan places each unit beside the few it overlaps, in up to hundreds of
+#: orders)
+FIT_IN_PYTHON = 64
+
+
+def _fit_blocks(blocks, size, best_fit):
+    """``_fit`` of a list of (offset, end): the blocks by offset then end,
+    each gap the block's offset less the highest end before it (0 before
+    the first); the first gap that holds ``size``, or with ``best_fit`` the
+    first of the smallest such, else the highest end."""
+    run, best, at = 0, None, None
+    for o, e in sorted(blocks):
+        gap = o - run
+        if gap >= size:
+            if not best_fit:
+                return run
+            if best is None or gap < best:
+                best, at = gap, run
+        if e > run:
+            run = e
+    return run if at is None else at
 
 
 def _waits(link, ops):
