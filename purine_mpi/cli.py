@@ -370,9 +370,12 @@ def cmd_graph(args):
 
 
 def cmd_plan(args):
-    from .tools.plan import run_plan
+    from .tools.plan import MAX_PLAN_RANKS, run_plan
     if args.np < 1:
         raise UserError(f"--np {args.np}: give a number of ranks >= 1")
+    if args.np > MAX_PLAN_RANKS:  # its answer lists every rank: time and memory grow with N
+        raise UserError(f"--np {args.np}: plan takes at most {MAX_PLAN_RANKS:,} ranks (it "
+                        "names every rank and node, so its time and memory grow with --np)")
     choosing = [f for f, v in (("--calibration", args.calibration), ("--network", args.network),
                                  ("--bandwidth", args.bandwidth), ("--latency", args.latency),
                                  ("--out", args.out)) if v]

@@ -223,8 +223,8 @@ def build_parser():
                                     "whether it fits, without running an iteration")
     _common_config_args(p)
     p.add_argument("--np", type=int, default=1, metavar="N",
-                   help="number of ranks to plan for (default 1); the ranks alike are "
-                        "printed once, with their count")
+                   help="number of ranks to plan for (default 1, at most 1048576); the "
+                        "ranks alike are printed once, with their count")
     _memory_args(p, "the memory each rank may use on the host, each rank checked against it "
                     "(default: none per rank: the ranks of a node, K at a time in rank "
                     "order, are checked together against this host's MemAvailable now or "

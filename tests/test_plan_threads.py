@@ -241,3 +241,26 @@ def test_many_alike_ranks_are_read_once_per_built_rank(tmp_path, host_of, monkey
     for n in plan["nodes"]:
         assert n["need_bytes"] == sum(rows[r] for r in n["ranks"])
     assert max(calls.values()) <= 20, calls
+
+
+@pytest.mark.parametrize("choose", [False, True])
+def test_np_past_the_bound_is_refused_with_one_line(choose):
+    """``plan --np N`` names every rank and node in its answer (the JSON's
+    rank and node lists, a line per node), so its time and memory grow
+    with N however alike the ranks are: --np 10000000 took 41.6 s and
+    2.2 GB, 1e8 ran past 60 s. Past ``MAX_PLAN_RANKS`` (2**20) it is
+    refused, before the job is read (a job file that does not exist: the
+    same line), with one line and exit 2, --choose too. Before, it ran
+    ('assert 2 == ... and out.stdout == ""' failed: the table printed,
+    exit 2 only as the node did not fit; the job named here does not
+    exist, so before it said that instead of the bound)."""
+    from purine_mpi.tools.plan import MAX_PLAN_RANKS
+    from tests.conftest import run_cli_here
+    assert MAX_PLAN_RANKS == 1 << 20
+    for job in ("digits_lenet.yaml", "no_such_job.yaml"):
+        out = run_cli_here("plan", os.path.join(REPO, "jobs", job), "--np",
+                           str(MAX_PLAN_RANKS + 1), *(["--choose"] if choose else []))
+        assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout[:300])
+        assert out.stderr.strip().splitlines() == [
+            f"error: --np {MAX_PLAN_RANKS + 1}: plan takes at most 1,048,576 ranks (it names "
+            "every rank and node, so its time and memory grow with --np)"], out.stderr
