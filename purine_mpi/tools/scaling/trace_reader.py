@@ -368,13 +368,26 @@ def dispatch_gap(events, skip_first=True):
 WAITING_CATEGORIES = ("comm", "rma", "staging")
 
 
+def on_device(event):
+    """Whether a trace event is a device's (a CUDA stream's row
+    ``gpu<d>:<stream>``, a graph replay's ``gpu<d>:graph``, a copy stream's
+    ``h2d``/``d2h``, or a further row ``<tid>.<k>`` of one: runtime/trace.py),
+    timed by CUDA events, with no CPU time of its own."""
+    tid = str(event.get("tid", "")).split(".")[0]
+    return tid.startswith("gpu") or tid in ("h2d", "d2h")
+
+
 def load_factor(events):
     """The wall time over the CPU time of the host ops of ``events`` that
     carry ``args.cpu_us`` (runtime/executors.py: the op's thread's CPU time,
     recorded where each op runs on one thread): how much longer than its own
     work an op took because its thread waited for a core (other processes,
     other ranks on the same cores); at least 1. None where no such op is
-    there (an older trace, a GPU run, host products on several threads)."""
+    there (an older trace, host products on several threads) and for a GPU
+    run's trace (any event ``on_device``): its host ops' waits for a core
+    say nothing of the device's times nor of an iteration they pace."""
+    if any(on_device(e) for e in events):
+        return None
     wall = cpu = 0.0
     for e in events:
         c = (e.get("args") or {}).get("cpu_us")
