@@ -236,3 +236,32 @@ def test_blas_threads_of_the_users_record_no_cpu_time(traced, tmp_path):
     assert res.returncode == 0, res.stderr
     ops = [e for e in _events(out) if e.get("ph") == "X"]
     assert ops and not any("cpu_us" in e["args"] for e in ops)
+
+
+def test_the_data_ops_wait_for_its_prefetch_thread_is_no_load(traced, tmp_path):
+    """The data op (``DataReader``, category ``io``) waits for the batch its
+    prefetch thread reads (ops/data.py ``_take``): a slow source makes its
+    wall time far above its thread's CPU time on a machine to itself. That
+    wait is no core taken by other processes: the load factor leaves it out
+    (else it divides every op without CPU time, the iteration and the gaps
+    of an unloaded run: 29.6 here), and the op is priced at its wall time
+    over the factor, not at its thread's CPU time (its work is on another
+    thread)."""
+    from purine_mpi.tools.scaling.trace_reader import read_traces
+    _, run = traced
+    out, io = [], 0
+    for e in _events(run):
+        if e.get("ph") == "X":
+            if e["cat"] == "io":  # waited 20 ms for its batch, 50 us of its own work
+                io += 1
+                e = dict(e, dur=20000.0, args=dict(e["args"], cpu_us=50.0))
+            else:  # alone on its cores
+                e = dict(e, args=dict(e["args"], cpu_us=e["dur"]))
+        out.append(e)
+    assert io
+    slow = _copy(run, tmp_path / "slow_data", out)
+    wall, _ = read_traces(str(slow))
+    cpu, _ = read_traces(str(slow), cpu=True)
+    assert cpu.load == {0: pytest.approx(1.0)}
+    assert cpu.iter_seconds[0] == pytest.approx(wall.iter_seconds[0], rel=1e-9)
+    assert cpu.per_rank[0]["data"] == pytest.approx(wall.per_rank[0]["data"], rel=1e-9)

@@ -366,6 +366,12 @@ def dispatch_gap(events, skip_first=True):
 #: the categories of the events that wait on other ranks or the network
 #: (their wall time is the op's time, not CPU time: ``cpu_time``)
 WAITING_CATEGORIES = ("comm", "rma", "staging")
+#: the categories of the host ops that wait for another thread of the rank
+#: (``io``: the data op, ops/data.py ``_take``, waits for the batch its
+#: prefetch thread reads): the op's thread's CPU time is not the op's cost,
+#: and its wait no core taken by other processes. Left out of
+#: ``load_factor``; priced at their wall time over it (``cpu_time``)
+THREAD_WAIT_CATEGORIES = ("io",)
 
 
 def on_device(event):
@@ -391,7 +397,8 @@ def load_factor(events):
     wall = cpu = 0.0
     for e in events:
         c = (e.get("args") or {}).get("cpu_us")
-        if e.get("cat") in WAITING_CATEGORIES or not _is_time(c) or c < 0:
+        if e.get("cat") in WAITING_CATEGORIES + THREAD_WAIT_CATEGORIES or not _is_time(c) \
+                or c < 0:
             continue
         wall += e["dur"]
         cpu += c
@@ -400,14 +407,16 @@ def load_factor(events):
 
 def cpu_time(events, factor):
     """``events`` with each host op's ``dur`` its CPU time (``args.cpu_us``),
-    one without it its wall time over ``factor`` (``load_factor``); the
-    waiting events (``WAITING_CATEGORIES``) as they are: the op times of an
+    one without it (or that waits for another thread of the rank:
+    ``THREAD_WAIT_CATEGORIES``) its wall time over ``factor``
+    (``load_factor``); the waiting events (``WAITING_CATEGORIES``) as they are: the op times of an
     undisturbed run, whatever else ran on the machine at the time."""
     out = []
     for e in events:
         if e.get("cat") not in WAITING_CATEGORIES:
             c = (e.get("args") or {}).get("cpu_us")
-            e = dict(e, dur=min(e["dur"], c) if _is_time(c) and c >= 0 else e["dur"] / factor)
+            own = _is_time(c) and c >= 0 and e.get("cat") not in THREAD_WAIT_CATEGORIES
+            e = dict(e, dur=min(e["dur"], c) if own else e["dur"] / factor)
         out.append(e)
     return out
 
