@@ -88,7 +88,12 @@ def ranked(config, sets, ranks, folder, link=None, root=None):
         args += ["--set", s]
     env = sharded.rank_env()
     if root:
+        # the other checkout's code, in the plan and in the calibration run it
+        # starts (``python -m purine_mpi`` too): ``-m`` and ``-c`` put the
+        # working directory, this checkout, before PYTHONPATH unless
+        # PYTHONSAFEPATH is set (Python 3.11), which the children inherit
         env["PYTHONPATH"] = os.path.abspath(root)
+        env["PYTHONSAFEPATH"] = "1"
     res = subprocess.run([sys.executable, "-m", "purine_mpi", *args], cwd=sharded.ROOT,
                          env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
@@ -290,6 +295,9 @@ def main(argv=None):
                         "own calibration, plan's default link), its settings measured in the "
                         "same rounds: its ranking figures under compare.baseline")
     a = p.parse_args(argv)
+    if a.baseline_root and sys.version_info < (3, 11):
+        p.error("--baseline-root needs Python 3.11 or later (PYTHONSAFEPATH: else the plan "
+                "imports this checkout's code, not the other's)")
     if (a.compare or a.ranks_per_node) and not (a.network or a.calibrate_link):
         p.error("--compare and --ranks-per-node need --network or --calibrate-link")
     if a.ranks_per_node and a.calibrate_link:

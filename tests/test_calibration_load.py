@@ -189,3 +189,79 @@ def test_two_calibration_traces_under_different_loads_fit_the_law_of_both_alone(
         assert preds["loaded"].predict(cand, 2)[0] == pytest.approx(want, rel=1e-6), sets
         # the rule before: the slowed small trace's law, a prediction apart
         assert preds["wall"].predict(cand, 2)[0] != pytest.approx(want, rel=0.02), sets
+
+
+def test_a_gpu_trace_is_not_divided_by_its_host_ops_load_factor(traced, tmp_path):
+    """A GPU run's trace holds device ops (rows ``gpu<d>:<stream>``, the
+    copy streams ``h2d``/``d2h``), timed by CUDA events, with no CPU time,
+    beside the host ops (runtime/streams_dispatcher.py: an op on no stream
+    runs through ``Executor.execute``, which records ``cpu_us``). The host
+    ops' load factor says nothing about the device's times: read as CPU
+    time, such a trace keeps every time as traced (no load factor)."""
+    from purine_mpi.tools.scaling.trace_reader import read_traces
+    _, run = traced
+    out, kept = [], 0
+    for e in _events(run):
+        if e.get("ph") == "X":
+            if kept < 2:  # two host ops that waited for a core: wall 4x their CPU time
+                kept += 1
+                e = dict(e, args=dict(e["args"], cpu_us=e["dur"] / 4))
+            else:  # a device op: its stream's row, no CPU time
+                args = {k: v for k, v in e["args"].items() if k != "cpu_us"}
+                e = dict(e, tid="gpu0:0" if kept % 2 else "h2d", args=args)
+                kept += 1
+        out.append(e)
+    gpu = _copy(run, tmp_path / "gpu", out)
+    wall, _ = read_traces(str(gpu))
+    cpu, _ = read_traces(str(gpu), cpu=True)
+    assert cpu.load == {}
+    assert cpu.iter_seconds == wall.iter_seconds and cpu.gaps == wall.gaps
+    assert cpu.per_rank == wall.per_rank
+
+
+def test_blas_threads_of_the_users_record_no_cpu_time(traced, tmp_path):
+    """``OPENBLAS_NUM_THREADS`` (or ``MKL_NUM_THREADS``) above 1, set by the
+    user (base/threads.py keeps it): BLAS splits a product over its own
+    threads, whose CPU time the op's thread does not see, at any
+    ``PURINE_THREADS``. No ``cpu_us`` then (the op would be priced at a
+    part of its cost), as with a pool of host-product threads."""
+    import subprocess
+    cfg = traced[0]
+    env = dict(cli_env(), PURINE_THREADS="1", OPENBLAS_NUM_THREADS="2")
+    env.pop("OMP_NUM_THREADS", None)
+    out = tmp_path / "blas"
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "train", str(cfg), "--out", str(out),
+                          "--iters", "4", "--profile-iters", "2:4"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    ops = [e for e in _events(out) if e.get("ph") == "X"]
+    assert ops and not any("cpu_us" in e["args"] for e in ops)
+
+
+def test_the_data_ops_wait_for_its_prefetch_thread_is_no_load(traced, tmp_path):
+    """The data op (``DataReader``, category ``io``) waits for the batch its
+    prefetch thread reads (ops/data.py ``_take``): a slow source makes its
+    wall time far above its thread's CPU time on a machine to itself. That
+    wait is no core taken by other processes: the load factor leaves it out
+    (else it divides every op without CPU time, the iteration and the gaps
+    of an unloaded run: 29.6 here), and the op is priced at its wall time
+    over the factor, not at its thread's CPU time (its work is on another
+    thread)."""
+    from purine_mpi.tools.scaling.trace_reader import read_traces
+    _, run = traced
+    out, io = [], 0
+    for e in _events(run):
+        if e.get("ph") == "X":
+            if e["cat"] == "io":  # waited 20 ms for its batch, 50 us of its own work
+                io += 1
+                e = dict(e, dur=20000.0, args=dict(e["args"], cpu_us=50.0))
+            else:  # alone on its cores
+                e = dict(e, args=dict(e["args"], cpu_us=e["dur"]))
+        out.append(e)
+    assert io
+    slow = _copy(run, tmp_path / "slow_data", out)
+    wall, _ = read_traces(str(slow))
+    cpu, _ = read_traces(str(slow), cpu=True)
+    assert cpu.load == {0: pytest.approx(1.0)}
+    assert cpu.iter_seconds[0] == pytest.approx(wall.iter_seconds[0], rel=1e-9)
+    assert cpu.per_rank[0]["data"] == pytest.approx(wall.per_rank[0]["data"], rel=1e-9)

@@ -342,3 +342,32 @@ def test_choose_vs_real_link_options_reach_plan(monkeypatch, tmp_path):
         with pytest.raises(SystemExit) as e:
             args(*bad)
         assert e.value.code == 2, bad
+
+
+def test_choose_vs_real_baseline_root_runs_the_other_checkouts_plan(monkeypatch, tmp_path):
+    """``--baseline-root CHECKOUT``: the plan (and the calibration run it
+    starts, ``python -m purine_mpi`` from the same working directory) is
+    that checkout's code. The plan runs in this checkout's folder, which
+    ``python -m`` puts before PYTHONPATH on the module path: on the code
+    before, the "baseline" was this checkout's plan (here: it failed on the
+    missing job, never reaching the other checkout)."""
+    import json
+    import os
+    mod = _choose_vs_real(monkeypatch, "choose_vs_real_base")
+    root = tmp_path / "other"
+    (root / "purine_mpi").mkdir(parents=True)
+    (root / "purine_mpi" / "__init__.py").write_text("")
+    # the other checkout's plan: one candidate named after the code that ran
+    # it and the code a child it starts from the same folder imports
+    (root / "purine_mpi" / "__main__.py").write_text(
+        "import json, os, subprocess, sys\n"
+        "import purine_mpi\n"
+        "child = subprocess.run([sys.executable, '-c', 'import purine_mpi; "
+        "print(purine_mpi.__file__)'], capture_output=True, text=True).stdout.strip()\n"
+        "label = os.path.dirname(os.path.dirname(purine_mpi.__file__)) + '|' + "
+        "os.path.dirname(os.path.dirname(child))\n"
+        "print(json.dumps({'candidates': [{'label': label, 'set': [], 'fits': True}], "
+        "'unit': 'images'}))\n")
+    got, unit, _ = mod.ranked("job.yaml", [], 2, str(tmp_path), None, str(root))
+    assert [c["label"] for c in got] == [f"{root}|{root}"]
+    assert os.getcwd() != str(root)

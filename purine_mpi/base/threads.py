@@ -48,6 +48,11 @@ LOCAL_SIZE_VARS = ("PURINE_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCAL
 
 #: (threads, why) as decided at import
 DECISION = None
+#: whether BLAS runs one thread (decided at import with ``DECISION``): every
+#: BLAS variable is 1 and NumPy loaded its BLAS after they were set. Else a
+#: product's work is spread over BLAS's own threads, which the calling
+#: thread's CPU time does not count (runtime/executors.py, ``args.cpu_us``)
+BLAS_ONE = None
 #: the cores busy with other processes' work, when measured (at import for
 #: the default count, else at the start-up block)
 BUSY = None
@@ -191,7 +196,7 @@ def most(environ=os.environ, local_ranks=None):
 def apply(environ=os.environ):
     """Decide and export the thread count (once per process); returns
     (threads, why). Called by ``purine_mpi/__init__.py``."""
-    global DECISION, BUSY
+    global DECISION, BUSY, BLAS_ONE
     if DECISION is not None:
         return DECISION
     try:
@@ -202,8 +207,10 @@ def apply(environ=os.environ):
         threads, why = 1, f"{exc}; using 1"
     for var in THREAD_VARS:
         environ.setdefault(var, "1" if var in BLAS_VARS else str(threads))
-    if "numpy" in sys.modules and not _set_before.issuperset(BLAS_VARS):
+    numpy_first = "numpy" in sys.modules and not _set_before.issuperset(BLAS_VARS)
+    if numpy_first:
         why += "; NumPy was loaded first, so its BLAS may use other counts"
+    BLAS_ONE = not numpy_first and all(environ.get(v) == "1" for v in BLAS_VARS)
     blas = [f"{v}={environ[v]}" for v in BLAS_VARS if v in _set_before and environ[v] != "1"]
     if blas:
         why += (f"; {' '.join(blas)} set: BLAS's own threads make the results depend on "

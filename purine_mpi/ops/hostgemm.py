@@ -108,6 +108,15 @@ def threads():
     return decision[0]
 
 
+def one_thread():
+    """Whether a host product runs on its calling thread alone: one thread
+    here (``threads``) and BLAS held to one (base/threads.py ``BLAS_ONE``:
+    not where the user set ``OPENBLAS_NUM_THREADS`` above 1, or NumPy loaded
+    its BLAS first). Only then is the calling thread's CPU time the op's
+    (runtime/executors.py records it as ``args.cpu_us``)."""
+    return threads() == 1 and bool(_threads.BLAS_ONE)
+
+
 def plan(m, n, k):
     """(axis, [slices]) of a 2-D product (m, k) @ (k, n): the side it is cut
     along (0: the rows m, 1: the columns n, 2: the inner size k) and the

@@ -126,12 +126,12 @@ class Executor:
             # the op's CPU time on this thread beside its wall time: the
             # calibration's op costs undisturbed by other processes sharing
             # the cores (docs/formats.md, "Traces": ``args.cpu_us``)
-            # (not where host products run on a pool of threads as well:
-            # this thread's CPU time would be a part of the op's)
+            # (not where host products run on a pool of threads as well, ours
+            # or BLAS's: this thread's CPU time would be a part of the op's)
             t1, c1 = time.perf_counter(), time.thread_time()
             core.profiler.record(op, k.category, t0, t1, core.label(op.name), tid,
                                  {"cpu_us": round((c1 - c0) * 1e6, 1)}
-                                 if hostgemm.threads() == 1 else None)
+                                 if hostgemm.one_thread() else None)
         return result, t0
 
 

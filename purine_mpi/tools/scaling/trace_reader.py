@@ -366,6 +366,21 @@ def dispatch_gap(events, skip_first=True):
 #: the categories of the events that wait on other ranks or the network
 #: (their wall time is the op's time, not CPU time: ``cpu_time``)
 WAITING_CATEGORIES = ("comm", "rma", "staging")
+#: the categories of the host ops that wait for another thread of the rank
+#: (``io``: the data op, ops/data.py ``_take``, waits for the batch its
+#: prefetch thread reads): the op's thread's CPU time is not the op's cost,
+#: and its wait no core taken by other processes. Left out of
+#: ``load_factor``; priced at their wall time over it (``cpu_time``)
+THREAD_WAIT_CATEGORIES = ("io",)
+
+
+def on_device(event):
+    """Whether a trace event is a device's (a CUDA stream's row
+    ``gpu<d>:<stream>``, a graph replay's ``gpu<d>:graph``, a copy stream's
+    ``h2d``/``d2h``, or a further row ``<tid>.<k>`` of one: runtime/trace.py),
+    timed by CUDA events, with no CPU time of its own."""
+    tid = str(event.get("tid", "")).split(".")[0]
+    return tid.startswith("gpu") or tid in ("h2d", "d2h")
 
 
 def load_factor(events):
@@ -374,11 +389,16 @@ def load_factor(events):
     recorded where each op runs on one thread): how much longer than its own
     work an op took because its thread waited for a core (other processes,
     other ranks on the same cores); at least 1. None where no such op is
-    there (an older trace, a GPU run, host products on several threads)."""
+    there (an older trace, host products on several threads) and for a GPU
+    run's trace (any event ``on_device``): its host ops' waits for a core
+    say nothing of the device's times nor of an iteration they pace."""
+    if any(on_device(e) for e in events):
+        return None
     wall = cpu = 0.0
     for e in events:
         c = (e.get("args") or {}).get("cpu_us")
-        if e.get("cat") in WAITING_CATEGORIES or not _is_time(c) or c < 0:
+        if e.get("cat") in WAITING_CATEGORIES + THREAD_WAIT_CATEGORIES or not _is_time(c) \
+                or c < 0:
             continue
         wall += e["dur"]
         cpu += c
@@ -387,14 +407,16 @@ def load_factor(events):
 
 def cpu_time(events, factor):
     """``events`` with each host op's ``dur`` its CPU time (``args.cpu_us``),
-    one without it its wall time over ``factor`` (``load_factor``); the
-    waiting events (``WAITING_CATEGORIES``) as they are: the op times of an
+    one without it (or that waits for another thread of the rank:
+    ``THREAD_WAIT_CATEGORIES``) its wall time over ``factor``
+    (``load_factor``); the waiting events (``WAITING_CATEGORIES``) as they are: the op times of an
     undisturbed run, whatever else ran on the machine at the time."""
     out = []
     for e in events:
         if e.get("cat") not in WAITING_CATEGORIES:
             c = (e.get("args") or {}).get("cpu_us")
-            e = dict(e, dur=min(e["dur"], c) if _is_time(c) and c >= 0 else e["dur"] / factor)
+            own = _is_time(c) and c >= 0 and e.get("cat") not in THREAD_WAIT_CATEGORIES
+            e = dict(e, dur=min(e["dur"], c) if own else e["dur"] / factor)
         out.append(e)
     return out
 
