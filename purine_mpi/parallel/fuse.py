@@ -314,10 +314,10 @@ def fold_gelu_bias_grads(graph):
     module docstring): only where the ``InnerProductGradBias`` (one input,
     not accumulating) reads the dx (output 0) of one ``GeluGrad`` (its only
     writer, not accumulating, on the same device) whose x is written by an
-    ``InnerProduct`` with a bias alone, neither dx nor x is a view, no blob
-    involved is viewed, and db has that one writer (db may be a view: a
-    data-parallel bucket's range, micro-batch copy 0's gradient). Returns
-    the names of the bias-gradient ops removed."""
+    ``InnerProduct`` with a bias alone, neither dx nor x is a view or
+    viewed, and db has that one writer (db may be a view: a data-parallel
+    bucket's range, micro-batch copy 0's gradient; or viewed: fp16's
+    ``@unscale``). Returns the names of the bias-gradient ops removed."""
     folded = []
     prod = graph.producers()
     viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
@@ -339,10 +339,11 @@ def fold_gelu_bias_grads(graph):
                 fc[0].outputs[0] != g.inputs[1]:
             continue
         # db may be a view (a data-parallel bucket's range, micro-batch copy
-        # 0's of the gradient the update reads): GeluGrad writes those
-        # contiguous elements as the InnerProductGradBias did
-        if any(graph.blobs[b].alias_of for b in (dx, g.inputs[1])) or \
-                any(b in viewed for b in (dx, db, g.inputs[1])):
+        # 0's of the gradient the update reads) or viewed (fp16's Unscale
+        # writes its ``@unscale`` view in place): GeluGrad writes those
+        # contiguous elements, before the same readers, as the
+        # InnerProductGradBias did
+        if any(graph.blobs[b].alias_of or b in viewed for b in (dx, g.inputs[1])):
             continue
         g.outputs.append(db)
         g.attrs["bias_grad"] = True
