@@ -368,3 +368,86 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_the_fold(host_build_dir, monkey
     assert first_off.get("gelu_backward_bdy_bx_copy_colsum_f32", 0) == 0
     sums = ("sum_rows_vec_f32", "sum_rows_f32", "sum_rows_bits_vec_f32", "sum_rows_bits_f32")
     assert sum(first_on.get(f, 0) for f in sums) == sum(first_off.get(f, 0) for f in sums) - gelu
+
+
+@pytest.mark.parametrize("compose", ["data", "micro"])
+def test_the_pass_folds_into_a_gradient_that_is_a_view(host_build_dir, monkeypatch, compose):
+    """The fc bias gradient as a view: data parallelism makes every gradient
+    a view of its flat bucket (compose_data_parallel, before the device's
+    fusions), micro-batches make copy 0's a view of the gradient the update
+    reads (``_sum_in_place``). GeluGrad writes db there as the
+    InnerProductGradBias it replaces did (a contiguous range), so the fold
+    still fires: each block's MLP fc bias gradient, db still the view."""
+    from purine_mpi.parallel.data_parallel import compose_data_parallel
+    from purine_mpi.parallel.micro_batch import micro_name, replicate_micro_batches
+    from purine_mpi.parallel.placement import prepare_for_device
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.gpt_oracle import gpt_graph, gpt_net
+    from tests.test_precision import SOLVER
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    monkeypatch.setenv("PURINE_GELU_BIAS_GRAD", "1")
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=2, max_length=8, approximate="tanh")
+    g, grads, _ = gpt_graph(net, dict(SOLVER, max_iter=3), 2, 8)
+    if compose == "data":
+        compose_data_parallel(g, grads, 2, 0)
+    else:
+        replicate_micro_batches(g, grads, 2, in_place=True)
+    prepare_for_device(g, 0, precision="fp32")
+    folded = [op for op in g.ops.values() if op.attrs.get("bias_grad")]
+    per_copy = 1 if compose == "data" else 2
+    assert len(folded) == 2 * per_copy, [op.name for op in folded]
+    views = [op.outputs[-1] for op in folded if g.blobs[op.outputs[-1]].alias_of]
+    assert len(views) == 2, views   # the buckets' views; copy 0's of the gradients
+    if compose == "micro":
+        assert all(v.endswith(micro_name("", 0)) for v in views), views
+    prod = g.producers()
+    assert all(prod[v] == [op] for op in folded for v in op.outputs[-1:])
+    assert not any(op.op_type == "InnerProductGradBias" and op.inputs[0] in
+                   {f.outputs[0] for f in folded} for op in g.ops.values())
+
+
+@pytest.mark.parametrize("micro,precision", [(2, "fp32"), (1, "fp16")])
+def test_micro_batches_train_bitwise_the_same_with_the_fold(host_build_dir, monkeypatch,
+                                                            tmp_path, micro, precision):
+    """The trainer on the emulated device (CUDA graphs), the 2-block GPT,
+    3 iterations: with PURINE_GELU_BIAS_GRAD=1 every copy's MLP fc bias
+    gradient is folded -- at 2 micro-batches copy 0's db a view of the
+    gradient the running sums add to in place; in fp16 db viewed by the
+    loss scale's Unscale, which writes its ``@unscale`` view in place --
+    and the losses and weights are those without it bit for bit."""
+    import json
+
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    from tests.conftest import FakeWorld, make_job
+    from tests.emulated_gpu import emulated_trainer_env
+    from tests.gpt_nets import gpt_config, text_h5
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    data = text_h5(tmp_path)
+
+    def train(fold):
+        monkeypatch.setenv("PURINE_GELU_BIAS_GRAD", fold)
+        raw = gpt_config(data, layers=2, width=16, heads=2, length=8, batch=4, iters=3,
+                         parallel={"micro_batches": micro})
+        raw.update(device=0, precision=precision, cuda_graph=True)
+        raw["data"].pop("test")
+        out = tmp_path / f"fold{fold}{micro}{precision}"
+        t = Trainer(make_job(validate_config(raw, check_files=False)), str(out),
+                    world=FakeWorld(), log=lambda line: None)
+        graph = t.graphs.graph
+        folded = [op for op in graph.ops.values() if op.attrs.get("bias_grad")]
+        views = [op for op in folded if graph.blobs[op.outputs[-1]].alias_of or
+                 any(b.alias_of == op.outputs[-1] for b in graph.blobs.values())]
+        assert run_and_report(t, FakeWorld()) == 0
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in rows if r["phase"] == "train"]
+        weights = {p: np.array(to_numpy(t.train.workspace[p])) for p in t.graphs.params}
+        return losses, weights, len(folded), len(views)
+
+    on, off = train("1"), train("0")
+    assert on[2:] == ((4, 2) if micro == 2 else (2, 2)) and off[2:] == (0, 0), (on[2:], off[2:])
+    assert len(on[0]) == 3 and on[0] == off[0]
+    for name in off[1]:
+        np.testing.assert_array_equal(on[1][name].view(np.uint32), off[1][name].view(np.uint32),
+                                      err_msg=name)

@@ -314,8 +314,10 @@ def fold_gelu_bias_grads(graph):
     module docstring): only where the ``InnerProductGradBias`` (one input,
     not accumulating) reads the dx (output 0) of one ``GeluGrad`` (its only
     writer, not accumulating, on the same device) whose x is written by an
-    ``InnerProduct`` with a bias alone, no blob involved is a view, and db
-    has that one writer. Returns the names of the bias-gradient ops removed."""
+    ``InnerProduct`` with a bias alone, neither dx nor x is a view or
+    viewed, and db has that one writer (db may be a view: a data-parallel
+    bucket's range, micro-batch copy 0's gradient; or viewed: fp16's
+    ``@unscale``). Returns the names of the bias-gradient ops removed."""
     folded = []
     prod = graph.producers()
     viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
@@ -336,7 +338,12 @@ def fold_gelu_bias_grads(graph):
         if len(fc) != 1 or fc[0].op_type != "InnerProduct" or len(fc[0].inputs) != 3 or \
                 fc[0].outputs[0] != g.inputs[1]:
             continue
-        if any(graph.blobs[b].alias_of or b in viewed for b in (dx, db, g.inputs[1])):
+        # db may be a view (a data-parallel bucket's range, micro-batch copy
+        # 0's of the gradient the update reads) or viewed (fp16's Unscale
+        # writes its ``@unscale`` view in place): GeluGrad writes those
+        # contiguous elements, before the same readers, as the
+        # InnerProductGradBias did
+        if any(graph.blobs[b].alias_of or b in viewed for b in (dx, g.inputs[1])):
             continue
         g.outputs.append(db)
         g.attrs["bias_grad"] = True
