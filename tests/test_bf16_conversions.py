@@ -9,8 +9,12 @@ kernel made it.
 What it pins (docs/gpu.md, "Precision"): with cuDNN's SDPA (what a GPU
 runs; the emulated frontend here) the only conversions left are
 
-- ``Cast`` of each product's float32 master weight into bits (cuBLAS reads
-  bf16 operands; one a weight a step);
+- each product's float32 master weight rounded into bits (cuBLAS reads
+  bf16 operands): by the AdamW update in its own pass after the first step
+  (``parallel/precision.fold_weight_casts``), so a step launches no
+  conversion for them; the copies are made once, outside any op, before
+  the first step (``refresh_weight_copies``), and with the fold off
+  (``PURINE_FOLD_WEIGHT_CASTS=0``) a ``Cast`` op each step makes them;
 
 the ``from_logits`` loss (``SoftmaxLoss``, ``SoftmaxLossGrad``) reads the
 bits logits and writes its dx as bits in its own kernels
@@ -44,10 +48,14 @@ def _conversions(monkeypatch, host_build_dir, sdpa):
 
         def spy(source, func, *args):
             if func in ("to_bf16_bits", "from_bf16_bits"):
-                ops = [f.frame.f_locals["self"] for f in inspect.stack()[1:]
+                stack = inspect.stack()[1:]
+                ops = [f.frame.f_locals["self"] for f in stack
                        if isinstance(f.frame.f_locals.get("self"), OpKernel)]
-                assert ops, f"a {func} launch outside an op"
-                where[(func, type(ops[0]).__name__, ops[0].op.name)] += 1
+                if not ops and any(f.function == "refresh_weight_copies" for f in stack):
+                    where[(func, "refresh", "")] += 1   # the copies made before step 1
+                else:
+                    assert ops, f"a {func} launch outside an op"
+                    where[(func, type(ops[0]).__name__, ops[0].op.name)] += 1
             return real(source, func, *args)
 
         m.setattr(kernels.base, "_launch_blocks", spy)
@@ -55,26 +63,30 @@ def _conversions(monkeypatch, host_build_dir, sdpa):
     return where, steps[0]
 
 
-@pytest.mark.parametrize("sdpa", [True, False])
+@pytest.mark.parametrize("sdpa,fold", [(True, True), (False, True), (True, False)])
 def test_only_weight_casts_and_the_loss_convert_in_a_bf16_gpt_step(host_build_dir, monkeypatch,
-                                                                  sdpa):
+                                                                  sdpa, fold):
+    monkeypatch.setenv("PURINE_FOLD_WEIGHT_CASTS", "1" if fold else "0")
     where, counts = _conversions(monkeypatch, host_build_dir, sdpa)
     by_type = collections.Counter()
     for (func, kind, name), n in where.items():
-        if kind != "AttentionGrad":   # one launch an op
+        if kind not in ("AttentionGrad", "refresh"):   # one launch an op
             assert n == 1, (func, kind, name, n)
         by_type[(func, kind)] += n
         if kind == "Cast":
             assert func == "to_bf16_bits" and name.endswith("weight.cast"), name
     # 2 blocks x (qkv, attention projection, fc, projection) + the tied embedding
     weights = 2 * 4 + 1
-    want = {("to_bf16_bits", "Cast"): weights}
+    # folded: made once before step 1, then by the update (no conversion
+    # kernel); else a Cast op each step
+    want = {("to_bf16_bits", "refresh" if fold else "Cast"): weights}
     if not sdpa:   # the cuBLAS attention (a launch an op, its gradient two widenings)
         want.update({("from_bf16_bits", "Attention"): 2, ("to_bf16_bits", "Attention"): 2,
                      ("from_bf16_bits", "AttentionGrad"): 4,
                      ("to_bf16_bits", "AttentionGrad"): 2})
     assert dict(by_type) == want
     assert counts["to_bf16_bits"] == sum(n for (f, _), n in want.items() if f == "to_bf16_bits")
+    # (the refresh before step 1 is counted in step 1's launches)
     assert counts["from_bf16_bits"] == sum(n for (f, _), n in want.items()
                                            if f == "from_bf16_bits")
     # the layer norms read and write bits themselves

@@ -151,6 +151,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         raise
     d = trainer.train
     times, latencies = [], {}
+    peaks = own = None
     try:
         # an iteration's time is from the end of the one before: with
         # parallel.defer_update its tail overlaps the next one, and the last
@@ -174,14 +175,16 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
         report = d.capture_report()
+        if peak is not None:   # the run's: not the divergence check's temporaries below
+            peaks, own = peak.peak(), peak.own_peak()
         diverged = _diverged(trainer, world)
         replicas = trainer.graphs.data_size
         moved = transport_figures(d, trainer.graphs, iters, moved_before)
     finally:
         trainer.close()
-        peaks = peak.peak() if peak is not None else None
-        own = peak.own_peak() if peak is not None else None
         if peak is not None:
+            if peaks is None:   # (the run ended before its figures)
+                peaks, own = peak.peak(), peak.own_peak()
             peak.close()
     server_places = []
     moved.update(ps_figures(gworld, servers, server_places)
