@@ -55,11 +55,11 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
     from ..job.replica import forward_graph, trained_values
     if job.graph is not None:  # forward_graph builds the net: list only
-        raise ConfigError(job.path, "graph", f"export onnx writes the test phase of a "
+        raise ConfigError(job.path, "graph", "export onnx writes the test phase of a "
                           "net: list (docs/config.md); a graph config has none, and its ops "
                           "would not be in the model")
     if job.data.test is None:
-        raise ConfigError(job.path, "data.test", f"export onnx writes the test "
+        raise ConfigError(job.path, "data.test", "export onnx writes the test "
                           "phase: the config needs a data.test section (its sample shape is the "
                           "model's input shape)")
     graph = forward_graph(job, "test", job.data.test)

@@ -35,7 +35,7 @@ the trainer::
 import dataclasses
 import os
 
-from ..base.errors import ConfigError, UserError
+from ..base.errors import ConfigError
 
 #: op types that run on the host whatever the device
 HOST_OP_TYPES = ("LossScaleUpdate", "AdamStep")  # fp16's decisions (ops/loss_scale.py)

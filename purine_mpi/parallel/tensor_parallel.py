@@ -46,9 +46,7 @@ shard as a slice of the whole filler value, and checkpoints gather the
 shards into whole blobs on saving and slice them on loading (a checkpoint
 of a 2-way run loads on 1 rank and back).
 """
-import numpy as np
-
-from ..base.errors import ConfigError, UserError
+from ..base.errors import ConfigError
 from ..graph.grad import op_base
 from ..graph.solver_graph import solver_states, state_name
 from ..layers import layer_key
@@ -146,7 +144,7 @@ def check_degree(pairs, degree, path):
     """A UserError (exit 2) naming ``parallel.tensor_parallel`` when a
     split width is not divisible by the degree, or nothing can be split."""
     if not pairs:
-        raise ConfigError(path, "parallel.tensor_parallel", f"scheme tensor found no "
+        raise ConfigError(path, "parallel.tensor_parallel", "scheme tensor found no "
                           "layers to split: it splits a fully connected layer whose output "
                           "reaches another fully connected layer (over its last axis) through "
                           "element-wise layers only (relu, gelu, dropout), e.g. a transformer's "

@@ -91,7 +91,7 @@ def text_spec(job):
                 raise ConfigError(job.path, f"data.{phase}.source", f"generate needs a "
                                   f"language model trained on source text, got {spec.source}")
             return spec
-    raise ConfigError(job.path, "data", f"generate needs a data.train or data.test spec "
+    raise ConfigError(job.path, "data", "generate needs a data.train or data.test spec "
                       "with source text (its sequence_length is the context)")
 
 

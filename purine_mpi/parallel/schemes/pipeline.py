@@ -92,7 +92,7 @@ class Pipeline(Scheme):
             return None
         from ..placement import asks_for_gpu
         if asks_for_gpu(job):  # device or backend: cupy (also given on the command line)
-            raise ConfigError(job.path, "parallel.tensor_parallel", f"scheme pipeline with "
+            raise ConfigError(job.path, "parallel.tensor_parallel", "scheme pipeline with "
                               "tensor parallelism runs on the CPU (device -1), not on a GPU; "
                               "set device: -1, or tensor_parallel: 1")
         from ..tensor_parallel import split_for
