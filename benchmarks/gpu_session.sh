@@ -37,14 +37,14 @@
 #   plans        30 s  benchmarks/cudnn_plans.py: every cuDNN plan of two convolutions
 #                      against a float64 reference, and the plan the set-up chose
 #                                                         -> cudnn_plans.json
-#   gpt         245 s  bf16 against PyTorch autocast: gpu_throughput.py --precision bf16
+#   gpt         265 s  bf16 against PyTorch autocast: gpu_throughput.py --precision bf16
 #                      (cifar10_quick and NIN at batch 128, channels-last, eager and
 #                      whole-step CUDA graph; 40 s at most) -> bench_bf16.json, then
 #                      benchmarks/gpt_gpu.py, jobs/gpt2_124m.yaml with precision bf16
 #                      (16 x 1024 tokens a step; ours also with PURINE_FC_EPILOGUE=
 #                      cublaslt) against nanoGPT's model in PyTorch, eager and
 #                      torch.compile, interleaved  -> gpt_gpu.json (its deadline
-#                      leaves the stage's last 90 s to the microbenchmarks, which
+#                      leaves the stage's last 110 s to the microbenchmarks, which
 #                      run after it and cannot starve it); then
 #                      benchmarks/loss_kernel_gpu.py (30 s at most): the GPT loss
 #                      kernels, vectorized against the old    -> loss_kernel_gpu.json;
@@ -53,6 +53,9 @@
 #                      benchmarks/layernorm_kernel_gpu.py (20 s at most): the
 #                      layer-norm kernels, warp per row against block per row
 #                                                         -> layernorm_kernel_gpu.json
+#                      benchmarks/adam_copy_gpu.py (15 s at most): the fused AdamW
+#                      update writing the bf16 weight copies against the update
+#                      then a Cast per copy               -> adam_copy_gpu.json
 #   learn       575 s  benchmarks/learn_gpu.py, issue 45's learning target: a BPE on
 #                      the machine's stdlib, the unigram cross-entropy, gpt2_124m
 #                      bf16 then fp32 for the same iterations in the time given
@@ -101,7 +104,7 @@ bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|240|fp32 images/s and peak memory against PyTorch (issue 44's memory target): cifar10_quick 128, nin_cifar10 128, cifar10_quick 512, nin_cifar10 512, torch.compile too
 dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
 plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)
-gpt|245|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py)
+gpt|265|bf16: both CNNs against autocast, GPT-2 124M (also with PURINE_FC_EPILOGUE=cublaslt) against PyTorch eager and compile; the loss kernels, new against old (loss_kernel_gpu.py); the bias and GELU kernels, new against old (bias_gelu_gpu.py); the layer-norm kernels, warp per row against block per row (layernorm_kernel_gpu.py); AdamW writing the bf16 weight copies against the update then a Cast each (adam_copy_gpu.py)
 learn|575|issue 45's learning target (learn_gpu.py; a call of its own, its budget an estimate: it uses what it is given): a BPE of 50257 on 8 MB of the machine's stdlib *.py, the unigram entropy, gpt2_124m bf16 then fp32 (16 x 1024 tokens a step, the same iterations, the time shared 35/65): bf16 below the entropy within 600 s, bf16 - fp32 within 0.05 nats"
 
 # the order of `all`, the most valuable first (issue 45's GPT-2 and loss
@@ -463,7 +466,7 @@ case "$MODE" in
     # microbenchmarks after it in the stage's last micro_s seconds (their caps
     # + 5 s each to be killed): they cannot starve it. A new microbenchmark
     # adds its cap here and to the stage's budget in PLAN.
-    micro_s=$(( (30 + 5) + (25 + 5) + (20 + 5) ))
+    micro_s=$(( (30 + 5) + (25 + 5) + (20 + 5) + (15 + 5) ))
     # shellcheck disable=SC2086
     limit_s 40 "$PYTHON" benchmarks/gpu_throughput.py \
         --configs jobs/cifar10_quick.yaml jobs/nin_cifar10.yaml --batches 128 --iters 30 \
@@ -513,6 +516,10 @@ case "$MODE" in
     # them, on 16384 x 768 (GPT-2's activations: ms, GB/s, fraction of 4.8 TB/s,
     # the outputs' agreement; under 20 s)
     micro layernorm_kernel_gpu 20 10
+    # the fused AdamW update writing GPT-2's bf16 weight copies in its pass
+    # against the update then a Cast kernel per copy (ms, launches, GB/s,
+    # bitwise agreement; under 15 s)
+    micro adam_copy_gpu 15 6
     ;;
   learn)
     # issue 45's learning target (benchmarks/learn_gpu.py; docs/gpu.md, "The

@@ -190,7 +190,7 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     # runs benchmarks/NAME.py under a timeout of its cap (after the headline)
     micro = stage.split("micro() {", 1)[1].split("\n    }\n", 1)[0]
     assert 'timeout --kill-after=5 "$cap" "$PYTHON" "benchmarks/$name.py"' in micro, micro
-    for script in ("loss_kernel_gpu", "bias_gelu_gpu", "layernorm_kernel_gpu"):
+    for script in ("loss_kernel_gpu", "bias_gelu_gpu", "layernorm_kernel_gpu", "adam_copy_gpu"):
         assert re.search(rf"^    micro {script} \d+ \d+$", stage, re.M), script
         assert stage.index(f"micro {script} ") > stage.index("benchmarks/gpt_gpu.py"), script
 
