@@ -118,7 +118,8 @@ def build_parser():
                "failure, 2 user error, 3 diverged or non-finite weights, 70 MPI could not "
                "start, 143 stopped by SIGTERM with a checkpoint, 129 by SIGHUP, 131 by "
                "SIGQUIT, 140 by SIGUSR2, 130 by Ctrl-C (each with a checkpoint), 141 stdout "
-               "closed (docs/formats.md)")
+               "closed, 138 stopped by SIGUSR1 while MPI was starting (nothing written) "
+               "(docs/formats.md)")
     parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser,
