@@ -1225,6 +1225,15 @@ def test_predict_refuses_a_trace_of_a_graph_config(tmp_path):
     lambda d: d.__setitem__("fastest", {"0": 3.0}),
     lambda d: d.__setitem__("iter_seconds", {"zero": 1.0}),
     lambda d: d.__setitem__("small", [4]),
+    # edited by hand: a time below zero, not a number or infinite, no
+    # iterations, a load factor of zero (each priced a setting silently wrong)
+    lambda d: d["per_rank"]["0"].__setitem__(next(iter(d["per_rank"]["0"])), -1.0),
+    lambda d: d["iter_seconds"].__setitem__("0", float("nan")),
+    lambda d: d["small"]["per_rank"]["0"].__setitem__(next(iter(d["per_rank"]["0"])),
+                                                      float("inf")),
+    lambda d: d.__setitem__("iterations", 0),
+    lambda d: d.__setitem__("iterations", True),
+    lambda d: d.__setitem__("load", {"0": 0.0}),
 ])
 def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
     """A calibration file of this format and job whose entries are not what

@@ -73,6 +73,7 @@ counted as untraced.
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -166,7 +167,8 @@ def read_calibration(cache, key, small_b):
     (``small_batch``); None otherwise: a file of another job, unreadable,
     or of an older format (one trace: measured again rather than read
     without its second run, or damaged: an entry not as ``_measure`` writes
-    it). The add rate is None in a file written before it was kept there."""
+    it, a time below zero, NaN or infinite, no iterations, a load factor
+    not above zero -- a file edited by hand priced settings from them). The add rate is None in a file written before it was kept there."""
     from .scaling.trace_reader import Durations
     if not cache or not os.path.isfile(cache):
         return None
@@ -189,20 +191,25 @@ def read_calibration(cache, key, small_b):
             raise ValueError(key)
         return {int(r): v for r, v in got.items()}
 
-    def seconds(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def seconds(v):   # a time as _measure writes it: finite, not below zero
+        return isinstance(v, (int, float)) and not isinstance(v, bool) \
+            and math.isfinite(v) and v >= 0
+
+    def factor(v):   # a load factor (trace_reader.load_factor): above zero
+        return seconds(v) and v > 0
 
     def by_op(v):
         return isinstance(v, dict) and all(seconds(t) for t in v.values())
 
     def durations(d):
-        if not isinstance(d, dict) or not isinstance(d.get("iterations"), int):
+        n = d.get("iterations") if isinstance(d, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError("iterations")
         got = Durations(ranks(d, "per_rank", by_op),
                         ranks(d, "iter_seconds", lambda v: v is None or seconds(v)),
                         d["iterations"], ranks(d, "gaps", seconds, True),
                         ranks(d, "fastest", by_op, True))
-        got.load = ranks(d, "load", seconds, True)
+        got.load = ranks(d, "load", factor, True)
         return got
     small = data.get("small")
     if not isinstance(small, (dict, type(None))) or (small or {}).get("batch") != small_b:
