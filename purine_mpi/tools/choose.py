@@ -168,7 +168,8 @@ def read_calibration(cache, key, small_b):
     or of an older format (one trace: measured again rather than read
     without its second run, or damaged: an entry not as ``_measure`` writes
     it, a time below zero, NaN or infinite, no iterations, a load factor
-    not above zero -- a file edited by hand priced settings from them). The add rate is None in a file written before it was kept there."""
+    not above zero -- a file edited by hand priced settings from them).
+    The add rate is None in a file written before it was kept there."""
     from .scaling.trace_reader import Durations
     if not cache or not os.path.isfile(cache):
         return None
