@@ -553,6 +553,10 @@ def test_an_old_calibration_file_is_measured_again(tmp_path, monkeypatch):
     lines = []
     durations, small, calib_job, add = choose.calibrate(job, path, (), str(cal), lines.append)
     assert runs == [(), ("data.train.batch_size=4",)]
+    # why the file given was not used (trust71: before, the runs' line alone)
+    assert lines[0] == f"calibration: {cal} is of calibration format 1 (this version reads " \
+        f"format {choose.CALIBRATION_FORMAT}: op times as CPU time): measured again"
+    lines.pop(0)
     assert "at batch 16 and 4" in lines[0]
     assert durations.lookup("fc1.fwd") == 1.0 and small[0].lookup("fc1.fwd") == 0.25
     data = json.loads(cal.read_text())
@@ -1255,6 +1259,7 @@ def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
     damage(data)
     cal.write_text(json.dumps(data))
     assert choose.read_calibration(str(cal), key, small_b) is None
+    assert choose._unread(str(cal), key)   # said (calibrate logs it), not silently measured
 
 
 def test_a_gpu_jobs_calibration_runs_without_cuda_graphs(tmp_path, digits_h5):

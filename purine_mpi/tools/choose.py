@@ -242,11 +242,34 @@ def calibrate(job, path, overrides, cache, log=None):
             add = reduce_cost_per_byte()
             _add_to_calibration(cache, add)
     else:
+        why = _unread(cache, key)
+        if why and log:   # the file given was not used: why, before the runs
+            log(f"calibration: {cache} {why}: measured again")
         add = reduce_cost_per_byte()
         durations, small = _measure(job, path, overrides, cache, key, small_b, small_sets, add,
                                     log)
     return (durations, (small, _calibration_job(path, overrides, small_sets)) if small else None,
             _calibration_job(path, overrides), add)
+
+
+def _unread(cache, key):
+    """Why ``read_calibration`` read nothing of the file ``cache`` (a
+    phrase), or None where there is no file (nothing to say)."""
+    if not cache or not os.path.isfile(cache):
+        return None
+    try:
+        with open(cache, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return "is not readable JSON"
+    if not isinstance(data, dict):
+        return "is not a calibration"
+    if data.get("format") != CALIBRATION_FORMAT:
+        return (f"is of calibration format {data.get('format', 1)!r} (this version reads "
+                f"format {CALIBRATION_FORMAT}: op times as CPU time)")
+    if data.get("key") != key:
+        return f"holds another job's or setting's calibration ({data.get('job')!r})"
+    return "holds entries that are not a measurement's (a time below zero, NaN, a key missing)"
 
 
 def _add_to_calibration(cache, add):
