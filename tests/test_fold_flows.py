@@ -205,6 +205,28 @@ def test_a_folded_runs_checkpoint_is_the_casts_runs(host_build_dir, monkeypatch,
     assert [k for k in old if old[k] != new[k]] == []
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_emulated_gpus_fold_alike_in_schemes_data_tensor_pipeline(host_build_dir, tmp_path):
+    """2 ranks, each on an emulated GPU (tests/mpi_scripts/fold_schemes_gpu.py:
+    captured iterations, bf16): schemes data, tensor (2-way) and pipeline
+    (2 stages x 2 micro-batches) with the fold and with the Casts -- the
+    same losses and checkpoints, bit for bit."""
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("fold_schemes_gpu.py", 2, host_build_dir, tmp_path, "data", "tensor",
+                      "pipeline", timeout=300, env={"OPENBLAS_NUM_THREADS": "1"})
+    assert proc.stdout.count("OK fold_schemes_gpu") == 2, proc.stdout + proc.stderr
+    for scheme in ("data", "tensor", "pipeline"):
+        runs = {fold: tmp_path / f"{scheme}-{fold}" for fold in ("1", "0")}
+        losses = {fold: [json.loads(r)["loss"] for r in (d / "metrics.jsonl").read_text()
+                         .splitlines() if json.loads(r)["phase"] == "train"]
+                  for fold, d in runs.items()}
+        assert len(losses["1"]) == 3 and losses["1"] == losses["0"], (scheme, losses)
+        old, new = (_h5_contents(runs[f] / "ckpt_3.h5") for f in ("0", "1"))
+        assert sorted(new) == sorted(old)
+        assert [k for k in old if k != "/@attrs" and old[k] != new[k]] == [], scheme
+
+
 # ------------------------------------------------- opt-in backward kernels
 def _fc_width(n):
     def edit(raw):
