@@ -553,6 +553,10 @@ def test_an_old_calibration_file_is_measured_again(tmp_path, monkeypatch):
     lines = []
     durations, small, calib_job, add = choose.calibrate(job, path, (), str(cal), lines.append)
     assert runs == [(), ("data.train.batch_size=4",)]
+    # why the file given was not used (trust71: before, the runs' line alone)
+    assert lines[0] == f"calibration: {cal} is of calibration format 1 (this version reads " \
+        f"format {choose.CALIBRATION_FORMAT}: op times as CPU time): measured again"
+    lines.pop(0)
     assert "at batch 16 and 4" in lines[0]
     assert durations.lookup("fc1.fwd") == 1.0 and small[0].lookup("fc1.fwd") == 0.25
     data = json.loads(cal.read_text())
@@ -1225,6 +1229,15 @@ def test_predict_refuses_a_trace_of_a_graph_config(tmp_path):
     lambda d: d.__setitem__("fastest", {"0": 3.0}),
     lambda d: d.__setitem__("iter_seconds", {"zero": 1.0}),
     lambda d: d.__setitem__("small", [4]),
+    # edited by hand: a time below zero, not a number or infinite, no
+    # iterations, a load factor of zero (each priced a setting silently wrong)
+    lambda d: d["per_rank"]["0"].__setitem__(next(iter(d["per_rank"]["0"])), -1.0),
+    lambda d: d["iter_seconds"].__setitem__("0", float("nan")),
+    lambda d: d["small"]["per_rank"]["0"].__setitem__(next(iter(d["per_rank"]["0"])),
+                                                      float("inf")),
+    lambda d: d.__setitem__("iterations", 0),
+    lambda d: d.__setitem__("iterations", True),
+    lambda d: d.__setitem__("load", {"0": 0.0}),
 ])
 def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
     """A calibration file of this format and job whose entries are not what
@@ -1246,6 +1259,7 @@ def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
     damage(data)
     cal.write_text(json.dumps(data))
     assert choose.read_calibration(str(cal), key, small_b) is None
+    assert choose._unread(str(cal), key)   # said (calibrate logs it), not silently measured
 
 
 def test_a_gpu_jobs_calibration_runs_without_cuda_graphs(tmp_path, digits_h5):

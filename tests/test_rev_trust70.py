@@ -27,8 +27,10 @@ def test_bench_of_a_diverging_parameter_server_run_says_it_once(mode, digits_h5)
     assert res.stdout.strip() == "", res.stdout[:300]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, res.stderr
-    assert errors[0].startswith("error: bench: digits_lenet diverged: the loss or the weights "
-                                "hold NaN or inf"), errors
+    # what diverged, named (trust71: before, "the loss or the weights hold NaN or inf")
+    assert errors[0].startswith("error: bench: digits_lenet diverged: the loss of the last "
+                                "iteration is NaN or inf and 'conv1/weight' on rank 0 (and 1 "
+                                "other rank) holds NaN or inf after the 3 iterations"), errors
 
 
 def _lenet_config(tmp_path, digits_h5, solver):

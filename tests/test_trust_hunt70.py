@@ -150,8 +150,10 @@ def test_bench_of_a_diverging_config_reports_no_figure(digits_h5):
     assert res.returncode == 3, (res.stdout[:300], res.stderr)
     assert res.stdout.strip() == "", res.stdout[:300]
     line = res.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: bench: digits_lenet diverged: the loss or the weights hold "
-                           "NaN or inf"), line
+    # what diverged, named (trust71: before, "the loss or the weights hold NaN or inf")
+    assert line.startswith("error: bench: digits_lenet diverged: the loss of the last iteration "
+                           "is NaN or inf and 'conv1/weight' holds NaN or inf after the 3 "
+                           "iterations"), line
     assert "solver.base_lr 1e+30" in line
 
 

@@ -136,8 +136,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
             # a server's part; then rank 0's verdict on the workers' divergence,
             # so that every rank ends alike (one line by rank 0, exit 3 on all)
             ps_server(job, world, warmup, dispatcher)
-            if world.recv_object(0, BENCH_TAG, "bench's verdict on a diverged run"):
-                raise _diverged_error(job, warmup, iters, real_data)
+            what = world.recv_object(0, BENCH_TAG, "bench's verdict on a diverged run")
+            if what:
+                raise _diverged_error(job, warmup, iters, real_data, what)
             return None
         scheme, world = WorkerScheme(job, gworld), sub
         servers = scheme.ranks["servers"]
@@ -191,7 +192,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                  if servers is not None and gworld.rank == 0 else no_servers())
     if servers is not None and gworld.rank == 0:  # the servers wait for it (ps_server above)
         for s in servers:
-            gworld.send_object(bool(diverged), s, BENCH_TAG, "bench's verdict on a diverged run")
+            gworld.send_object(diverged, s, BENCH_TAG, "bench's verdict on a diverged run")
     plan = trainer.ws.plan
     state = model_state_figures(trainer)
     state.update(per_rank_figures(world, state))
@@ -277,16 +278,17 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         result.update(throughput_flops(job, result, trainer.graphs.graph if on_gpu else None,
                                        places + server_places))
     if diverged:  # after every collective of the figures: no rank (nor server) left waiting
-        raise _diverged_error(job, warmup, iters, real_data)
+        raise _diverged_error(job, warmup, iters, real_data, diverged)
     return result if world.rank == 0 else None
 
 
-def _diverged_error(job, warmup, iters, real_data):
-    """The NonFiniteWeights (exit 3) of a bench run that diverged: the same
-    on every rank, a parameter-server run's servers too."""
+def _diverged_error(job, warmup, iters, real_data, what):
+    """The NonFiniteWeights (exit 3) of a bench run that diverged (``what``:
+    ``_diverged``'s answer): the same on every rank, a parameter-server
+    run's servers too."""
     from ..job.checkpoint_check import NonFiniteWeights
     return NonFiniteWeights(
-        f"bench: {job.name} diverged: the loss or the weights hold NaN or inf after the "
+        f"bench: {job.name} diverged: {what} after the "
         f"{warmup + iters} iterations ({'the config' if real_data else 'synthetic'} data, "
         f"solver.base_lr {job.solver.base_lr:g}); no figure is reported: they would time "
         "arithmetic on non-finite numbers, which runs at another speed than the run's "
@@ -294,17 +296,38 @@ def _diverged_error(job, warmup, iters, real_data):
 
 
 def _diverged(trainer, world):
-    """Whether the loss of the last timed iteration (the host's, where it
-    holds it) or a weight or its solver state is NaN or inf on any rank of
-    ``world``: one allreduce, at the same place on every rank."""
+    """What diverged, or None: the loss of the last timed iteration (the
+    host's, where it holds it) or a weight or its solver state NaN or inf
+    on any rank of ``world`` -- one allreduce, at the same place on every
+    rank; where something diverged, one gather of each rank's first
+    non-finite blob, so that the answer, the same on every rank, names
+    them (the loss, the blob and its rank)."""
     from ..train.divergence import DivergenceWatch
-    bad = not DivergenceWatch.params_finite(trainer)
-    if not trainer.graphs.deferred:
-        bad = bad or not trainer.loss_now()[1]
+    weights = not DivergenceWatch.params_finite(trainer)
+    loss = not trainer.graphs.deferred and not trainer.loss_now()[1]
+    bad = np.array([int(loss), int(weights)], np.int64)
     if world.size > 1:
-        bad = bool(world.allreduce(np.array([int(bad)], np.int64), "max",
-                                   "bench's check of a diverged loss (allreduce)")[0])
-    return bad
+        bad = world.allreduce(bad, "max", "bench's check of a diverged loss (allreduce)")
+    loss, weights = (bool(v) for v in bad)
+    if not (loss or weights):
+        return None
+    what = []
+    if loss:
+        what.append("the loss of the last iteration is NaN or inf")
+    if weights:
+        blob = DivergenceWatch.first_nonfinite(trainer)
+        found = [(r, b) for r, b in enumerate(world.allgather_object(
+            blob, "bench's names of the non-finite blobs")) if b] \
+            if world.size > 1 else ([(0, blob)] if blob else [])
+        if found:
+            rank, blob = found[0]
+            more = len(found) - 1
+            where = (f" on rank {rank}" + (f" (and {more} other rank{'s' if more > 1 else ''})"
+                                           if more else "")) if world.size > 1 else ""
+            what.append(f"'{blob}'{where} holds NaN or inf")
+        else:
+            what.append("the weights or their solver state hold NaN or inf")
+    return " and ".join(what)
 
 
 #: bench's fields of the bytes each collective type carries per iteration

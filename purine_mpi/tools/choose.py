@@ -73,6 +73,7 @@ counted as untraced.
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -166,7 +167,9 @@ def read_calibration(cache, key, small_b):
     (``small_batch``); None otherwise: a file of another job, unreadable,
     or of an older format (one trace: measured again rather than read
     without its second run, or damaged: an entry not as ``_measure`` writes
-    it). The add rate is None in a file written before it was kept there."""
+    it, a time below zero, NaN or infinite, no iterations, a load factor
+    not above zero -- a file edited by hand priced settings from them).
+    The add rate is None in a file written before it was kept there."""
     from .scaling.trace_reader import Durations
     if not cache or not os.path.isfile(cache):
         return None
@@ -189,20 +192,25 @@ def read_calibration(cache, key, small_b):
             raise ValueError(key)
         return {int(r): v for r, v in got.items()}
 
-    def seconds(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def seconds(v):   # a time as _measure writes it: finite, not below zero
+        return isinstance(v, (int, float)) and not isinstance(v, bool) \
+            and math.isfinite(v) and v >= 0
+
+    def factor(v):   # a load factor (trace_reader.load_factor): above zero
+        return seconds(v) and v > 0
 
     def by_op(v):
         return isinstance(v, dict) and all(seconds(t) for t in v.values())
 
     def durations(d):
-        if not isinstance(d, dict) or not isinstance(d.get("iterations"), int):
+        n = d.get("iterations") if isinstance(d, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError("iterations")
         got = Durations(ranks(d, "per_rank", by_op),
                         ranks(d, "iter_seconds", lambda v: v is None or seconds(v)),
                         d["iterations"], ranks(d, "gaps", seconds, True),
                         ranks(d, "fastest", by_op, True))
-        got.load = ranks(d, "load", seconds, True)
+        got.load = ranks(d, "load", factor, True)
         return got
     small = data.get("small")
     if not isinstance(small, (dict, type(None))) or (small or {}).get("batch") != small_b:
@@ -234,11 +242,34 @@ def calibrate(job, path, overrides, cache, log=None):
             add = reduce_cost_per_byte()
             _add_to_calibration(cache, add)
     else:
+        why = _unread(cache, key)
+        if why and log:   # the file given was not used: why, before the runs
+            log(f"calibration: {cache} {why}: measured again")
         add = reduce_cost_per_byte()
         durations, small = _measure(job, path, overrides, cache, key, small_b, small_sets, add,
                                     log)
     return (durations, (small, _calibration_job(path, overrides, small_sets)) if small else None,
             _calibration_job(path, overrides), add)
+
+
+def _unread(cache, key):
+    """Why ``read_calibration`` read nothing of the file ``cache`` (a
+    phrase), or None where there is no file (nothing to say)."""
+    if not cache or not os.path.isfile(cache):
+        return None
+    try:
+        with open(cache, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return "is not readable JSON"
+    if not isinstance(data, dict):
+        return "is not a calibration"
+    if data.get("format") != CALIBRATION_FORMAT:
+        return (f"is of calibration format {data.get('format', 1)!r} (this version reads "
+                f"format {CALIBRATION_FORMAT}: op times as CPU time)")
+    if data.get("key") != key:
+        return f"holds another job's or setting's calibration ({data.get('job')!r})"
+    return "holds entries that are not a measurement's (a time below zero, NaN, a key missing)"
 
 
 def _add_to_calibration(cache, add):

@@ -98,18 +98,8 @@ class DivergenceWatch(Service):
         smallest elements: no array-sized temporary)."""
         loop.train.drain()
         ws = loop.ws
-        states = solver_states(loop.job.solver.type)
-        # the blobs that hold the weights (a ZeRO-3 rank: its shards) and the
-        # optimizer state (a ZeRO rank: its flat shards, named by no parameter)
-        names = scheme_of(loop.job).held_weights(loop.graphs) + [
-            state_name(p, s) for p in loop.graphs.params for s in states
-            if state_name(p, s) in ws.arrays]
-        g = loop.graphs.graph
-        covered = {g.storage_root(n) for n in names if n in g.blobs}  # read once, not twice
-        names += [root for root, row in model_state_roots(g).items()
-                  if row == "optimizer_state" and root in ws.arrays and root not in covered]
         by_device, rest = {}, []
-        for a in (ws[n] for n in names):
+        for a in (ws[n] for n in DivergenceWatch.held_state(loop)):
             if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
                 by_device.setdefault(array_device(a), []).append(a)
             else:
@@ -122,3 +112,39 @@ class DivergenceWatch(Service):
                     if not kernels.all_finite(group):
                         return False
         return all(all_finite(a) for a in rest)
+
+    @staticmethod
+    def first_nonfinite(loop):
+        """The name of the first blob ``params_finite`` checks that holds
+        NaN or inf (each read on its own: for a message, after the check
+        said so), or None."""
+        loop.train.drain()
+        ws = loop.ws
+        for name in DivergenceWatch.held_state(loop):
+            a = ws[name]
+            if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
+                from ..gpu import import_cupy, kernels
+                with import_cupy().cuda.Device(array_device(a)):
+                    finite = kernels.all_finite([a])
+            else:
+                finite = all_finite(a)
+            if not finite:
+                return name
+        return None
+
+    @staticmethod
+    def held_state(loop):
+        """The blobs ``params_finite`` checks: the weights this rank holds,
+        their solver states, the optimizer state held otherwise."""
+        ws = loop.ws
+        states = solver_states(loop.job.solver.type)
+        # the blobs that hold the weights (a ZeRO-3 rank: its shards) and the
+        # optimizer state (a ZeRO rank: its flat shards, named by no parameter)
+        names = scheme_of(loop.job).held_weights(loop.graphs) + [
+            state_name(p, s) for p in loop.graphs.params for s in states
+            if state_name(p, s) in ws.arrays]
+        g = loop.graphs.graph
+        covered = {g.storage_root(n) for n in names if n in g.blobs}  # read once, not twice
+        names += [root for root, row in model_state_roots(g).items()
+                  if row == "optimizer_state" and root in ws.arrays and root not in covered]
+        return names
