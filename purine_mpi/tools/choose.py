@@ -1218,7 +1218,15 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     link = link or make_link(None, None, None, gamma=add)
     if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
         link = dataclasses.replace(link, gamma=add, gamma_measured=False)
-    link = on_this_node(link, job, n, limits, calibration)
+    shared = on_this_node(link, job, n, limits, calibration)
+    if log and shared is not link:
+        from .plan import node_ranks
+        from .scaling.link import SHARED_MEMORY_COPIES
+        log(f"ranks sharing a node: {node_ranks(limits, n)[0]} a node; each byte a rank "
+            f"sends costs it {SHARED_MEMORY_COPIES} copies at the host's "
+            f"{SHARED_MEMORY_COPIES / shared.cpu / 1e9:.1f} GB/s, taken from its compute "
+            "(no --network file measured the link's transfer CPU)")
+    link = shared
     # the settings compose the same net many times over: graphs of one
     # content share their dependencies (graph/core.shared_dependencies), and
     # memory plans of one content their colouring (runtime/memory_plan.py)
