@@ -806,14 +806,15 @@ parallel: {scheme: data}
 """
 
 
-def _write_calibration(path, cal, seconds=1e-3, add=1e-10, **trace):
+def _write_calibration(path, cal, seconds=1e-3, add=1e-10, copy=1e-10, **trace):
     """A calibration file (``choose.read_calibration``'s format) of the job
     at ``path`` made of constructed traces (``_calibration_trace``: every
     op ``seconds`` at the job's batch, 0.3 of it at the small batch; or
     ``seconds`` a law of the graph and the op, ``_op_cost``, at both
     batches, with the traces' ``gap`` and ``after`` from ``trace``, and
-    the file then holds the gaps and least times as a measured one does), so
-    ``plan --choose`` prices from known op times and measures nothing."""
+    the file then holds the gaps and least times as a measured one does),
+    the host's add rate ``add`` and copy rate ``copy``, so ``plan --choose``
+    prices from known op times and measures nothing."""
     from purine_mpi.job.config import load_job
     from purine_mpi.tools import choose
     job = load_job(path, (), check_files=False)
@@ -830,7 +831,67 @@ def _write_calibration(path, cal, seconds=1e-3, add=1e-10, **trace):
     cal.write_text(json.dumps({"format": choose.CALIBRATION_FORMAT,
                                "key": choose.calibration_key(job), "job": job.name,
                                **entry(big), "small": dict(entry(small), batch=small_b),
-                               choose.ADD_RATE_KEY: add}))
+                               choose.ADD_RATE_KEY: add, choose.COPY_RATE_KEY: copy}))
+
+
+def test_transfers_between_ranks_sharing_a_node_take_their_copies_from_compute(tmp_path):
+    """Two ranks on one node (``plan``'s placement without a launcher's
+    count: every rank on this node) and no ``--network`` file: each byte a
+    rank sends costs it ``SHARED_MEMORY_COPIES`` copies at the host's copy
+    rate (the calibration file's), taken from its compute. So ZeRO stage 3,
+    whose second gather of every bucket its backward reads sends (N-1)/N of
+    those bytes more than stage 2 does, is predicted that CPU slower than
+    stage 2 beyond its time with one rank a node (``--ranks-per-node 1``, or a
+    ``--network`` file, whose transfer CPU is measured: the figures
+    before). Before, the transfers took no CPU at all: stage 3 ranked
+    ahead of stage 2 (gpt_small on a 2-core node: first, 0.5 % ahead,
+    measured 3 % behind)."""
+    from purine_mpi.comm.ops import moved_bytes
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.link import SHARED_MEMORY_COPIES, Link, save_link
+    copy = 2e-10
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD, copy=copy)
+    link = tmp_path / "link.json"
+    save_link(link, Link(1e-6, 12e9, ADD, "test"))  # the defaults' figures, measured
+
+    def times(out):
+        return {r["label"]: r["iter_s"] for r in out["candidates"] if r.get("iter_s")
+                and r["label"].startswith("sharded stage") and "micro-batch" not in r["label"]
+                and "recompute none" in r["label"]}
+    runs = [_choose(job, cal, *extra) for extra in (
+        (), ("--ranks-per-node", 1), ("--network", link))]
+    shared, alone, measured = (times(out) for out, _ in runs)
+    said = [res.stderr.count("ranks sharing a node: 2 a node; each byte a rank sends costs it "
+                             f"{SHARED_MEMORY_COPIES} copies at the host's "
+                             f"{SHARED_MEMORY_COPIES / (SHARED_MEMORY_COPIES * copy) / 1e9:.1f} "
+                             "GB/s") for _, res in runs]
+    assert said == [1, 0, 0], [res.stderr for _, res in runs]
+    z2, z3 = "sharded stage 2, recompute none", "sharded stage 3, recompute none"
+    assert {z2, z3} <= set(shared), shared
+
+    def sent(stage):  # the bytes rank 0 sends an iteration: (N-1)/N of each buffer
+        g = compose_for(load_job(job, ("parallel.scheme=sharded", f"parallel.shard={stage}"),
+                                 check_files=False), 2, 0)
+        return sum(moved_bytes(g, op) / 2 for op in g.ops.values()
+                   if op.op_type in ("Allgather", "ReduceScatter"))
+    # stage 3's second gather: every bucket a backward op reads (fc1's
+    # weight has none: the data needs no gradient), float32
+    extra = sent(3) - sent(2)
+    assert extra == 4 * (2 * (1536 * 1536 + 1536) + 1536 * 10 + 10) / 2  # fc2, fc3, fc4
+    # one rank a node, or the link's transfer CPU measured: as before
+    assert measured == pytest.approx(alone, rel=1e-9)
+    # each setting pays the copies of the bytes it sends, on its compute
+    # lane: all of it where the lane would have run on, a little less where
+    # it would have waited for a transfer (the debt fills the wait)
+    for stage in (1, 2, 3):
+        label, cpu = f"sharded stage {stage}, recompute none", \
+            SHARED_MEMORY_COPIES * copy * sent(stage)
+        assert 0.9 * cpu < shared[label] - alone[label] <= cpu * (1 + 1e-9), (label, cpu)
+    # stage 3's extra gathers came out free (it ranked ahead of stage 2);
+    # now their copies put it behind
+    assert alone[z3] < alone[z2] < shared[z2] < shared[z3]
 
 
 def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
@@ -1273,3 +1334,29 @@ def test_a_gpu_jobs_calibration_runs_without_cuda_graphs(tmp_path, digits_h5):
     assert "cuda_graph=false" in CALIBRATION_SETS
     job = _calibration_job(path, ("device=0",))
     assert job.device == 0 and job.cuda_graph is False
+
+
+def test_a_shared_nodes_transfer_cpu_is_the_copies_unless_measured(tmp_path):
+    """``scaling/link.shared_node``: ranks sharing a node pay
+    ``SHARED_MEMORY_COPIES`` copies at the host's rate per byte sent where
+    the link's transfer CPU is the defaults' 0; a ``predict --calibrate``
+    file's figure (0 too: a free core or RDMA) is a measurement and stays,
+    as does every figure at one rank a node. A file written before the
+    figure was kept (no ``cpu_s_per_byte``) measured none."""
+    from purine_mpi.tools.scaling.link import SHARED_MEMORY_COPIES, Link, load_link, \
+        make_link, save_link, shared_node
+    default = make_link(None, None, None, gamma=1e-10)
+    assert not default.cpu_measured and default.cpu == 0.0
+    got = shared_node(default, 2, 3e-10)
+    assert got.cpu == pytest.approx(SHARED_MEMORY_COPIES * 3e-10)
+    assert (got.alpha, got.beta, got.gamma) == (default.alpha, default.beta, default.gamma)
+    assert shared_node(default, 1, 3e-10) is default
+    path = tmp_path / "link.json"
+    save_link(path, Link(2e-6, 1e9, 1e-10, "test"))
+    measured = load_link(path)
+    assert measured.cpu_measured and shared_node(measured, 4, 3e-10) is measured
+    data = json.loads(path.read_text())
+    del data["cpu_s_per_byte"]
+    path.write_text(json.dumps(data))
+    old = load_link(path)
+    assert not old.cpu_measured and shared_node(old, 2, 3e-10).cpu == pytest.approx(6e-10)

@@ -32,6 +32,11 @@ point-to-point message costs α + B/β; a one-sided transfer (Put, Get into
 or out of a window: no receive posted, no matching, no copy at the
 receiver) α_put + B/β_put, the figures ``predict --calibrate`` measures
 with ``MPI_Put`` beside ``MPI_Send`` (α and β where they are not given).
+
+Ranks sharing a node (``shared_node``, ``plan --choose``): where the link's
+transfer CPU was not measured, each byte a rank sends costs it the copies
+MPI's shared-memory transport makes (``SHARED_MEMORY_COPIES``) at the
+host's copy rate (``copy_cost_per_byte``), taken from its compute.
 """
 import json
 import math
@@ -75,13 +80,18 @@ class Link:
     #: wait per collective, measured by ``predict --calibrate``); None: not
     #: measured (an older link file, the defaults), no correction
     node: object = None
+    #: ``cpu`` is a measurement (a ``predict --calibrate`` file, 0 there
+    #: meaning a free core or RDMA), not the defaults' 0: ``shared_node``
+    #: leaves it as it is
+    cpu_measured: bool = False
 
     def busy(self):
         """This link as it runs while the rank computes (β_busy for β)."""
         if not self.beta_busy or self.beta_busy >= self.beta:
             return self
         return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu,
-                    alpha_put=self.alpha_put, beta_put=self.beta_put, node=self.node)
+                    alpha_put=self.alpha_put, beta_put=self.beta_put, node=self.node,
+                    cpu_measured=self.cpu_measured)
 
     def put(self, nbytes):
         """Seconds of a one-sided transfer of ``nbytes`` (Put or Get)."""
@@ -210,6 +220,47 @@ def reduce_cost_per_byte(nbytes=1 << 22, repeats=5):
     return sorted(times)[len(times) // 2] / nbytes
 
 
+#: the copies MPI's shared-memory transport makes of each byte sent between
+#: two ranks of one node (MPICH's shm cells: the sender copies into them, the
+#: receiver out of them), each on a rank's own cores
+SHARED_MEMORY_COPIES = 2
+
+#: the buffer ``copy_cost_per_byte`` copies: larger than a host's last-level
+#: cache, as a bucket's transfer streams its multi-MB buffers through memory
+COPY_BYTES = 32 << 20
+
+
+def copy_cost_per_byte(nbytes=COPY_BYTES, repeats=5):
+    """Seconds per byte of a float32 copy of ``nbytes`` on this host (the
+    median of ``repeats`` copies, after one that touches the pages)."""
+    import time
+    import numpy as np
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.zeros_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] / nbytes
+
+
+def shared_node(link, ranks_on_node, copy_cost):
+    """``link`` for ranks that share a node (``ranks_on_node`` >= 2) whose
+    cores their compute fills (base/threads divides a host's cores among
+    its ranks): a transfer between them is copied by the ranks' own cores,
+    ``SHARED_MEMORY_COPIES`` times at the host's ``copy_cost`` (seconds
+    per byte), and that CPU comes out of their compute: ``cpu`` per byte
+    sent. Unchanged where ``cpu`` was measured (``cpu_measured``: a
+    ``predict --calibrate`` file, which measures the transfer's CPU on the
+    link itself) or one rank a node."""
+    if link.cpu_measured or ranks_on_node < 2 or not copy_cost or copy_cost <= 0:
+        return link
+    from dataclasses import replace
+    return replace(link, cpu=SHARED_MEMORY_COPIES * float(copy_cost))
+
+
 def make_link(bandwidth=None, latency=None, link_file=None, gamma=None):
     """The Link of the command line: ``--link FILE`` (a calibration), else
     the default 100 Gbit/s InfiniBand figures, with ``--bandwidth`` and
@@ -292,4 +343,5 @@ def load_link(path):
     from .node import node_from_dict
     node = node_from_dict(data["node"], path) if data.get("node") is not None else None
     return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})", cpu, busy,
-                alpha_put=put[0], beta_put=put[1], node=node)
+                alpha_put=put[0], beta_put=put[1], node=node,
+                cpu_measured="cpu_s_per_byte" in data)
