@@ -121,3 +121,37 @@ def test_a_full_disk_when_dropping_a_cut_line_loses_no_row(tmp_path):
     assert res.stdout.strip() == "opened", res.stdout + res.stderr
     assert os.stat(tmp_path / "metrics.jsonl").st_ino == inode
     assert (tmp_path / "metrics.jsonl").read_text() == whole
+
+
+def test_a_run_folder_whose_lock_cannot_be_written_is_one_line_and_removed(tmp_path):
+    """A full disk (here ``ulimit -f``: the same ``disk_error``) when the
+    run writes its lock's text: the error named the folder
+    (`runs/tiny: no space left on device`, measured on a full 2 MB tmpfs
+    under ``mpiexec -n 2``) and each try left a numbered folder holding an
+    empty ``.purine.lock`` (runs/tiny/1, runs/tiny/2, ...), where any other
+    start-up refusal removes the folder it made. Now one line naming the
+    lock file, and at the run's end (exit 2) the folders made for it
+    removed. Rank 0's set-up of the folder in a process of its own (under
+    ``ulimit -f`` MPI_Init itself fails: UCX's shared-memory FIFO)."""
+    import resource
+
+    code = ("from purine_mpi.base import logfile\n"
+            "from purine_mpi.base.errors import UserError\n"
+            "from purine_mpi.job.rundir import _set_up\n"
+            "try:\n"
+            "    _set_up('tiny', None, None, False, 'runs')\n"
+            "    print('set up')\n"
+            "except UserError as e:\n"
+            "    print('UserError:', e)\n"
+            "    logfile.end_run(2)\n")
+
+    def preexec():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=120, preexec_fn=preexec)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.startswith("UserError: "), res.stdout + res.stderr
+        assert os.path.join("runs", "tiny", "1", ".purine.lock") in res.stdout
+        assert "file too large" in res.stdout and len(res.stdout.splitlines()) == 1
+        assert os.listdir(tmp_path) == []
