@@ -155,3 +155,38 @@ def test_a_run_folder_whose_lock_cannot_be_written_is_one_line_and_removed(tmp_p
         assert os.path.join("runs", "tiny", "1", ".purine.lock") in res.stdout
         assert "file too large" in res.stdout and len(res.stdout.splitlines()) == 1
         assert os.listdir(tmp_path) == []
+
+
+def test_a_config_yaml_that_cannot_be_written_is_not_left(digits_h5, tmp_path):
+    """A fresh run's config.yaml on a full disk (``ulimit -f`` here): the
+    error names it, and the empty file it made is removed (it stayed:
+    measured with 4 KB free on a 2 MB tmpfs under ``mpiexec -n 2``, a
+    folder of ``.purine.lock``, ``train.log`` and an empty config.yaml,
+    which a retry into the same ``--out`` refused as "holds another run's
+    files"). In a process of its own: under ``ulimit -f`` MPI_Init fails."""
+    import resource
+
+    from .conftest import small_net_config, write_config_file
+
+    cfg = write_config_file(tmp_path, small_net_config(digits_h5))
+    out = tmp_path / "run"
+    out.mkdir()
+    code = ("import sys, types\n"
+            "from purine_mpi.base.errors import UserError\n"
+            "from purine_mpi.job.config import load_job\n"
+            "from purine_mpi.train.progress import write_config\n"
+            "job = load_job(sys.argv[1])\n"
+            "try:\n"
+            "    write_config(types.SimpleNamespace(out_dir=sys.argv[2], job=job))\n"
+            "    print('written')\n"
+            "except UserError as e:\n"
+            "    print('UserError:', e)\n")
+
+    def preexec():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+    res = subprocess.run([sys.executable, "-c", code, cfg, str(out)], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=120, preexec_fn=preexec)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("UserError: "), res.stdout + res.stderr
+    assert "config.yaml" in res.stdout and "file too large" in res.stdout
+    assert os.listdir(out) == []
