@@ -177,10 +177,13 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say, plans):
     if graphs.test_graph is not None:
         tg, ws = graphs.test_graph, train.workspace
         shared = {p: ws[p] for p in shared_params(graphs)}
+        # the test pass's transfers (stages, tensor shards, stage-3 gathers)
+        # wait no longer than the training's: it had the dispatcher's default,
+        # 300 s, whatever parallel.stall_timeout said
         test = make_dispatcher(tg, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
                                workspace=workspace(tg, plans.test_keep, shared, arena=ws,
                                                    made=(plans.test_host, plans.test_devices)),
-                               seed=seed)
+                               stall_timeout=stall, seed=seed)
     return train, test
 
 
