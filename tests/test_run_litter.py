@@ -36,18 +36,22 @@ def test_every_kind_of_killed_writers_file_is_removed(tmp_path):
 
 def test_the_next_run_in_the_folder_removes_a_killed_resumes_metrics(small_run, tmp_path):
     """End to end: a resume in a folder holding a killed resumed run's
-    ``metrics.jsonl.resumed.<pid>`` removes it and says so."""
+    ``metrics.jsonl.resumed.<pid>`` and a killed calibration's folder
+    removes them and says so."""
     out = tmp_path / "run"
     out.mkdir()
     for name in ("ckpt_10.h5", "config.yaml", "metrics.jsonl"):
         (out / name).write_bytes((small_run["out"] / name).read_bytes())
     litter = out / f"metrics.jsonl.resumed.{DEAD}"
     litter.write_text((small_run["out"] / "metrics.jsonl").read_text())
+    calibration = out / f".calibration-851ea4b52b62cb31-{DEAD}-small"  # a killed auto's
+    calibration.mkdir()
+    (calibration / ".purine.lock").write_text(f"pid {DEAD} on host\n")
     res = run_cli_args("train", small_run["path"], "--out", out, "--resume",
                        out / "ckpt_10.h5", "--iters", "11")
     assert res.returncode == 0, res.stderr
-    assert not litter.exists()
-    assert f"removed {litter}" in res.stdout
+    assert not litter.exists() and not calibration.exists()
+    assert f"removed {litter}" in res.stdout and f"removed {calibration}" in res.stdout
     assert [n for n in os.listdir(out) if ".resumed." in n or ".tmp." in n] == []
 
 
@@ -190,3 +194,39 @@ def test_a_config_yaml_that_cannot_be_written_is_not_left(digits_h5, tmp_path):
     assert res.stdout.startswith("UserError: "), res.stdout + res.stderr
     assert "config.yaml" in res.stdout and "file too large" in res.stdout
     assert os.listdir(out) == []
+
+
+def test_a_killed_calibrations_folder_is_removed_and_a_live_one_kept(tmp_path):
+    """``parallel.scheme: auto`` calibrates in one-rank runs whose folders
+    (``.calibration-<key>-<pid>``, ``-small``) lie in the run folder; a rank
+    killed with kill -9 while one ran left it there for good (measured:
+    gpt_tiny under ``mpiexec -n 2``, rank 0 killed 1.5 s after
+    "calibration:", the `-small` run's folder with its config, metrics,
+    trace and log stayed through the next runs). Now the next run there
+    removes it; one whose process lives, or whose run still holds its lock,
+    stays, as does anything else."""
+    import fcntl
+
+    from purine_mpi.job.run_checkpoints import remove_stale_calibration_folders
+
+    def calibration(name, lock_text="pid 1 on host"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / ".purine.lock").write_text(lock_text)
+        (d / "config.yaml").write_text("name: x\n")
+        return d
+
+    dead = [calibration(f".calibration-851ea4b52b62cb31-{DEAD}-small"),
+            calibration(f".calibration-00ff-{DEAD}")]
+    (dead[1] / ".purine.lock").unlink()  # killed before its run took the lock
+    alive = calibration(f".calibration-00ff-{os.getppid()}")
+    held = calibration(f".calibration-abcd-{DEAD - 1}")
+    other = calibration(f".calibration-notes-{DEAD}")
+    fd = os.open(held / ".purine.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run still going on there
+        removed = remove_stale_calibration_folders(str(tmp_path))
+    finally:
+        os.close(fd)
+    assert sorted(removed) == sorted(str(d) for d in dead)
+    assert sorted(os.listdir(tmp_path)) == sorted(d.name for d in (alive, held, other))

@@ -246,6 +246,45 @@ def remove_stale_temp_files(out_dir):
     return removed
 
 
+#: a calibration run's folder (tools/choose._measure: ``.calibration-<key>-<pid>``,
+#: ``-small`` for its second run), beside the calibration file: the run
+#: folder's under ``parallel.scheme: auto``
+_CALIBRATION_RE = re.compile(r"^\.calibration-[0-9a-f]+-(\d+)(?:-small)?$")
+
+
+def remove_stale_calibration_folders(folder):
+    """Delete the calibration runs' folders (``_CALIBRATION_RE``) left in
+    ``folder`` by a process killed while it calibrated (kill -9, the OOM
+    killer; a signal it is sent ends the run and removes them): its pid is
+    gone and no process holds the folder's run lock (the calibration run's
+    own ``.purine.lock``: a child still running keeps it). Returns the
+    removed paths. Before, such a folder (the one-rank run's config,
+    metrics, trace and log) stayed in the run folder for good, hidden."""
+    import fcntl
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        m = _CALIBRATION_RE.match(name)
+        path = os.path.join(folder, name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))) \
+                or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        lock = os.path.join(path, ".purine.lock")
+        try:
+            if os.path.lexists(lock):
+                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a run goes on there
+                finally:
+                    os.close(fd)  # (closing releases it)
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
