@@ -474,6 +474,29 @@ def shared_source(spec, seed=0):
         return held
 
 
+def check_token_ids(spec, rows, layer="?", key=None):
+    """At load time: the tokens of the text data file of ``spec`` that an
+    embedding of ``rows`` rows reads as ids (ops/data.py's ``id_limit``)
+    must lie in [0, ``rows``): a UserError naming the file, the split, the
+    token and the layer (``key``: its config key). Before, only the labels
+    were checked at start-up (against the loss's classes): a byte-level
+    file read by a smaller table (``input_dim: 128`` for ASCII text, an
+    untied head of more classes) ended the run at the first batch that held
+    such a byte, hours in, exit 1 -- or never, where no batch drew it."""
+    if spec.get("source") != "text":
+        return
+    from .text import TextSource
+    source = TextSource(spec)
+    top, low = source.max_token(), source.min_token()
+    if top < rows and low >= 0:
+        return
+    where = f" ({key})" if key else ""
+    raise UserError(f"text data file '{spec['path']}': split '{spec.get('split')}' holds "
+                    f"token {top if top >= rows else low}, outside [0, {rows}): layer "
+                    f"'{layer}'{where} is an embedding of {rows} rows (a byte-level "
+                    "vocabulary needs 256)")
+
+
 def check_labels(spec, classes, ignore_label=None, layer="?"):
     """Raise a UserError naming the file and dataset when a label of the
     data spec lies outside [0, ``classes``) (``ignore_label`` excepted):
@@ -498,11 +521,15 @@ def check_labels(spec, classes, ignore_label=None, layer="?"):
         return
     if spec.get("source") == "text":
         from .text import TextSource
-        top = TextSource(spec).max_token()
-        if top >= classes:
+        source = TextSource(spec)
+        top, low = source.max_token(), source.min_token()
+        if top >= classes or low < 0:
+            # a negative token (a signed dtype) trained silently before: the
+            # embedding read it as a row from the end, the loss as a class
             raise UserError(f"text data file '{spec['path']}': split '{spec.get('split')}' "
-                            f"holds token {top}, outside [0, {classes}): layer '{layer}' sees "
-                            f"{classes} classes (a byte-level vocabulary needs 256)")
+                            f"holds token {top if top >= classes else low}, outside "
+                            f"[0, {classes}): layer '{layer}' sees {classes} classes (a "
+                            "byte-level vocabulary needs 256)")
         return
     if spec.get("source", "hdf5") != "hdf5":
         if int(spec.get("classes", classes)) > classes:

@@ -382,9 +382,12 @@ def _open_tokens(path, split):
                             "the file with 'python -m purine_mpi data text'", "split")
     tokens = f[name]
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        # the message read before the file closes: after, its shape was
+        # 'RuntimeError: Unable to synchronously get dataspace', exit 1
+        message = (f"text data file '{path}': dataset '/{name}' must be 1-D integer "
+                   f"tokens, got shape {list(tokens.shape)} dtype {tokens.dtype}")
         f.close()
-        raise UserError(f"text data file '{path}': dataset '/{name}' must be 1-D integer "
-                        f"tokens, got shape {list(tokens.shape)} dtype {tokens.dtype}")
+        raise UserError(message)
     return f, tokens
 
 
@@ -494,3 +497,10 @@ class TextSource:
 
     def max_token(self):
         return int(self.tokens.max()) if len(self.tokens) else 0
+
+    def min_token(self):
+        """The smallest token (0 when none): below 0 only in a signed dtype,
+        where an embedding would read it as a row from the end."""
+        if not len(self.tokens) or self.tokens.dtype.kind == "u":
+            return 0
+        return int(self.tokens.min())

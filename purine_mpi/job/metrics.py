@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ..base.runfiles import disk_error, open_run_file, open_run_fd, write_all
+from ..base.runfiles import disk_error, open_run_file, open_run_fd, write_all, write_text_replacing
 
 FILE = "metrics.jsonl"
 # written as they are computed (already rounded), not at float32 precision
@@ -71,20 +71,39 @@ def write_row(f, rec):
 def keep_rows_up_to(path, iteration, out=None):
     """Write to ``out`` (default: rewrite ``path``) the rows of ``path`` with
     ``iter <= iteration`` (a line cut short by a kill is dropped). Returns
-    the kept rows (dicts)."""
-    kept, rows = [], []
+    the kept rows (dicts).
+
+    ``path`` is never half-written: rewritten through a temporary name
+    renamed over it, and only when a line is dropped (before, it was
+    truncated and written again in place, where a full disk could leave it
+    short of rows). A full disk (or ``ulimit -f``) writing ``out`` is
+    ``disk_error``'s one line (exit 2), ``out`` removed; before, it was
+    ``rank 0: OSError: [Errno 28] No space left on device`` (exit 1) and an
+    empty ``out`` left in the run folder."""
+    kept, rows, whole = [], [], ""
     if os.path.exists(path):
         with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    if int(rec["iter"]) <= iteration:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                        rows.append(rec)
-                except (ValueError, KeyError, TypeError):
-                    pass  # a line cut short by the kill
-    with open_run_file(out or path, "w") as f:  # never through a link (base/runfiles.py)
-        f.writelines(kept)
+            whole = f.read()
+        for line in whole.splitlines(keepends=True):
+            try:
+                rec = json.loads(line)
+                if int(rec["iter"]) <= iteration:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                    rows.append(rec)
+            except (ValueError, KeyError, TypeError):
+                pass  # a line cut short by the kill
+    text = "".join(kept)
+    if out is None:
+        if text != whole:  # never through a link, never half-written (base/runfiles.py)
+            write_text_replacing(path, text)
+        return rows
+    try:
+        with open_run_file(out, "w") as f:  # never through a link (base/runfiles.py)
+            f.write(text)
+    except OSError as exc:
+        if os.path.lexists(out):
+            os.remove(out)
+        raise disk_error(out, exc) or exc
     return rows
 
 

@@ -90,9 +90,19 @@ def check_data_labels(graph, job=None):
     class count of its predictions. The data file and dataset are named.
     With ``job``, token data with a vocabulary also needs an embedding and
     scores as large as it (``check_vocabulary``)."""
-    from ..data.sources import check_labels
+    from ..data.sources import check_labels, check_token_ids
     if job is not None:
         check_vocabulary(graph, job)
+    for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
+        rows = reader.attrs.get("id_limit")  # the embeddings' (limit_token_ids)
+        if rows is None:
+            continue
+        table = min(token_tables(graph, reader.outputs[0]), key=lambda t: t[1])[0]
+        layer, key = table.name.split(".")[0], None
+        if job is not None:
+            where, layer = layer_where(job, table)
+            key = f"{where}.input_dim"
+        check_token_ids(reader.attrs["source"], int(rows), layer, key)
     checked = set()
     for op, reader, classes in label_classes(graph):
         # a loss and an accuracy on one reader: its labels checked once (a

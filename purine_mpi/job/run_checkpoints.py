@@ -14,7 +14,12 @@ from .checkpoint_file import (LATEST, Checkpoint, FileHeld, load_checkpoint, rep
 
 _CKPT_RE = re.compile(r"^ckpt_(\d+)\.h5$")
 _BEST_RE = re.compile(r"^best_(\d+)\.h5$")
-_TMP_RE = re.compile(r"^.+\.h5\.tmp\.(\d+)$")
+#: a killed writer's temporary file: a checkpoint's (``<name>.h5.tmp.<pid>``),
+#: memory.json's, calibration.json's or metrics.jsonl's rewrite
+#: (``base/runfiles.temp_name``), or the metrics file of a resumed run killed
+#: before its first checkpoint (``metrics.jsonl.resumed.<pid>``, job/metrics.py)
+_TMP_RE = re.compile(r"^(?:.+\.h5|memory\.json|calibration\.json|metrics\.jsonl)\.tmp\.(\d+)$"
+                     r"|^metrics\.jsonl\.resumed\.(\d+)$")
 
 
 def save_run_checkpoint(out_dir, iteration, keep=3, replaced=None, **kw):
@@ -219,20 +224,64 @@ def resolve_resume(out_dir, resume, log=None, init=None):
 
 
 def remove_stale_temp_files(out_dir):
-    """Delete ``*.h5.tmp.<pid>`` files left in ``out_dir`` by writers that
-    were killed mid-write (their process is gone). Returns the removed paths."""
+    """Delete the temporary files (``_TMP_RE``: ``*.h5.tmp.<pid>``,
+    ``memory.json.tmp.<pid>``, ``metrics.jsonl.resumed.<pid>``, ...) left in
+    ``out_dir`` by writers that were killed mid-write (their process is
+    gone). Returns the removed paths. Before, only the checkpoints' were
+    removed: each resumed run killed before its first checkpoint left one
+    more ``metrics.jsonl.resumed.<pid>`` (a copy of the rows) for good."""
     if not os.path.isdir(out_dir):
         return []
     removed = []
     for name in os.listdir(out_dir):
         m = _TMP_RE.match(name)
-        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+        pid = m and int(m.group(1) or m.group(2))
+        if not m or pid == os.getpid() or _alive(pid):
             continue
         try:
             os.remove(os.path.join(out_dir, name))
             removed.append(os.path.join(out_dir, name))
         except FileNotFoundError:
             pass
+    return removed
+
+
+#: a calibration run's folder (tools/choose._measure: ``.calibration-<key>-<pid>``,
+#: ``-small`` for its second run), beside the calibration file: the run
+#: folder's under ``parallel.scheme: auto``
+_CALIBRATION_RE = re.compile(r"^\.calibration-[0-9a-f]+-(\d+)(?:-small)?$")
+
+
+def remove_stale_calibration_folders(folder):
+    """Delete the calibration runs' folders (``_CALIBRATION_RE``) left in
+    ``folder`` by a process killed while it calibrated (kill -9, the OOM
+    killer; a signal it is sent ends the run and removes them): its pid is
+    gone and no process holds the folder's run lock (the calibration run's
+    own ``.purine.lock``: a child still running keeps it). Returns the
+    removed paths. Before, such a folder (the one-rank run's config,
+    metrics, trace and log) stayed in the run folder for good, hidden."""
+    import fcntl
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        m = _CALIBRATION_RE.match(name)
+        path = os.path.join(folder, name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))) \
+                or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        lock = os.path.join(path, ".purine.lock")
+        try:
+            if os.path.lexists(lock):
+                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a run goes on there
+                finally:
+                    os.close(fd)  # (closing releases it)
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError:
+            continue
     return removed
 
 

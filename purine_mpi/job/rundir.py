@@ -51,7 +51,7 @@ import time
 
 from ..base import logfile
 from ..base.errors import UserError
-from ..base.runfiles import disk_error, missing_folders, open_run_file, refuse_link
+from ..base.runfiles import disk_error, missing_folders, open_run_file, refuse_link, write_all
 from .checkpoint_file import LATEST, checkpoint_header, load_checkpoint, load_params
 from .outputs import file_in_the_way
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
@@ -234,12 +234,17 @@ def lock_run_dir(folder):
     f.truncate()
     holder = (f"pid {os.getpid()} on {socket.gethostname()}, started "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
-    f.write(holder + "\n")
-    f.flush()
     if not _held:
         logfile.new_run()  # an earlier run's exit status in this process is not this one's
         logfile.at_end(release_run_dirs)  # every end, also the abort paths' os._exit
+    # held before its text is written, so a refusal there (a full disk) is
+    # released as any start-up refusal: a folder this process made is
+    # removed. Written past the text layer (no buffered line left to fail
+    # again at the release); a full disk is one line naming the lock file
+    # (before: the folder named, and each try left a numbered folder
+    # holding an empty lock)
     _held.append((f, holder, folder))
+    write_all(f.fileno(), (holder + "\n").encode("utf-8"), path)
     return path
 
 

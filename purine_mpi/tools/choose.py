@@ -291,6 +291,10 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
     from ..base.runfiles import check_writable, folder_of, make_parent  # link/.. as read
     if cache:  # a folder there, a file in the way: one line (exit 2) before the runs
         check_writable(cache, "--calibration")
+        from ..job.run_checkpoints import remove_stale_calibration_folders
+        for gone in remove_stale_calibration_folders(folder_of(cache)):
+            if log:
+                log(f"removed {gone}, left by a calibration run that was killed")
     if log:
         batches = f"batch {job.train_batch}" + (f" and {small_b}" if small_b else "")
         log(f"calibration: timing the ops of {job.name} on one rank at {batches} "

@@ -38,8 +38,18 @@ def write_config(loop):
         raise disk_error(path, exc) or exc
     try:
         write_all(fd, dump_config(loop.job).encode("utf-8"), path)
-    finally:
+    except BaseException:
+        # a full disk: the empty file this made goes, so the refused run leaves
+        # its folder as any start-up refusal does (removed where it made it;
+        # before, an empty config.yaml stayed and a retry there was refused as
+        # "holds another run's files")
         os.close(fd)
+        fd = None
+        os.remove(path)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def throughput_unit(loop):

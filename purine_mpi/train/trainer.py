@@ -24,7 +24,8 @@ from ..base.runfiles import write_text_replacing
 from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes, warm_up_libraries
 from ..job.checkpoint_file import LATEST, Checkpoint
 from ..job.inputs import run_inputs
-from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
+from ..job.run_checkpoints import (remove_stale_calibration_folders, remove_stale_temp_files,
+                                   resolve_resume)
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
 from ..job.job import job_of, precision_notes
@@ -88,6 +89,8 @@ class Trainer(Loop):
             if world.rank == 0:
                 for path in remove_stale_temp_files(out_dir):
                     self.log(f"removed {path}, left by a writer that was killed mid-write")
+                for path in remove_stale_calibration_folders(out_dir):
+                    self.log(f"removed {path}, left by a calibration run that was killed")
             self.checkpoints.restore(self, init, init_skip, resume)
             if init is not None or resume is not None:  # the divergence message names it
                 self.state.weights_from = (f"--init {init}" if init is not None else
@@ -177,10 +180,13 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say, plans):
     if graphs.test_graph is not None:
         tg, ws = graphs.test_graph, train.workspace
         shared = {p: ws[p] for p in shared_params(graphs)}
+        # the test pass's transfers (stages, tensor shards, stage-3 gathers)
+        # wait no longer than the training's: it had the dispatcher's default,
+        # 300 s, whatever parallel.stall_timeout said
         test = make_dispatcher(tg, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
                                workspace=workspace(tg, plans.test_keep, shared, arena=ws,
                                                    made=(plans.test_host, plans.test_devices)),
-                               seed=seed)
+                               stall_timeout=stall, seed=seed)
     return train, test
 
 
