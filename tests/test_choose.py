@@ -914,6 +914,25 @@ def test_a_calibration_files_copy_rate_that_is_not_one_is_timed_again(tmp_path, 
     assert choose.host_copy_cost(str(cal), lines.append) == rate and len(lines) == 1
 
 
+@pytest.mark.parametrize("bad", [1e300, float("inf"), 0])
+def test_a_calibration_files_add_rate_that_is_not_one_is_read_as_absent(tmp_path, bad):
+    """An ``add_s_per_byte`` no timing of a sum gives is read as absent
+    (``read_calibration``'s third figure None: ``calibrate`` times it and
+    replaces it), the op times still read. Before, 1e300 was read as the
+    host's add rate: every local add and untraced sum priced at it."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools import choose
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=bad)
+    j = load_job(job, (), check_files=False)
+    found = choose.read_calibration(str(cal), choose.calibration_key(j),
+                                    choose.small_batch(j.train_batch))
+    assert found is not None and found[2] is None
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD)
+    assert choose.read_calibration(str(cal), choose.calibration_key(j),
+                                   choose.small_batch(j.train_batch))[2] == ADD
+
+
 def test_plan_choose_with_a_huge_copy_rate_in_its_calibration_ranks_from_a_timed_one(tmp_path):
     """``plan --choose`` on a calibration file whose ``copy_s_per_byte`` is
     1e300: timed again, every setting priced in seconds. Before, every
