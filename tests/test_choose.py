@@ -953,9 +953,10 @@ def test_a_calibration_file_that_cannot_keep_the_copy_rate_still_plans(tmp_path,
     file made read-only (chmod a-w), a folder where it cannot be replaced
     -- keeps what it held; the rate, timed, is used on the run and one line
     says it is not kept. Before, the read-only file was replaced all the
-    same by a rename (as root: its mode lost) and an unwritable folder
-    ended ``plan --choose`` with 'cannot be written there ... give another
-    --out' (exit 2) though every op time was in the file."""
+    same by a rename (which needs only the folder writable: its mode lost)
+    and an unwritable folder ended ``plan --choose`` with 'cannot be
+    written there ... give another --out' (exit 2) though every op time
+    was in the file."""
     import errno
     import os
     from purine_mpi.tools import choose

@@ -301,9 +301,10 @@ def _keep_in_calibration(cache, key, rate, what, log=None):
     its replacement by a rename would have dropped that mode) or a folder
     where it cannot be replaced keeps what it held: the rate, timed on this
     run, is used and ``log`` says it is not kept. Before, such a file was
-    replaced all the same (as root) or ``plan --choose`` ended with
-    'cannot be written there ... give another --out' (exit 2) though every
-    op time it needed was in the file."""
+    replaced all the same (a rename needs only the folder writable: its
+    mode lost) or ``plan --choose`` ended with 'cannot be written there ...
+    give another --out' (exit 2) though every op time it needed was in the
+    file."""
     from ..base.errors import UserError
     with open(cache, encoding="utf-8") as f:
         data = json.load(f)
