@@ -894,6 +894,99 @@ def test_transfers_between_ranks_sharing_a_node_take_their_copies_from_compute(t
     assert alone[z3] < alone[z2] < shared[z2] < shared[z3]
 
 
+@pytest.mark.parametrize("bad", [float("inf"), 1e300, "fast", 0, -1e-10, float("nan")])
+def test_a_calibration_files_copy_rate_that_is_not_one_is_timed_again(tmp_path, bad):
+    """A ``copy_s_per_byte`` that no timing of a copy gives (infinite, huge,
+    a string, 0, below 0, NaN: a file edited by hand) is timed again, said
+    in one line, and the timed rate replaces it (``choose.host_copy_cost``).
+    Before, an infinite or huge one was used as it stood, the others timed
+    again without a word."""
+    from purine_mpi.tools import choose
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD, copy=bad)
+    lines = []
+    rate = choose.host_copy_cost(str(cal), lines.append)
+    assert lines == [f"calibration: {cal}: {choose.COPY_RATE_KEY} {bad!r} is not a host's "
+                     f"copy rate (seconds per byte, above 0, at most "
+                     f"{choose.MAX_HOST_S_PER_BYTE:g}): timed again"]
+    assert choose.host_rate(rate) and json.loads(cal.read_text())[choose.COPY_RATE_KEY] == rate
+    # the rate kept there is read on the next call: said no more
+    assert choose.host_copy_cost(str(cal), lines.append) == rate and len(lines) == 1
+
+
+@pytest.mark.parametrize("bad", [1e300, float("inf"), 0])
+def test_a_calibration_files_add_rate_that_is_not_one_is_read_as_absent(tmp_path, bad):
+    """An ``add_s_per_byte`` no timing of a sum gives is read as absent
+    (``read_calibration``'s third figure None: ``calibrate`` times it and
+    replaces it), the op times still read. Before, 1e300 was read as the
+    host's add rate: every local add and untraced sum priced at it."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools import choose
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=bad)
+    j = load_job(job, (), check_files=False)
+    found = choose.read_calibration(str(cal), choose.calibration_key(j),
+                                    choose.small_batch(j.train_batch))
+    assert found is not None and found[2] is None
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD)
+    assert choose.read_calibration(str(cal), choose.calibration_key(j),
+                                   choose.small_batch(j.train_batch))[2] == ADD
+
+
+def test_plan_choose_with_a_huge_copy_rate_in_its_calibration_ranks_from_a_timed_one(tmp_path):
+    """``plan --choose`` on a calibration file whose ``copy_s_per_byte`` is
+    1e300: timed again, every setting priced in seconds. Before, every
+    setting's transfers cost 10^290 s and the table ranked them at 0
+    images/s, exit 0 (Infinity: every setting 'not possible')."""
+    from purine_mpi.tools import choose
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD, copy=1e300)
+    out, res = _choose(job, cal)
+    assert res.returncode == 0, res.stderr
+    assert f"{choose.COPY_RATE_KEY} 1e+300 is not a host's copy rate" in res.stderr
+    ranked = [r for r in out["candidates"] if r.get("iter_s")]
+    assert ranked and all(0 < r["iter_s"] < 1.0 for r in ranked), ranked[:2]
+
+
+def test_a_calibration_file_that_cannot_keep_the_copy_rate_still_plans(tmp_path, monkeypatch):
+    """A calibration file without the copy rate that cannot take it -- a
+    file made read-only (chmod a-w), a folder where it cannot be replaced
+    -- keeps what it held; the rate, timed, is used on the run and one line
+    says it is not kept. Before, the read-only file was replaced all the
+    same by a rename (which needs only the folder writable: its mode lost)
+    and an unwritable folder ended ``plan --choose`` with 'cannot be
+    written there ... give another --out' (exit 2) though every op time
+    was in the file."""
+    import errno
+    import os
+    from purine_mpi.tools import choose
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(job, cal, _op_cost, gap=GAP, after=AFTER, add=ADD)
+    data = json.loads(cal.read_text())
+    del data[choose.COPY_RATE_KEY]
+    cal.write_text(json.dumps(data))
+    before = cal.read_bytes()
+    os.chmod(cal, 0o444)
+    try:
+        out, res = _choose(job, cal)
+        assert res.returncode == 0, res.stderr
+        assert cal.read_bytes() == before and os.stat(cal).st_mode & 0o777 == 0o444
+        assert f"calibration: {cal}: the host's copy rate, timed, is used on this run but " \
+            "not kept there (the file is read-only)" in res.stderr
+        assert any(r.get("iter_s") for r in out["candidates"])
+    finally:
+        os.chmod(cal, 0o644)
+
+    def refused(path, text):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path) + ".tmp")
+    monkeypatch.setattr(choose, "write_text_replacing", refused)
+    lines = []
+    rate = choose.host_copy_cost(str(cal), lines.append)
+    assert choose.host_rate(rate) and cal.read_bytes() == before
+    assert lines == [f"calibration: {cal}: the host's copy rate, timed, is used on this run "
+                     "but not kept there (Permission denied)"]
+
+
 def test_choose_offers_micro_batches_where_only_they_fit(tmp_path):
     """Gradient accumulation among the candidates: data parallelism (and
     scheme sharded) at 2, 4, .. micro-batches dividing the per-rank batch,

@@ -225,7 +225,23 @@ def read_calibration(cache, key, small_b):
         found = durations(data), (durations(small) if small else None)
     except (KeyError, TypeError, ValueError):
         return None
-    return found + ((float(add) if seconds(add) and add >= 0 else None),)
+    return found + ((float(add) if host_rate(add) else None),)
+
+
+#: the slowest host rate (seconds per byte of a float32 add or copy: 100
+#: kB/s, some 10^5 times below a host's memory) a calibration file's
+#: ``ADD_RATE_KEY`` or ``COPY_RATE_KEY`` is read as: a figure above it (a
+#: file edited by hand: 1e300 priced every setting's transfers at 10^290 s
+#: and ranked them at 0 images/s, exit 0), not finite, or not above zero is
+#: not a timing of this host's memory, and is timed again
+MAX_HOST_S_PER_BYTE = 1e-5
+
+
+def host_rate(v):
+    """Whether ``v`` is a host rate as ``calibrate`` times it: a number
+    (not a bool), finite, above zero, at most ``MAX_HOST_S_PER_BYTE``."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+        and 0 < v <= MAX_HOST_S_PER_BYTE
 
 
 def calibrate(job, path, overrides, cache, log=None):
@@ -245,7 +261,7 @@ def calibrate(job, path, overrides, cache, log=None):
         durations, small, add = found
         if add is None:
             add = reduce_cost_per_byte()
-            _add_to_calibration(cache, add)
+            _keep_in_calibration(cache, ADD_RATE_KEY, add, "add", log)
     else:
         why = _unread(cache, key)
         if why and log:   # the file given was not used: why, before the runs
@@ -277,13 +293,33 @@ def _unread(cache, key):
     return "holds entries that are not a measurement's (a time below zero, NaN, a key missing)"
 
 
-def _add_to_calibration(cache, add):
-    """Write the add rate ``add`` into the calibration file ``cache``
-    (read by ``read_calibration``: a JSON object) that lacks it."""
+def _keep_in_calibration(cache, key, rate, what, log=None):
+    """Write the host's ``what`` rate ``rate`` under ``key`` into the
+    calibration file ``cache`` (read by ``read_calibration``: a JSON
+    object), read whole and replaced (``write_text_replacing``). A file
+    whose mode forbids writing (chmod a-w: a file the user keeps as it is;
+    its replacement by a rename would have dropped that mode) or a folder
+    where it cannot be replaced keeps what it held: the rate, timed on this
+    run, is used and ``log`` says it is not kept. Before, such a file was
+    replaced all the same (a rename needs only the folder writable: its
+    mode lost) or ``plan --choose`` ended with 'cannot be written there ...
+    give another --out' (exit 2) though every op time it needed was in the
+    file."""
+    from ..base.errors import UserError
     with open(cache, encoding="utf-8") as f:
         data = json.load(f)
-    data[ADD_RATE_KEY] = add
-    write_text_replacing(cache, json.dumps(data))
+    data[key] = rate
+    why = None
+    if not os.stat(cache).st_mode & 0o222:
+        why = "the file is read-only"
+    else:
+        try:
+            write_text_replacing(cache, json.dumps(data))
+        except (OSError, UserError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+    if why and log:
+        log(f"calibration: {cache}: the host's {what} rate, timed, is used on this run "
+            f"but not kept there ({why})")
 
 
 def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
@@ -1253,7 +1289,7 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     link = link or make_link(None, None, None, gamma=add)
     if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
         link = dataclasses.replace(link, gamma=add, gamma_measured=False)
-    shared = on_this_node(link, job, n, limits, calibration)
+    shared = on_this_node(link, job, n, limits, calibration, log)
     if log and shared is not link:
         from .plan import node_ranks
         from .scaling.link import SHARED_MEMORY_COPIES
@@ -1295,7 +1331,7 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
                   every_count=every_count, swept=[c for c in listed if c.swept])
 
 
-def on_this_node(link, job, n, limits, cache=None):
+def on_this_node(link, job, n, limits, cache=None, log=None):
     """``link`` with the CPU of the transfers between ranks that share a
     node (``scaling/link.shared_node``): where ``plan``'s placement
     (``plan.node_ranks``: ``--ranks-per-node``, else the launcher's count,
@@ -1315,14 +1351,14 @@ def on_this_node(link, job, n, limits, cache=None):
     k = node_ranks(limits, n)[0]
     if link.cpu_measured or k < 2 or job.device >= 0:
         return link
-    return shared_node(link, k, host_copy_cost(cache))
+    return shared_node(link, k, host_copy_cost(cache, log))
 
 
-def host_copy_cost(cache=None):
+def host_copy_cost(cache=None, log=None):
     """The host's copy rate (``scaling/link.copy_cost_per_byte``) kept in
     the calibration file ``cache`` (``COPY_RATE_KEY``); timed, and added to
-    the file, where it is not there yet (a file is read whole and replaced,
-    as ``_add_to_calibration`` does)."""
+    the file (``_keep_in_calibration``), where it is not there yet or is not
+    a host rate (``host_rate``: ``log`` says so, as for a damaged file)."""
     from .scaling.link import copy_cost_per_byte
     data = None
     if cache and os.path.isfile(cache):
@@ -1332,12 +1368,14 @@ def host_copy_cost(cache=None):
         except (OSError, ValueError):
             data = None
     got = data.get(COPY_RATE_KEY) if isinstance(data, dict) else None
-    if isinstance(got, (int, float)) and not isinstance(got, bool) and got > 0:
+    if host_rate(got):
         return float(got)
+    if got is not None and log:
+        log(f"calibration: {cache}: {COPY_RATE_KEY} {got!r} is not a host's copy rate "
+            f"(seconds per byte, above 0, at most {MAX_HOST_S_PER_BYTE:g}): timed again")
     cost = copy_cost_per_byte()
     if isinstance(data, dict):
-        data[COPY_RATE_KEY] = cost
-        write_text_replacing(cache, json.dumps(data))
+        _keep_in_calibration(cache, COPY_RATE_KEY, cost, "copy", log)
     return cost
 
 
