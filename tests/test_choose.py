@@ -1467,25 +1467,32 @@ def test_a_shared_nodes_copies_are_paid_by_the_bytes_between_ranks_of_one_node()
     share of the bytes a rank sends to a rank of its own node, by the
     partners of the algorithm the link prices (``same_node_share``): a
     ring sends all to the next rank, (N - nodes)/N of the ranks on their
-    node; recursive halving and doubling (``auto`` above SHORT_MSG, the
-    halves) send B/2^(i+1) to the rank 2^i away, (1 - 1/K)/(1 - 1/N) on
-    the node; recursive doubling (``tree``) a round to each. RDMA across
-    nodes takes no CPU. Before, every byte sent paid the copies at any K
-    >= 2 (K = 2 as K = 4)."""
+    node; Rabenseifner's allreduce (``auto`` above SHORT_MSG) sends
+    B/2^(i+1) to the rank 2^i away, (1 - 1/K)/(1 - 1/N) on the node; a
+    reduce-scatter's recursive halving and an allgather's doubling 2^i/N
+    of B, (K - 1)/(N - 1); recursive doubling (``tree``) a round to each.
+    RDMA across nodes takes no CPU. Before, every byte sent paid the
+    copies at any K >= 2 (K = 2 as K = 4)."""
     from purine_mpi.tools.scaling.link import SHARED_MEMORY_COPIES, Link, shared_node
     c, big, small = 3e-10, 1 << 20, 1024
     base = Link(1e-6, 12e9, 1e-10, "test")
     per_byte = SHARED_MEMORY_COPIES * c
     ranks = range(4)
-    for k, ring, halving, tree in ((4, 1.0, 1.0, 1.0), (2, 1 / 2, (1 / 2) / (3 / 4), 1 / 2),
-                                   (1, 0.0, 0.0, 0.0)):
+    for k, ring, halving, halves, tree in ((4, 1.0, 1.0, 1.0, 1.0),
+                                           (2, 1 / 2, (1 / 2) / (3 / 4), 1 / 3, 1 / 2),
+                                           (1, 0.0, 0.0, 0.0, 0.0)):
         link = shared_node(base, k, c)
         allreduce = per_byte * 2 * 3 / 4 * big   # 2(N-1)/N of the bytes sent
         assert link.collective_cpu(ranks, big, "ring") == pytest.approx(allreduce * ring), k
         assert link.collective_cpu(ranks, big, "auto") == pytest.approx(allreduce * halving), k
         assert link.collective_cpu(ranks, big, "auto", halves=1) == \
-            pytest.approx(allreduce / 2 * halving), k
+            pytest.approx(allreduce / 2 * halves), k
+        assert link.collective_cpu(ranks, big, "ring", halves=1) == \
+            pytest.approx(allreduce / 2 * ring), k
         assert link.collective_cpu(ranks, big, "tree") == pytest.approx(allreduce * tree), k
+        for alg in ("tree", "auto"):  # the halves: recursive halving / doubling at any size
+            assert link.collective_cpu(ranks, small, alg, halves=1) == \
+                pytest.approx(per_byte * 3 / 4 * small * halves), (k, alg)
         assert link.collective_cpu(ranks, small, "auto") == \
             pytest.approx(per_byte * 2 * 3 / 4 * small * tree), k
     # 3 ranks, 2 a node: (0, 1) on one node, 2 alone: a ring's 0 -> 1 of 3

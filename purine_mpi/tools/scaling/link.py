@@ -312,29 +312,40 @@ def shared_node(link, ranks_on_node, copy_cost):
 def same_node_share(nodes, algorithm="auto", nbytes=0, halves=2):
     """The share of the bytes a rank sends in a collective that go to a
     rank of its own node, averaged over the group's ranks, whose nodes
-    ``nodes`` gives in the group's order, as ``Link``'s cost model moves
-    them (``halves`` 2: an allreduce, 1: a reduce-scatter or allgather):
+    ``nodes`` gives in the group's order, by the partners of the
+    algorithms ``Link`` prices (``halves`` 2: an allreduce, 1: a
+    reduce-scatter or allgather):
 
     ring            each rank sends all to the next: the share of ranks
                     whose next (the last's: the first) is on its node,
                     (N - nodes)/N at K a node in blocks (N > K)
-    tree            recursive doubling (an allreduce of ``tree``, or of
-                    ``auto`` up to SHORT_MSG): log2 N rounds of all the
-                    bytes, round i to rank r XOR 2^i
-    auto, halves    recursive halving then doubling (MPICH's
-                    reduce-scatter + allgather; the collectives' halves):
-                    the partner at distance 2^i takes B/2^(i+1), so at K a
-                    node (a power of two, blocks) (1 - 1/K)/(1 - 1/N)
+    tree            an allreduce of ``tree`` (or ``auto`` up to
+                    SHORT_MSG), recursive doubling: log2 N rounds of all
+                    the bytes, round i to rank r XOR 2^i
+    auto            an allreduce above SHORT_MSG, Rabenseifner's
+                    (MPICH's reduce-scatter + allgather inside it): the
+                    rank 2^i away takes B/2^(i+1), so at K a node (a power
+                    of two, blocks) (1 - 1/K)/(1 - 1/N) stay on the node
+    halves          a reduce-scatter's recursive halving (MPICH: the
+                    first half sends the second half of the data to the
+                    other half, p/2 away) or an allgather's recursive
+                    doubling (the exchange with the rank 2^i away doubles):
+                    the rank 2^i away takes 2^i/N of B, (K - 1)/(N - 1)
 
     N not a power of two (MPICH's fold, pairwise exchange, Bruck): every
     other rank alike, the share of pairs on one node. 1 where every rank
     shares one node, 0 where none does."""
-    return _share(tuple(nodes), algorithm,
-                  "tree" if algorithm == "tree" or (halves == 2 and nbytes <= SHORT_MSG) else "")
+    if halves != 2:
+        pattern = "halves"
+    elif algorithm == "tree" or nbytes <= SHORT_MSG:
+        pattern = "tree"
+    else:
+        pattern = "allreduce"
+    return _share(tuple(nodes), algorithm, pattern)
 
 
 @lru_cache(maxsize=4096)
-def _share(nodes, algorithm, tree):
+def _share(nodes, algorithm, pattern):
     n = len(nodes)
     if n < 2 or len(set(nodes)) == 1:
         return 1.0
@@ -346,8 +357,10 @@ def _share(nodes, algorithm, tree):
         pairs = sum(a == b for a in nodes for b in nodes) - n  # ordered, not with itself
         return pairs / (n * (n - 1))
     lg = n.bit_length() - 1
-    # round i's partner and the share of the bytes it takes
-    weight = [1 / lg if tree else 2.0 ** -(i + 1) / (1 - 1 / n) for i in range(lg)]
+    # the share of the bytes that goes to the rank 2^i away
+    weight = [1 / lg if pattern == "tree" else
+              2.0 ** -(i + 1) / (1 - 1 / n) if pattern == "allreduce" else
+              2.0 ** i / (n - 1) for i in range(lg)]
     return sum(w for r in range(n) for i, w in enumerate(weight)
                if nodes[r] == nodes[r ^ (1 << i)]) / n
 
