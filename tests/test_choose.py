@@ -1392,6 +1392,12 @@ def test_predict_refuses_a_trace_of_a_graph_config(tmp_path):
     lambda d: d.__setitem__("iterations", 0),
     lambda d: d.__setitem__("iterations", True),
     lambda d: d.__setitem__("load", {"0": 0.0}),
+    # an op, a gap or an iteration over an hour (MAX_CALIBRATION_S): 1e300
+    # priced every setting at 10^300 s
+    lambda d: d["per_rank"]["0"].__setitem__(next(iter(d["per_rank"]["0"])), 1e300),
+    lambda d: d["small"]["per_rank"]["0"].__setitem__(next(iter(d["per_rank"]["0"])), 3601.0),
+    lambda d: d.__setitem__("gaps", {"0": 1e300}),
+    lambda d: d["iter_seconds"].__setitem__("0", 1e300),
 ])
 def test_a_damaged_calibration_file_is_measured_again(tmp_path, damage):
     """A calibration file of this format and job whose entries are not what
@@ -1453,3 +1459,193 @@ def test_a_shared_nodes_transfer_cpu_is_the_copies_unless_measured(tmp_path):
     path.write_text(json.dumps(data))
     old = load_link(path)
     assert not old.cpu_measured and shared_node(old, 2, 3e-10).cpu == pytest.approx(6e-10)
+
+
+def test_a_shared_nodes_copies_are_paid_by_the_bytes_between_ranks_of_one_node():
+    """N = 4 ranks, K a node in rank order, no ``--network`` file
+    (``scaling/link.shared_node``): a collective's copies are paid on the
+    share of the bytes a rank sends to a rank of its own node, by the
+    partners of the algorithm the link prices (``same_node_share``): a
+    ring sends all to the next rank, (N - nodes)/N of the ranks on their
+    node; Rabenseifner's allreduce (``auto`` above SHORT_MSG) sends
+    B/2^(i+1) to the rank 2^i away, (1 - 1/K)/(1 - 1/N) on the node; a
+    reduce-scatter's recursive halving and an allgather's doubling 2^i/N
+    of B, (K - 1)/(N - 1); recursive doubling (``tree``) a round to each.
+    RDMA across nodes takes no CPU. Before, every byte sent paid the
+    copies at any K >= 2 (K = 2 as K = 4)."""
+    from purine_mpi.tools.scaling.link import SHARED_MEMORY_COPIES, Link, shared_node
+    c, big, small = 3e-10, 1 << 20, 1024
+    base = Link(1e-6, 12e9, 1e-10, "test")
+    per_byte = SHARED_MEMORY_COPIES * c
+    ranks = range(4)
+    for k, ring, halving, halves, tree in ((4, 1.0, 1.0, 1.0, 1.0),
+                                           (2, 1 / 2, (1 / 2) / (3 / 4), 1 / 3, 1 / 2),
+                                           (1, 0.0, 0.0, 0.0, 0.0)):
+        link = shared_node(base, k, c)
+        allreduce = per_byte * 2 * 3 / 4 * big   # 2(N-1)/N of the bytes sent
+        assert link.collective_cpu(ranks, big, "ring") == pytest.approx(allreduce * ring), k
+        assert link.collective_cpu(ranks, big, "auto") == pytest.approx(allreduce * halving), k
+        assert link.collective_cpu(ranks, big, "auto", halves=1) == \
+            pytest.approx(allreduce / 2 * halves), k
+        assert link.collective_cpu(ranks, big, "ring", halves=1) == \
+            pytest.approx(allreduce / 2 * ring), k
+        assert link.collective_cpu(ranks, big, "tree") == pytest.approx(allreduce * tree), k
+        for alg in ("tree", "auto"):  # the halves: recursive halving / doubling at any size
+            assert link.collective_cpu(ranks, small, alg, halves=1) == \
+                pytest.approx(per_byte * 3 / 4 * small * halves), (k, alg)
+        assert link.collective_cpu(ranks, small, "auto") == \
+            pytest.approx(per_byte * 2 * 3 / 4 * small * tree), k
+    # 3 ranks, 2 a node: (0, 1) on one node, 2 alone: a ring's 0 -> 1 of 3
+    # sends; not a power of two otherwise: 2 of the 6 ordered pairs
+    link = shared_node(base, 2, c)
+    assert link.collective_cpu(range(3), big, "ring") == \
+        pytest.approx(per_byte * 2 * 2 / 3 * big / 3)
+    assert link.collective_cpu(range(3), big, "auto") == \
+        pytest.approx(per_byte * 2 * 2 / 3 * big / 3)
+    # a group's own ranks: (1, 3) on two nodes of 2 share none, (2, 3) one
+    assert link.collective_cpu((1, 3), big, "ring") == 0.0
+    assert link.collective_cpu((2, 3), big, "ring") == pytest.approx(per_byte * big)
+    # a measured transfer CPU (a --network file) stays on every byte sent
+    measured = Link(1e-6, 12e9, 1e-10, "test", cpu=5e-10, cpu_measured=True)
+    assert shared_node(measured, 2, c).collective_cpu(ranks, big, "ring") == \
+        pytest.approx(5e-10 * 2 * 3 / 4 * big)
+
+
+def _comm_cpu(job, n, link, algorithm="auto"):
+    """{(rank, op type): [(peer, bytes, cpu seconds)]} of every comm op of
+    ``job``'s simulated ranks at ``n`` ranks on ``link``."""
+    from purine_mpi.tools.scaling.model import Scenario, Template
+    from tests.test_grad_dtype import _NoDurations
+    scenario, got = Scenario(job, n), {}
+    for rank in scenario.ranks:
+        t = Template(job, scenario, rank)
+        for name, op in t.graph.ops.items():
+            if name in t.comm:
+                sim = t._comm_op(op, (), _NoDurations(), link, algorithm, scenario)
+                got.setdefault((rank, op.op_type), []).append((sim.peer, sim.nbytes, sim.cpu))
+    return got
+
+
+def test_the_predictor_charges_a_shared_nodes_copies_by_placement():
+    """The model's comm ops (``Template._comm_op``) at 4 ranks, 2 a node:
+    a data-parallel allreduce pays the copies on (1 - 1/2)/(1 - 1/4) = 2/3
+    of its bytes (recursive halving and doubling), 1/2 on a ring; a
+    pipeline's stage 0 -> 1 send (ranks 0, 1: one node) the copies of every
+    byte, 1 -> 2 (across nodes) none; 4 a node: all of them. Before, each
+    paid the copies of every byte at K = 2 as at 4."""
+    from purine_mpi.tools.scaling.link import SHARED_MEMORY_COPIES, Link, shared_node
+    from tests.mpi_scripts.common import mlp_config
+    c = 3e-10
+    base = Link(1e-6, 12e9, 1e-10, "test")
+    per_byte = SHARED_MEMORY_COPIES * c
+    dp = mlp_config(hidden=(64, 32))
+    for k, alg, share in ((4, "auto", 1.0), (2, "auto", 2 / 3), (2, "ring", 1 / 2)):
+        got = _comm_cpu(dp, 4, shared_node(base, k, c), alg)
+        reduce = got[(0, "Allreduce")]
+        assert any(b > 2048 for _, b, _ in reduce)
+        for _, nbytes, cpu in reduce:
+            want = share if alg == "ring" or nbytes > 2048 else 1 / 2 * (k == 2) + (k == 4)
+            assert cpu == pytest.approx(per_byte * 2 * 3 / 4 * nbytes * want), (k, alg, nbytes)
+    stages = {"fc1": 0, "relu1": 0, "fc2": 1, "relu2": 1, "out": 2, "loss": 3}
+    pipe = mlp_config(hidden=(64, 32), parallel={"scheme": "pipeline", "stages": stages,
+                                                 "transport": "two_sided"})
+    for k in (2, 4):
+        got = _comm_cpu(pipe, 4, shared_node(base, k, c))
+        sends = [(rank, peer, nbytes, cpu) for (rank, kind), sims in got.items()
+                 if kind == "Send" for peer, nbytes, cpu in sims]
+        assert {(r, p) for r, p, _, _ in sends} >= {(0, 1), (1, 2), (2, 3)}
+        for rank, peer, nbytes, cpu in sends:
+            on_node = rank // k == peer // k
+            assert cpu == pytest.approx(per_byte * nbytes * on_node), (k, rank, peer)
+        assert any(cpu == 0 for *_, cpu in sends) == (k == 2)
+
+
+def test_one_sided_transfers_on_a_node_pay_one_copy_each(monkeypatch):
+    """``parallel.transport: one_sided`` with ranks sharing a node: a Put
+    writes the target's window, a Get reads the owner's: one copy each, the
+    origin's (no receiver copies out), none across nodes; none where the
+    blob is the region itself (one node: computed into the consumer's
+    region, read in place; comm/rma_ops.py's zero copy). Before, a Put
+    paid a send's two copies, zero copy or not, and a Get (ZeRO stage 3's
+    GetShards too) none. A measured transfer CPU (a --network file) prices
+    a Put as a send, as before."""
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.link import Link, shared_node
+    from tests.mpi_scripts.common import mlp_config
+
+    def in_region(g, blob, region):  # the blob is the window's memory: a zero copy
+        return any(g.blobs[b].attrs.get("window") == region
+                   for b in (blob, g.storage_root(blob)))
+    c = 3e-10
+    base = Link(1e-6, 12e9, 1e-10, "test")
+    measured = Link(1e-6, 12e9, 1e-10, "test", cpu=5e-10, cpu_measured=True)
+    # a pipeline on one node (4 a node): the Puts that copy pay one copy
+    stages = {"fc1": 0, "relu1": 0, "fc2": 1, "relu2": 1, "out": 2, "loss": 3}
+    pipe = mlp_config(hidden=(64, 32), parallel={"scheme": "pipeline", "stages": stages,
+                                                 "transport": "one_sided"})
+    got = _comm_cpu(pipe, 4, shared_node(base, 4, c))
+    graphs = {r: compose_for(pipe, 4, r) for r in range(4)}
+    copied = 0
+    for rank, g in graphs.items():
+        puts = [op for op in g.ops.values() if op.op_type == "Put"]
+        sims = got[(rank, "Put")]
+        assert len(puts) == len(sims)
+        for op, (peer, nbytes, cpu) in zip(puts, sims):
+            zero = in_region(g, op.inputs[0], op.attrs["region"])
+            copied += not zero
+            assert cpu == pytest.approx(0.0 if zero else c * nbytes), (rank, op.name)
+    assert copied >= 2  # stage 0's Puts of blobs it does not compute into the region
+    assert all(cpu == 0.0 for sims in (v for (r, k), v in got.items() if k == "WaitWrite")
+               for _, _, cpu in sims)
+    # a parameter server on one node: the gradients computed into its
+    # slots, its weights read in place: nothing copied
+    ps = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 1, "transport": "one_sided"})
+    got = _comm_cpu(ps, 3, shared_node(base, 3, c))
+    assert got[(0, "Put")] and got[(0, "Get")]
+    assert all(cpu == 0.0 for k in ("Put", "Get") for _, _, cpu in got[(0, k)])
+    got = _comm_cpu(ps, 3, shared_node(measured, 3, c))
+    assert all(cpu == pytest.approx(5e-10 * b) for _, b, cpu in got[(0, "Put")])
+    # ZeRO stage 3 across nodes (RMA windows, 2 ranks a host): rank 0
+    # gets owner 1's shard on its node (one copy), 2's and 3's by RDMA
+    monkeypatch.setenv("PURINE_RANKS_PER_HOST", "2")
+    z3 = mlp_config(hidden=(64, 32), parallel={"scheme": "sharded", "shard": 3,
+                                               "transport": "one_sided"})
+    g = compose_for(z3, 4, 0)
+    gets = {op.name: sum(g.blobs[b].nbytes for b in op.outputs)
+            for op in g.ops.values() if op.op_type == "GetShards"}
+    assert gets
+    got = _comm_cpu(z3, 4, shared_node(base, 2, c))
+    assert sorted(cpu for _, _, cpu in got[(0, "GetShards")]) == \
+        pytest.approx(sorted(c * nbytes / 4 for nbytes in gets.values()))
+    # the rule (scaling/link.Link.one_sided_cpu)
+    link = shared_node(base, 2, c)
+    for kind in ("Put", "Get"):  # the rule: one copy on the node, none across
+        assert link.one_sided_cpu(kind, 0, 1, 1000) == pytest.approx(c * 1000)
+        assert link.one_sided_cpu(kind, 1, 2, 1000) == 0.0
+    assert link.one_sided_cpu("Publish", 2, 2, 1000) == pytest.approx(c * 1000)
+    assert measured.one_sided_cpu("Put", 0, 1, 1000) == pytest.approx(5e-10 * 1000)
+    assert measured.one_sided_cpu("Get", 0, 1, 1000) == 0.0
+
+
+def test_a_calibrations_op_time_over_an_hour_is_said_and_measured_again(tmp_path):
+    """An op time of 1e300 (a file edited by hand) is no measurement:
+    ``read_calibration`` reads nothing, and ``calibrate`` says why in the
+    one line of the other damaged files. Before, it was read (only the
+    host rates had an upper bound) and priced every setting at 10^300 s."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools import choose
+    path, cal = _job(tmp_path), tmp_path / "cal.json"
+    _write_calibration(path, cal)
+    job = load_job(path, (), check_files=False)
+    key, small_b = choose.calibration_key(job), choose.small_batch(job.train_batch)
+    data = json.loads(cal.read_text())
+    op = next(iter(data["per_rank"]["0"]))
+    data["per_rank"]["0"][op] = 3600.0  # an hour (MAX_CALIBRATION_S): still read
+    cal.write_text(json.dumps(data))
+    assert choose.read_calibration(str(cal), key, small_b) is not None
+    data["per_rank"]["0"][op] = 1e300
+    cal.write_text(json.dumps(data))
+    assert choose.read_calibration(str(cal), key, small_b) is None
+    assert choose._unread(str(cal), key) == (
+        "holds entries that are not a measurement's (a time below zero, NaN, over 3600 s, "
+        "a key missing)")

@@ -172,7 +172,8 @@ def read_calibration(cache, key, small_b):
     (``small_batch``); None otherwise: a file of another job, unreadable,
     or of an older format (one trace: measured again rather than read
     without its second run, or damaged: an entry not as ``_measure`` writes
-    it, a time below zero, NaN or infinite, no iterations, a load factor
+    it, a time below zero, NaN, infinite or over ``MAX_CALIBRATION_S``
+    (an hour), no iterations, a load factor
     not above zero -- a file edited by hand priced settings from them).
     The add rate is None in a file written before it was kept there."""
     from .scaling.trace_reader import Durations
@@ -197,9 +198,9 @@ def read_calibration(cache, key, small_b):
             raise ValueError(key)
         return {int(r): v for r, v in got.items()}
 
-    def seconds(v):   # a time as _measure writes it: finite, not below zero
+    def seconds(v):   # a time as _measure writes it: finite, 0 to MAX_CALIBRATION_S
         return isinstance(v, (int, float)) and not isinstance(v, bool) \
-            and math.isfinite(v) and v >= 0
+            and math.isfinite(v) and 0 <= v <= MAX_CALIBRATION_S
 
     def factor(v):   # a load factor (trace_reader.load_factor): above zero
         return seconds(v) and v > 0
@@ -227,6 +228,12 @@ def read_calibration(cache, key, small_b):
         return None
     return found + ((float(add) if host_rate(add) else None),)
 
+
+#: the longest time a calibration file's op time, gap or iteration is read
+#: as (seconds): a calibration traces a few short iterations of one rank,
+#: so an op over an hour is a file edited by hand or damaged (1e300 priced
+#: every setting at 10^300 s, exit 0), measured again as the other damage
+MAX_CALIBRATION_S = 3600.0
 
 #: the slowest host rate (seconds per byte of a float32 add or copy: 100
 #: kB/s, some 10^5 times below a host's memory) a calibration file's
@@ -290,7 +297,8 @@ def _unread(cache, key):
                 f"format {CALIBRATION_FORMAT}: op times as CPU time)")
     if data.get("key") != key:
         return f"holds another job's or setting's calibration ({data.get('job')!r})"
-    return "holds entries that are not a measurement's (a time below zero, NaN, a key missing)"
+    return ("holds entries that are not a measurement's (a time below zero, NaN, "
+            f"over {MAX_CALIBRATION_S:g} s, a key missing)")
 
 
 def _keep_in_calibration(cache, key, rate, what, log=None):
@@ -1293,9 +1301,12 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     if log and shared is not link:
         from .plan import node_ranks
         from .scaling.link import SHARED_MEMORY_COPIES
-        log(f"ranks sharing a node: {node_ranks(limits, n)[0]} a node; each byte a rank "
-            f"sends costs it {SHARED_MEMORY_COPIES} copies at the host's "
-            f"{SHARED_MEMORY_COPIES / shared.cpu / 1e9:.1f} GB/s, taken from its compute "
+        k = node_ranks(limits, n)[0]
+        log(f"ranks sharing a node: {k} a node; each byte a rank "
+            f"sends {'to a rank of its node ' if k < n else ''}costs it "
+            f"{SHARED_MEMORY_COPIES} copies at the host's "
+            f"{SHARED_MEMORY_COPIES / shared.cpu / 1e9:.1f} GB/s, taken from its compute"
+            f"{', one where it puts or gets (one-sided), none across nodes' if k < n else ''} "
             "(no --network file measured the link's transfer CPU)")
     link = shared
     # the settings compose the same net many times over: graphs of one
@@ -1338,9 +1349,12 @@ def on_this_node(link, job, n, limits, cache=None, log=None):
     else all ``n`` ranks on this node, as the memory check places them)
     puts two or more on a node, the job computes on the host (its cores
     filled by the ranks' compute) and the link's transfer CPU is not
-    measured (no ``--network`` file): each byte sent costs the ranks
+    measured (no ``--network`` file): each byte sent to a rank of the
+    sender's node (the K a node in rank order) costs the ranks
     ``SHARED_MEMORY_COPIES`` copies at the host's copy rate (``cache``'s
-    ``COPY_RATE_KEY``, timed and written there when absent). Before, such
+    ``COPY_RATE_KEY``, timed and written there when absent), a one-sided
+    Put or Get one, a byte to another node none (``Link.local_ranks``:
+    the collectives' share by their algorithm's partners). Before, such
     transfers took no CPU (the defaults' RDMA), and ZeRO stage 3's second
     gather of every bucket (1.5 times stage 2's bytes) came out free:
     gpt_small at 2 ranks on one 2-core node ranked first, 0.5 % ahead of

@@ -34,14 +34,19 @@ receiver) α_put + B/β_put, the figures ``predict --calibrate`` measures
 with ``MPI_Put`` beside ``MPI_Send`` (α and β where they are not given).
 
 Ranks sharing a node (``shared_node``, ``plan --choose``): where the link's
-transfer CPU was not measured, each byte a rank sends costs it the copies
-MPI's shared-memory transport makes (``SHARED_MEMORY_COPIES``) at the
-host's copy rate (``copy_cost_per_byte``), taken from its compute.
+transfer CPU was not measured, each byte a rank sends to a rank of its own
+node (``local_ranks`` a node, in rank order) costs it the copies MPI's
+shared-memory transport makes (``SHARED_MEMORY_COPIES``) at the host's
+copy rate (``copy_cost_per_byte``), taken from its compute; a one-sided
+Put or Get one copy, the origin's; a byte to another node none (RDMA). A
+collective's share of same-node bytes follows its algorithm's partners
+above (``same_node_share``).
 """
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 
 from ...base.errors import UserError
 
@@ -84,14 +89,57 @@ class Link:
     #: meaning a free core or RDMA), not the defaults' 0: ``shared_node``
     #: leaves it as it is
     cpu_measured: bool = False
+    #: ranks a node, placed in rank order (``plan.host_ranks``' blocks),
+    #: where ``cpu`` is the shared-memory copies (``shared_node``): only a
+    #: transfer between two ranks of one node pays it, RDMA across nodes
+    #: takes none; None: ``cpu`` is the link's, every byte sent pays it
+    local_ranks: int = None
 
     def busy(self):
         """This link as it runs while the rank computes (β_busy for β)."""
         if not self.beta_busy or self.beta_busy >= self.beta:
             return self
-        return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu,
-                    alpha_put=self.alpha_put, beta_put=self.beta_put, node=self.node,
-                    cpu_measured=self.cpu_measured)
+        return replace(self, beta=self.beta_busy, beta_busy=None, gamma_measured=False)
+
+    def same_node(self, a, b):
+        """Whether ranks ``a`` and ``b`` share a node (``local_ranks`` a
+        node, in rank order; every pair where that is not known)."""
+        k = self.local_ranks
+        return k is None or int(a) // k == int(b) // k
+
+    def collective_cpu(self, members, nbytes, algorithm="auto", halves=2):
+        """Seconds of ``cpu`` a rank pays for a collective of ``nbytes``
+        over the ranks ``members`` (in the group's order): ``cpu`` on the
+        bytes it sends (``sent_bytes``), where ``local_ranks`` is set only
+        on their share that goes to a rank of its own node
+        (``same_node_share``: the algorithm's partners)."""
+        members = tuple(int(m) for m in members)
+        sent = self.sent_bytes(len(members), float(nbytes), halves)
+        if self.local_ranks is None:
+            return self.cpu * sent
+        nodes = tuple(m // self.local_ranks for m in members)
+        return self.cpu * sent * same_node_share(nodes, algorithm, nbytes, halves)
+
+    def send_cpu(self, rank, peer, nbytes):
+        """Seconds of ``cpu`` a two-sided send of ``nbytes`` from ``rank``
+        to ``peer`` costs its sender: none across nodes (``local_ranks``)."""
+        return self.cpu * nbytes if self.same_node(rank, peer) else 0.0
+
+    def one_sided_cpu(self, kind, rank, peer, nbytes):
+        """Seconds of ``cpu`` a one-sided op ``kind`` (Put, Get, Publish)
+        of ``nbytes`` costs ``rank``, whose peer is ``peer``. Where ``cpu``
+        is the shared-memory copies (``local_ranks``): one copy
+        (``cpu / SHARED_MEMORY_COPIES``), the origin's -- a Put writes the
+        target's window, a Get reads it, no receiver copies out -- where
+        the peer shares its node, none across nodes (RDMA); a Publish
+        copies into the rank's own region: one copy. A measured ``cpu``
+        (a send's, ``predict --calibrate``) prices a Put or Publish as a
+        send and a Get at nothing."""
+        if self.local_ranks is None:
+            return self.cpu * nbytes if kind in ("Put", "Publish") else 0.0
+        if kind == "Publish" or (kind in ("Put", "Get") and self.same_node(rank, peer)):
+            return self.cpu / SHARED_MEMORY_COPIES * nbytes
+        return 0.0
 
     def put(self, nbytes):
         """Seconds of a one-sided transfer of ``nbytes`` (Put or Get)."""
@@ -257,8 +305,64 @@ def shared_node(link, ranks_on_node, copy_cost):
     link itself) or one rank a node."""
     if link.cpu_measured or ranks_on_node < 2 or not copy_cost or copy_cost <= 0:
         return link
-    from dataclasses import replace
-    return replace(link, cpu=SHARED_MEMORY_COPIES * float(copy_cost))
+    return replace(link, cpu=SHARED_MEMORY_COPIES * float(copy_cost),
+                   local_ranks=int(ranks_on_node))
+
+
+def same_node_share(nodes, algorithm="auto", nbytes=0, halves=2):
+    """The share of the bytes a rank sends in a collective that go to a
+    rank of its own node, averaged over the group's ranks, whose nodes
+    ``nodes`` gives in the group's order, by the partners of the
+    algorithms ``Link`` prices (``halves`` 2: an allreduce, 1: a
+    reduce-scatter or allgather):
+
+    ring            each rank sends all to the next: the share of ranks
+                    whose next (the last's: the first) is on its node,
+                    (N - nodes)/N at K a node in blocks (N > K)
+    tree            an allreduce of ``tree`` (or ``auto`` up to
+                    SHORT_MSG), recursive doubling: log2 N rounds of all
+                    the bytes, round i to rank r XOR 2^i
+    auto            an allreduce above SHORT_MSG, Rabenseifner's
+                    (MPICH's reduce-scatter + allgather inside it): the
+                    rank 2^i away takes B/2^(i+1), so at K a node (a power
+                    of two, blocks) (1 - 1/K)/(1 - 1/N) stay on the node
+    halves          a reduce-scatter's recursive halving (MPICH: the
+                    first half sends the second half of the data to the
+                    other half, p/2 away) or an allgather's recursive
+                    doubling (the exchange with the rank 2^i away doubles):
+                    the rank 2^i away takes 2^i/N of B, (K - 1)/(N - 1)
+
+    N not a power of two (MPICH's fold, pairwise exchange, Bruck): every
+    other rank alike, the share of pairs on one node. 1 where every rank
+    shares one node, 0 where none does."""
+    if halves != 2:
+        pattern = "halves"
+    elif algorithm == "tree" or nbytes <= SHORT_MSG:
+        pattern = "tree"
+    else:
+        pattern = "allreduce"
+    return _share(tuple(nodes), algorithm, pattern)
+
+
+@lru_cache(maxsize=4096)
+def _share(nodes, algorithm, pattern):
+    n = len(nodes)
+    if n < 2 or len(set(nodes)) == 1:
+        return 1.0
+    if len(set(nodes)) == n:
+        return 0.0
+    if algorithm == "ring":
+        return sum(nodes[i] == nodes[(i + 1) % n] for i in range(n)) / n
+    if n & (n - 1):  # not a power of two: any other rank alike
+        pairs = sum(a == b for a in nodes for b in nodes) - n  # ordered, not with itself
+        return pairs / (n * (n - 1))
+    lg = n.bit_length() - 1
+    # the share of the bytes that goes to the rank 2^i away
+    weight = [1 / lg if pattern == "tree" else
+              2.0 ** -(i + 1) / (1 - 1 / n) if pattern == "allreduce" else
+              2.0 ** i / (n - 1) for i in range(lg)]
+    return sum(w for r in range(n) for i, w in enumerate(weight)
+               if nodes[r] == nodes[r ^ (1 << i)]) / n
 
 
 def make_link(bandwidth=None, latency=None, link_file=None, gamma=None):

@@ -491,7 +491,8 @@ class Template:
             return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
-                         cpu=link.cpu * link.sent_bytes(group, nbytes))
+                         cpu=link.collective_cpu(self._members(op, group, scenario), nbytes,
+                                                 algorithm))
         if op.op_type in _HALVES:
             nbytes = moved_bytes(g, op)  # the whole bucket, as bench counts it
             group = int(op.attrs.get("shards") or scenario.replicas)
@@ -500,7 +501,8 @@ class Template:
                          seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=getattr(link.busy(), _HALVES[op.op_type])(
                              group, nbytes, algorithm),
-                         cpu=link.cpu * link.sent_bytes(group, nbytes, halves=1))
+                         cpu=link.collective_cpu(self._members(op, group, scenario), nbytes,
+                                                 algorithm, halves=1))
         if op.op_type == "WindowSync":
             # ZeRO stage 3's window barrier (one shared copy per node, or
             # the RMA windows across hosts): a barrier in the collectives' order
@@ -513,8 +515,15 @@ class Template:
             # posted at once; no owner takes part, so nothing to match
             nbytes = _nbytes(g, op.outputs)
             shards = int(op.attrs.get("shards") or scenario.replicas)
+            # each Get from an owner on this rank's node: one copy (link.one_sided_cpu)
+            owners = [int(r.rsplit("@", 1)[1]) for r in op.attrs.get("regions") or ()
+                      if r.rsplit("@", 1)[-1].isdigit()]
+            if len(owners) != shards:
+                owners = self._members(op, shards, scenario)
+            cpu = sum(link.one_sided_cpu("Get", self.rank, r, nbytes / shards)
+                      for r in owners if r != self.rank)
             return SimOp(op.name, link.get_shards(shards, nbytes), deps, lane=str(op.thread),
-                         nbytes=int((shards - 1) * nbytes // shards))
+                         nbytes=int((shards - 1) * nbytes // shards), cpu=cpu)
         if op.op_type in ("Release", "WaitFree"):
             # a notify word raised (α_put) and a wait for one: no data moves;
             # the wait for the consumer's release of the last iteration's
@@ -543,9 +552,41 @@ class Template:
                 # the host's measured add rate
                 seconds += (scenario.workers - 1) * nbytes * copy_cost
         tag = op.attrs["region"] if one_sided else int(op.attrs.get("tag", 0))
+        peer = int(op.attrs["peer"])
+        # a send's copies where its peer shares this rank's node (none
+        # across nodes: RDMA); one-sided, one copy (link.one_sided_cpu),
+        # none where the blob is the region (one node: computed into the
+        # consumer's region, read in place: comm/rma_ops.py's zero copy)
+        if not one_sided:
+            cpu = link.send_cpu(self.rank, peer, nbytes) if send else 0.0
+        elif link.local_ranks is not None and _in_region(
+                g, (op.inputs if send else op.outputs)[0], op.attrs.get("region")):
+            cpu = 0.0
+        else:
+            cpu = link.one_sided_cpu(op.op_type, self.rank, peer, nbytes)
         return SimOp(op.name, seconds, deps, kind="send" if send else "recv",
-                     peer=int(op.attrs["peer"]), tag=tag,
-                     nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
+                     peer=peer, tag=tag, nbytes=nbytes, cpu=cpu)
+
+    def _members(self, op, group, scenario):
+        """The ranks of ``op``'s collective of ``group`` ranks: its attr
+        ``group``, else this rank's place in each of ``group`` replicas
+        (replica q's rank of replica 0's rank r is r + q * per)."""
+        given = op.attrs.get("group")
+        if given and len(given) == group:
+            return tuple(int(r) for r in given)
+        per = max(1, int(getattr(scenario, "per", 1) or 1))
+        first = self.rank % per
+        return tuple(first + q * per for q in range(int(group)))
+
+
+def _in_region(graph, blob, region):
+    """Whether ``blob`` is window ``region``'s memory (its own or its
+    storage root's ``attrs['window']``: parallel/one_sided.py and
+    ps_windows.py place it there on one node), so a Put, Get or Publish of
+    it copies nothing."""
+    return region is not None and any(
+        graph.blobs[b].attrs.get("window") == region
+        for b in (blob, graph.storage_root(blob)))
 
 
 def _flop_ops(graph, names):
