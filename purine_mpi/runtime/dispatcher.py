@@ -40,7 +40,7 @@ import zlib
 import numpy as np
 
 from ..comm.world import WAIT_HOOKS
-from ..base.errors import StallError
+from ..base.errors import StallError, stopped_while_stalled
 from ..ops.catalog import make_kernel
 from .comm_progress import CommPoster
 from .executors import INLINE_LANE, Executor, Inline
@@ -400,6 +400,7 @@ class Dispatcher:
                 if inline and self._inline_due():
                     continue  # a transfer's completion readied the next unit
                 if idle and comm.has_work():
+                    self._check_cancel(comm)
                     oldest = comm.oldest_post()
                     if stalled_for > self.stall_timeout and (
                             oldest is None or time.perf_counter() - oldest > self.stall_timeout):
@@ -413,6 +414,21 @@ class Dispatcher:
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
                                  ", ".join(self.schedule.waiting()[:10]))
+
+    def _check_cancel(self, comm):
+        """A cancel (SIGTERM, Ctrl-C...; runtime/stop.py) while every worker
+        waits on transfers that have not moved for ``StopSignal.CANCEL_GRACE``
+        seconds: StoppedWhileStalled naming them (exit 128 + the signal),
+        instead of waiting out the stall timeout for a stopped peer."""
+        from .stop import StopSignal
+        name = StopSignal.cancelled_wait(self._last_progress)
+        if name is None:
+            return
+        pending = _stall_message(self.rank, comm.in_flight(), 0, comm.held())
+        pending = pending.split("still waiting on: ", 1)[-1]
+        raise stopped_while_stalled(self.rank, name, "the iteration's communication",
+                                    time.monotonic() - self._last_progress,
+                                    f"still waiting on: {pending}")
 
     def _fallback_wait(self):
         """How long the progress thread may sleep (lock held): until the

@@ -38,6 +38,19 @@ class StopSignal:
                    "SIGUSR2": 140, "SIGHUP": 129, "SIGQUIT": 131}
     #: the exit status of a second Ctrl-C: at once, without a checkpoint
     INTERRUPTED = 130
+    #: the notices that cancel a job (scancel, ``kill``, a closed terminal,
+    #: Ctrl-C): one of them ends a wait on a stalled peer early
+    #: (``cancelled_wait``); not SIGUSR1 or SIGUSR2 (a warning before the
+    #: time limit, whose SIGTERM follows) nor a closed stdout
+    CANCELS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    #: seconds a wait that a cancel found blocked still waits for its peers
+    #: (a healthy peer comes in milliseconds: it got the notice too)
+    CANCEL_GRACE = 5.0
+    #: (name, time.monotonic()) of the first cancel this process got
+    cancelled = None
+    #: the iteration of the last checkpoint this process saw complete
+    #: (written or resumed from; train/checkpoints.py), None before any
+    last_checkpoint = None
 
     #: a signal that arrived before the trainer existed (install_early)
     early = None
@@ -64,6 +77,21 @@ class StopSignal:
                 self.interrupt_now()
             self._first_int = self._first_int or now
         self.name = max(filter(None, (self.name, name)), key=self.SIGNALS.index)
+        if name in self.CANCELS and StopSignal.cancelled is None:
+            StopSignal.cancelled = (name, time.monotonic())
+
+    @classmethod
+    def cancelled_wait(cls, started):
+        """The cancel's name (SIGTERM, ...) when a wait on peers begun at
+        ``started`` (time.monotonic()) should end now: a cancel came, and
+        both it and the wait are ``CANCEL_GRACE`` seconds old -- a peer
+        that has not come by then is stopped or wedged, and the stall
+        timeout (300 s by default) would outlast SLURM's KillWait (30 s).
+        None otherwise."""
+        got = cls.cancelled
+        if got is None or time.monotonic() - max(started, got[1]) < cls.CANCEL_GRACE:
+            return None
+        return got[0]
 
     @classmethod
     def interrupt_now(cls):
@@ -131,6 +159,8 @@ class StopSignal:
         def record(signum, frame):
             name = signal.Signals(signum).name
             cls.early = max(filter(None, (cls.early, name)), key=cls.SIGNALS.index)
+            if name in cls.CANCELS and cls.cancelled is None:
+                cls.cancelled = (name, time.monotonic())
             notice_received(signum)  # a rank whose MPI_Init then waits for a peer ends
         if threading.current_thread() is threading.main_thread():
             for sig in cls.CAUGHT:  # Ctrl-C: interrupted at once, nothing to lose

@@ -1,0 +1,143 @@
+"""A cancel of a job whose peer is frozen ends it promptly (docs/failures.md,
+"A cancel while a peer is frozen").
+
+Before: rank 1 stopped (SIGSTOP) during training, a SIGTERM to ``mpiexec``
+(or to the live rank; SLURM's scancel) was recorded, but rank 0 went on
+waiting in the stalled op for the whole ``parallel.stall_timeout`` (300 s by
+default; SLURM's SIGKILL comes 30 s after its SIGTERM), then ended 1 with
+"stalled". Now the wait ends ``StopSignal.CANCEL_GRACE`` (5 s) after the
+notice: one line saying which op stalled and that no checkpoint was written
+(one needs every rank), the last complete one's iteration, exit 143.
+
+The stall timeout here is 120 s: the job must end well before it (60 s is
+allowed, for a loaded 2-core machine); the stop lands wherever rank 0 is
+(graph communication, the stop agreement, a checkpoint's gather)."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, small_net_config, write_config_file
+from tests.test_signals import _rank_pids, kill_ranks
+
+STALL_TIMEOUT = 120
+ENDS_WITHIN = 60
+
+
+def _rank_of(pid):
+    """The MPI rank the launcher gave process ``pid`` (PMI_RANK)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"PMI_RANK"])
+
+
+def _wait_for_checkpoint(out, deadline):
+    """Wait until the run wrote its first periodic checkpoint (latest.h5)."""
+    path = os.path.join(out, "latest.h5")
+    while time.time() < deadline:
+        if os.path.exists(path):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the run never wrote a checkpoint")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("target", ["mpiexec", "rank 0"])
+def test_sigterm_with_a_frozen_peer_ends_promptly_with_143(tmp_path, digits_h5, target):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=1000000, display=5, test_interval=0)
+    cfg["checkpoint"] = {"interval": 20, "keep": 2}
+    cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
+                             "--out", out], cwd=REPO, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        _wait_for_checkpoint(out, time.time() + 90)
+        pids = _rank_pids(out)
+        assert len(pids) == 2, pids
+        ranks = {_rank_of(p): p for p in pids}
+        os.kill(ranks[1], signal.SIGSTOP)
+        time.sleep(1.0)  # rank 0 now waits on it
+        os.kill(proc.pid if target == "mpiexec" else ranks[0], signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            stdout, stderr = proc.communicate(timeout=ENDS_WITHIN)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"SIGTERM to {target}, rank 1 frozen: the job still runs "
+                        f"{ENDS_WITHIN} s later (stall timeout {STALL_TIMEOUT} s)")
+        took = time.monotonic() - sent
+    finally:
+        kill_ranks(proc, pids)
+    assert took < ENDS_WITHIN
+    assert proc.returncode == 143, stderr
+    lines = [ln for ln in stderr.splitlines() if "stopped by SIGTERM while" in ln]
+    assert lines, stderr
+    line = lines[0]
+    assert line.startswith("rank 0: stopped by SIGTERM while "), line
+    assert "no checkpoint written (one needs every rank)" in line, line
+    assert "the last complete one is that of iteration " in line, line
+    last = int(line.rsplit("iteration ", 1)[1].split()[0])
+    assert last > 0 and last % 20 == 0, line
+    if "stop agreement" in line:  # a collective outside the graph: the peer named
+        assert "waiting for rank 1" in line, line
+    assert "stalled for more than" not in stderr  # not the stall timeout's end
+    log = open(os.path.join(out, "train.log")).read()
+    assert "run ended: stopped by SIGTERM on rank 0 (exit 143)" in log, log
+
+
+def _world(rank, size):
+    """A World's naming part, without MPI: rank ``rank`` of ``size``."""
+    from types import SimpleNamespace
+    from purine_mpi.comm.world import World
+    w = SimpleNamespace(rank=rank, size=size, comm=object())
+    w._world_ranks = lambda comm=None: World._world_ranks(w, comm)
+    w.missing_peer = lambda comm=None, verb="stopped responding": \
+        World.missing_peer(w, comm, verb)
+    return w
+
+
+def test_a_collective_stall_names_the_missing_peer_where_mpi_can_tell():
+    """Before, a collective outside the graph said "a peer rank stopped
+    responding" whatever the world: with one peer, it is that rank; with
+    more, MPI's request does not say which, and the message says so."""
+    assert _world(0, 2).missing_peer() == "rank 1 stopped responding"
+    assert _world(1, 2).missing_peer(verb="waiting for") == "waiting for rank 0"
+    three = _world(1, 3).missing_peer()
+    assert three == ("a peer rank (one of ranks 0,2; MPI's nonblocking collective does not "
+                     "say which) stopped responding")
+
+
+def test_a_wait_ends_on_a_cancel_after_the_grace_not_before(monkeypatch):
+    """``cancelled_wait``: nothing without a cancel, nor with SIGUSR1 (a
+    warning: finish cleanly); a cancel ends a wait once both are
+    CANCEL_GRACE seconds old."""
+    from purine_mpi.runtime.stop import StopSignal
+    now = time.monotonic()
+    monkeypatch.setattr(StopSignal, "cancelled", None)
+    assert StopSignal.cancelled_wait(now - 100) is None
+    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", now - 1))  # too young
+    assert StopSignal.cancelled_wait(now - 100) is None
+    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", now - 100))
+    assert StopSignal.cancelled_wait(now - 1) is None  # a wait just begun: its peers may come
+    assert StopSignal.cancelled_wait(now - StopSignal.CANCEL_GRACE - 1) == "SIGTERM"
+    assert "SIGUSR1" not in StopSignal.CANCELS
+
+
+def test_the_cancel_is_recorded_by_the_handlers(monkeypatch):
+    from purine_mpi.runtime.stop import StopSignal
+    monkeypatch.setattr(StopSignal, "cancelled", None)
+    monkeypatch.setattr(StopSignal, "current", None)
+    stop = StopSignal.__new__(StopSignal)  # no handlers installed
+    stop.name, stop._first_int = None, None
+    stop._handle(signal.SIGUSR1, None)
+    assert StopSignal.cancelled is None
+    stop._handle(signal.SIGTERM, None)
+    assert StopSignal.cancelled[0] == "SIGTERM"
+    assert stop.name == "SIGTERM"
