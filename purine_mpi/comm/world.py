@@ -337,6 +337,11 @@ class World:
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} from rank {source} stalled for "
                                  f"more than {self.stall_timeout:g} s (parallel.stall_timeout)")
+            from ..runtime.stop import StopSignal
+            name = StopSignal.cancelled_wait(start)
+            if name is not None:  # as in ``wait``
+                raise stopped_while_stalled(self.rank, name, f"{what} from rank {source}",
+                                            time.monotonic() - start, f"waiting for rank {source}")
             time.sleep(1e-3)
         return _call(self.comm.recv, source=source, tag=tag)
 
