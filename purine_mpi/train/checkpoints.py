@@ -383,11 +383,14 @@ class Checkpoints(Service):
         self._save(loop, iteration, path)
         if loop.world.size > 1:
             name = os.path.basename(path or f"ckpt_{int(iteration)}.h5")
-            # not ended by a cancel: this write is the cancel's own checkpoint
+            # the others' wait is not ended by a cancel: rank 0's write may be
+            # the cancel's own checkpoint; rank 0's own (written) is, and it
+            # waits for its peers (named as any collective's)
+            writer = loop.world.rank == 0
             loop.world.barrier(
                 f"the wait for rank 0's write of the checkpoint {name}",
-                "rank 0 is still writing it (a slow file system: raise "
-                "parallel.stall_timeout), or it stopped responding", cancellable=False)
+                None if writer else "rank 0 is still writing it (a slow file system: raise "
+                "parallel.stall_timeout), or it stopped responding", cancellable=writer)
         if path is None:
             StopSignal.last_checkpoint = int(iteration)
 
