@@ -141,3 +141,22 @@ def test_the_cancel_is_recorded_by_the_handlers(monkeypatch):
     stop._handle(signal.SIGTERM, None)
     assert StopSignal.cancelled[0] == "SIGTERM"
     assert stop.name == "SIGTERM"
+
+
+@pytest.mark.mpi
+def test_a_frozen_peer_is_named_in_a_collective_of_three_ranks():
+    """3 ranks, rank 1 frozen before a barrier: ranks 0 and 2, stalled,
+    tell each other so, and each names rank 1 (before: "a peer rank stopped
+    responding" without a number)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    from tests.mpi_scripts.launch import run_mpi
+    proc, took = run_mpi("frozen_peer.py", 3, expect_ok=False, timeout=90)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if "the frozen peer's barrier stalled" in ln]
+    assert lines, proc.stderr
+    for line in lines:  # whichever of ranks 0 and 2 got to say it before the abort
+        rank = int(line.split(":")[0].split()[1])
+        assert rank in (0, 2), line
+        other = 2 - rank
+        assert line.endswith(f"rank 1 stopped responding (rank {other} said it waits too)"), line

@@ -70,6 +70,32 @@ def _call(fn, *args, **kw):
         return fn(*args, **kw)
 
 
+#: the tag of a rank's "I wait too" at a stall, on COMM_WORLD itself (whose
+#: point-to-point traffic is only cli.py's status exchange, tag 36: never a
+#: graph transfer's, which go over the world's duplicate)
+HERE_TAG = 24081
+#: seconds a stalled rank listens for its peers' "I wait too"
+HERE_LISTEN_S = 1.0
+
+
+def announce_waiting():
+    """Tell every other rank of COMM_WORLD that this one is stalled too (a
+    rank about to end on a stall or a cancel; ``World.heard_waiting``
+    listens): a peer that says nothing is the one that stopped responding.
+    Best effort: nothing where MPI is not up or the job has one rank."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        world = MPI.COMM_WORLD
+        me = world.Get_rank()
+        for r in range(world.Get_size()):
+            if r != me:
+                _call(world.isend, me, dest=r, tag=HERE_TAG)
+    except Exception:
+        pass
+
+
 def get_world():
     """The process-wide World (created, and MPI initialised, on first call)."""
     global _WORLD
@@ -287,29 +313,60 @@ class World:
             if waited > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} stalled for more than "
                                  f"{self.stall_timeout:g} s (parallel.stall_timeout): "
-                                 f"{why or self.missing_peer(comm)}")
+                                 f"{why or self.missing_peer(comm, listen=True)}")
             if cancellable:
                 from ..runtime.stop import StopSignal
                 name = StopSignal.cancelled_wait(start)
                 if name is not None:
-                    raise stopped_while_stalled(self.rank, name, what, waited,
-                                                why or self.missing_peer(comm, "waiting for"))
+                    raise stopped_while_stalled(self.rank, name, what, waited, why or
+                                                self.missing_peer(comm, "waiting for", True))
             time.sleep(pause)
             pause = 20e-6 if busy else min(pause * 2, 1e-3)
 
-    def missing_peer(self, comm=None, verb="stopped responding"):
+    def missing_peer(self, comm=None, verb="stopped responding", listen=False):
         """Who a collective over ``comm`` (default the world's) waits for,
         as far as MPI can tell: its one other rank by number; with more,
         a nonblocking collective's request does not say which peer has not
-        come, so "one of ranks ..." (world ranks)."""
+        come, so with ``listen`` (a rank about to end) the stalled ranks
+        tell each other that they wait (``heard_waiting``, one second):
+        where all but one peer said so, that one is named; else "one of
+        ranks ..." (world ranks)."""
         peers = [r for r in self._world_ranks(comm) if r != self.rank]
+        said = ""
+        if len(peers) > 1 and listen:
+            heard = self.heard_waiting(peers)
+            if heard is not None and len(set(peers) - heard) == 1:
+                peers, said = sorted(set(peers) - heard), (
+                    f" (rank {min(heard)} said it waits too)" if len(heard) == 1 else
+                    f" (ranks {_fmt_ranks(sorted(heard))} said they wait too)")
         if len(peers) == 1:
-            return (f"rank {peers[0]} stopped responding" if verb == "stopped responding"
-                    else f"waiting for rank {peers[0]}")
+            return (f"rank {peers[0]} stopped responding{said}" if verb == "stopped responding"
+                    else f"waiting for rank {peers[0]}{said}")
         named = _fmt_ranks(peers[:8]) + (f",... ({len(peers)} ranks)" if len(peers) > 8 else "")
         head = "a peer rank" if verb == "stopped responding" else "waiting for a peer"
         return (f"{head} (one of ranks {named}; MPI's nonblocking collective does not say "
                 f"which){' stopped responding' if verb == 'stopped responding' else ''}")
+
+    def heard_waiting(self, peers, seconds=HERE_LISTEN_S):
+        """The ranks among ``peers`` (world ranks) that said within
+        ``seconds`` that they are stalled too (``announce_waiting``), after
+        this rank said so to every peer; None where this world is not
+        COMM_WORLD's whole (a sub-world's ranks are numbered otherwise)."""
+        MPI = self.MPI
+        if self.comm is None or MPI.COMM_WORLD.Get_size() != self.size or \
+                MPI.COMM_WORLD.Get_rank() != self.rank:
+            return None
+        announce_waiting()
+        heard, deadline = set(), time.monotonic() + seconds
+        status = MPI.Status()
+        while not set(peers) <= heard and time.monotonic() < deadline:
+            while _call(MPI.COMM_WORLD.Iprobe, source=MPI.ANY_SOURCE, tag=HERE_TAG,
+                        status=status):
+                source = status.Get_source()
+                _call(MPI.COMM_WORLD.recv, source=source, tag=HERE_TAG)
+                heard.add(int(source))
+            time.sleep(0.01)
+        return heard & set(peers)
 
     def _world_ranks(self, comm=None):
         """The world ranks of ``comm``'s members, in its order."""

@@ -39,7 +39,7 @@ import zlib
 
 import numpy as np
 
-from ..comm.world import WAIT_HOOKS
+from ..comm.world import WAIT_HOOKS, announce_waiting
 from ..base.errors import StallError, stopped_while_stalled
 from ..ops.catalog import make_kernel
 from .comm_progress import CommPoster
@@ -404,6 +404,7 @@ class Dispatcher:
                     oldest = comm.oldest_post()
                     if stalled_for > self.stall_timeout and (
                             oldest is None or time.perf_counter() - oldest > self.stall_timeout):
+                        announce_waiting()
                         raise StallError(_stall_message(self.rank, comm.in_flight(),
                                                         self.stall_timeout, comm.held()))
                     time.sleep(self.poll_interval)
@@ -424,6 +425,7 @@ class Dispatcher:
         name = StopSignal.cancelled_wait(self._last_progress)
         if name is None:
             return
+        announce_waiting()  # the peers' waits outside the graph name the one that is not
         pending = _stall_message(self.rank, comm.in_flight(), 0, comm.held())
         pending = pending.split("still waiting on: ", 1)[-1]
         raise stopped_while_stalled(self.rank, name, "the iteration's communication",
