@@ -96,6 +96,13 @@ def announce_waiting():
         pass
 
 
+def _note_wait(seconds):
+    """A wait on peers of ``seconds`` ended: the longest lengthens a cancel's
+    grace (runtime/stop.py, ``StopSignal.cancel_grace``)."""
+    from ..runtime.stop import StopSignal
+    StopSignal.note_wait(seconds)
+
+
 def get_world():
     """The process-wide World (created, and MPI initialised, on first call)."""
     global _WORLD
@@ -299,7 +306,8 @@ class World:
         after ``stall_timeout`` seconds (``why``: what the wait is likely
         for, instead of a stopped peer; ``comm``: the communicator of the
         collective, the world's by default). A cancel (SIGTERM, Ctrl-C...)
-        ends the wait ``StopSignal.CANCEL_GRACE`` seconds on instead
+        ends the wait ``StopSignal.cancel_grace()`` seconds on instead
+        (5 s, or twice the longest wait this rank saw end)
         (StoppedWhileStalled, exit 128 + the signal), unless
         ``cancellable`` is False (the wait for rank 0's checkpoint write,
         which the cancel's own stop makes)."""
@@ -322,6 +330,7 @@ class World:
                                                 self.missing_peer(comm, "waiting for", True))
             time.sleep(pause)
             pause = 20e-6 if busy else min(pause * 2, 1e-3)
+        _note_wait(time.monotonic() - start)
 
     def missing_peer(self, comm=None, verb="stopped responding", listen=False):
         """Who a collective over ``comm`` (default the world's) waits for,
@@ -400,6 +409,7 @@ class World:
                 raise stopped_while_stalled(self.rank, name, f"{what} from rank {source}",
                                             time.monotonic() - start, f"waiting for rank {source}")
             time.sleep(1e-3)
+        _note_wait(time.monotonic() - start)
         return _call(self.comm.recv, source=source, tag=tag)
 
     def send_object(self, obj, dest, tag, what="a send"):
