@@ -235,7 +235,9 @@ STALL = 2
 GRAPH_STALL = re.compile(rf"^rank (\d+): communication stalled for more than {STALL} s; "
                          r"still waiting on: (.+)$")
 OTHER_STALL = re.compile(rf"^rank (\d+): (.+?) stalled for more than {STALL} s "
-                         r"\(parallel\.stall_timeout\)(: a peer rank stopped responding)?$")
+                         r"\(parallel\.stall_timeout\)(: (rank \d+|a peer rank \(one of ranks [\d,]+; "
+                         r"MPI's nonblocking collective does not say which\)) stopped responding"
+                         r"( \((rank \d+ said it waits|ranks [\d,]+ said they wait) too\))?)?$")
 #: what a waiting op of this graph says (comm/rma_pull.py, window_sync.py, ops.py)
 WAITING = {
     "GetShards": re.compile(r"^op '([^']+)' \(GetShards, GetShards \S+ [\d.]+ [KMG]?B \(get #\d+: "

@@ -25,7 +25,7 @@ import traceback
 import numpy as np
 
 from ..base import env
-from ..base.errors import StallError, UserError
+from ..base.errors import StallError, StoppedWhileStalled, UserError, stopped_while_stalled
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
 from .mpi_init import _flush, import_mpi, libmpi_function, watch_notices
@@ -68,6 +68,39 @@ def _call(fn, *args, **kw):
     tail's transfers may still be tested by a worker thread."""
     with MPI_LOCK:
         return fn(*args, **kw)
+
+
+#: the tag of a rank's "I wait too" at a stall, on COMM_WORLD itself (whose
+#: point-to-point traffic is only cli.py's status exchange, tag 36: never a
+#: graph transfer's, which go over the world's duplicate)
+HERE_TAG = 24081
+#: seconds a stalled rank listens for its peers' "I wait too"
+HERE_LISTEN_S = 1.0
+
+
+def announce_waiting():
+    """Tell every other rank of COMM_WORLD that this one is stalled too (a
+    rank about to end on a stall or a cancel; ``World.heard_waiting``
+    listens): a peer that says nothing is the one that stopped responding.
+    Best effort: nothing where MPI is not up or the job has one rank."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        world = MPI.COMM_WORLD
+        me = world.Get_rank()
+        for r in range(world.Get_size()):
+            if r != me:
+                _call(world.isend, me, dest=r, tag=HERE_TAG)
+    except Exception:
+        pass
+
+
+def _note_wait(seconds):
+    """A wait on peers of ``seconds`` ended: the longest lengthens a cancel's
+    grace (runtime/stop.py, ``StopSignal.cancel_grace``)."""
+    from ..runtime.stop import StopSignal
+    StopSignal.note_wait(seconds)
 
 
 def get_world():
@@ -260,30 +293,99 @@ class World:
                         "overrides, --init file and --init-skip, --resume checkpoint and data "
                         "files (docs/failures.md, \"The start-up agreement\")")
 
-    def barrier(self, what="a barrier", why=None):
-        self.wait(_call(self.comm.Ibarrier), what, why)
+    def barrier(self, what="a barrier", why=None, cancellable=True):
+        self.wait(_call(self.comm.Ibarrier), what, why, cancellable=cancellable)
 
     # ------------------------------------------- collectives under a watchdog
     # Collectives outside the graph (the stop agreement, metric means,
     # checkpoint gathers, the consistency check) are non-blocking requests
     # polled here under the same stall timeout as graph communication: a
     # stopped or dead peer ends the job within the timeout, never a hang.
-    def wait(self, request, what, why=None):
+    def wait(self, request, what, why=None, comm=None, cancellable=True):
         """Poll ``request`` until it completes; StallError naming ``what``
         after ``stall_timeout`` seconds (``why``: what the wait is likely
-        for, instead of a stopped peer)."""
+        for, instead of a stopped peer; ``comm``: the communicator of the
+        collective, the world's by default). A cancel (SIGTERM, Ctrl-C...)
+        ends the wait ``StopSignal.cancel_grace()`` seconds on instead
+        (5 s, or twice the longest wait this rank saw end)
+        (StoppedWhileStalled, exit 128 + the signal), unless
+        ``cancellable`` is False (the wait for rank 0's checkpoint write,
+        which the cancel's own stop makes)."""
         start = time.monotonic()
         pause = 20e-6
         while not _call(request.Test):
             busy = False
             for hook in WAIT_HOOKS:
                 busy = hook() or busy
-            if time.monotonic() - start > self.stall_timeout:
+            waited = time.monotonic() - start
+            if waited > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} stalled for more than "
                                  f"{self.stall_timeout:g} s (parallel.stall_timeout): "
-                                 f"{why or 'a peer rank stopped responding'}")
+                                 f"{why or self.missing_peer(comm, listen=True)}")
+            if cancellable:
+                from ..runtime.stop import StopSignal
+                name = StopSignal.cancelled_wait(start)
+                if name is not None:
+                    raise stopped_while_stalled(self.rank, name, what, waited, why or
+                                                self.missing_peer(comm, "waiting for", True))
             time.sleep(pause)
             pause = 20e-6 if busy else min(pause * 2, 1e-3)
+        _note_wait(time.monotonic() - start)
+
+    def missing_peer(self, comm=None, verb="stopped responding", listen=False):
+        """Who a collective over ``comm`` (default the world's) waits for,
+        as far as MPI can tell: its one other rank by number; with more,
+        a nonblocking collective's request does not say which peer has not
+        come, so with ``listen`` (a rank about to end) the stalled ranks
+        tell each other that they wait (``heard_waiting``, one second):
+        where all but one peer said so, that one is named; else "one of
+        ranks ..." (world ranks)."""
+        peers = [r for r in self._world_ranks(comm) if r != self.rank]
+        said = ""
+        if len(peers) > 1 and listen:
+            heard = self.heard_waiting(peers)
+            if heard is not None and len(set(peers) - heard) == 1:
+                peers, said = sorted(set(peers) - heard), (
+                    f" (rank {min(heard)} said it waits too)" if len(heard) == 1 else
+                    f" (ranks {_fmt_ranks(sorted(heard))} said they wait too)")
+        if len(peers) == 1:
+            return (f"rank {peers[0]} stopped responding{said}" if verb == "stopped responding"
+                    else f"waiting for rank {peers[0]}{said}")
+        named = _fmt_ranks(peers[:8]) + (f",... ({len(peers)} ranks)" if len(peers) > 8 else "")
+        head = "a peer rank" if verb == "stopped responding" else "waiting for a peer"
+        return (f"{head} (one of ranks {named}; MPI's nonblocking collective does not say "
+                f"which){' stopped responding' if verb == 'stopped responding' else ''}")
+
+    def heard_waiting(self, peers, seconds=HERE_LISTEN_S):
+        """The ranks among ``peers`` (world ranks) that said within
+        ``seconds`` that they are stalled too (``announce_waiting``), after
+        this rank said so to every peer; None where this world is not
+        COMM_WORLD's whole (a sub-world's ranks are numbered otherwise)."""
+        MPI = self.MPI
+        if self.comm is None or MPI.COMM_WORLD.Get_size() != self.size or \
+                MPI.COMM_WORLD.Get_rank() != self.rank:
+            return None
+        announce_waiting()
+        heard, deadline = set(), time.monotonic() + seconds
+        status = MPI.Status()
+        while not set(peers) <= heard and time.monotonic() < deadline:
+            while _call(MPI.COMM_WORLD.Iprobe, source=MPI.ANY_SOURCE, tag=HERE_TAG,
+                        status=status):
+                source = status.Get_source()
+                _call(MPI.COMM_WORLD.recv, source=source, tag=HERE_TAG)
+                heard.add(int(source))
+            time.sleep(0.01)
+        return heard & set(peers)
+
+    def _world_ranks(self, comm=None):
+        """The world ranks of ``comm``'s members, in its order."""
+        if comm is None or comm is self.comm:
+            return list(range(self.size))
+        try:
+            return [int(r) for r in self.MPI.Group.Translate_ranks(
+                comm.Get_group(), list(range(comm.Get_size())), self.comm.Get_group())]
+        except Exception:  # a stand-in communicator (tests): its own numbering
+            return list(range(comm.Get_size()))
 
     def allreduce(self, values, op="sum", what="an allreduce"):
         """Element-wise SUM or MAX over ranks of a numeric array (a copy)."""
@@ -301,12 +403,19 @@ class World:
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} from rank {source} stalled for "
                                  f"more than {self.stall_timeout:g} s (parallel.stall_timeout)")
+            from ..runtime.stop import StopSignal
+            name = StopSignal.cancelled_wait(start)
+            if name is not None:  # as in ``wait``
+                raise stopped_while_stalled(self.rank, name, f"{what} from rank {source}",
+                                            time.monotonic() - start, f"waiting for rank {source}")
             time.sleep(1e-3)
+        _note_wait(time.monotonic() - start)
         return _call(self.comm.recv, source=source, tag=tag)
 
     def send_object(self, obj, dest, tag, what="a send"):
         """Send a picklable object to ``dest`` under the stall timeout."""
-        self.wait(_call(self.comm.isend, obj, dest=dest, tag=tag), f"{what} to rank {dest}")
+        self.wait(_call(self.comm.isend, obj, dest=dest, tag=tag), f"{what} to rank {dest}",
+                  f"rank {dest} stopped responding")
 
     def gather_object(self, obj, root=0, what="a gather"):
         """``[obj of rank 0, obj of rank 1, ...]`` on ``root`` (None elsewhere),
@@ -361,7 +470,7 @@ class World:
             raise ValueError("allgatherv: the receive buffer must be C-contiguous")
         recv = [recv.reshape(-1).view(np.uint8), ([int(c) for c in counts],
                                                   [int(d) for d in displs]), self.MPI.BYTE]
-        self.wait(_call((comm or self.comm).Iallgatherv, data, recv), what)
+        self.wait(_call((comm or self.comm).Iallgatherv, data, recv), what, comm=comm)
 
     def bcast(self, buf, root=0, what="a broadcast", comm=None):
         """``root``'s C-contiguous array ``buf`` into every rank's ``buf``,
@@ -370,7 +479,7 @@ class World:
         if not buf.flags.c_contiguous:
             raise ValueError("bcast: the buffer must be C-contiguous")
         self.wait(_call((comm or self.comm).Ibcast, buf.reshape(-1).view(np.uint8),
-                        root=root), what)
+                        root=root), what, comm=comm)
 
     def abort(self, code=1):
         """End the whole job: every rank exits with a non-zero status."""
@@ -666,7 +775,9 @@ def install_abort_handler(world=None):
             if not isinstance(exc, UserError) and _debug() else ""
         write_line(trace + text)  # one write: the ranks' lines never mix
         from ..base import logfile
-        code = getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1
+        # a UserError's own (2, 3); a cancel that ended a stalled wait: 128 + the signal
+        code = getattr(exc, "exit_code", 1) if isinstance(exc, (UserError, StoppedWhileStalled)) \
+            else 1
         logfile.note_error(text, world.rank)  # the run folder's train.log, from any rank
         logfile.end_run(code, world.rank)
         world.abort(code)

@@ -39,12 +39,13 @@ import zlib
 
 import numpy as np
 
-from ..comm.world import WAIT_HOOKS
-from ..base.errors import StallError
+from ..comm.world import WAIT_HOOKS, announce_waiting
+from ..base.errors import StallError, stopped_while_stalled
 from ..ops.catalog import make_kernel
 from .comm_progress import CommPoster
 from .executors import INLINE_LANE, Executor, Inline
 from .scheduler import Schedule, feeds_comm
+from .stop import StopSignal
 from .tail import deferred_tail
 from .workspace import Workspace
 
@@ -229,7 +230,10 @@ class Dispatcher:
         """Mark ``name`` done and queue its ready successors; on a worker,
         also take that thread's next op in the same critical section."""
         with self._lock:
-            self._last_progress = time.monotonic()
+            now = time.monotonic()
+            if now - self._last_progress > StopSignal.longest_wait:  # a cancel's grace
+                StopSignal.note_wait(now - self._last_progress)
+            self._last_progress = now
             ready, milestone = self.schedule.complete(name)
             for s in ready:
                 self._push_ready(s)
@@ -315,6 +319,7 @@ class Dispatcher:
             # what is left of the last iteration's tail runs on; this
             # iteration's ops that touch what it touches wait for it
             self._last_progress = time.monotonic()
+            StopSignal.measuring = True  # the run's iterations began (a cancel's grace)
             for n in self.schedule.start(self.iteration):
                 self._push_ready(n)
         self._progress_until(self._run_done)
@@ -400,9 +405,11 @@ class Dispatcher:
                 if inline and self._inline_due():
                     continue  # a transfer's completion readied the next unit
                 if idle and comm.has_work():
+                    self._check_cancel(comm)
                     oldest = comm.oldest_post()
                     if stalled_for > self.stall_timeout and (
                             oldest is None or time.perf_counter() - oldest > self.stall_timeout):
+                        announce_waiting()
                         raise StallError(_stall_message(self.rank, comm.in_flight(),
                                                         self.stall_timeout, comm.held()))
                     time.sleep(self.poll_interval)
@@ -413,6 +420,21 @@ class Dispatcher:
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
                                  ", ".join(self.schedule.waiting()[:10]))
+
+    def _check_cancel(self, comm):
+        """A cancel (SIGTERM, Ctrl-C...; runtime/stop.py) while every worker
+        waits on transfers that have not moved for ``StopSignal.cancel_grace()``
+        seconds: StoppedWhileStalled naming them (exit 128 + the signal),
+        instead of waiting out the stall timeout for a stopped peer."""
+        name = StopSignal.cancelled_wait(self._last_progress)
+        if name is None:
+            return
+        announce_waiting()  # the peers' waits outside the graph name the one that is not
+        pending = _stall_message(self.rank, comm.in_flight(), 0, comm.held())
+        pending = pending.split("still waiting on: ", 1)[-1]
+        raise stopped_while_stalled(self.rank, name, "the iteration's communication",
+                                    time.monotonic() - self._last_progress,
+                                    f"still waiting on: {pending}")
 
     def _fallback_wait(self):
         """How long the progress thread may sleep (lock held): until the

@@ -38,6 +38,34 @@ class StopSignal:
                    "SIGUSR2": 140, "SIGHUP": 129, "SIGQUIT": 131}
     #: the exit status of a second Ctrl-C: at once, without a checkpoint
     INTERRUPTED = 130
+    #: the notices that cancel a job (scancel, ``kill``, a closed terminal,
+    #: Ctrl-C): one of them ends a wait on a stalled peer early
+    #: (``cancelled_wait``); not SIGUSR1 or SIGUSR2 (a warning before the
+    #: time limit, whose SIGTERM follows) nor a closed stdout
+    CANCELS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    #: the least seconds a wait that a cancel found blocked still waits for
+    #: its peers (a healthy peer that got the notice too comes once it ends
+    #: the step it is in: ``cancel_grace``)
+    CANCEL_GRACE = 5.0
+    #: the grace is at least this many times the longest wait on peers
+    #: (or step of the graph) this rank has seen end in the run
+    #: (``longest_wait``): a healthy peer that keeps it waiting that long at
+    #: every iteration (a slower node, a pipeline stage behind a long
+    #: forward, rank 0's test pass or checkpoint write) is not taken for a
+    #: stopped one
+    CANCEL_GRACE_FACTOR = 2.0
+    #: seconds of the longest wait on peers this process saw end once the
+    #: run's iterations began (``note_wait``; the start-up's waits, a peer's
+    #: imports or data loading, do not count)
+    longest_wait = 0.0
+    #: whether waits are counted yet (the first stop agreement, or the
+    #: first graph iteration, sets it)
+    measuring = False
+    #: (name, time.monotonic()) of the first cancel this process got
+    cancelled = None
+    #: the iteration of the last checkpoint this process saw complete
+    #: (written or resumed from; train/checkpoints.py), None before any
+    last_checkpoint = None
 
     #: a signal that arrived before the trainer existed (install_early)
     early = None
@@ -64,6 +92,40 @@ class StopSignal:
                 self.interrupt_now()
             self._first_int = self._first_int or now
         self.name = max(filter(None, (self.name, name)), key=self.SIGNALS.index)
+        if name in self.CANCELS and StopSignal.cancelled is None:
+            StopSignal.cancelled = (name, time.monotonic())
+
+    @classmethod
+    def note_wait(cls, seconds):
+        """A wait on peers (or a step of the graph) of ``seconds`` ended:
+        the longest lengthens the cancel's grace (``cancel_grace``)."""
+        if cls.measuring and seconds > cls.longest_wait:
+            cls.longest_wait = seconds
+
+    @classmethod
+    def cancel_grace(cls):
+        """Seconds a wait must be, and the cancel must be, before the cancel
+        ends the wait: ``CANCEL_GRACE`` (5 s), or ``CANCEL_GRACE_FACTOR``
+        (2) times the longest wait this rank saw end in the run where that
+        is more. A healthy peer at a notice ends the step it is in, then
+        comes: it keeps this rank waiting no longer than it did before, as
+        long again is the margin for a loaded node. (Where that is more
+        than ``parallel.stall_timeout``, the stall timeout ends the wait
+        first, as without a cancel.)"""
+        return max(cls.CANCEL_GRACE, cls.CANCEL_GRACE_FACTOR * cls.longest_wait)
+
+    @classmethod
+    def cancelled_wait(cls, started):
+        """The cancel's name (SIGTERM, ...) when a wait on peers begun at
+        ``started`` (time.monotonic()) should end now: a cancel came, and
+        both it and the wait are ``cancel_grace()`` seconds old -- a peer
+        that has not come by then is stopped or wedged, and the stall
+        timeout (300 s by default) would outlast SLURM's KillWait (30 s).
+        None otherwise."""
+        got = cls.cancelled
+        if got is None or time.monotonic() - max(started, got[1]) < cls.cancel_grace():
+            return None
+        return got[0]
 
     @classmethod
     def interrupt_now(cls):
@@ -131,6 +193,8 @@ class StopSignal:
         def record(signum, frame):
             name = signal.Signals(signum).name
             cls.early = max(filter(None, (cls.early, name)), key=cls.SIGNALS.index)
+            if name in cls.CANCELS and cls.cancelled is None:
+                cls.cancelled = (name, time.monotonic())
             notice_received(signum)  # a rank whose MPI_Init then waits for a peer ends
         if threading.current_thread() is threading.main_thread():
             for sig in cls.CAUGHT:  # Ctrl-C: interrupted at once, nothing to lose
@@ -141,6 +205,7 @@ class StopSignal:
         """The code every rank agrees on after an iteration: 0 (go on), 1 +
         the index in SIGNALS of the strongest signal any rank got, or
         DIVERGED. Collective on ``world``; every rank then has that name."""
+        StopSignal.measuring = True  # the run's iterations began: waits count
         code = self.DIVERGED if diverged else (
             self.SIGNALS.index(self.name) + 1 if self.name else 0)
         if world.size > 1:

@@ -298,6 +298,7 @@ class Checkpoints(Service):
         st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         st.run_id = str(ck.attrs.get("run_id") or "") or st.run_id
         st.last_saved = st.start_iter
+        StopSignal.last_checkpoint = st.start_iter
         st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
         # scheme none: a save writes rank 0's replica alone, so every replica
@@ -382,10 +383,16 @@ class Checkpoints(Service):
         self._save(loop, iteration, path)
         if loop.world.size > 1:
             name = os.path.basename(path or f"ckpt_{int(iteration)}.h5")
+            # the others' wait is not ended by a cancel: rank 0's write may be
+            # the cancel's own checkpoint; rank 0's own (written) is, and it
+            # waits for its peers (named as any collective's)
+            writer = loop.world.rank == 0
             loop.world.barrier(
                 f"the wait for rank 0's write of the checkpoint {name}",
-                "rank 0 is still writing it (a slow file system: raise "
-                "parallel.stall_timeout), or it stopped responding")
+                None if writer else "rank 0 is still writing it (a slow file system: raise "
+                "parallel.stall_timeout), or it stopped responding", cancellable=writer)
+        if path is None:
+            StopSignal.last_checkpoint = int(iteration)
 
     def _save(self, loop, iteration, path=None):
         loop.train.drain()  # the weights of this iteration, updated

@@ -30,9 +30,17 @@ class Traces(Service):
                                       open_now=False, role=role)
 
     def on_start(self, loop):
-        """The trace file is made (truncated) here, after every check_start:
-        a refused --resume leaves the folder's earlier trace as it was."""
+        """The trace file is made here, after every check_start: a refused
+        --resume leaves the folder's earlier trace as it was. An earlier
+        trace of the folder (a killed or stopped run that this one resumes)
+        is kept under another name (``keep_earlier_trace``), said in the log."""
         if self.profiler is not None:
+            kept = keep_earlier_trace(self.profiler.path, loop.state.start_iter)
+            if kept and loop.world.rank == 0:
+                every = " (every rank's likewise)" if loop.world.size > 1 else ""
+                loop.say(f"note: the earlier trace {os.path.basename(kept[0])} is kept as "
+                         f"{os.path.basename(kept[1])}{every}; this run's trace is "
+                         f"{os.path.basename(self.profiler.path)}")
             self.profiler.open()
 
     def check_start(self, loop):
@@ -45,6 +53,26 @@ class Traces(Service):
     def on_close(self, loop):
         if self.profiler is not None:
             self.profiler.close()
+
+
+def keep_earlier_trace(path, start_iter):
+    """Rename an earlier trace at ``path`` (``trace.rank<R>.json`` of a run
+    this one resumes at iteration ``start_iter``) to
+    ``trace.rank<R>.before<start_iter>.json`` (``-2``, ``-3``, ... where
+    that is taken: a second resume at the same iteration), so that the new
+    run's trace does not overwrite it; ``predict TRACE_DIR`` reads only the
+    ``trace.rank<R>.json`` files, this run's. Returns (old, new) paths, or
+    None where there was no earlier trace (a link or anything but a regular
+    file is left to the trace's own refusal, base/runfiles.py)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    stem = path[:-len(".json")] if path.endswith(".json") else path
+    new, k = f"{stem}.before{int(start_iter)}.json", 1
+    while os.path.lexists(new):
+        k += 1
+        new = f"{stem}.before{int(start_iter)}-{k}.json"
+    os.rename(path, new)
+    return path, new
 
 
 def check_window(window, first, end):

@@ -225,6 +225,8 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                 if window is not None:  # refused as the workers refuse it, file untouched
                     from .profiling import check_window
                     check_window(window, start, max_iter)
+                from .profiling import keep_earlier_trace
+                keep_earlier_trace(profiler.path, start)  # as a worker's (the workers say it)
                 profiler.open()
             for p in owned:
                 w, m = starting(p)
