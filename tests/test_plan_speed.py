@@ -672,3 +672,20 @@ def test_an_order_shared_by_content_is_each_graphs_fresh_sort():
         finally:
             core._kahn = real
         assert not sorts
+
+
+def test_storage_roots_are_each_blobs_storage_root():
+    """Graph.storage_roots (the dependencies' and the memory plan's roots,
+    without a walk for a blob that aliases none) is storage_root of each
+    blob, chains of views too; a cycle is the same GraphError."""
+    rng = random.Random(5)
+    for _ in range(20):
+        g = _random_graph(rng)
+        g.add_blob("w", shape=(2,), alias_of=rng.choice(list(g.blobs)))
+        assert g.storage_roots() == {b: g.storage_root(b) for b in g.blobs}
+        assert list(g.storage_roots()) == list(g.blobs)
+    g = core.Graph()
+    g.add_blob("a", alias_of="b")
+    g.add_blob("b", alias_of="a")
+    with pytest.raises(GraphError, match="alias cycle"):
+        g.storage_roots()

@@ -300,6 +300,12 @@ class Graph:
             name = self.blobs[name].alias_of
         return name
 
+    def storage_roots(self):
+        """{blob name: ``storage_root``} of every blob, in the blobs' order:
+        a blob that aliases none is its own (most blobs: no walk, no call)."""
+        return {b: b if blob.alias_of is None else self.storage_root(b)
+                for b, blob in self.blobs.items()}
+
     def dependencies(self):
         """op name -> set of predecessor op names: data edges (read after
         write), write-after-read edges for alias writers, control inputs.
@@ -354,7 +360,7 @@ class Graph:
         # downstream of the writer (it reads what the writer produced).
         # each blob's storage root and extent looked up once (a bucket's
         # writer meets every blob on the bucket: quadratic in the lookups)
-        root_of = {b: self.storage_root(b) for b in self.blobs}
+        root_of = self.storage_roots()
         by_root = defaultdict(list)
         for b in self.blobs:
             by_root[root_of[b]].append(b)
