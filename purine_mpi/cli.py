@@ -393,12 +393,14 @@ def cmd_plan(args):
         print(note, file=sys.stderr)
     if choose:
         return _plan_choose(args, job)
+    from .base.gc_pause import collections_paused
     from .graph.core import shared_dependencies
     from .runtime.memory_plan import shared_colourings
     # the ranks' compositions of one net (--np N: data parallelism's N
     # replicas) share their dependencies and memory plans' colourings by
-    # content, as plan --choose's settings do: equal content, equal answer
-    with shared_dependencies(), shared_colourings():
+    # content, as plan --choose's settings do: equal content, equal answer;
+    # without the collector's full passes over the graphs (base/gc_pause.py)
+    with shared_dependencies(), shared_colourings(), collections_paused():
         text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
                                 restore={"init": args.init,
                                          "resume": True if args.resume else None})

@@ -54,8 +54,7 @@ F(s, k) are copy k's ops on stage s that lead to the loss, B(s, k) its
 other ops (the backward pass); every op of a group waits for the last ops
 of the group before it on the same stage.
 """
-import copy
-
+from ..graph.core import copy_value
 from ..job.replica import loss_blobs
 from ..ops.catalog import get_kernel_class
 from ..ops.updates import UPDATE_OP_TYPES
@@ -125,7 +124,7 @@ def replicate_micro_batches(graph, grads, micro_batches, in_place=False):
                 new.attrs["micro_batch_share"] = 1.0 / m
             graph.blobs[new.name] = new
         for op in ops:
-            attrs = copy.deepcopy(op.attrs)
+            attrs = copy_value(op.attrs)
             if op.op_type == "DataReader":
                 attrs["rank"] = int(attrs.get("rank", 0)) * m + k
                 attrs["world_size"] = int(attrs.get("world_size", 1)) * m

@@ -229,7 +229,7 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
     order = [op.name for op in graph.topo_order(deps)]
     pos, anc = ancestor_bits(order, deps)  # ancestors as bit sets over schedule positions
     prod, cons = graph.producers(), graph.consumers()
-    root_of = {b: graph.storage_root(b) for b in graph.blobs}
+    root_of = graph.storage_roots()
     groups = {}
     for b in graph.blobs:
         groups.setdefault(root_of[b], []).append(b)
