@@ -254,3 +254,140 @@ def test_a_frozen_peer_is_named_in_a_collective_of_three_ranks():
         assert rank in (0, 2), line
         other = 2 - rank
         assert line.endswith(f"rank 1 stopped responding (rank {other} said it waits too)"), line
+
+
+@pytest.mark.mpi
+def test_a_cancel_of_an_earlier_run_in_the_process_does_not_end_the_next(tmp_path, digits_h5):
+    """The cancel's state is class-level (``StopSignal.cancelled``,
+    ``longest_wait``, ``measuring``): a second ``run_training`` in one
+    process (the Python API after a Ctrl-C stopped the first run) found the
+    first run's cancel and took any wait of 5 s or more -- here rank 1's
+    slow first iteration, 7 s -- for a frozen peer: exit 130, no checkpoint,
+    a healthy job. Now each run starts with none of it (a notice that came
+    before this run's trainer existed is kept)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=3, display=1, test_interval=0)
+    cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "run")
+    env = cli_env()
+    env.update(PURINE_TEST_SLOW_S="7")
+    script = os.path.join(REPO, "tests", "mpi_scripts", "second_run.py")
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
+                         cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=STALL_TIMEOUT)
+    assert "stopped by SIGINT while" not in res.stderr, res.stderr
+    assert res.returncode == 0, res.stderr
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert int(f.attrs["iteration"]) == 3
+
+
+def test_each_run_starts_with_no_cancel_state(monkeypatch):
+    """``StopSignal.new_run``: the previous run's cancel, longest wait and
+    last checkpoint go; a cancel recorded before this run's trainer existed
+    (``install_early``'s handler: ``early``) stays."""
+    from purine_mpi.runtime.stop import StopSignal
+    for key, value in (("cancelled", ("SIGTERM", 1.0)), ("longest_wait", 50.0),
+                       ("measuring", True), ("last_checkpoint", 7), ("early", None)):
+        monkeypatch.setattr(StopSignal, key, value)
+    StopSignal.new_run()
+    assert (StopSignal.cancelled, StopSignal.longest_wait, StopSignal.measuring,
+            StopSignal.last_checkpoint) == (None, 0.0, False, None)
+    assert StopSignal.cancel_grace() == StopSignal.CANCEL_GRACE
+    monkeypatch.setattr(StopSignal, "early", "SIGTERM")
+    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", 2.0))
+    StopSignal.new_run()
+    assert StopSignal.cancelled == ("SIGTERM", 2.0)
+
+
+@pytest.mark.mpi
+def test_sigterm_with_a_slow_checkpoint_write_keeps_the_stops_checkpoint(tmp_path, digits_h5):
+    """Sharded stage 3: the stop's checkpoint is streamed to rank 0 bucket
+    by bucket as rank 0 writes it, so the other ranks wait in each next
+    bucket's gather while rank 0 writes the last one. Rank 0 writes slowly
+    here (7 s an item, a slow file system) and the run had no checkpoint
+    before: the cancel that asked for this checkpoint took rank 1's wait for
+    a frozen peer 5 s on and ended the job 143 WITHOUT the checkpoint. The
+    ranks waiting on rank 0's write are exempt from the cancel (as at the
+    barrier after it): 143 with latest.h5 at the stop's iteration."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=1000000, display=1, test_interval=0)
+    cfg["checkpoint"] = {"interval": 0, "keep": 2}
+    cfg["parallel"] = {"scheme": "sharded", "shard": 3, "stall_timeout": STALL_TIMEOUT}
+    # a 2 MB weight: rank 1's part of a gather waits for rank 0 (a small one
+    # is sent eagerly, its request complete at once)
+    cfg["net"][3:4] = [{"type": "fc", "name": "fc0", "bottom": "pool1", "top": "fc0",
+                        "num_output": 2048},
+                       {"type": "fc", "name": "fc1", "bottom": "fc0", "top": "fc1",
+                        "num_output": 10}]
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "run")
+    env = cli_env()
+    env.update(PURINE_TEST_SLOW_S="7")
+    script = os.path.join(REPO, "tests", "mpi_scripts", "slow_write.py")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        metrics = os.path.join(out, "metrics.jsonl")
+        deadline = time.time() + 120
+        while not (os.path.exists(metrics) and os.path.getsize(metrics)) and \
+                proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=STALL_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "stopped by SIGTERM while" not in stderr, stderr
+    assert proc.returncode == 143, stderr
+    stopped = int(stdout.split("stopping at iter ", 1)[1].split()[0])
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert int(f.attrs["iteration"]) == stopped > 0
+
+
+@pytest.mark.mpi
+def test_sigterm_in_scheme_nones_first_test_pass_keeps_the_stops_checkpoint(tmp_path, digits_h5):
+    """Scheme none: rank 0 runs each test pass alone while rank 1 waits for
+    its figures. A SIGTERM during the run's first pass, 10 s long here (a
+    long test split), left rank 1 waiting past the 5 s grace: it took rank
+    0 for a frozen peer and ended the job 143 WITHOUT the stop's checkpoint.
+    Rank 1's wait for rank 0's pass is exempt from the cancel: the job stops
+    at the iteration's end with its checkpoint."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=1000000, display=1, test_interval=30)
+    cfg["checkpoint"] = {"interval": 0, "keep": 2}
+    cfg["parallel"] = {"scheme": "none", "stall_timeout": STALL_TIMEOUT}
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "run")
+    mark = str(tmp_path / "pass.mark")
+    env = cli_env()
+    env.update(PURINE_TEST_SLOW_S="10", PURINE_TEST_SLOW_MARK=mark)
+    script = os.path.join(REPO, "tests", "mpi_scripts", "slow_test_pass.py")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(mark) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None and os.path.exists(mark), proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=STALL_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "stopped by SIGTERM while" not in stderr, stderr
+    assert proc.returncode == 143, stderr
+    stopped = int(stdout.split("stopping at iter ", 1)[1].split()[0])
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert int(f.attrs["iteration"]) == stopped > 0

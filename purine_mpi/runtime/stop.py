@@ -4,6 +4,7 @@ diverged loss on any rank ends every rank at the same iteration.
 Kept free of heavy imports so that ``train`` installs its handlers before
 NumPy and MPI load (``StopSignal.install_early``).
 """
+import contextlib
 import os
 import signal
 import sys
@@ -63,6 +64,10 @@ class StopSignal:
     measuring = False
     #: (name, time.monotonic()) of the first cancel this process got
     cancelled = None
+    #: > 0 while this rank waits for work rank 0 does alone, a checkpoint's
+    #: write or scheme none's test pass (``waiting_for_rank0``): exempt
+    #: from the cancel, whose own stop may be what rank 0 writes
+    exempt = 0
     #: the iteration of the last checkpoint this process saw complete
     #: (written or resumed from; train/checkpoints.py), None before any
     last_checkpoint = None
@@ -96,6 +101,22 @@ class StopSignal:
             StopSignal.cancelled = (name, time.monotonic())
 
     @classmethod
+    def new_run(cls):
+        """A run begins in this process (``run_training``): forget what an
+        earlier run of the process left in the class -- its cancel, its
+        longest wait, its last checkpoint. Without this a second run of the
+        Python API after a Ctrl-C took its first wait of 5 s or more on a
+        healthy peer for a frozen one (exit 130, no checkpoint). A cancel
+        recorded before this run's trainer existed (``install_early``:
+        ``early``) is this run's and stays."""
+        cls.longest_wait = 0.0
+        cls.measuring = False
+        cls.last_checkpoint = None
+        cls.exempt = 0
+        if cls.early not in cls.CANCELS:
+            cls.cancelled = None
+
+    @classmethod
     def note_wait(cls, seconds):
         """A wait on peers (or a step of the graph) of ``seconds`` ended:
         the longest lengthens the cancel's grace (``cancel_grace``)."""
@@ -115,6 +136,24 @@ class StopSignal:
         return max(cls.CANCEL_GRACE, cls.CANCEL_GRACE_FACTOR * cls.longest_wait)
 
     @classmethod
+    @contextlib.contextmanager
+    def waiting_for_rank0(cls):
+        """While in it, a cancel ends no wait of this rank (``cancelled_wait``):
+        the ranks other than 0 while rank 0 works alone -- a checkpoint's
+        streamed sections (a sharded save gathers each bucket as rank 0's
+        write of the last one ends: a slow file system kept them waiting
+        more than the grace, and the cancel that asked for this checkpoint
+        ended the job without it), scheme none's test pass (rank 0 reads the
+        whole split alone: a first pass longer than the grace after a
+        notice ended the job without the stop's checkpoint). A peer that
+        stops then still ends the job at the stall timeout."""
+        cls.exempt += 1
+        try:
+            yield
+        finally:
+            cls.exempt -= 1
+
+    @classmethod
     def cancelled_wait(cls, started):
         """The cancel's name (SIGTERM, ...) when a wait on peers begun at
         ``started`` (time.monotonic()) should end now: a cancel came, and
@@ -123,7 +162,7 @@ class StopSignal:
         timeout (300 s by default) would outlast SLURM's KillWait (30 s).
         None otherwise."""
         got = cls.cancelled
-        if got is None or time.monotonic() - max(started, got[1]) < cls.cancel_grace():
+        if got is None or cls.exempt or time.monotonic() - max(started, got[1]) < cls.cancel_grace():
             return None
         return got[0]
 

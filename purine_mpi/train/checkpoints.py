@@ -406,9 +406,10 @@ class Checkpoints(Service):
         params, solver = scheme_of(loop.job).checkpoint_sections(
             loop.graphs, loop.ws, loop.world, lambda: self._held(loop))
         if loop.world.rank != 0:
-            for section in (params, solver):  # a streamed section's collectives
-                for _ in section.items():
-                    pass
+            with StopSignal.waiting_for_rank0():  # rank 0 writes as it gathers: not a stall
+                for section in (params, solver):  # a streamed section's collectives
+                    for _ in section.items():
+                        pass
             loop.emit("after_save", iteration)
             return
         payload = dict(params=params, solver=solver, state=state,

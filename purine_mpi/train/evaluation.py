@@ -14,6 +14,7 @@ from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
 from ..parallel.schemes import scheme_of
 from ..base.logfile import non_finite_figures
 from ..base.progress_bar import progress
+from ..runtime.stop import StopSignal
 from .collectives import share_running_stats, world_sum
 from .loop import Service
 
@@ -144,7 +145,12 @@ class Evaluation(Service):
         # every replica holds each figure on one of its ranks (a pipeline's
         # last stage), the others add 0: the world's sum is the replicas'
         # sum; one collective, the same on every rank
-        total = world_sum(loop.world, np.concatenate([sums, positions]), "the test figures")
+        figures = np.concatenate([sums, positions])
+        if loop.graphs.apart and loop.world.rank != 0:  # rank 0's pass alone: not a stall
+            with StopSignal.waiting_for_rank0():
+                total = world_sum(loop.world, figures, "the test figures")
+        else:
+            total = world_sum(loop.world, figures, "the test figures")
         # nothing counted (every position ignored): 0, as a batch's loss (Caffe's)
         over = [max(c, 1.0) if p else counted
                 for c, p in zip(total[len(names):], by_position)]

@@ -199,6 +199,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     ``notes``: rank 0's lines for the start-up block (the choice of
     ``parallel.scheme: auto``)."""
     from ..comm.world import install_abort_handler
+    StopSignal.new_run()  # nothing of an earlier run of this process (a cancel, its waits)
     job = job_of(config)  # once: everything below reads the job
     world = get_world()
     install_abort_handler(world)
