@@ -402,6 +402,17 @@ def test_a_token_id_outside_the_embedding_stops_the_run_on_a_gpu_as_on_the_cpu(
         .gather(np.arange(2))[0]
     assert first.max() >= 100  # the first batch (no shuffle) holds such ids
     bad = int(first[first >= 100].ravel()[0])
+    # a text source's tokens are checked against the embedding at start-up
+    # (job/replica.check_data_labels); the per-batch check below is what
+    # guards a source that is not scanned there (an HDF5 of ids)
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.train.trainer import Trainer
+    from tests.conftest import FakeWorld
+    with pytest.raises(UserError, match=r"holds token \d+, outside \[0, 100\): layer 'wte'"):
+        Trainer(make_job(config), str(tmp_path / "refused"), world=FakeWorld(),
+                log=lambda m: None)
+    import purine_mpi.data.sources as sources
+    monkeypatch.setattr(sources, "check_token_ids", lambda *a, **k: None)
     _, err = refused_trainer_run(make_job(config), tmp_path / "run", OpError)
     assert isinstance(err.value.cause, ValueError), err.value
     assert str(err.value.cause) == \

@@ -5,7 +5,7 @@ Before: rank 1 stopped (SIGSTOP) during training, a SIGTERM to ``mpiexec``
 (or to the live rank; SLURM's scancel) was recorded, but rank 0 went on
 waiting in the stalled op for the whole ``parallel.stall_timeout`` (300 s by
 default; SLURM's SIGKILL comes 30 s after its SIGTERM), then ended 1 with
-"stalled". Now the wait ends ``StopSignal.cancel_grace()`` after the
+"stalled". Now the wait ends ``Cancel.cancel_grace()`` after the
 notice (5 s, or twice the longest wait on peers the rank saw end, where
 that is more: a slow but healthy peer is waited for, and its job stops with
 the stop's checkpoint): one line saying which op stalled and that no checkpoint was written
@@ -168,21 +168,21 @@ def test_the_grace_grows_with_the_longest_wait_seen(monkeypatch):
     """``cancel_grace``: CANCEL_GRACE until a wait longer than half of it
     ends, then CANCEL_GRACE_FACTOR times the longest; waits before the
     run's iterations (start-up: a peer's imports, data loading) do not count."""
-    from purine_mpi.runtime.stop import StopSignal
-    monkeypatch.setattr(StopSignal, "longest_wait", 0.0)
-    monkeypatch.setattr(StopSignal, "measuring", False)
-    StopSignal.note_wait(60.0)  # the start-up
-    assert StopSignal.cancel_grace() == StopSignal.CANCEL_GRACE
-    monkeypatch.setattr(StopSignal, "measuring", True)
-    StopSignal.note_wait(1.0)
-    assert StopSignal.cancel_grace() == StopSignal.CANCEL_GRACE
-    StopSignal.note_wait(8.0)
-    StopSignal.note_wait(3.0)  # a shorter one later changes nothing
-    assert StopSignal.cancel_grace() == 8.0 * StopSignal.CANCEL_GRACE_FACTOR
+    from purine_mpi.base.cancel import Cancel
+    monkeypatch.setattr(Cancel, "longest_wait", 0.0)
+    monkeypatch.setattr(Cancel, "measuring", False)
+    Cancel.note_wait(60.0)  # the start-up
+    assert Cancel.cancel_grace() == Cancel.CANCEL_GRACE
+    monkeypatch.setattr(Cancel, "measuring", True)
+    Cancel.note_wait(1.0)
+    assert Cancel.cancel_grace() == Cancel.CANCEL_GRACE
+    Cancel.note_wait(8.0)
+    Cancel.note_wait(3.0)  # a shorter one later changes nothing
+    assert Cancel.cancel_grace() == 8.0 * Cancel.CANCEL_GRACE_FACTOR
     now = time.monotonic()
-    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", now - 100))
-    assert StopSignal.cancelled_wait(now - 10) is None  # 10 s: a slow peer's wait, not over
-    assert StopSignal.cancelled_wait(now - 17) == "SIGTERM"
+    monkeypatch.setattr(Cancel, "cancelled", ("SIGTERM", now - 100))
+    assert Cancel.cancelled_wait(now - 10) is None  # 10 s: a slow peer's wait, not over
+    assert Cancel.cancelled_wait(now - 17) == "SIGTERM"
 
 
 def _world(rank, size):
@@ -211,29 +211,30 @@ def test_a_wait_ends_on_a_cancel_after_the_grace_not_before(monkeypatch):
     """``cancelled_wait``: nothing without a cancel, nor with SIGUSR1 (a
     warning: finish cleanly); a cancel ends a wait once both are
     CANCEL_GRACE seconds old."""
-    from purine_mpi.runtime.stop import StopSignal
+    from purine_mpi.base.cancel import Cancel
     now = time.monotonic()
-    monkeypatch.setattr(StopSignal, "longest_wait", 0.0)  # no wait seen: the least grace
-    monkeypatch.setattr(StopSignal, "cancelled", None)
-    assert StopSignal.cancelled_wait(now - 100) is None
-    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", now - 1))  # too young
-    assert StopSignal.cancelled_wait(now - 100) is None
-    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", now - 100))
-    assert StopSignal.cancelled_wait(now - 1) is None  # a wait just begun: its peers may come
-    assert StopSignal.cancelled_wait(now - StopSignal.CANCEL_GRACE - 1) == "SIGTERM"
-    assert "SIGUSR1" not in StopSignal.CANCELS
+    monkeypatch.setattr(Cancel, "longest_wait", 0.0)  # no wait seen: the least grace
+    monkeypatch.setattr(Cancel, "cancelled", None)
+    assert Cancel.cancelled_wait(now - 100) is None
+    monkeypatch.setattr(Cancel, "cancelled", ("SIGTERM", now - 1))  # too young
+    assert Cancel.cancelled_wait(now - 100) is None
+    monkeypatch.setattr(Cancel, "cancelled", ("SIGTERM", now - 100))
+    assert Cancel.cancelled_wait(now - 1) is None  # a wait just begun: its peers may come
+    assert Cancel.cancelled_wait(now - Cancel.CANCEL_GRACE - 1) == "SIGTERM"
+    assert "SIGUSR1" not in Cancel.CANCELS
 
 
 def test_the_cancel_is_recorded_by_the_handlers(monkeypatch):
+    from purine_mpi.base.cancel import Cancel
     from purine_mpi.runtime.stop import StopSignal
-    monkeypatch.setattr(StopSignal, "cancelled", None)
+    monkeypatch.setattr(Cancel, "cancelled", None)
     monkeypatch.setattr(StopSignal, "current", None)
     stop = StopSignal.__new__(StopSignal)  # no handlers installed
     stop.name, stop._first_int = None, None
     stop._handle(signal.SIGUSR1, None)
-    assert StopSignal.cancelled is None
+    assert Cancel.cancelled is None
     stop._handle(signal.SIGTERM, None)
-    assert StopSignal.cancelled[0] == "SIGTERM"
+    assert Cancel.cancelled[0] == "SIGTERM"
     assert stop.name == "SIGTERM"
 
 
@@ -258,7 +259,7 @@ def test_a_frozen_peer_is_named_in_a_collective_of_three_ranks():
 
 @pytest.mark.mpi
 def test_a_cancel_of_an_earlier_run_in_the_process_does_not_end_the_next(tmp_path, digits_h5):
-    """The cancel's state is class-level (``StopSignal.cancelled``,
+    """The cancel's state is class-level (``Cancel.cancelled``,
     ``longest_wait``, ``measuring``): a second ``run_training`` in one
     process (the Python API after a Ctrl-C stopped the first run) found the
     first run's cancel and took any wait of 5 s or more -- here rank 1's
@@ -288,18 +289,19 @@ def test_each_run_starts_with_no_cancel_state(monkeypatch):
     """``StopSignal.new_run``: the previous run's cancel, longest wait and
     last checkpoint go; a cancel recorded before this run's trainer existed
     (``install_early``'s handler: ``early``) stays."""
+    from purine_mpi.base.cancel import Cancel
     from purine_mpi.runtime.stop import StopSignal
     for key, value in (("cancelled", ("SIGTERM", 1.0)), ("longest_wait", 50.0),
                        ("measuring", True), ("last_checkpoint", 7), ("early", None)):
-        monkeypatch.setattr(StopSignal, key, value)
+        monkeypatch.setattr(StopSignal if key == "early" else Cancel, key, value)
     StopSignal.new_run()
-    assert (StopSignal.cancelled, StopSignal.longest_wait, StopSignal.measuring,
-            StopSignal.last_checkpoint) == (None, 0.0, False, None)
-    assert StopSignal.cancel_grace() == StopSignal.CANCEL_GRACE
+    assert (Cancel.cancelled, Cancel.longest_wait, Cancel.measuring,
+            Cancel.last_checkpoint) == (None, 0.0, False, None)
+    assert Cancel.cancel_grace() == Cancel.CANCEL_GRACE
     monkeypatch.setattr(StopSignal, "early", "SIGTERM")
-    monkeypatch.setattr(StopSignal, "cancelled", ("SIGTERM", 2.0))
+    monkeypatch.setattr(Cancel, "cancelled", ("SIGTERM", 2.0))
     StopSignal.new_run()
-    assert StopSignal.cancelled == ("SIGTERM", 2.0)
+    assert Cancel.cancelled == ("SIGTERM", 2.0)
 
 
 @pytest.mark.mpi

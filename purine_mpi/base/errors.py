@@ -145,19 +145,6 @@ class StoppedWhileStalled(StallError):
         self.exit_code = 128 + int(getattr(signal, signal_name))
 
 
-def stopped_while_stalled(rank, signal_name, what, waited, who):
-    """The StoppedWhileStalled of rank ``rank``: ``what`` (an op, a
-    collective) waited ``waited`` seconds for ``who`` when ``signal_name``
-    came."""
-    from ..runtime.stop import StopSignal
-    last = StopSignal.last_checkpoint
-    kept = (f"the last complete one is that of iteration {last}" if last is not None
-            else "the run has none before it")
-    return StoppedWhileStalled(
-        f"rank {rank}: stopped by {signal_name} while {what} was stalled ({waited:.0f} s; "
-        f"{who}): no checkpoint written (one needs every rank); {kept}", signal_name)
-
-
 class OpError(RuntimeError):
     """An op's kernel raised; carries the op name so every rank can report it."""
 

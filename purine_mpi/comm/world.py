@@ -25,7 +25,8 @@ import traceback
 import numpy as np
 
 from ..base import env
-from ..base.errors import StallError, StoppedWhileStalled, UserError, stopped_while_stalled
+from ..base.cancel import Cancel, stopped_while_stalled
+from ..base.errors import StallError, StoppedWhileStalled, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size, leave_hydra
 from .mpi_init import _flush, import_mpi, libmpi_function, watch_notices
@@ -89,18 +90,58 @@ def announce_waiting():
             return
         world = MPI.COMM_WORLD
         me = world.Get_rank()
+        _drain_here_at_exit()
         for r in range(world.Get_size()):
             if r != me:
-                _call(world.isend, me, dest=r, tag=HERE_TAG)
+                _HERE_SENDS.append(_call(world.isend, me, dest=r, tag=HERE_TAG))
+    except Exception:
+        pass
+
+
+#: this process's "I wait too" sends (``announce_waiting``), ended before
+#: MPI_Finalize by ``_drain_here``
+_HERE_SENDS = []
+
+
+def _drain_here_at_exit():
+    """Register ``_drain_here`` once, after mpi4py's MPI import (atexit runs
+    its handlers last first: this one before mpi4py's MPI_Finalize)."""
+    if not _HERE_DRAIN:
+        import atexit
+        atexit.register(_drain_here)
+        _HERE_DRAIN.append(True)
+
+
+_HERE_DRAIN = []
+
+
+def _drain_here():
+    """End what ``announce_waiting`` left where the process goes on after a
+    stall it caught (a test's own StallError; a rank that aborts never gets
+    here): its sends no peer received are cancelled, and the peers' that
+    reached it are received, on every rank (a peer that never listened
+    held them unreceived: its MPI_Finalize failed and Hydra killed the job,
+    exit 9, after it had printed its results)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        for request in _HERE_SENDS:
+            if not request.Test():
+                request.Cancel()
+                request.Wait()
+        _HERE_SENDS.clear()
+        status = MPI.Status()
+        while MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=HERE_TAG, status=status):
+            MPI.COMM_WORLD.recv(source=status.Get_source(), tag=HERE_TAG)
     except Exception:
         pass
 
 
 def _note_wait(seconds):
     """A wait on peers of ``seconds`` ended: the longest lengthens a cancel's
-    grace (runtime/stop.py, ``StopSignal.cancel_grace``)."""
-    from ..runtime.stop import StopSignal
-    StopSignal.note_wait(seconds)
+    grace (base/cancel.py, ``Cancel.cancel_grace``)."""
+    Cancel.note_wait(seconds)
 
 
 def get_world():
@@ -164,6 +205,7 @@ class World:
             check_launcher()
         MPI = import_mpi()  # lazily: importing initialises MPI (a failure: exit 70)
         self.MPI = MPI
+        _drain_here_at_exit()  # after the import: runs before mpi4py's MPI_Finalize
         base = comm if comm is not None else MPI.COMM_WORLD
         #: seconds a collective outside the graph may wait for its peers
         #: (the trainer sets it from parallel.stall_timeout)
@@ -306,7 +348,7 @@ class World:
         after ``stall_timeout`` seconds (``why``: what the wait is likely
         for, instead of a stopped peer; ``comm``: the communicator of the
         collective, the world's by default). A cancel (SIGTERM, Ctrl-C...)
-        ends the wait ``StopSignal.cancel_grace()`` seconds on instead
+        ends the wait ``Cancel.cancel_grace()`` seconds on instead
         (5 s, or twice the longest wait this rank saw end)
         (StoppedWhileStalled, exit 128 + the signal), unless
         ``cancellable`` is False (the wait for rank 0's checkpoint write,
@@ -323,8 +365,7 @@ class World:
                                  f"{self.stall_timeout:g} s (parallel.stall_timeout): "
                                  f"{why or self.missing_peer(comm, listen=True)}")
             if cancellable:
-                from ..runtime.stop import StopSignal
-                name = StopSignal.cancelled_wait(start)
+                name = Cancel.cancelled_wait(start)
                 if name is not None:
                     raise stopped_while_stalled(self.rank, name, what, waited, why or
                                                 self.missing_peer(comm, "waiting for", True))
@@ -403,8 +444,7 @@ class World:
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} from rank {source} stalled for "
                                  f"more than {self.stall_timeout:g} s (parallel.stall_timeout)")
-            from ..runtime.stop import StopSignal
-            name = StopSignal.cancelled_wait(start)
+            name = Cancel.cancelled_wait(start)
             if name is not None:  # as in ``wait``
                 raise stopped_while_stalled(self.rank, name, f"{what} from rank {source}",
                                             time.monotonic() - start, f"waiting for rank {source}")

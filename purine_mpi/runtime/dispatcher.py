@@ -40,12 +40,12 @@ import zlib
 import numpy as np
 
 from ..comm.world import WAIT_HOOKS, announce_waiting
-from ..base.errors import StallError, stopped_while_stalled
+from ..base.cancel import Cancel, stopped_while_stalled
+from ..base.errors import StallError
 from ..ops.catalog import make_kernel
 from .comm_progress import CommPoster
 from .executors import INLINE_LANE, Executor, Inline
 from .scheduler import Schedule, feeds_comm
-from .stop import StopSignal
 from .tail import deferred_tail
 from .workspace import Workspace
 
@@ -231,8 +231,8 @@ class Dispatcher:
         also take that thread's next op in the same critical section."""
         with self._lock:
             now = time.monotonic()
-            if now - self._last_progress > StopSignal.longest_wait:  # a cancel's grace
-                StopSignal.note_wait(now - self._last_progress)
+            if now - self._last_progress > Cancel.longest_wait:  # a cancel's grace
+                Cancel.note_wait(now - self._last_progress)
             self._last_progress = now
             ready, milestone = self.schedule.complete(name)
             for s in ready:
@@ -319,7 +319,7 @@ class Dispatcher:
             # what is left of the last iteration's tail runs on; this
             # iteration's ops that touch what it touches wait for it
             self._last_progress = time.monotonic()
-            StopSignal.measuring = True  # the run's iterations began (a cancel's grace)
+            Cancel.measuring = True  # the run's iterations began (a cancel's grace)
             for n in self.schedule.start(self.iteration):
                 self._push_ready(n)
         self._progress_until(self._run_done)
@@ -423,10 +423,10 @@ class Dispatcher:
 
     def _check_cancel(self, comm):
         """A cancel (SIGTERM, Ctrl-C...; runtime/stop.py) while every worker
-        waits on transfers that have not moved for ``StopSignal.cancel_grace()``
+        waits on transfers that have not moved for ``Cancel.cancel_grace()``
         seconds: StoppedWhileStalled naming them (exit 128 + the signal),
         instead of waiting out the stall timeout for a stopped peer."""
-        name = StopSignal.cancelled_wait(self._last_progress)
+        name = Cancel.cancelled_wait(self._last_progress)
         if name is None:
             return
         announce_waiting()  # the peers' waits outside the graph name the one that is not

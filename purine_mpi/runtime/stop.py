@@ -4,13 +4,13 @@ diverged loss on any rank ends every rank at the same iteration.
 Kept free of heavy imports so that ``train`` installs its handlers before
 NumPy and MPI load (``StopSignal.install_early``).
 """
-import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 
+from ..base.cancel import Cancel
 from ..base.errors import write_line  # noqa: F401  (this module's callers import it here)
 
 
@@ -39,39 +39,6 @@ class StopSignal:
                    "SIGUSR2": 140, "SIGHUP": 129, "SIGQUIT": 131}
     #: the exit status of a second Ctrl-C: at once, without a checkpoint
     INTERRUPTED = 130
-    #: the notices that cancel a job (scancel, ``kill``, a closed terminal,
-    #: Ctrl-C): one of them ends a wait on a stalled peer early
-    #: (``cancelled_wait``); not SIGUSR1 or SIGUSR2 (a warning before the
-    #: time limit, whose SIGTERM follows) nor a closed stdout
-    CANCELS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    #: the least seconds a wait that a cancel found blocked still waits for
-    #: its peers (a healthy peer that got the notice too comes once it ends
-    #: the step it is in: ``cancel_grace``)
-    CANCEL_GRACE = 5.0
-    #: the grace is at least this many times the longest wait on peers
-    #: (or step of the graph) this rank has seen end in the run
-    #: (``longest_wait``): a healthy peer that keeps it waiting that long at
-    #: every iteration (a slower node, a pipeline stage behind a long
-    #: forward, rank 0's test pass or checkpoint write) is not taken for a
-    #: stopped one
-    CANCEL_GRACE_FACTOR = 2.0
-    #: seconds of the longest wait on peers this process saw end once the
-    #: run's iterations began (``note_wait``; the start-up's waits, a peer's
-    #: imports or data loading, do not count)
-    longest_wait = 0.0
-    #: whether waits are counted yet (the first stop agreement, or the
-    #: first graph iteration, sets it)
-    measuring = False
-    #: (name, time.monotonic()) of the first cancel this process got
-    cancelled = None
-    #: > 0 while this rank waits for work rank 0 does alone, a checkpoint's
-    #: write or scheme none's test pass (``waiting_for_rank0``): exempt
-    #: from the cancel, whose own stop may be what rank 0 writes
-    exempt = 0
-    #: the iteration of the last checkpoint this process saw complete
-    #: (written or resumed from; train/checkpoints.py), None before any
-    last_checkpoint = None
-
     #: a signal that arrived before the trainer existed (install_early)
     early = None
     #: the newest StopSignal of this process (``request`` sets its name)
@@ -97,8 +64,7 @@ class StopSignal:
                 self.interrupt_now()
             self._first_int = self._first_int or now
         self.name = max(filter(None, (self.name, name)), key=self.SIGNALS.index)
-        if name in self.CANCELS and StopSignal.cancelled is None:
-            StopSignal.cancelled = (name, time.monotonic())
+        Cancel.got(name)
 
     @classmethod
     def new_run(cls):
@@ -109,62 +75,7 @@ class StopSignal:
         healthy peer for a frozen one (exit 130, no checkpoint). A cancel
         recorded before this run's trainer existed (``install_early``:
         ``early``) is this run's and stays."""
-        cls.longest_wait = 0.0
-        cls.measuring = False
-        cls.last_checkpoint = None
-        cls.exempt = 0
-        if cls.early not in cls.CANCELS:
-            cls.cancelled = None
-
-    @classmethod
-    def note_wait(cls, seconds):
-        """A wait on peers (or a step of the graph) of ``seconds`` ended:
-        the longest lengthens the cancel's grace (``cancel_grace``)."""
-        if cls.measuring and seconds > cls.longest_wait:
-            cls.longest_wait = seconds
-
-    @classmethod
-    def cancel_grace(cls):
-        """Seconds a wait must be, and the cancel must be, before the cancel
-        ends the wait: ``CANCEL_GRACE`` (5 s), or ``CANCEL_GRACE_FACTOR``
-        (2) times the longest wait this rank saw end in the run where that
-        is more. A healthy peer at a notice ends the step it is in, then
-        comes: it keeps this rank waiting no longer than it did before, as
-        long again is the margin for a loaded node. (Where that is more
-        than ``parallel.stall_timeout``, the stall timeout ends the wait
-        first, as without a cancel.)"""
-        return max(cls.CANCEL_GRACE, cls.CANCEL_GRACE_FACTOR * cls.longest_wait)
-
-    @classmethod
-    @contextlib.contextmanager
-    def waiting_for_rank0(cls):
-        """While in it, a cancel ends no wait of this rank (``cancelled_wait``):
-        the ranks other than 0 while rank 0 works alone -- a checkpoint's
-        streamed sections (a sharded save gathers each bucket as rank 0's
-        write of the last one ends: a slow file system kept them waiting
-        more than the grace, and the cancel that asked for this checkpoint
-        ended the job without it), scheme none's test pass (rank 0 reads the
-        whole split alone: a first pass longer than the grace after a
-        notice ended the job without the stop's checkpoint). A peer that
-        stops then still ends the job at the stall timeout."""
-        cls.exempt += 1
-        try:
-            yield
-        finally:
-            cls.exempt -= 1
-
-    @classmethod
-    def cancelled_wait(cls, started):
-        """The cancel's name (SIGTERM, ...) when a wait on peers begun at
-        ``started`` (time.monotonic()) should end now: a cancel came, and
-        both it and the wait are ``cancel_grace()`` seconds old -- a peer
-        that has not come by then is stopped or wedged, and the stall
-        timeout (300 s by default) would outlast SLURM's KillWait (30 s).
-        None otherwise."""
-        got = cls.cancelled
-        if got is None or cls.exempt or time.monotonic() - max(started, got[1]) < cls.cancel_grace():
-            return None
-        return got[0]
+        Cancel.reset(keep=cls.early in Cancel.CANCELS)
 
     @classmethod
     def interrupt_now(cls):
@@ -232,8 +143,7 @@ class StopSignal:
         def record(signum, frame):
             name = signal.Signals(signum).name
             cls.early = max(filter(None, (cls.early, name)), key=cls.SIGNALS.index)
-            if name in cls.CANCELS and cls.cancelled is None:
-                cls.cancelled = (name, time.monotonic())
+            Cancel.got(name)
             notice_received(signum)  # a rank whose MPI_Init then waits for a peer ends
         if threading.current_thread() is threading.main_thread():
             for sig in cls.CAUGHT:  # Ctrl-C: interrupted at once, nothing to lose
@@ -244,7 +154,7 @@ class StopSignal:
         """The code every rank agrees on after an iteration: 0 (go on), 1 +
         the index in SIGNALS of the strongest signal any rank got, or
         DIVERGED. Collective on ``world``; every rank then has that name."""
-        StopSignal.measuring = True  # the run's iterations began: waits count
+        Cancel.measuring = True  # the run's iterations began: waits count
         code = self.DIVERGED if diverged else (
             self.SIGNALS.index(self.name) + 1 if self.name else 0)
         if world.size > 1:

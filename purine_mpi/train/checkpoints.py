@@ -24,6 +24,7 @@ from ..job.replica import init_params, kept_constant, param_layer
 from ..parallel.compose import Layout
 from ..parallel.schemes import scheme_of
 from ..parallel.tensor_parallel import initial_value, whole_shape
+from ..base.cancel import Cancel
 from ..runtime.stop import StopSignal
 from .collectives import _plain, share_running_stats, world_gather
 from .loop import Service
@@ -298,7 +299,7 @@ class Checkpoints(Service):
         st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         st.run_id = str(ck.attrs.get("run_id") or "") or st.run_id
         st.last_saved = st.start_iter
-        StopSignal.last_checkpoint = st.start_iter
+        Cancel.last_checkpoint = st.start_iter
         st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
         # scheme none: a save writes rank 0's replica alone, so every replica
@@ -392,7 +393,7 @@ class Checkpoints(Service):
                 None if writer else "rank 0 is still writing it (a slow file system: raise "
                 "parallel.stall_timeout), or it stopped responding", cancellable=writer)
         if path is None:
-            StopSignal.last_checkpoint = int(iteration)
+            Cancel.last_checkpoint = int(iteration)
 
     def _save(self, loop, iteration, path=None):
         loop.train.drain()  # the weights of this iteration, updated
@@ -406,7 +407,7 @@ class Checkpoints(Service):
         params, solver = scheme_of(loop.job).checkpoint_sections(
             loop.graphs, loop.ws, loop.world, lambda: self._held(loop))
         if loop.world.rank != 0:
-            with StopSignal.waiting_for_rank0():  # rank 0 writes as it gathers: not a stall
+            with Cancel.waiting_for_rank0():  # rank 0 writes as it gathers: not a stall
                 for section in (params, solver):  # a streamed section's collectives
                     for _ in section.items():
                         pass

@@ -14,7 +14,7 @@ from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
 from ..parallel.schemes import scheme_of
 from ..base.logfile import non_finite_figures
 from ..base.progress_bar import progress
-from ..runtime.stop import StopSignal
+from ..base.cancel import Cancel
 from .collectives import share_running_stats, world_sum
 from .loop import Service
 
@@ -147,7 +147,7 @@ class Evaluation(Service):
         # sum; one collective, the same on every rank
         figures = np.concatenate([sums, positions])
         if loop.graphs.apart and loop.world.rank != 0:  # rank 0's pass alone: not a stall
-            with StopSignal.waiting_for_rank0():
+            with Cancel.waiting_for_rank0():
                 total = world_sum(loop.world, figures, "the test figures")
         else:
             total = world_sum(loop.world, figures, "the test figures")
