@@ -164,6 +164,20 @@ def small_batch(batch):
     return None
 
 
+def _calibration_json(cache):
+    """The calibration file ``cache`` read as JSON: (its value, None), or
+    (None, why) where it cannot be -- why None where there is no file, "is
+    not readable JSON" where it is not JSON (read_calibration, _unread and
+    host_copy_cost read it alike)."""
+    if not cache or not os.path.isfile(cache):
+        return None, None
+    try:
+        with open(cache, encoding="utf-8") as f:
+            return json.load(f), None
+    except (OSError, ValueError):
+        return None, "is not readable JSON"
+
+
 def read_calibration(cache, key, small_b):
     """(Durations at the job's batch, Durations at ``small_b`` or None, the
     host's add rate in seconds per byte or None) from the JSON file
@@ -177,13 +191,7 @@ def read_calibration(cache, key, small_b):
     not above zero -- a file edited by hand priced settings from them).
     The add rate is None in a file written before it was kept there."""
     from .scaling.trace_reader import Durations
-    if not cache or not os.path.isfile(cache):
-        return None
-    try:
-        with open(cache, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
+    data, _ = _calibration_json(cache)
     if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT \
             or data.get("key") != key:
         return None
@@ -283,13 +291,9 @@ def calibrate(job, path, overrides, cache, log=None):
 def _unread(cache, key):
     """Why ``read_calibration`` read nothing of the file ``cache`` (a
     phrase), or None where there is no file (nothing to say)."""
-    if not cache or not os.path.isfile(cache):
-        return None
-    try:
-        with open(cache, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return "is not readable JSON"
+    data, why = _calibration_json(cache)
+    if why is not None or not (cache and os.path.isfile(cache)):
+        return why  # unreadable, or no file: nothing to say
     if not isinstance(data, dict):
         return "is not a calibration"
     if data.get("format") != CALIBRATION_FORMAT:
@@ -1374,13 +1378,7 @@ def host_copy_cost(cache=None, log=None):
     the file (``_keep_in_calibration``), where it is not there yet or is not
     a host rate (``host_rate``: ``log`` says so, as for a damaged file)."""
     from .scaling.link import copy_cost_per_byte
-    data = None
-    if cache and os.path.isfile(cache):
-        try:
-            with open(cache, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            data = None
+    data, _ = _calibration_json(cache)
     got = data.get(COPY_RATE_KEY) if isinstance(data, dict) else None
     if host_rate(got):
         return float(got)
