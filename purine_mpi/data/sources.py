@@ -474,6 +474,28 @@ def shared_source(spec, seed=0):
         return held
 
 
+def token_range(spec):
+    """(smallest, largest) token of the text data file of ``spec``'s split,
+    scanned once per file version: start-up checks them against the
+    embedding (``check_token_ids``) and the loss (``check_labels``), each
+    a pass over every token of a corpus that may be gigabytes."""
+    from .text import TextSource
+    try:
+        st = os.stat(spec["path"])
+    except OSError:  # TextSource says what is wrong with the file, as before
+        source = TextSource(spec)
+        return source.min_token(), source.max_token()
+    key = (os.path.realpath(spec["path"]), spec.get("split"), st.st_mtime_ns, st.st_size)
+    if key not in _TOKEN_RANGES:
+        source = TextSource(spec)
+        _TOKEN_RANGES[key] = (source.min_token(), source.max_token())
+    return _TOKEN_RANGES[key]
+
+
+#: ``token_range``'s answers, by file (real path, split, mtime, size)
+_TOKEN_RANGES = {}
+
+
 def check_token_ids(spec, rows, layer="?", key=None):
     """At load time: the tokens of the text data file of ``spec`` that an
     embedding of ``rows`` rows reads as ids (ops/data.py's ``id_limit``)
@@ -485,9 +507,7 @@ def check_token_ids(spec, rows, layer="?", key=None):
     such a byte, hours in, exit 1 -- or never, where no batch drew it."""
     if spec.get("source") != "text":
         return
-    from .text import TextSource
-    source = TextSource(spec)
-    top, low = source.max_token(), source.min_token()
+    low, top = token_range(spec)
     if top < rows and low >= 0:
         return
     where = f" ({key})" if key else ""
@@ -520,9 +540,7 @@ def check_labels(spec, classes, ignore_label=None, layer="?"):
                                f"lmdb source '{spec['path']}'", f"record '{key}' holds label")
         return
     if spec.get("source") == "text":
-        from .text import TextSource
-        source = TextSource(spec)
-        top, low = source.max_token(), source.min_token()
+        low, top = token_range(spec)
         if top >= classes or low < 0:
             # a negative token (a signed dtype) trained silently before: the
             # embedding read it as a row from the end, the loss as a class
