@@ -727,6 +727,7 @@ def _interference(units, n_ops, link=None):
         if lo_at[i] >= hi_at[i]:
             continue
         outside = ~before    # _not_before inlined: ~2 million pairs at 32 micro-batches
+        off_thread = None if thread is None else ~thread   # once per unit, not per pair
         found = len(pj)
         for j in by_last[lo_at[i]:hi_at[i]].tolist():
             wj = win[j]
@@ -739,7 +740,7 @@ def _interference(units, n_ops, link=None):
                 # do not already wait for (a Recv behind them may wait, on
                 # another rank, for a Send behind the writers: a pipeline's
                 # stage would wait for itself)
-                ps.append(thread is not None and not late & ~thread and
+                ps.append(thread is not None and not late & off_thread and
                           not (p2p and _waits(link, late << zi) & ~units[names[i]][1]))
         pi.extend(repeat(i, len(pj) - found))
     mine = np.frombuffer(pi, dtype=np.int64) if pi else np.zeros(0, np.int64)
