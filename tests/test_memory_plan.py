@@ -492,7 +492,7 @@ def test_shared_colourings_answer_a_plan_of_the_same_content(monkeypatch, email_
                                                  for n, op in g.ops.items()})
     colours = []
     real = mp._colour
-    monkeypatch.setattr(mp, "_colour", lambda *a: colours.append(1) or real(*a))
+    monkeypatch.setattr(mp, "_colour", lambda *a, **k: colours.append(1) or real(*a, **k))
     want = plan(1)
     assert want[3] and len(colours) == 6  # edges: the comparison covers them
     with mp.shared_colourings():

@@ -83,7 +83,9 @@ def _reference_plan(monkeypatch, graph, **kw):
         m.setattr(mp, "_interference", interference)
         m.setattr(mp, "_dynamic_order", dynamic)
 
-        def colour(units, order, link, best_fit=False, align=mp.HOST_ALIGN):
+        def colour(units, order, link, best_fit=False, align=mp.HOST_ALIGN, stop=None):
+            # ``stop`` left out: the whole colouring, which loses as the
+            # one given up would
             offsets, total, edges = _reference_colour(units, order, best_fit, link, align)
             return offsets, total, [(src, 0, list(mp._bits(dst))) for src, dst in edges]
         m.setattr(mp, "_colour", colour)

@@ -67,7 +67,9 @@ aligned offset (``HOST_ALIGN`` bytes on the host, ``ARENA_ALIGN`` on a GPU)
 where they overlap no unit already placed that
 they may not share with (the lowest such offset, or the tightest gap);
 three orders (largest first, first used first, longest lived first) times
-the two placements are tried and the smallest arena kept. The units live
+the two placements are tried and the smallest arena kept (fewest edges,
+then the first, on a tie; each given up once it must lose to the best so
+far: ``_structured_best``). The units live
 at once at the peak of the schedule (each aligned) are a lower bound no
 placement goes below; where the best is above it, more orders, until one
 reaches it (``_best_colouring``): the units live at the peak first,
@@ -349,11 +351,12 @@ def _best_colouring(units, n_ops, link, align):
 
     Where the six reach the peak already (most plans: the transformers,
     NIN) nothing more is coloured, so the plan and its time stay; and
-    once one colouring reaches the peak with no edges (every host plan
-    that reaches it: the host adds none), none after it is coloured: no
-    colouring takes fewer bytes or edges, and a tie keeps the first (the
-    plan is the one all six would pick; GPT-2 124M's host plan at 32
-    micro-batches: one colouring of ~1 s instead of six)."""
+    once one colouring reaches the peak with no edges, none after it is
+    coloured: no colouring takes fewer bytes or edges, and a tie keeps the
+    first (the plan is the one all six would pick). Where they add edges
+    (a trainer's host plan with ``order_ops``: GPT-2 124M's at 32
+    micro-batches, all six at its peak with 15,675 to 275,380 edges), each
+    is given up once it must lose to the best so far (``_structured_best``)."""
     pairs = _interference(units, n_ops, link)
     peak, at = _live_peak(units, n_ops, align)
     best = last = None
@@ -388,10 +391,11 @@ def _best_colouring(units, n_ops, link, align):
             colour(high + [u for u in order if u not in moved])
             stale = 0 if best is not was else stale + 1
 
-    for key in (lambda u: (-units[u][4], units[u][2], u),     # largest first
-                lambda u: (units[u][2], -units[u][4], u),     # first used first
-                longest):                                     # longest first
-        colour(sorted(units, key=key))
+    structured = [sorted(units, key=key) for key in (
+        lambda u: (-units[u][4], units[u][2], u),     # largest first
+        lambda u: (units[u][2], -units[u][4], u),     # first used first
+        longest)]                                     # longest first
+    best = _structured_best(units, structured, pairs, align, peak)
     if best[1] > peak:   # the units live at the peak first
         colour(sorted(units, key=lambda u: (not units[u][2] <= at <= units[u][3],) + longest(u)))
     squeak(best)
@@ -411,6 +415,48 @@ def _best_colouring(units, n_ops, link, align):
             rng.shuffle(order)
             colour(list(order))
     return best[:3]
+
+
+def _structured_best(units, orders, pairs, align, peak):
+    """Of ``orders``' colourings, each by first fit then best fit (the
+    sequence s = 0 .. 5), the one of the fewest bytes, then the fewest
+    edges, then the first in that sequence: (offsets, total, edges, order).
+    They are coloured in ``STRUCTURED_TRIES``' order, each given the best
+    so far as its bound (``_colour``'s ``stop``): one that must lose (more
+    bytes than it; at the live peak, as many edges and later in the
+    sequence, or more edges) is given up as soon as its bytes or edges
+    pass the bound, and where the best is at the peak with no edges none
+    later in the sequence is coloured (a tie keeps the first). The answer
+    is that of colouring all six in the sequence (tests/
+    test_colouring_bound.py pins it against that): GPT-2 124M's host plan
+    at 32 micro-batches, all six at its peak with 15,675 to 275,380 edges,
+    gives up the five after the first part way (3.3 s to 2.3 s)."""
+    best = seq = None
+    for o in STRUCTURED_TRIES:
+        for best_fit in (False, True):
+            s = 2 * o + best_fit
+            stop = None
+            if best is not None:
+                total, n_edges = best[1], len(best[2])
+                if total <= peak:   # no colouring takes fewer bytes
+                    if not n_edges and s > seq:
+                        continue
+                    stop = (total, n_edges - (s > seq))
+                else:
+                    stop = (total, None)
+            got = _colour(units, orders[o], pairs, best_fit, align, stop=stop)
+            if got is not None and (best is None or (got[1], len(got[2]), s) <
+                                    (best[1], len(best[2]), seq)):
+                best, seq = (*got, orders[o]), s
+    return best
+
+
+#: the order ``_structured_best`` colours the three structured orders in
+#: (largest first, first used first, longest first): the first used
+#: first's colourings first, the fewest edges at the live peak on the
+#: transformers' host plans, so the bound they set gives up the largest
+#: first's early (GPT-2 124M at 32 micro-batches: 275,380 edges by first fit)
+STRUCTURED_TRIES = (1, 2, 0)
 
 
 #: the most "squeaky wheel" orders ``_best_colouring`` colours in a row above the
@@ -681,6 +727,7 @@ def _interference(units, n_ops, link=None):
         if lo_at[i] >= hi_at[i]:
             continue
         outside = ~before    # _not_before inlined: ~2 million pairs at 32 micro-batches
+        off_thread = None if thread is None else ~thread   # once per unit, not per pair
         found = len(pj)
         for j in by_last[lo_at[i]:hi_at[i]].tolist():
             wj = win[j]
@@ -693,7 +740,7 @@ def _interference(units, n_ops, link=None):
                 # do not already wait for (a Recv behind them may wait, on
                 # another rank, for a Send behind the writers: a pipeline's
                 # stage would wait for itself)
-                ps.append(thread is not None and not late & ~thread and
+                ps.append(thread is not None and not late & off_thread and
                           not (p2p and _waits(link, late << zi) & ~units[names[i]][1]))
         pi.extend(repeat(i, len(pj) - found))
     mine = np.frombuffer(pi, dtype=np.int64) if pi else np.zeros(0, np.int64)
@@ -711,7 +758,7 @@ def _interference(units, n_ops, link=None):
                   writers=[list(_bits(units[u][7])) if link is not None else [] for u in names])
 
 
-def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
+def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN, stop=None):
     """Greedy interval colouring: each unit, in ``order``, at an aligned
     offset where it overlaps no unit placed before it that it may not share
     with (``pairs``, ``_interference``): the lowest such offset, or with
@@ -724,7 +771,10 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     their bytes meet).
     Returns ({unit: offset}, total bytes, [(source ops, shift, target ops)]:
     the edges to add, from the ops of the bit set shifted by ``shift``
-    positions to the target positions)."""
+    positions to the target positions). ``stop``: (bytes, edges or None):
+    None as soon as the total passes those bytes or the edges that many
+    (the colouring would lose to one that has them: ``_structured_best``)."""
+    most_bytes, most_edges = stop if stop is not None else (None, None)
     offsets, total, edges = {}, 0, []
     n = len(pairs.index)
     where = np.full(n, -1, dtype=np.int64)      # placement index, -1: not yet placed
@@ -763,6 +813,9 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
         placed[i] = (offset, offset + size)
         offsets[unit] = offset
         total = max(total, offset + size)
+        if stop is not None and (total > most_bytes or
+                                 (most_edges is not None and len(edges) > most_edges)):
+            return None
     return offsets, total, edges
 
 
