@@ -32,6 +32,11 @@ INSTALL = "pip install 'purine_mpi[text]' (or pip install tokenizers)"
 DATASET = "tokenizer"
 #: the smallest byte-level BPE: its alphabet, the 256 byte values
 MIN_BPE = 256
+#: the largest BPE ``data text --bpe-vocab`` trains: 2**24 tokens (GPT-2 has
+#: 50,257; the largest LLM vocabularies about 2**18). The trainer allocates
+#: for the size asked before it starts (about 45 bytes a token): 10**11
+#: aborted the process (a Rust allocation failure, exit 134)
+MAX_BPE = 1 << 24
 
 
 def tokenizers_module(what):
@@ -91,6 +96,13 @@ def train_bpe(texts, vocab_size):
     if vocab_size < MIN_BPE:
         raise UserError(f"data text: --bpe-vocab must be at least {MIN_BPE} (the byte "
                         f"alphabet), got {vocab_size}")
+    if vocab_size > MAX_BPE:
+        raise UserError(f"data text: --bpe-vocab must be at most {MAX_BPE:,} tokens, got "
+                        f"{vocab_size:,}")
+    # each merge joins a pair that occurs in the text: no more than one per
+    # byte of it (the same vocabulary, without allocating for the rest)
+    texts = list(texts)
+    vocab_size = min(int(vocab_size), MIN_BPE + sum(len(t.encode("utf-8")) for t in texts))
     tk = tokenizers_module("data text --bpe-vocab")
     from tokenizers import decoders, models, pre_tokenizers, trainers
     tokenizer = tk.Tokenizer(models.BPE())
@@ -224,6 +236,37 @@ def _json_vocab_size(spec):
     return max(ids) + 1 if ids else 0
 
 
+def check_json(json_text, where):
+    """A UserError naming ``where`` (the file and its ``/tokenizer``) unless
+    ``json_text`` is a tokenizer's JSON: an object with a ``model``, and,
+    where the tokenizers library is installed, one it reads. Checked when a
+    file is opened, so a damaged vocabulary stops a run before its first
+    iteration (not at its first checkpoint) and ``generate`` with one line."""
+    import json
+    try:
+        spec = json.loads(json_text)
+    except ValueError as e:
+        raise UserError(f"{where} is not a tokenizer's JSON ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]}); expected the JSON text a Hugging Face "
+                        "tokenizer.json holds (data text --tokenizer / --bpe-vocab writes "
+                        "it)") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise UserError(f"{where} is not a tokenizer's JSON: expected an object with a "
+                        f"'model' object (a Hugging Face tokenizer.json), got "
+                        f"{type(spec).__name__}" + (f" with keys {sorted(spec)[:6]}"
+                                                     if isinstance(spec, dict) else ""))
+    try:
+        import tokenizers
+    except ImportError:  # training needs the ids alone; generate asks for the library
+        return
+    try:
+        tokenizers.Tokenizer.from_str(json_text)
+    except Exception as e:  # the library's own parse errors (a Rust Exception)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{where} is not a tokenizer the tokenizers library reads "
+                        f"({first})") from None
+
+
 def read_json(h5obj):
     """The vocabulary JSON an open h5py file or group holds (``DATASET``),
     or None when it holds none (byte-level)."""
@@ -237,9 +280,11 @@ class Vocabulary:
     """A vocabulary's JSON as a tokenizer: ``encode`` a prompt, ``decode``
     ids, and ``stream`` (the text of each id as it comes)."""
 
-    def __init__(self, json_text, what="the checkpoint's vocabulary"):
+    def __init__(self, json_text, what="the checkpoint's vocabulary",
+                 where="the checkpoint's /tokenizer"):
         tk = tokenizers_module(what)
         self.json = json_text
+        check_json(json_text, where)
         self.tokenizer = tk.Tokenizer.from_str(json_text)
         whole_text(self.tokenizer)  # a file written before data text turned them off
         self.size = vocab_size_of(self.tokenizer)

@@ -1,0 +1,169 @@
+"""Vocabularies where a model enters or leaves a run (docs/transformers.md,
+"Tokenizers"; docs/formats.md, "/tokenizer"):
+
+- a text data file whose ``/tokenizer`` is damaged (not a tokenizer's JSON,
+  or not its sha256) stops ``train`` at start-up with one line, exit 2; it
+  trained to its first checkpoint and then failed there (exit 1, no
+  checkpoint: the iterations lost);
+- a checkpoint whose ``/tokenizer`` is damaged: ``generate`` exits 2 with one
+  line (it ended in the tokenizers library's traceback, exit 1);
+- ``data text --bpe-vocab N`` beyond 2**24: exit 2 (10**11 aborted the process
+  in the library's allocation, exit 134), and N beyond what the text can
+  merge trains the same vocabulary without allocating for N;
+- weights trained on another vocabulary than the job's text data (another
+  BPE of the same size, or bytes against a BPE of 256): ``test --weights``,
+  ``--init`` and ``--resume`` exit 2 (they ran on, each id read as another
+  token's row: a test loss of scrambled tokens reported as the model's);
+  ``--init-skip`` of the embedding fine-tunes on the new vocabulary.
+"""
+import hashlib
+import os
+import sysconfig
+
+import h5py
+import pytest
+
+from tests.conftest import FakeWorld, run_cli_args, train_here, write_config_file
+from tests.gpt_oracle import gpt_net
+
+T = 8
+LIB = sysconfig.get_paths()["stdlib"]
+
+
+def _text_file(tmp_path, package, name, bpe=300):
+    from purine_mpi.data.text import write_text
+    out = tmp_path / name
+    write_text(os.path.join(LIB, package), str(out), glob="_*.py", val_fraction=0.2,
+               bpe_vocab=bpe)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    d = tmp_path_factory.mktemp("vocab")
+    return {"a": _text_file(d, "email", "a.h5"), "b": _text_file(d, "json", "b.h5"),
+            "b256": _text_file(d, "json", "b256.h5", bpe=256),
+            "bytes": _text_file(d, "json", "bytes.h5", bpe=None)}
+
+
+def _config(d, data, vocab=300, name="cfg.yaml", iters=2):
+    net = gpt_net(vocab=vocab, width=16, heads=2, blocks=1, max_length=T)
+    spec = {"source": "text", "path": str(data), "split": "train", "batch_size": 2,
+            "sequence_length": T}
+    return write_config_file(d, {
+        "name": "v", "seed": 3, "net": net,
+        "data": {"train": dict(spec, shuffle=True), "test": dict(spec, split="val")},
+        "solver": {"type": "adamw", "base_lr": 0.01, "max_iter": iters, "display": 0,
+                   "test_iter": 1, "test_interval": 0}}, name)
+
+
+@pytest.fixture(scope="module")
+def runs(files, tmp_path_factory):
+    """A run on BPE file a and one on bytes, 2 iterations each."""
+    d = tmp_path_factory.mktemp("runs")
+    return {"a": str(train_here(_config(d, files["a"], name="a.yaml"), d / "a")),
+            "bytes": str(train_here(_config(d, files["bytes"], 256, name="y.yaml"),
+                                    d / "y"))}
+
+
+def _replace_tokenizer(path, text, sha=True):
+    with h5py.File(path, "r+") as f:
+        del f["tokenizer"]
+        ds = f.create_dataset("tokenizer", data=text, dtype=h5py.string_dtype("utf-8"))
+        ds.attrs["sha256"] = hashlib.sha256(text.encode()).hexdigest() if sha else "0" * 64
+        ds.attrs["vocab_size"] = 300
+
+
+def _one_line(res, rc=2):
+    assert res.returncode == rc, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, \
+        res.stderr
+    return res.stderr
+
+
+@pytest.mark.parametrize("damage", ["not json", '{"a": 1}', "sha"])
+def test_a_damaged_data_tokenizer_stops_train_at_start_up(files, tmp_path, damage):
+    import shutil
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.data.text import shared_vocabulary
+    data = str(tmp_path / "damaged.h5")
+    shutil.copy(files["a"], data)
+    if damage == "sha":
+        with h5py.File(data, "r") as f:
+            text = f["tokenizer"][()].decode()
+        _replace_tokenizer(data, text.replace('"a"', '"b"', 1), sha=False)
+    else:
+        _replace_tokenizer(data, damage)
+    with pytest.raises(UserError, match="damaged.h5.*/tokenizer"):
+        shared_vocabulary([("data.train.path", data)])
+    if damage == "not json":  # the command: one line before any iteration, no files
+        out = tmp_path / "run"
+        err = _one_line(run_cli_args("train", _config(tmp_path, data), "--out", out))
+        assert "damaged.h5" in err and "/tokenizer" in err and "JSON" in err, err
+        assert not any(n.endswith(".h5") for n in os.listdir(out)) if out.exists() else True
+
+
+def test_generate_with_a_damaged_checkpoint_tokenizer_exits_2(runs, tmp_path):
+    import shutil
+    ckpt = str(tmp_path / "ck.h5")
+    shutil.copy(os.path.join(runs["a"], "latest.h5"), ckpt)
+    _replace_tokenizer(ckpt, "not json")
+    err = _one_line(run_cli_args("generate", "--weights", ckpt, "--prompt", "def ",
+                                 "--tokens", "2"))
+    assert "ck.h5" in err and "/tokenizer" in err, err
+
+
+def test_bpe_vocab_beyond_the_limit_exits_2_and_a_large_one_is_the_text_s(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    err = _one_line(run_cli_args("data", "text", "--from", os.path.join(LIB, "json"),
+                                 "--glob", "__init__.py", "--bpe-vocab", 10 ** 11,
+                                 "--out", tmp_path / "x.h5"))
+    assert "--bpe-vocab must be at most 16,777,216" in err, err  # docs/transformers.md
+    assert not (tmp_path / "x.h5").exists()
+    from purine_mpi.data.tokenizer import train_bpe
+    # N far beyond the text's pairs: the same vocabulary as the library's own
+    texts = ["def f(x): return x + 1  # é ü", "class A: pass"]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=20000, special_tokens=[], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert train_bpe(texts, 20000).to_str() == tok.to_str()
+
+
+def _trainer(config, out, **kw):
+    from purine_mpi.job.config import load_job
+    from purine_mpi.train.trainer import Trainer
+    return Trainer(load_job(config), str(out), world=FakeWorld(), log=lambda line: None, **kw)
+
+
+def test_weights_of_another_vocabulary_are_refused(files, runs, tmp_path):
+    """Checkpoint a (BPE of 300 on email) against file b (BPE of 300 on
+    json): the same shapes, other tokens."""
+    from purine_mpi.base.errors import UserError
+    other = _config(tmp_path, files["b"], name="b.yaml", iters=4)
+    ckpt = os.path.join(runs["a"], "latest.h5")
+    err = _one_line(run_cli_args("test", other, "--weights", ckpt))
+    assert "latest.h5" in err and "wte/weight" in err and "--init-skip wte" in err, err
+    with pytest.raises(UserError, match="vocabulary .* but this job's text data"):
+        _trainer(other, tmp_path / "init", init=ckpt)
+    with pytest.raises(UserError, match="a resumed run would read each id as another token"):
+        _trainer(other, tmp_path / "resume", resume=ckpt).close()
+    # the embedding started afresh: a fine-tune on the new vocabulary
+    t = _trainer(other, tmp_path / "skip", init=ckpt, init_skip=("wte",))
+    t.close()
+    # bytes against a BPE of 256 (the same 256 rows, other tokens)
+    b256 = _config(tmp_path, files["b256"], 256, name="b256.yaml")
+    with pytest.raises(UserError, match="bytes .* but this job's text data holds those of "
+                                        "vocabulary"):
+        _trainer(b256, tmp_path / "b256", init=os.path.join(runs["bytes"], "latest.h5"))
+    # the same vocabulary (its own file) loads, and so does a byte-level one
+    _trainer(_config(tmp_path, files["a"], name="a2.yaml"), tmp_path / "same",
+             init=ckpt).close()
+    _trainer(_config(tmp_path, files["bytes"], 256, name="y2.yaml"), tmp_path / "same_b",
+             init=os.path.join(runs["bytes"], "latest.h5")).close()
