@@ -50,6 +50,26 @@ def refuse_replacing(out, option, inputs):
     if os.path.isfile(out) and is_our_checkpoint(os.path.realpath(out)):
         raise UserError(f"{option} {out} is a purine_mpi checkpoint: writing the output there "
                         f"would replace it; give another {option}")
+    folder = run_folder_of(out)
+    if folder is not None:
+        raise UserError(f"{option} {out} is the {os.path.basename(out)} of the run in "
+                        f"{folder}: writing the output there would replace that run's record; "
+                        f"give another {option}")
+
+
+def run_folder_of(path):
+    """The folder of the existing file ``path`` when it is one of the files
+    a run wrote there (its metrics.jsonl, train.log, config.yaml,
+    memory.json, ...: job/rundir.py's ``run_files``, with the folder
+    holding a run), else None."""
+    from .rundir import _REPLACED_FILES, _RUN_FILE_RE, run_files
+    if not os.path.isfile(path):
+        return None
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    name = os.path.basename(path)
+    if not (_RUN_FILE_RE.match(name) or name in _REPLACED_FILES):
+        return None
+    return (os.path.dirname(path) or ".") if run_files(folder) else None
 
 
 def file_in_the_way(path):

@@ -1,5 +1,5 @@
-"""Vocabularies where a model enters or leaves a run (docs/transformers.md,
-"Tokenizers"; docs/formats.md, "/tokenizer"):
+"""Where a model enters or leaves a run: vocabularies (docs/transformers.md,
+"Tokenizers"; docs/formats.md, "/tokenizer") and a run's own files.
 
 - a text data file whose ``/tokenizer`` is damaged (not a tokenizer's JSON,
   or not its sha256) stops ``train`` at start-up with one line, exit 2; it
@@ -14,7 +14,11 @@
   BPE of the same size, or bytes against a BPE of 256): ``test --weights``,
   ``--init`` and ``--resume`` exit 2 (they ran on, each id read as another
   token's row: a test loss of scrambled tokens reported as the model's);
-  ``--init-skip`` of the embedding fine-tunes on the new vocabulary.
+  ``--init-skip`` of the embedding fine-tunes on the new vocabulary;
+- an ``--out`` that is a file of a run (its metrics.jsonl, train.log,
+  config.yaml, memory.json): ``export onnx``, ``convert caffe``, ``data``
+  and ``predict --force`` exit 2 and leave it as it was (they replaced it:
+  the run's record gone, "wrote runs/x/metrics.jsonl", exit 0).
 """
 import hashlib
 import os
@@ -167,3 +171,35 @@ def test_weights_of_another_vocabulary_are_refused(files, runs, tmp_path):
              init=ckpt).close()
     _trainer(_config(tmp_path, files["bytes"], 256, name="y2.yaml"), tmp_path / "same_b",
              init=os.path.join(runs["bytes"], "latest.h5")).close()
+
+
+def test_an_out_that_is_a_run_s_own_file_is_refused(runs, tmp_path):
+    """The run folder of ``runs["bytes"]`` as train left it; each command
+    aimed at one of its files exits 2 with one line naming the file and the
+    run, and the file keeps its bytes; a new name in the folder is written."""
+    from tests.conftest import run_cli_here
+    run = runs["bytes"]
+    (tmp_path / "run").mkdir()
+    for name, text in (("metrics.jsonl", '{"iter": 1}\n'), ("train.log", "log\n"),
+                       ("config.yaml", "name: v\n"), ("memory.json", "{}\n")):
+        (tmp_path / "run" / name).write_text(text)
+    config = os.path.join(os.path.dirname(run), "y.yaml")
+    weights = os.path.join(run, "latest.h5")
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "caffe", "lenet_digits.prototxt")
+    folder = str(tmp_path / "run")
+    for name, args in (("metrics.jsonl", ("export", "onnx", config, "--weights", weights)),
+                       ("config.yaml", ("export", "onnx", config, "--weights", weights)),
+                       ("train.log", ("convert", "caffe", fixture, "--data", weights)),
+                       ("memory.json", ("data", "text", "--from", os.path.join(LIB, "json"),
+                                        "--glob", "__init__.py")),
+                       ("metrics.jsonl", ("predict", config, "--weights", weights,
+                                          "--force"))):
+        out = os.path.join(folder, name)
+        before = open(out).read()
+        res = run_cli_here(*args, "--out", out)
+        err = _one_line(res)
+        assert f"is the {name} of the run in {folder}" in err, err
+        assert open(out).read() == before
+    res = run_cli_here("export", "onnx", config, "--weights", weights, "--out",
+                       os.path.join(folder, "model.onnx"))
+    assert res.returncode == 0, res.stderr
