@@ -203,3 +203,22 @@ def test_an_out_that_is_a_run_s_own_file_is_refused(runs, tmp_path):
     res = run_cli_here("export", "onnx", config, "--weights", weights, "--out",
                        os.path.join(folder, "model.onnx"))
     assert res.returncode == 0, res.stderr
+
+
+def test_export_hf_of_a_damaged_checkpoint_tokenizer_writes_nothing(files, tmp_path):
+    """export hf copied a checkpoint's ``/tokenizer`` that is not a
+    tokenizer's JSON into tokenizer.json and said "wrote" (exit 0):
+    AutoTokenizer then fails on the folder. Now exit 2, no folder."""
+    from tests.conftest import run_cli_here
+    from tests.gpt_nets import gpt_config
+    cfg = gpt_config(files["a"], layers=1, width=16, heads=2, length=T, iters=2)
+    cfg["net"][0]["input_dim"] = cfg["net"][-2]["num_output"] = 300
+    config = write_config_file(tmp_path, cfg, "gpt2.yaml")
+    run = train_here(config, tmp_path / "run")
+    res = run_cli_here("export", "hf", config, "--weights", run, "--out", tmp_path / "ok")
+    assert res.returncode == 0 and (tmp_path / "ok" / "tokenizer.json").exists(), res.stderr
+    _replace_tokenizer(os.path.join(run, "latest.h5"), "not json")
+    err = _one_line(run_cli_here("export", "hf", config, "--weights", run,
+                                 "--out", tmp_path / "hf"))
+    assert "latest.h5" in err and "/tokenizer" in err, err
+    assert not (tmp_path / "hf").exists()
