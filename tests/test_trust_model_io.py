@@ -222,3 +222,33 @@ def test_export_hf_of_a_damaged_checkpoint_tokenizer_writes_nothing(files, tmp_p
                                  "--out", tmp_path / "hf"))
     assert "latest.h5" in err and "/tokenizer" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("parallel,n", [({"scheme": "pipeline", "stages": 2}, 2),
+                                        ({"scheme": "data", "mode": "sync_ps"}, 3)])
+def test_another_vocabulary_is_one_verdict_on_every_rank(files, runs, tmp_path, parallel, n):
+    """A pipeline's stage 1 holds no embedding, a parameter server reads its
+    --init itself: every rank finds the mismatch alike (one line, no
+    ``rank R:`` of a rank that alone refused), and --init-skip wte trains."""
+    import yaml
+
+    from tests.conftest import run_mpi_cli
+    cfg = yaml.safe_load(open(_config(tmp_path, files["b"], name="b.yaml")))
+    cfg["parallel"] = parallel
+    if parallel.get("mode") == "sync_ps":
+        cfg["solver"] = {"type": "sgd", "base_lr": 0.01, "max_iter": 2, "display": 0,
+                         "test_interval": 0}
+        cfg_a = yaml.safe_load(open(_config(tmp_path, files["a"], name="asgd.yaml")))
+        cfg_a["solver"] = dict(cfg["solver"])
+        ckpt = str(train_here(write_config_file(tmp_path, cfg_a, "asgd.yaml"), tmp_path / "s2"))
+    else:
+        ckpt = runs["a"]
+    config = write_config_file(tmp_path, cfg, "par.yaml")
+    weights = os.path.join(ckpt, "latest.h5")
+    res = run_mpi_cli(n, "train", config, "--init", weights, "--out", tmp_path / "r")
+    err = _one_line(res)
+    assert err.startswith("error: weights file") and "--init-skip wte" in err, err
+    res = run_mpi_cli(n, "train", config, "--init", weights, "--init-skip", "wte",
+                      "--out", tmp_path / "r2")
+    assert res.returncode == 0, res.stderr

@@ -328,21 +328,31 @@ def check_for_net(ck, path, net_params, blobs, solver_blobs):
                   if s in ck.solver.get(p, {})}, path, "checkpoint")
 
 
-def token_params(graph):
-    """The parameters of ``graph`` whose rows stand for token ids: the
-    tables of its Embedding ops and the weights (and bias) of the
-    InnerProduct scoring a SoftmaxLoss or Accuracy (a tied lm_head reads the
-    embedding's table). Names without a precision copy's ``@`` suffix."""
-    producers = graph.producers()
+def token_params(job):
+    """The parameters of ``job``'s net whose rows stand for token ids: the
+    tables of its embedding layers and the weight and bias of an fc layer
+    whose output a softmax_loss or accuracy scores (a tied lm_head's weight
+    is the embedding's table). From the config, so every rank of any scheme
+    finds the same set (a pipeline stage may hold neither)."""
+    from ..layers import layer_spec
+
+    def kind(layer):
+        spec = layer_spec(layer.get("type"))
+        return spec.type if spec is not None else None
+
+    def names(value):
+        return [value] if isinstance(value, str) else list(value or ())
+    net = list(getattr(job, "net", None) or ())
+    producer = {top: layer for layer in net for top in names(layer.get("top"))}
     found = set()
-    for op in graph.ops.values():
-        if op.op_type == "Embedding" and len(op.inputs) > 1:
-            found.add(op.inputs[1])
-        elif op.op_type in ("SoftmaxLoss", "Accuracy") and op.inputs:
-            for prod in producers.get(op.inputs[0], []):
-                if prod.op_type == "InnerProduct":
-                    found.update(prod.inputs[1:])
-    return {b.split("@")[0] for b in found}
+    for layer in net:
+        if kind(layer) == "embedding":
+            found.add(f"{layer.get('name')}/weight")
+        elif kind(layer) in ("softmax_loss", "accuracy") and names(layer.get("bottom")):
+            scores = producer.get(names(layer.get("bottom"))[0])
+            if scores is not None and kind(scores) == "fc":
+                found.update(f"{scores.get('name')}/{blob}" for blob in ("weight", "bias"))
+    return found
 
 
 def vocabulary_mismatch(path, vocabulary, job):
@@ -383,14 +393,14 @@ def vocabulary_mismatch(path, vocabulary, job):
             f"holds those of {say(mine)}")
 
 
-def check_same_vocabulary(path, vocabulary, job, params, graph, resume=False):
-    """A UserError when ``params`` (the parameters taken from weights file
-    ``path``) include ones whose rows stand for token ids (``token_params``)
+def check_same_vocabulary(path, vocabulary, job, params, resume=False):
+    """A UserError when ``params`` (the whole net's parameters taken from
+    weights file ``path``, on every rank the same) include ones whose rows stand for token ids (``token_params``)
     and the file was trained on another vocabulary than the job's text
     data (``vocabulary_mismatch``): id i would read the row of another
     token, and a test loss, a resumed run or a fine-tune would be computed
     on scrambled tokens without a word. ``resume``: every parameter counts."""
-    hit = sorted(set(params) & token_params(graph)) if not resume else sorted(params)
+    hit = sorted(set(params) & token_params(job)) if not resume else sorted(params)
     if not hit:
         return
     words = vocabulary_mismatch(path, vocabulary, job)

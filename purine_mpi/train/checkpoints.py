@@ -85,8 +85,10 @@ class Checkpoints(Service):
                 note = unused_note(params, loop.graphs.net_params, init)
             wanted = init_params(params, loop.graphs.params, loop.job, init, init_skip)
             if not str(init).endswith(".safetensors"):  # ours: its vocabulary is known
+                # the whole net's (every rank the same verdict), not this rank's
                 check_same_vocabulary(init, getattr(loop.graphs, "vocabulary", None), loop.job,
-                                      wanted, loop.graphs.graph)
+                                      [p for p in loop.graphs.net_params
+                                       if param_layer(p) not in set(init_skip)])
             check_finite({p: params[p] for p in wanted}, init)
             if note:
                 loop.say(note)
@@ -237,7 +239,7 @@ class Checkpoints(Service):
                           if state_name(p, s) in loop.ws.arrays}, **held})
         check_same_meaning(ck.attrs.get("config"), loop.job.net, path, what="checkpoint")
         check_same_vocabulary(path, getattr(loop.graphs, "vocabulary", None), loop.job,
-                              params, loop.graphs.graph, resume=True)
+                              loop.graphs.net_params, resume=True)
         changed = changed_net_note(ck.attrs.get("config"), loop.job.net, path)
         if changed:
             loop.say(changed)
