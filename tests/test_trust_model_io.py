@@ -252,3 +252,25 @@ def test_another_vocabulary_is_one_verdict_on_every_rank(files, runs, tmp_path, 
     res = run_mpi_cli(n, "train", config, "--init", weights, "--init-skip", "wte",
                       "--out", tmp_path / "r2")
     assert res.returncode == 0, res.stderr
+
+
+def test_a_prompt_encoded_as_the_unknown_token_exits_2():
+    """A vocabulary with an unknown token: generate encoded 'hello zzz' as
+    'hello [UNK]' and continued that prompt while printing 'hello zzz'.
+    Now a UserError names the text; the unknown token typed as itself is
+    that token, and a known prompt encodes as before."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.data.tokenizer import Vocabulary
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world abc"] * 10,
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    vocab = Vocabulary(tok.to_str())
+    with pytest.raises(UserError, match=r"--prompt text 'zzz' \(characters 7 to 9\) .* "
+                                        r"unknown token '\[UNK\]'"):
+        vocab.encode("hello zzz world")
+    assert vocab.encode("hello  world") == [tok.token_to_id("hello"), tok.token_to_id("world")]
+    assert vocab.encode("hello [UNK]") == [tok.token_to_id("hello"), tok.token_to_id("[UNK]")]

@@ -300,6 +300,17 @@ class Vocabulary:
             raise UserError(f"{what} character {text[i]!r} (U+{ord(text[i]):04X}, character "
                             f"{i + 1}) is not in the model's vocabulary: its tokenizer drops "
                             "it; leave it out or spell it with the vocabulary's characters")
+        unk = unknown_id(self.tokenizer)
+        # the unknown token stands for text it does not hold (the model reads
+        # '[UNK]', not the character): refused as a dropped one is; the
+        # unknown token's own text typed in the prompt is that token
+        name = self.tokenizer.id_to_token(unk) if unk is not None else None
+        for token, (a, b) in zip(encoding.ids, encoding.offsets):
+            if token == unk and text[a:b] != name and not text[a:b].isspace():
+                raise UserError(f"{what} text {text[a:b]!r} (characters {a + 1} to {b}) is not "
+                                "in the model's vocabulary: its tokenizer encodes it as its "
+                                f"unknown token {name!r}, which the model reads in its place; "
+                                "leave it out or spell it with the vocabulary's tokens")
         return list(encoding.ids)
 
     def decode(self, ids):
