@@ -236,12 +236,15 @@ def _json_vocab_size(spec):
     return max(ids) + 1 if ids else 0
 
 
-def check_json(json_text, where):
+def check_json(json_text, where, library=False):
     """A UserError naming ``where`` (the file and its ``/tokenizer``) unless
     ``json_text`` is a tokenizer's JSON: an object with a ``model``, and,
-    where the tokenizers library is installed, one it reads. Checked when a
-    file is opened, so a damaged vocabulary stops a run before its first
-    iteration (not at its first checkpoint) and ``generate`` with one line."""
+    with ``library`` (a reader that encodes with it: ``Vocabulary``) and the
+    tokenizers library installed, one it reads (training needs the ids
+    alone, and a checkpoint copies the JSON: a file of a newer library's
+    format still trains). Checked when a file is opened, so a damaged
+    vocabulary stops a run before its first iteration (not at its first
+    checkpoint) and ``generate`` with one line."""
     import json
     try:
         spec = json.loads(json_text)
@@ -255,9 +258,11 @@ def check_json(json_text, where):
                         f"'model' object (a Hugging Face tokenizer.json), got "
                         f"{type(spec).__name__}" + (f" with keys {sorted(spec)[:6]}"
                                                      if isinstance(spec, dict) else ""))
+    if not library:
+        return
     try:
         import tokenizers
-    except ImportError:  # training needs the ids alone; generate asks for the library
+    except ImportError:  # Vocabulary names the extra itself
         return
     try:
         tokenizers.Tokenizer.from_str(json_text)
@@ -284,7 +289,7 @@ class Vocabulary:
                  where="the checkpoint's /tokenizer"):
         tk = tokenizers_module(what)
         self.json = json_text
-        check_json(json_text, where)
+        check_json(json_text, where, library=True)
         self.tokenizer = tk.Tokenizer.from_str(json_text)
         whole_text(self.tokenizer)  # a file written before data text turned them off
         self.size = vocab_size_of(self.tokenizer)
