@@ -274,3 +274,64 @@ def test_a_prompt_encoded_as_the_unknown_token_exits_2():
         vocab.encode("hello zzz world")
     assert vocab.encode("hello  world") == [tok.token_to_id("hello"), tok.token_to_id("world")]
     assert vocab.encode("hello [UNK]") == [tok.token_to_id("hello"), tok.token_to_id("[UNK]")]
+
+
+def _as_older_library_wrote_it(text):
+    """The JSON tokenizers 0.19 (before 0.20) writes for the vocabulary
+    ``text``: its BPE merges as "a b" strings, not ["a", "b"] pairs
+    (checked against tokenizers 0.19.1's own ``to_str``), and a Unigram's
+    scores as 17 digits the newer library reads back one ulp off."""
+    import json
+    spec = json.loads(text)
+    spec["model"]["merges"] = [" ".join(m) for m in spec["model"]["merges"]]
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def test_the_same_vocabulary_written_by_another_library_version_is_accepted(
+        files, runs, tmp_path):
+    """A data file made with tokenizers < 0.20 and one remade from the same
+    tokenizer.json with a newer library hold the same vocabulary in two
+    spellings (the merges as "a b" or ["a", "b"]): the ids are the same,
+    so --init, --resume and test of a checkpoint of one on the other load
+    (they exited 2, 'trained on the token ids of vocabulary c094cb...,
+    but this job's text data holds those of vocabulary bad337...')."""
+    import shutil
+
+    import tokenizers
+
+    from purine_mpi.data.tokenizer import vocabulary_digest
+    old = str(tmp_path / "a_old.h5")
+    shutil.copy(files["a"], old)
+    with h5py.File(old, "r") as f:
+        text = f["tokenizer"][()].decode()
+    older = _as_older_library_wrote_it(text)
+    _replace_tokenizer(old, older)
+    sample = "def f(x):\n    return x  # é"
+    assert tokenizers.Tokenizer.from_str(older).encode(sample).ids == \
+        tokenizers.Tokenizer.from_str(text).encode(sample).ids
+    assert vocabulary_digest(older) == vocabulary_digest(text)
+    config = _config(tmp_path, old, name="old.yaml", iters=4)
+    ckpt = os.path.join(runs["a"], "latest.h5")  # trained on the newer spelling
+    _trainer(config, tmp_path / "init", init=ckpt).close()
+    _trainer(config, tmp_path / "resume", resume=ckpt).close()
+    # another vocabulary in the older spelling is still another one
+    with h5py.File(files["b"], "r") as f:
+        other = f["tokenizer"][()].decode()
+    assert vocabulary_digest(_as_older_library_wrote_it(other)) != vocabulary_digest(text)
+
+
+def test_a_unigram_s_scores_read_back_one_ulp_off_are_the_same_vocabulary():
+    """tokenizers 0.19 wrote a Unigram score -7.4070626413948215; 0.23
+    reads it and writes -7.407062641394821 (another double, one ulp off):
+    the same vocabulary for the digest, another score is not."""
+    import json
+
+    from purine_mpi.data.tokenizer import vocabulary_digest
+
+    def unigram(score):
+        return json.dumps({"model": {"type": "Unigram", "unk_id": 0,
+                                     "vocab": [["<unk>", 0.0], ["a", score]]}})
+    assert vocabulary_digest(unigram(-7.4070626413948215)) == \
+        vocabulary_digest(unigram(-7.407062641394821))
+    assert vocabulary_digest(unigram(-7.4070626413948215)) != \
+        vocabulary_digest(unigram(-7.5))

@@ -182,13 +182,13 @@ def whole_text_json(json_text):
     return json.dumps(spec, ensure_ascii=False) if changed else json_text
 
 
-def _whole_text_spec(json_text):
+def _whole_text_spec(json_text, parse_float=None):
     """(the JSON object of a vocabulary's text with its ``truncation`` and
     ``padding`` off (null), whether either was on), or (None, False) where
     the text does not parse to a JSON object."""
     import json
     try:
-        spec = json.loads(json_text)
+        spec = json.loads(json_text, parse_float=parse_float)
     except ValueError:
         return None, False
     if not isinstance(spec, dict):
@@ -197,20 +197,48 @@ def _whole_text_spec(json_text):
     return dict(spec, truncation=None, padding=None), changed
 
 
+def _rounded(text):
+    """A JSON number as 12 significant digits: a score the tokenizers
+    library writes with 17 (0.19: -7.4070626413948215) reads back one ulp
+    off in a newer one (0.23 writes -7.407062641394821), the same score."""
+    return float(f"{float(text):.12g}")
+
+
+def _one_spelling(spec):
+    """``spec`` (a vocabulary's JSON object) as one spelling of what the
+    tokenizers library's versions write for the same tokenizer: BPE merges
+    as [a, b] pairs (before 0.20 "a b" strings, which cannot hold a space
+    in a token, so the first space splits them) and no ``ignore_merges:
+    false`` (before 0.19 absent: false)."""
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        return spec
+    model = dict(model)
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m
+                           for m in model["merges"]]
+    if model.get("ignore_merges") is False:
+        del model["ignore_merges"]
+    return dict(spec, model=model)
+
+
 def vocabulary_digest(json_text):
     """SHA-256 (hex) of what a vocabulary's JSON encodes with: the JSON with
     its ``truncation`` and ``padding`` off (null, as ``whole_text`` leaves
-    them, which every reader does: ``Vocabulary``) and its keys in a
-    canonical order, so a file written before ``data text`` turned them
-    off agrees with a new one of the same tokenizer, while any other
-    difference (the model, its merges, the normaliser, the added tokens)
-    still tells two vocabularies apart. A JSON that does not parse is
-    digested as it is (it matches only itself)."""
+    them, which every reader does: ``Vocabulary``), written as the
+    tokenizers library's versions agree (``_one_spelling``, its numbers to
+    12 digits: ``_rounded``) and its keys in a canonical order, so a file
+    written before ``data text`` turned them off, or by another version of
+    the library, agrees with a new one of the same tokenizer, while any
+    other difference (the model, its merges, the normaliser, the added
+    tokens) still tells two vocabularies apart. A JSON that does not parse
+    is digested as it is (it matches only itself)."""
     import json
-    spec, _ = _whole_text_spec(json_text)
+    spec, _ = _whole_text_spec(json_text, parse_float=_rounded)
     if spec is None:
         return digest(json_text)
-    return digest(json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    return digest(json.dumps(_one_spelling(spec), sort_keys=True, separators=(",", ":"),
+                             ensure_ascii=False))
 
 
 def write_json(h5obj, json_text):
