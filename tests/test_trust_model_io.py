@@ -180,7 +180,9 @@ def test_an_out_that_is_a_run_s_own_file_is_refused(runs, tmp_path):
     from tests.conftest import run_cli_here
     run = runs["bytes"]
     (tmp_path / "run").mkdir()
-    for name, text in (("metrics.jsonl", '{"iter": 1}\n'), ("train.log", "log\n"),
+    # a run's folder as train --force tells one: a metrics row of ours
+    for name, text in (("metrics.jsonl", '{"phase": "train", "iter": 1}\n'),
+                       ("train.log", "log\n"),
                        ("config.yaml", "name: v\n"), ("memory.json", "{}\n")):
         (tmp_path / "run" / name).write_text(text)
     config = os.path.join(os.path.dirname(run), "y.yaml")
@@ -335,3 +337,28 @@ def test_a_unigram_s_scores_read_back_one_ulp_off_are_the_same_vocabulary():
         vocabulary_digest(unigram(-7.407062641394821))
     assert vocabulary_digest(unigram(-7.4070626413948215)) != \
         vocabulary_digest(unigram(-7.5))
+
+
+def test_an_out_named_as_a_run_file_in_a_folder_of_no_run_is_written(tmp_path):
+    """convert caffe --out lenet/config.yaml, then again after an edit: the
+    folder holds that config alone, no run (train --force tells a run by a
+    checkpoint, metrics, a log or TensorBoard files of ours, a config alone
+    being none), so the second convert replaces it as before (it exited 2,
+    '... is the config.yaml of the run in lenet'); beside a run's
+    metrics.jsonl the same --out is refused."""
+    from tests.conftest import run_cli_here
+    res = run_cli_here("data", "digits", "--out", tmp_path / "digits.h5")
+    assert res.returncode == 0, res.stderr
+    net = os.path.join(os.path.dirname(__file__), "fixtures", "caffe", "lenet_digits.prototxt")
+    out = tmp_path / "lenet" / "config.yaml"
+    out.parent.mkdir()
+    for _ in range(2):
+        res = run_cli_here("convert", "caffe", net, "--data", tmp_path / "digits.h5",
+                           "--out", out)
+        assert res.returncode == 0, res.stderr
+    (tmp_path / "lenet" / "metrics.jsonl").write_text(
+        '{"phase": "train", "iter": 1, "loss": 2.3}\n')
+    before = out.read_text()
+    err = _one_line(run_cli_here("convert", "caffe", net, "--data", tmp_path / "digits.h5",
+                                 "--out", out))
+    assert "is the config.yaml of the run in" in err and out.read_text() == before, err

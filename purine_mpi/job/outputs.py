@@ -60,16 +60,20 @@ def refuse_replacing(out, option, inputs):
 def run_folder_of(path):
     """The folder of the existing file ``path`` when it is one of the files
     a run wrote there (its metrics.jsonl, train.log, config.yaml,
-    memory.json, ...: job/rundir.py's ``run_files``, with the folder
-    holding a run), else None."""
+    memory.json, ...: job/rundir.py's ``run_files``) and the folder holds a
+    run of ours (job/rundir_force.py's ``recognise``, as ``train --force``
+    tells one: a config.yaml alone, e.g. a ``convert`` output written
+    again, is no run), else None."""
     from .rundir import _REPLACED_FILES, _RUN_FILE_RE, run_files
+    from .rundir_force import recognise
     if not os.path.isfile(path):
         return None
     folder = os.path.dirname(os.path.abspath(path)) or "."
     name = os.path.basename(path)
     if not (_RUN_FILE_RE.match(name) or name in _REPLACED_FILES):
         return None
-    return (os.path.dirname(path) or ".") if run_files(folder) else None
+    held = run_files(folder)
+    return (os.path.dirname(path) or ".") if held and recognise(folder, held)[1] else None
 
 
 def file_in_the_way(path):
