@@ -270,7 +270,8 @@ def check_json(json_text, where, library=False):
     with ``library`` (a reader that encodes with it: ``Vocabulary``) and the
     tokenizers library installed, one it reads (training needs the ids
     alone, and a checkpoint copies the JSON: a file of a newer library's
-    format still trains). Checked when a file is opened, so a damaged
+    format still trains); with ``library``, returns the library's
+    ``Tokenizer`` of it. Checked when a file is opened, so a damaged
     vocabulary stops a run before its first iteration (not at its first
     checkpoint) and ``generate`` with one line."""
     import json
@@ -293,7 +294,7 @@ def check_json(json_text, where, library=False):
     except ImportError:  # Vocabulary names the extra itself
         return
     try:
-        tokenizers.Tokenizer.from_str(json_text)
+        return tokenizers.Tokenizer.from_str(json_text)  # the reader's tokenizer: one parse
     except Exception as e:  # the library's own parse errors (a Rust Exception)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"{where} is not a tokenizer the tokenizers library reads "
@@ -315,10 +316,9 @@ class Vocabulary:
 
     def __init__(self, json_text, what="the checkpoint's vocabulary",
                  where="the checkpoint's /tokenizer"):
-        tk = tokenizers_module(what)
+        tokenizers_module(what)  # the extra named where it is missing
         self.json = json_text
-        check_json(json_text, where, library=True)
-        self.tokenizer = tk.Tokenizer.from_str(json_text)
+        self.tokenizer = check_json(json_text, where, library=True)
         whole_text(self.tokenizer)  # a file written before data text turned them off
         self.size = vocab_size_of(self.tokenizer)
 
