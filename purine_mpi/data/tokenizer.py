@@ -20,6 +20,7 @@ so every byte sequence is encoded and every UTF-8 text decodes to itself.
 Training runs offline on the given texts; it is deterministic (the same
 texts and n give the same JSON).
 """
+import functools
 import hashlib
 
 import numpy as np
@@ -222,6 +223,7 @@ def _one_spelling(spec):
     return dict(spec, model=model)
 
 
+@functools.lru_cache(maxsize=4)  # a start-up digests the data's text per file and per check
 def vocabulary_digest(json_text):
     """SHA-256 (hex) of what a vocabulary's JSON encodes with: the JSON with
     its ``truncation`` and ``padding`` off (null, as ``whole_text`` leaves
