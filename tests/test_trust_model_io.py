@@ -117,6 +117,14 @@ def test_generate_with_a_damaged_checkpoint_tokenizer_exits_2(runs, tmp_path):
     err = _one_line(run_cli_args("generate", "--weights", ckpt, "--prompt", "def ",
                                  "--tokens", "2"))
     assert "ck.h5" in err and "/tokenizer" in err, err
+    # a JSON other than its sha256 attribute digests: edited
+    shutil.copy(os.path.join(runs["a"], "latest.h5"), ckpt)
+    with h5py.File(ckpt, "r") as f:
+        text = f["tokenizer"][()].decode()
+    _replace_tokenizer(ckpt, text.replace('"a"', '"b"', 1), sha=False)
+    err = _one_line(run_cli_args("generate", "--weights", ckpt, "--prompt", "def ",
+                                 "--tokens", "2"))
+    assert "ck.h5' is corrupt: '/tokenizer' does not match its sha256" in err, err
 
 
 def test_bpe_vocab_beyond_the_limit_exits_2_and_a_large_one_is_the_text_s(tmp_path):

@@ -327,19 +327,15 @@ def text_vocabulary(path):
 
 def check_stored_vocabulary(path, text):
     """A UserError naming the text data file ``path`` when its vocabulary
-    ``text`` (its ``/tokenizer``) does not match the dataset's ``sha256``
-    attribute or is not a tokenizer's JSON (data/tokenizer.py's
-    ``check_json``): checked at start-up, since every checkpoint copies it."""
+    ``text`` (its ``/tokenizer``) is damaged (data/tokenizer.py's
+    ``check_stored``): checked at start-up, since every checkpoint copies it."""
     import h5py
-    from .tokenizer import DATASET, check_json, digest
+    from .tokenizer import DATASET, check_stored
     from ..job.checkpoint_file import plain_attr
     with h5py.File(path, "r") as f:
         want = plain_attr(f[DATASET].attrs.get("sha256"))
-    if want is not None and digest(text) != want:
-        raise UserError(f"text data file '{path}' is corrupt: '/{DATASET}' does not match its "
-                        "sha256 attribute; it was damaged or edited: make the file again "
-                        "with data text")
-    check_json(text, f"text data file '{path}': its '/{DATASET}'")
+    check_stored(text, want, f"text data file '{path}'",
+                 ": make the file again with data text")
 
 
 def shared_vocabulary(paths):

@@ -303,6 +303,17 @@ def check_json(json_text, where, library=False):
                         f"({first})") from None
 
 
+def check_stored(json_text, sha256, what, remedy=""):
+    """A UserError unless the vocabulary JSON ``json_text`` stored in the
+    file ``what`` names (e.g. "text data file 'x.h5'") is the text its
+    ``sha256`` attribute digests (None: a file without one, not checked)
+    and a tokenizer's JSON (``check_json``); ``remedy`` ends the first."""
+    if sha256 is not None and digest(json_text) != sha256:
+        raise UserError(f"{what} is corrupt: '/{DATASET}' does not match its sha256 "
+                        f"attribute; it was damaged or edited{remedy}")
+    check_json(json_text, f"{what}: its '/{DATASET}'")
+
+
 def read_json(h5obj):
     """The vocabulary JSON an open h5py file or group holds (``DATASET``),
     or None when it holds none (byte-level)."""
