@@ -370,3 +370,26 @@ def test_an_out_named_as_a_run_file_in_a_folder_of_no_run_is_written(tmp_path):
     err = _one_line(run_cli_here("convert", "caffe", net, "--data", tmp_path / "digits.h5",
                                  "--out", out))
     assert "is the config.yaml of the run in" in err and out.read_text() == before, err
+
+
+@pytest.mark.mpi
+def test_a_damaged_data_tokenizer_is_one_line_on_every_rank_of_a_ps_run(files, tmp_path):
+    """The parameter servers read the text data's vocabulary as the workers'
+    graphs do: a damaged /tokenizer stops every rank alike (it printed
+    'error: rank 0: ...' and 'error: rank 1: ...', the server alone going on
+    to its first exchange)."""
+    import shutil
+
+    import yaml
+
+    from tests.conftest import run_mpi_cli
+    data = str(tmp_path / "damaged.h5")
+    shutil.copy(files["a"], data)
+    _replace_tokenizer(data, "not json")
+    cfg = yaml.safe_load(open(_config(tmp_path, data)))
+    cfg["parallel"] = {"scheme": "data", "mode": "sync_ps"}
+    cfg["solver"] = {"type": "sgd", "base_lr": 0.01, "max_iter": 2, "display": 0,
+                     "test_interval": 0}
+    config = write_config_file(tmp_path, cfg, "ps.yaml")
+    err = _one_line(run_mpi_cli(3, "train", config, "--out", tmp_path / "r"))
+    assert err.startswith("error: text data file") and "damaged.h5" in err, err

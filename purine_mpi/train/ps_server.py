@@ -143,6 +143,10 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         from ..comm.world import get_world
         world = get_world()
     par = job.parallel
+    from ..job.replica import job_vocabulary
+    # the text data's vocabulary, read (and checked: a damaged /tokenizer)
+    # as every worker's graphs read it, so each rank stops alike
+    vocabulary = job_vocabulary(job)
     server = ServerRank(job, world)
     # the footprint the check counted (tools/plan.check_memory), for memory.json
     planned = memory(server) if memory is not None else None
@@ -176,8 +180,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                             [b.name for b in graph.params()], job, init, init_skip)
         if found is None and not str(init).endswith(".safetensors"):  # as the workers check it
             from ..job.checkpoint_check import check_same_vocabulary
-            from ..job.replica import job_vocabulary
-            check_same_vocabulary(init, job_vocabulary(job), job, every)
+            check_same_vocabulary(init, vocabulary, job, every)
         # NaN or inf in the file: found here as the workers find it (every
         # parameter they take, in their order), so every rank ends with one
         # message (exit 3), not each worker with its own while this one waits
@@ -197,8 +200,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         check_for_net(ck, ck.path, [b.name for b in graph.params()], zeros,
                       {(p, "momentum"): a for p, a in zeros.items()})
         from ..job.checkpoint_check import check_same_vocabulary
-        from ..job.replica import job_vocabulary
-        check_same_vocabulary(ck.path, job_vocabulary(job), job,
+        check_same_vocabulary(ck.path, vocabulary, job,
                               [b.name for b in graph.params()], resume=True)
         start = int(ck.attrs["iteration"])
         for p in owned:
