@@ -393,3 +393,35 @@ def test_a_damaged_data_tokenizer_is_one_line_on_every_rank_of_a_ps_run(files, t
     config = write_config_file(tmp_path, cfg, "ps.yaml")
     err = _one_line(run_mpi_cli(3, "train", config, "--out", tmp_path / "r"))
     assert err.startswith("error: text data file") and "damaged.h5" in err, err
+
+
+def test_a_unigram_written_by_tokenizers_0_13_is_the_same_vocabulary():
+    """tokenizers 0.13 wrote a Metaspace's ``add_prefix_space: true`` where
+    0.14 and later write ``prepend_scheme: "always", split: true``, and no
+    Unigram ``byte_fallback`` (false): the library reads both as one
+    tokenizer, and so does the digest (it told them apart: a data file
+    remade after the upgrade refused its run's checkpoints)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import json
+
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from purine_mpi.data.tokenizer import vocabulary_digest
+    tok = tokenizers.Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(["hello world, a tiny text", "another tiny world"] * 5,
+                            trainers.UnigramTrainer(vocab_size=40, special_tokens=["<unk>"],
+                                                    unk_token="<unk>", show_progress=False))
+    new = tok.to_str()
+    spec = json.loads(new)
+    for part in ("pre_tokenizer", "decoder"):
+        assert spec[part]["prepend_scheme"] == "always" and spec[part]["split"] is True
+        del spec[part]["prepend_scheme"], spec[part]["split"]
+        spec[part]["add_prefix_space"] = True
+    assert spec["model"].pop("byte_fallback") is False
+    old = json.dumps(spec, ensure_ascii=False)
+    assert tokenizers.Tokenizer.from_str(old).to_str() == new  # one tokenizer
+    assert vocabulary_digest(old) == vocabulary_digest(new)
+    spec["pre_tokenizer"]["add_prefix_space"] = False  # "never": another one
+    assert vocabulary_digest(json.dumps(spec)) != vocabulary_digest(new)

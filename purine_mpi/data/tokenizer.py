@@ -207,10 +207,25 @@ def _rounded(text):
 
 def _one_spelling(spec):
     """``spec`` (a vocabulary's JSON object) as one spelling of what the
-    tokenizers library's versions write for the same tokenizer: BPE merges
+    tokenizers library's versions write for the same tokenizer (checked
+    against 0.13.3's and 0.19.1's ``to_str`` read back by 0.23): BPE merges
     as [a, b] pairs (before 0.20 "a b" strings, which cannot hold a space
-    in a token, so the first space splits them) and no ``ignore_merges:
-    false`` (before 0.19 absent: false)."""
+    in a token, so the first space splits them), no ``ignore_merges`` or
+    ``byte_fallback`` false (absent before 0.19 and 0.14: false), and a
+    Metaspace's ``add_prefix_space`` (before 0.14) as its
+    ``prepend_scheme`` ("always" or "never") and ``split`` (true)."""
+    def metaspace(node):  # the small components, not the model's vocabulary
+        if isinstance(node, list):
+            return [metaspace(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: metaspace(v) for k, v in node.items()}
+        if node.get("type") == "Metaspace" and "add_prefix_space" in node \
+                and "prepend_scheme" not in node:
+            node["prepend_scheme"] = "always" if node.pop("add_prefix_space") else "never"
+            node.setdefault("split", True)
+        return node
+    spec = {k: v if k == "model" else metaspace(v) for k, v in spec.items()}
     model = spec.get("model")
     if not isinstance(model, dict):
         return spec
@@ -218,8 +233,9 @@ def _one_spelling(spec):
     if isinstance(model.get("merges"), list):
         model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m
                            for m in model["merges"]]
-    if model.get("ignore_merges") is False:
-        del model["ignore_merges"]
+    for key in ("ignore_merges", "byte_fallback"):
+        if model.get(key) is False:
+            del model[key]
     return dict(spec, model=model)
 
 
