@@ -325,6 +325,19 @@ def text_vocabulary(path):
         return None, None
 
 
+def check_stored_vocabulary(path, text):
+    """A UserError naming the text data file ``path`` when its vocabulary
+    ``text`` (its ``/tokenizer``) is damaged (data/tokenizer.py's
+    ``check_stored``): checked at start-up, since every checkpoint copies it."""
+    import h5py
+    from .tokenizer import DATASET, check_stored
+    from ..job.checkpoint_file import plain_attr
+    with h5py.File(path, "r") as f:
+        want = plain_attr(f[DATASET].attrs.get("sha256"))
+    check_stored(text, want, f"text data file '{path}'",
+                 ": make the file again with data text")
+
+
 def shared_vocabulary(paths):
     """The vocabulary JSON (None: bytes) of the text data files ``paths``
     ([(key, path)], e.g. ('data.train', 'x.h5')), which must all have the
@@ -337,6 +350,8 @@ def shared_vocabulary(paths):
         size, text = text_vocabulary(path)
         if size is None:
             continue
+        if text is not None:  # damaged, it would stop the run at its first checkpoint
+            check_stored_vocabulary(path, text)
         # truncation and padding off in both: a file written before data text
         # turned them off agrees with a new one of the same tokenizer
         mine = (key, path, None if text is None else vocabulary_digest(text), text)

@@ -20,6 +20,7 @@ so every byte sequence is encoded and every UTF-8 text decodes to itself.
 Training runs offline on the given texts; it is deterministic (the same
 texts and n give the same JSON).
 """
+import functools
 import hashlib
 
 import numpy as np
@@ -32,6 +33,11 @@ INSTALL = "pip install 'purine_mpi[text]' (or pip install tokenizers)"
 DATASET = "tokenizer"
 #: the smallest byte-level BPE: its alphabet, the 256 byte values
 MIN_BPE = 256
+#: the largest BPE ``data text --bpe-vocab`` trains: 2**24 tokens (GPT-2 has
+#: 50,257; the largest LLM vocabularies about 2**18). The trainer allocates
+#: for the size asked before it starts (about 45 bytes a token): 10**11
+#: aborted the process (a Rust allocation failure, exit 134)
+MAX_BPE = 1 << 24
 
 
 def tokenizers_module(what):
@@ -91,6 +97,13 @@ def train_bpe(texts, vocab_size):
     if vocab_size < MIN_BPE:
         raise UserError(f"data text: --bpe-vocab must be at least {MIN_BPE} (the byte "
                         f"alphabet), got {vocab_size}")
+    if vocab_size > MAX_BPE:
+        raise UserError(f"data text: --bpe-vocab must be at most {MAX_BPE:,} tokens, got "
+                        f"{vocab_size:,}")
+    # each merge joins a pair that occurs in the text: no more than one per
+    # byte of it (the same vocabulary, without allocating for the rest)
+    texts = list(texts)
+    vocab_size = min(int(vocab_size), MIN_BPE + sum(len(t.encode("utf-8")) for t in texts))
     tk = tokenizers_module("data text --bpe-vocab")
     from tokenizers import decoders, models, pre_tokenizers, trainers
     tokenizer = tk.Tokenizer(models.BPE())
@@ -170,13 +183,13 @@ def whole_text_json(json_text):
     return json.dumps(spec, ensure_ascii=False) if changed else json_text
 
 
-def _whole_text_spec(json_text):
+def _whole_text_spec(json_text, parse_float=None):
     """(the JSON object of a vocabulary's text with its ``truncation`` and
     ``padding`` off (null), whether either was on), or (None, False) where
     the text does not parse to a JSON object."""
     import json
     try:
-        spec = json.loads(json_text)
+        spec = json.loads(json_text, parse_float=parse_float)
     except ValueError:
         return None, False
     if not isinstance(spec, dict):
@@ -185,20 +198,65 @@ def _whole_text_spec(json_text):
     return dict(spec, truncation=None, padding=None), changed
 
 
+def _rounded(text):
+    """A JSON number as 12 significant digits: a score the tokenizers
+    library writes with 17 (0.19: -7.4070626413948215) reads back one ulp
+    off in a newer one (0.23 writes -7.407062641394821), the same score."""
+    return float(f"{float(text):.12g}")
+
+
+def _one_spelling(spec):
+    """``spec`` (a vocabulary's JSON object) as one spelling of what the
+    tokenizers library's versions write for the same tokenizer (checked
+    against 0.13.3's and 0.19.1's ``to_str`` read back by 0.23): BPE merges
+    as [a, b] pairs (before 0.20 "a b" strings, which cannot hold a space
+    in a token, so the first space splits them), no ``ignore_merges`` or
+    ``byte_fallback`` false (absent before 0.19 and 0.14: false), and a
+    Metaspace's ``add_prefix_space`` (before 0.14) as its
+    ``prepend_scheme`` ("always" or "never") and ``split`` (true)."""
+    def metaspace(node):  # the small components, not the model's vocabulary
+        if isinstance(node, list):
+            return [metaspace(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: metaspace(v) for k, v in node.items()}
+        if node.get("type") == "Metaspace" and "add_prefix_space" in node \
+                and "prepend_scheme" not in node:
+            node["prepend_scheme"] = "always" if node.pop("add_prefix_space") else "never"
+            node.setdefault("split", True)
+        return node
+    spec = {k: v if k == "model" else metaspace(v) for k, v in spec.items()}
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        return spec
+    model = dict(model)
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m
+                           for m in model["merges"]]
+    for key in ("ignore_merges", "byte_fallback"):
+        if model.get(key) is False:
+            del model[key]
+    return dict(spec, model=model)
+
+
+@functools.lru_cache(maxsize=4)  # a start-up digests the data's text per file and per check
 def vocabulary_digest(json_text):
     """SHA-256 (hex) of what a vocabulary's JSON encodes with: the JSON with
     its ``truncation`` and ``padding`` off (null, as ``whole_text`` leaves
-    them, which every reader does: ``Vocabulary``) and its keys in a
-    canonical order, so a file written before ``data text`` turned them
-    off agrees with a new one of the same tokenizer, while any other
-    difference (the model, its merges, the normaliser, the added tokens)
-    still tells two vocabularies apart. A JSON that does not parse is
-    digested as it is (it matches only itself)."""
+    them, which every reader does: ``Vocabulary``), written as the
+    tokenizers library's versions agree (``_one_spelling``, its numbers to
+    12 digits: ``_rounded``) and its keys in a canonical order, so a file
+    written before ``data text`` turned them off, or by another version of
+    the library, agrees with a new one of the same tokenizer, while any
+    other difference (the model, its merges, the normaliser, the added
+    tokens) still tells two vocabularies apart. A JSON that does not parse
+    is digested as it is (it matches only itself)."""
     import json
-    spec, _ = _whole_text_spec(json_text)
+    spec, _ = _whole_text_spec(json_text, parse_float=_rounded)
     if spec is None:
         return digest(json_text)
-    return digest(json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    return digest(json.dumps(_one_spelling(spec), sort_keys=True, separators=(",", ":"),
+                             ensure_ascii=False))
 
 
 def write_json(h5obj, json_text):
@@ -224,6 +282,54 @@ def _json_vocab_size(spec):
     return max(ids) + 1 if ids else 0
 
 
+def check_json(json_text, where, library=False):
+    """A UserError naming ``where`` (the file and its ``/tokenizer``) unless
+    ``json_text`` is a tokenizer's JSON: an object with a ``model``, and,
+    with ``library`` (a reader that encodes with it: ``Vocabulary``) and the
+    tokenizers library installed, one it reads (training needs the ids
+    alone, and a checkpoint copies the JSON: a file of a newer library's
+    format still trains); with ``library``, returns the library's
+    ``Tokenizer`` of it. Checked when a file is opened, so a damaged
+    vocabulary stops a run before its first iteration (not at its first
+    checkpoint) and ``generate`` with one line."""
+    import json
+    try:
+        spec = json.loads(json_text)
+    except ValueError as e:
+        raise UserError(f"{where} is not a tokenizer's JSON ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]}); expected the JSON text a Hugging Face "
+                        "tokenizer.json holds (data text --tokenizer / --bpe-vocab writes "
+                        "it)") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise UserError(f"{where} is not a tokenizer's JSON: expected an object with a "
+                        f"'model' object (a Hugging Face tokenizer.json), got "
+                        f"{type(spec).__name__}" + (f" with keys {sorted(spec)[:6]}"
+                                                     if isinstance(spec, dict) else ""))
+    if not library:
+        return
+    try:
+        import tokenizers
+    except ImportError:  # Vocabulary names the extra itself
+        return
+    try:
+        return tokenizers.Tokenizer.from_str(json_text)  # the reader's tokenizer: one parse
+    except Exception as e:  # the library's own parse errors (a Rust Exception)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{where} is not a tokenizer the tokenizers library reads "
+                        f"({first})") from None
+
+
+def check_stored(json_text, sha256, what, remedy=""):
+    """A UserError unless the vocabulary JSON ``json_text`` stored in the
+    file ``what`` names (e.g. "text data file 'x.h5'") is the text its
+    ``sha256`` attribute digests (None: a file without one, not checked)
+    and a tokenizer's JSON (``check_json``); ``remedy`` ends the first."""
+    if sha256 is not None and digest(json_text) != sha256:
+        raise UserError(f"{what} is corrupt: '/{DATASET}' does not match its sha256 "
+                        f"attribute; it was damaged or edited{remedy}")
+    check_json(json_text, f"{what}: its '/{DATASET}'")
+
+
 def read_json(h5obj):
     """The vocabulary JSON an open h5py file or group holds (``DATASET``),
     or None when it holds none (byte-level)."""
@@ -237,10 +343,11 @@ class Vocabulary:
     """A vocabulary's JSON as a tokenizer: ``encode`` a prompt, ``decode``
     ids, and ``stream`` (the text of each id as it comes)."""
 
-    def __init__(self, json_text, what="the checkpoint's vocabulary"):
-        tk = tokenizers_module(what)
+    def __init__(self, json_text, what="the checkpoint's vocabulary",
+                 where="the checkpoint's /tokenizer"):
+        tokenizers_module(what)  # the extra named where it is missing
         self.json = json_text
-        self.tokenizer = tk.Tokenizer.from_str(json_text)
+        self.tokenizer = check_json(json_text, where, library=True)
         whole_text(self.tokenizer)  # a file written before data text turned them off
         self.size = vocab_size_of(self.tokenizer)
 
@@ -255,6 +362,17 @@ class Vocabulary:
             raise UserError(f"{what} character {text[i]!r} (U+{ord(text[i]):04X}, character "
                             f"{i + 1}) is not in the model's vocabulary: its tokenizer drops "
                             "it; leave it out or spell it with the vocabulary's characters")
+        unk = unknown_id(self.tokenizer)
+        # the unknown token stands for text it does not hold (the model reads
+        # '[UNK]', not the character): refused as a dropped one is; the
+        # unknown token's own text typed in the prompt is that token
+        name = self.tokenizer.id_to_token(unk) if unk is not None else None
+        for token, (a, b) in zip(encoding.ids, encoding.offsets):
+            if token == unk and text[a:b] != name and not text[a:b].isspace():
+                raise UserError(f"{what} text {text[a:b]!r} (characters {a + 1} to {b}) is not "
+                                "in the model's vocabulary: its tokenizer encodes it as its "
+                                f"unknown token {name!r}, which the model reads in its place; "
+                                "leave it out or spell it with the vocabulary's tokens")
         return list(encoding.ids)
 
     def decode(self, ids):

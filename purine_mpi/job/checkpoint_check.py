@@ -326,3 +326,91 @@ def check_for_net(ck, path, net_params, blobs, solver_blobs):
     # NaN there turns the weights NaN at the first update
     check_finite({f"{p}.{s}": ck.solver[p][s] for (p, s) in solver_blobs
                   if s in ck.solver.get(p, {})}, path, "checkpoint")
+
+
+def token_params(job):
+    """The parameters of ``job``'s net whose rows stand for token ids: the
+    tables of its embedding layers and the weight and bias of an fc layer
+    whose output a softmax_loss or accuracy scores (a tied lm_head's weight
+    is the embedding's table). From the config, so every rank of any scheme
+    finds the same set (a pipeline stage may hold neither)."""
+    from ..layers import layer_spec
+
+    def kind(layer):
+        spec = layer_spec(layer.get("type"))
+        return spec.type if spec is not None else None
+
+    def names(value):
+        return [value] if isinstance(value, str) else list(value or ())
+    net = list(getattr(job, "net", None) or ())
+    producer = {top: layer for layer in net for top in names(layer.get("top"))}
+    found = set()
+    for layer in net:
+        if kind(layer) == "embedding":
+            found.add(f"{layer.get('name')}/weight")
+        elif kind(layer) in ("softmax_loss", "accuracy") and names(layer.get("bottom")):
+            scores = producer.get(names(layer.get("bottom"))[0])
+            if scores is not None and kind(scores) == "fc":
+                found.update(f"{scores.get('name')}/{blob}" for blob in ("weight", "bias"))
+    return found
+
+
+def vocabulary_mismatch(path, vocabulary, job):
+    """None when the weights file ``path`` was trained on the token ids of
+    ``vocabulary`` (the job's text data's JSON, None: bytes), or when that
+    cannot be told (no text data in the job, a file ``train`` did not
+    write, a run on other data); else the words naming both. A text run's
+    checkpoint holds its subword vocabulary as ``/tokenizer`` (since subword
+    data existed), so one without it was trained on bytes."""
+    import h5py
+    from ..data.tokenizer import DATASET, read_json, vocabulary_digest
+    from .checkpoint_file import plain_attr
+    data = getattr(job, "data", None)
+    if not any(spec is not None and spec.source == "text"
+               for spec in (getattr(data, "train", None), getattr(data, "test", None))):
+        return None
+    try:
+        with h5py.File(path, "r") as f:
+            fmt, config = (plain_attr(f.attrs.get(k)) for k in ("format", "config"))
+            theirs = read_json(f) if isinstance(f.get(DATASET), h5py.Dataset) else None
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+    if fmt != "purine_mpi.checkpoint":
+        return None
+    saved = (saved_config(config) or {}).get("data")
+    if theirs is None and not (isinstance(saved, dict) and any(
+            isinstance(s, dict) and s.get("source") == "text" for s in saved.values())):
+        return None
+    mine = None if vocabulary is None else vocabulary_digest(vocabulary)
+    theirs = None if theirs is None else vocabulary_digest(theirs)
+    if mine == theirs:
+        return None
+
+    def say(d):
+        return "bytes (the 256 byte values)" if d is None else f"vocabulary {d[:12]}"
+    return (f"weights file '{path}' was trained on the token ids of {say(theirs)}"
+            f"{'' if theirs is None else ' (its /tokenizer)'}, but this job's text data "
+            f"holds those of {say(mine)}")
+
+
+def check_same_vocabulary(path, vocabulary, job, params, resume=False):
+    """A UserError when ``params`` (the whole net's parameters taken from
+    weights file ``path``, on every rank the same) include ones whose rows stand for token ids (``token_params``)
+    and the file was trained on another vocabulary than the job's text
+    data (``vocabulary_mismatch``): id i would read the row of another
+    token, and a test loss, a resumed run or a fine-tune would be computed
+    on scrambled tokens without a word. ``resume``: every parameter counts."""
+    hit = sorted(set(params) & token_params(job)) if not resume else sorted(params)
+    if not hit:
+        return
+    words = vocabulary_mismatch(path, vocabulary, job)
+    if words is None:
+        return
+    if resume:
+        raise UserError(f"{words}: a resumed run would read each id as another token; "
+                        "resume with data made with the tokenizer it was trained with")
+    layers = sorted({p.rsplit("/", 1)[0] for p in hit})
+    raise UserError(f"{words}: the rows of {', '.join(hit)} would stand for other tokens; "
+                    "use data made with the tokenizer it was trained with, or, to fine-tune "
+                    f"on this vocabulary, start those layers afresh (train --init-skip "
+                    f"{','.join(layers)})")

@@ -50,6 +50,30 @@ def refuse_replacing(out, option, inputs):
     if os.path.isfile(out) and is_our_checkpoint(os.path.realpath(out)):
         raise UserError(f"{option} {out} is a purine_mpi checkpoint: writing the output there "
                         f"would replace it; give another {option}")
+    folder = run_folder_of(out)
+    if folder is not None:
+        raise UserError(f"{option} {out} is the {os.path.basename(out)} of the run in "
+                        f"{folder}: writing the output there would replace that run's record; "
+                        f"give another {option}")
+
+
+def run_folder_of(path):
+    """The folder of the existing file ``path`` when it is one of the files
+    a run wrote there (its metrics.jsonl, train.log, config.yaml,
+    memory.json, ...: job/rundir.py's ``run_files``) and the folder holds a
+    run of ours (job/rundir_force.py's ``recognise``, as ``train --force``
+    tells one: a config.yaml alone, e.g. a ``convert`` output written
+    again, is no run), else None."""
+    from .rundir import _REPLACED_FILES, _RUN_FILE_RE, run_files
+    from .rundir_force import recognise
+    if not os.path.isfile(path):
+        return None
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    name = os.path.basename(path)
+    if not (_RUN_FILE_RE.match(name) or name in _REPLACED_FILES):
+        return None
+    held = run_files(folder)
+    return (os.path.dirname(path) or ".") if held and recognise(folder, held)[1] else None
 
 
 def file_in_the_way(path):

@@ -235,7 +235,8 @@ def _vocabulary(weights, rows):
     if text is None:
         return None
     vocab = Vocabulary(text, f"generate --weights {weights} (a checkpoint holding a "
-                             "tokenizer's vocabulary)")
+                             "tokenizer's vocabulary)", where=f"weights file '{weights}': "
+                       "its '/tokenizer'")
     if vocab.size > rows:
         raise UserError(f"weights file '{weights}' holds a vocabulary of {vocab.size} tokens, "
                         f"but the net scores {rows}: give the config it was trained with")

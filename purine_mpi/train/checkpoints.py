@@ -18,6 +18,7 @@ from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_c
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
 from ..job.checkpoint_check import (saved_config, changed_data_note, changed_net_note,
                                     check_finite, check_for_net, check_same_meaning,
+                                    check_same_vocabulary,
                                     unused_note)
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant, param_layer
@@ -83,6 +84,11 @@ class Checkpoints(Service):
                 params = load_params(init)
                 note = unused_note(params, loop.graphs.net_params, init)
             wanted = init_params(params, loop.graphs.params, loop.job, init, init_skip)
+            if not str(init).endswith(".safetensors"):  # ours: its vocabulary is known
+                # the whole net's (every rank the same verdict), not this rank's
+                check_same_vocabulary(init, getattr(loop.graphs, "vocabulary", None), loop.job,
+                                      [p for p in loop.graphs.net_params
+                                       if param_layer(p) not in set(init_skip)])
             check_finite({p: params[p] for p in wanted}, init)
             if note:
                 loop.say(note)
@@ -232,6 +238,8 @@ class Checkpoints(Service):
                           for s in solver_states(loop.job.solver.type)
                           if state_name(p, s) in loop.ws.arrays}, **held})
         check_same_meaning(ck.attrs.get("config"), loop.job.net, path, what="checkpoint")
+        check_same_vocabulary(path, getattr(loop.graphs, "vocabulary", None), loop.job,
+                              loop.graphs.net_params, resume=True)
         changed = changed_net_note(ck.attrs.get("config"), loop.job.net, path)
         if changed:
             loop.say(changed)

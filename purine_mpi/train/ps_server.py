@@ -143,6 +143,10 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         from ..comm.world import get_world
         world = get_world()
     par = job.parallel
+    from ..job.replica import job_vocabulary
+    # the text data's vocabulary, read (and checked: a damaged /tokenizer)
+    # as every worker's graphs read it, so each rank stops alike
+    vocabulary = job_vocabulary(job)
     server = ServerRank(job, world)
     # the footprint the check counted (tools/plan.check_memory), for memory.json
     planned = memory(server) if memory is not None else None
@@ -174,6 +178,9 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         # the file lacks is found on every rank alike), then this server's
         every = init_params(loaded if found is None else found,
                             [b.name for b in graph.params()], job, init, init_skip)
+        if found is None and not str(init).endswith(".safetensors"):  # as the workers check it
+            from ..job.checkpoint_check import check_same_vocabulary
+            check_same_vocabulary(init, vocabulary, job, every)
         # NaN or inf in the file: found here as the workers find it (every
         # parameter they take, in their order), so every rank ends with one
         # message (exit 3), not each worker with its own while this one waits
@@ -192,6 +199,9 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                  for p in owned}
         check_for_net(ck, ck.path, [b.name for b in graph.params()], zeros,
                       {(p, "momentum"): a for p, a in zeros.items()})
+        from ..job.checkpoint_check import check_same_vocabulary
+        check_same_vocabulary(ck.path, vocabulary, job,
+                              [b.name for b in graph.params()], resume=True)
         start = int(ck.attrs["iteration"])
         for p in owned:
             values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
