@@ -331,9 +331,10 @@ def check_stored_vocabulary(path, text):
     ``check_stored``): checked at start-up, since every checkpoint copies it."""
     import h5py
     from .tokenizer import DATASET, check_stored
-    from ..job.checkpoint_file import plain_attr
     with h5py.File(path, "r") as f:
-        want = plain_attr(f[DATASET].attrs.get("sha256"))
+        want = f[DATASET].attrs.get("sha256")
+    if isinstance(want, bytes):
+        want = want.decode("utf-8", "replace")
     check_stored(text, want, f"text data file '{path}'",
                  ": make the file again with data text")
 

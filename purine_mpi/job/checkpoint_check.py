@@ -31,6 +31,21 @@ from ..base.errors import UserError, one_line
 _CKPT_NAME = re.compile(r"^ckpt_(\d+)\.h5$")
 
 
+def _plain(value):
+    """Attribute values as plain Python (numpy scalars -> int/float, bytes -> str)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def plain_attr(value):
+    """One attribute's value as plain Python, or None when it is missing."""
+    return _plain(value) if value is not None else None
+
+
+
 class NonFiniteWeights(UserError):
     """Weights holding NaN or inf: no figure computed from them means anything."""
 
@@ -364,7 +379,6 @@ def vocabulary_mismatch(path, vocabulary, job):
     data existed), so one without it was trained on bytes."""
     import h5py
     from ..data.tokenizer import DATASET, read_json, vocabulary_digest
-    from .checkpoint_file import plain_attr
     data = getattr(job, "data", None)
     if not any(spec is not None and spec.source == "text"
                for spec in (getattr(data, "train", None), getattr(data, "test", None))):

@@ -34,7 +34,8 @@ import numpy as np
 from ..base.backend import to_numpy
 from ..base.errors import UserError, one_line
 from ..base.runfiles import GuardedFile, disk_error, folder_of, make_parent, write_failed
-from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
+from .checkpoint_check import (Unchecked, _plain, check_attrs, check_layout, names_the_file,
+                               plain_attr)
 from ..data.h5links import held_by, is_lock_error, refuse_outside
 
 FORMAT = "purine_mpi.checkpoint"
@@ -658,17 +659,3 @@ def _read_dataset(dset, kind):
 def read_attrs(obj):
     """An HDF5 object's attributes as plain Python values."""
     return {k: _plain(v) for k, v in obj.attrs.items()}
-
-
-def _plain(value):
-    """Attribute values as plain Python (numpy scalars -> int/float, bytes -> str)."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def plain_attr(value):
-    """One attribute's value as plain Python, or None when it is missing."""
-    return _plain(value) if value is not None else None

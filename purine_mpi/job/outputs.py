@@ -17,7 +17,8 @@ import json
 import os
 
 from ..base.errors import UserError
-from .rundir_force import holds_our_format, is_our_checkpoint, signature_first
+from .rundir_force import (_REPLACED_FILES, _RUN_FILE_RE, holds_our_format, is_our_checkpoint,
+                           recognise, run_files, signature_first)
 
 
 def job_inputs(job):
@@ -60,12 +61,10 @@ def refuse_replacing(out, option, inputs):
 def run_folder_of(path):
     """The folder of the existing file ``path`` when it is one of the files
     a run wrote there (its metrics.jsonl, train.log, config.yaml,
-    memory.json, ...: job/rundir.py's ``run_files``) and the folder holds a
+    memory.json, ...: job/rundir_force.py's ``run_files``) and the folder holds a
     run of ours (job/rundir_force.py's ``recognise``, as ``train --force``
     tells one: a config.yaml alone, e.g. a ``convert`` output written
     again, is no run), else None."""
-    from .rundir import _REPLACED_FILES, _RUN_FILE_RE, run_files
-    from .rundir_force import recognise
     if not os.path.isfile(path):
         return None
     folder = os.path.dirname(os.path.abspath(path)) or "."

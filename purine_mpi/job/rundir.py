@@ -45,7 +45,6 @@ once, under ``parallel.stall_timeout``.
 import atexit
 import fcntl
 import os
-import re
 import socket
 import time
 
@@ -55,15 +54,9 @@ from ..base.runfiles import disk_error, missing_folders, open_run_file, refuse_l
 from .checkpoint_file import LATEST, checkpoint_header, load_checkpoint, load_params
 from .outputs import file_in_the_way
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
-from .rundir_force import delete_our_run
+from .rundir_force import _REPLACED_FILES, _RUN_FILE_RE, delete_our_run, run_files
 
 LOCK_FILE = ".purine.lock"
-_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
-                          r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
-                          r"config\.yaml|events\.out\.tfevents\..*|tb)$")
-#: files a run writes by a rename over the name (``write_text_replacing``), which
-#: are no run of their own (``run_files`` leaves them out, ``--force`` keeps them)
-_REPLACED_FILES = ("memory.json", "calibration.json")
 _held = []  # (open lock file, its text, folder) of this process (closing one releases its lock)
 #: realpath of each run folder this process made -> the folders it made for
 #: it (the run folder first, then the parents it made): a fresh run refused
@@ -79,17 +72,6 @@ def _note_made(path, made):
         _made[os.path.realpath(path)] = made
     else:
         _made.pop(os.path.realpath(path), None)
-
-
-def run_files(folder):
-    """The files of a run in ``folder`` (sorted names; [] if none), with its
-    TensorBoard folder ``tb``."""
-    if not os.path.isdir(folder):
-        return []
-    names = sorted(n for n in os.listdir(folder) if _RUN_FILE_RE.match(n))
-    # a log alone is what a run that failed before its first file left: the
-    # folder holds no run to protect (a new run appends to the log)
-    return [] if names == ["train.log"] else names
 
 
 def numbered_runs(base):

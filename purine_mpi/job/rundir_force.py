@@ -24,6 +24,25 @@ import stat
 
 from ..base.errors import UserError
 
+_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
+                          r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
+                          r"config\.yaml|events\.out\.tfevents\..*|tb)$")
+#: files a run writes by a rename over the name (``write_text_replacing``), which
+#: are no run of their own (``run_files`` leaves them out, ``--force`` keeps them)
+_REPLACED_FILES = ("memory.json", "calibration.json")
+
+
+def run_files(folder):
+    """The files of a run in ``folder`` (sorted names; [] if none), with its
+    TensorBoard folder ``tb``."""
+    if not os.path.isdir(folder):
+        return []
+    names = sorted(n for n in os.listdir(folder) if _RUN_FILE_RE.match(n))
+    # a log alone is what a run that failed before its first file left: the
+    # folder holds no run to protect (a new run appends to the log)
+    return [] if names == ["train.log"] else names
+
+
 _LOG_HEAD = re.compile(rb"^--- \d{4}-\d\d-\d\d \d\d:\d\d:\d\d pid \d+ ---\n")
 _CKPT_NAME = re.compile(r"^(latest|ckpt_\d+|best_\d+)\.h5$")
 _CONFIG_KEYS = ("name", "seed", "solver", "parallel", "checkpoint")
