@@ -79,8 +79,21 @@ def calibrated(tmp_path_factory):
     return job, cal, free, first
 
 
-def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
+def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated, monkeypatch):
     job, cal, free, first = calibrated
+    # the tight choice is made once: the --json run's Choice is the one the
+    # text table's run prints (the same job, ranks, limit and calibration;
+    # that a choice is the same on every run is
+    # test_choose_predicts_the_same_figures_on_every_run's)
+    import purine_mpi.tools.choose as choose_mod
+    real_choose, made = choose_mod.choose, {}
+
+    def choose_once(path, overrides, n, limits, *args, **kwargs):
+        key = (str(path), tuple(overrides), n, repr(limits))
+        if key not in made:
+            made[key] = real_choose(path, overrides, n, limits, *args, **kwargs)
+        return made[key]
+    monkeypatch.setattr(choose_mod, "choose", choose_once)
     # the constructed calibration is read, not measured again
     assert "calibration: timing" not in first.stderr and first.returncode == 0
     rows = [r for r in free["candidates"] if "error" not in r]
@@ -121,9 +134,11 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     errors = [i for i, r in enumerate(cands) if "error" in r]
     assert errors == list(range(len(cands) - len(errors), len(cands)))
     # the text table says the same, and the best as --set options
+    assert len(made) == 1
     text = run_cli_here("plan", job, "--np", 2, "--choose", "--calibration", cal,
                         "--host-memory", limit)
     assert text.returncode == 0, text.stderr
+    assert len(made) == 1  # the JSON run's choice
     lines = text.stdout.splitlines()
     dp = next(line for line in lines if "data, recompute none" in line)
     assert "NO: host over" in dp

@@ -48,8 +48,9 @@ def finish_ranks(proc, pids, timeout):
         kill_ranks(proc, pids)
 
 
-def _rank_pids(marker):
-    """PIDs of the python ranks whose command line contains ``marker``."""
+def _rank_pids(marker, program="purine_mpi"):
+    """PIDs of the python ranks whose command line contains ``marker`` (and
+    ``program``: the module, or a test script that runs it)."""
     pids = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -59,7 +60,7 @@ def _rank_pids(marker):
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if marker.encode() in b" ".join(cmd) and b"purine_mpi" in b" ".join(cmd) \
+        if marker.encode() in b" ".join(cmd) and program.encode() in b" ".join(cmd) \
                 and not os.path.basename(cmd[0]).startswith(b"mpiexec") \
                 and b"hydra" not in cmd[0]:
             pids.append(int(pid))

@@ -13,7 +13,13 @@ the stop's checkpoint): one line saying which op stalled and that no checkpoint 
 
 The stall timeout here is 120 s: the job must end well before it (60 s is
 allowed, for a loaded 2-core machine); the stop lands wherever rank 0 is
-(graph communication, the stop agreement, a checkpoint's gather)."""
+(graph communication, the stop agreement, a checkpoint's gather).
+
+The launched ranks run with a least grace of GRACE (2 s, not 5:
+PURINE_TEST_CANCEL_GRACE, tests/mpi_scripts/short_grace.py), and each
+healthy peer's wait is longer than it (a slow iteration 4 s against 2, 8
+against 5 before; rank 0's test pass 4 s, 10 before): the same cases on
+either side of the grace, about 40 s less of CI."""
 import os
 import signal
 import subprocess
@@ -27,6 +33,16 @@ from tests.test_signals import _rank_pids, kill_ranks
 
 STALL_TIMEOUT = 120
 ENDS_WITHIN = 60
+#: the cancel's least grace in the launched ranks (Cancel.CANCEL_GRACE: 5 s)
+GRACE = 2.0
+SCRIPTS = os.path.join(REPO, "tests", "mpi_scripts")
+
+
+def _env(**more):
+    """cli_env() with the ranks' least grace GRACE, and ``more``."""
+    env = cli_env()
+    env.update(PURINE_TEST_CANCEL_GRACE=str(GRACE), **more)
+    return env
 
 
 def _rank_of(pid):
@@ -57,13 +73,13 @@ def test_sigterm_with_a_frozen_peer_ends_promptly_with_143(tmp_path, digits_h5, 
     cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "run")
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
-                             "--out", out], cwd=REPO, env=cli_env(),
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, os.path.join(SCRIPTS, "short_grace.py"),
+                             "train", path, "--out", out], cwd=REPO, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = []
     try:
         _wait_for_checkpoint(out, time.time() + 90)
-        pids = _rank_pids(out)
+        pids = _rank_pids(out, "short_grace.py")
         assert len(pids) == 2, pids
         ranks = {_rank_of(p): p for p in pids}
         os.kill(ranks[1], signal.SIGSTOP)
@@ -96,7 +112,7 @@ def test_sigterm_with_a_frozen_peer_ends_promptly_with_143(tmp_path, digits_h5, 
     assert "run ended: stopped by SIGTERM on rank 0 (exit 143)" in log, log
 
 
-SLOW_S = 8.0
+SLOW_S = 4.0
 
 
 def _slow_marks(path, rank):
@@ -110,12 +126,12 @@ def _slow_marks(path, rank):
 @pytest.mark.mpi
 def test_sigterm_with_a_slow_healthy_peer_stops_with_a_checkpoint(tmp_path, digits_h5):
     """Rank 1 is slow, not frozen: each of its iterations takes 8 s more
-    than rank 0's, so rank 0 waits 8 s in the iteration's communication
+    than rank 0's (SLOW_S), so rank 0 waits 4 s in the iteration's communication
     every time. A SIGTERM to ``mpiexec`` just as rank 1 begins an iteration
-    leaves rank 0 waiting some 8 s more, past the 5 s CANCEL_GRACE: before,
+    leaves rank 0 waiting some 4 s more, past the least grace (GRACE, 2 s): before,
     rank 0 took rank 1 for a stopped peer and ended 143 WITHOUT the stop's
     checkpoint; now the grace is twice the longest wait rank 0 saw end (an
-    earlier iteration's, 8 s), so the job stops at the iteration boundary as
+    earlier iteration's, 4 s), so the job stops at the iteration boundary as
     docs/failures.md promises for SIGTERM: exit 143, latest.h5 at the
     iteration it stopped."""
     if MPIEXEC is None:
@@ -127,15 +143,14 @@ def test_sigterm_with_a_slow_healthy_peer_stops_with_a_checkpoint(tmp_path, digi
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "run")
     mark = str(tmp_path / "slow.marks")
-    env = cli_env()
-    env.update(PURINE_TEST_SLOW_S=str(SLOW_S), PURINE_TEST_SLOW_MARK=mark)
-    script = os.path.join(REPO, "tests", "mpi_scripts", "slow_rank.py")
+    env = _env(PURINE_TEST_SLOW_S=str(SLOW_S), PURINE_TEST_SLOW_MARK=mark)
+    script = os.path.join(SCRIPTS, "slow_rank.py")
     proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
         deadline = time.time() + 120
-        # rank 1's third sleep: rank 0 saw the second iteration's 8 s wait end
+        # rank 1's third sleep: rank 0 saw the second iteration's 4 s wait end
         # (the first one's may be shorter: rank 0's start-up may end later)
         while len(_slow_marks(mark, 1)) < 3 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
@@ -262,8 +277,9 @@ def test_a_cancel_of_an_earlier_run_in_the_process_does_not_end_the_next(tmp_pat
     """The cancel's state is class-level (``Cancel.cancelled``,
     ``longest_wait``, ``measuring``): a second ``run_training`` in one
     process (the Python API after a Ctrl-C stopped the first run) found the
-    first run's cancel and took any wait of 5 s or more -- here rank 1's
-    slow first iteration, 7 s -- for a frozen peer: exit 130, no checkpoint,
+    first run's cancel and took any wait of the grace or more -- here rank 1's
+    slow first iteration, 3 s against the least grace GRACE, 2 s (7 s
+    against 5 before) -- for a frozen peer: exit 130, no checkpoint,
     a healthy job. Now each run starts with none of it (a notice that came
     before this run's trainer existed is kept)."""
     if MPIEXEC is None:
@@ -273,9 +289,8 @@ def test_a_cancel_of_an_earlier_run_in_the_process_does_not_end_the_next(tmp_pat
     cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "run")
-    env = cli_env()
-    env.update(PURINE_TEST_SLOW_S="7")
-    script = os.path.join(REPO, "tests", "mpi_scripts", "second_run.py")
+    env = _env(PURINE_TEST_SLOW_S="3")
+    script = os.path.join(SCRIPTS, "second_run.py")
     res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
                          cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=STALL_TIMEOUT)
@@ -309,9 +324,10 @@ def test_sigterm_with_a_slow_checkpoint_write_keeps_the_stops_checkpoint(tmp_pat
     """Sharded stage 3: the stop's checkpoint is streamed to rank 0 bucket
     by bucket as rank 0 writes it, so the other ranks wait in each next
     bucket's gather while rank 0 writes the last one. Rank 0 writes slowly
-    here (7 s an item, a slow file system) and the run had no checkpoint
+    here (3 s an item, a slow file system) and the run had no checkpoint
     before: the cancel that asked for this checkpoint took rank 1's wait for
-    a frozen peer 5 s on and ended the job 143 WITHOUT the checkpoint. The
+    a frozen peer the grace (GRACE, 2 s) on and ended the job 143 WITHOUT
+    the checkpoint. The
     ranks waiting on rank 0's write are exempt from the cancel (as at the
     barrier after it): 143 with latest.h5 at the stop's iteration."""
     if MPIEXEC is None:
@@ -328,9 +344,8 @@ def test_sigterm_with_a_slow_checkpoint_write_keeps_the_stops_checkpoint(tmp_pat
                         "num_output": 10}]
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "run")
-    env = cli_env()
-    env.update(PURINE_TEST_SLOW_S="7")
-    script = os.path.join(REPO, "tests", "mpi_scripts", "slow_write.py")
+    env = _env(PURINE_TEST_SLOW_S="3")
+    script = os.path.join(SCRIPTS, "slow_write.py")
     proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -357,8 +372,8 @@ def test_sigterm_with_a_slow_checkpoint_write_keeps_the_stops_checkpoint(tmp_pat
 @pytest.mark.mpi
 def test_sigterm_in_scheme_nones_first_test_pass_keeps_the_stops_checkpoint(tmp_path, digits_h5):
     """Scheme none: rank 0 runs each test pass alone while rank 1 waits for
-    its figures. A SIGTERM during the run's first pass, 10 s long here (a
-    long test split), left rank 1 waiting past the 5 s grace: it took rank
+    its figures. A SIGTERM during the run's first pass, 4 s long here (a
+    long test split), left rank 1 waiting past the grace (GRACE, 2 s): it took rank
     0 for a frozen peer and ended the job 143 WITHOUT the stop's checkpoint.
     Rank 1's wait for rank 0's pass is exempt from the cancel: the job stops
     at the iteration's end with its checkpoint."""
@@ -371,9 +386,8 @@ def test_sigterm_in_scheme_nones_first_test_pass_keeps_the_stops_checkpoint(tmp_
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "run")
     mark = str(tmp_path / "pass.mark")
-    env = cli_env()
-    env.update(PURINE_TEST_SLOW_S="10", PURINE_TEST_SLOW_MARK=mark)
-    script = os.path.join(REPO, "tests", "mpi_scripts", "slow_test_pass.py")
+    env = _env(PURINE_TEST_SLOW_S="4", PURINE_TEST_SLOW_MARK=mark)
+    script = os.path.join(SCRIPTS, "slow_test_pass.py")
     proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, script, "train", path, "--out", out],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

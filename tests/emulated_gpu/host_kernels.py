@@ -3,6 +3,7 @@ through ctypes (every argument checked against the kernel's C signature),
 a host cuBLAS, and the emulated ``nvmath.bindings.cublas``."""
 import ctypes
 import enum
+import fcntl
 import hashlib
 import json
 import os
@@ -808,6 +809,25 @@ def _host_flags(options):
     return [_NVRTC_TO_GXX[o] for o in options if _NVRTC_TO_GXX[o] is not None]
 
 
+def _own_suffix():
+    """A name part no other process or thread writing now has."""
+    return f"{os.getpid()}-{threading.get_ident()}.part"
+
+
+def _write_whole(path, text):
+    """``text`` in ``path``, unless it holds it already: written under a
+    name of this thread's own, then renamed over ``path`` (another process
+    reading ``path`` meanwhile reads the old file or the new, whole)."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    part = path.with_name(f"{path.name}.{_own_suffix()}")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def compile_using_nvrtc(source, options=(), arch=None, filename="kern.cu", **_):
     """``cupy.cuda.compiler.compile_using_nvrtc``: the "binary" is the
     options and the source (RawModule(path=...) builds it with g++); the
@@ -847,28 +867,37 @@ def host_cupy(build_dir):
             source = build_dir / f"{digest}.cu"
             library_path = build_dir / f"{digest}.so"
             prelude = build_dir / "prelude.h"
-            prelude.write_text(_HOST_PRELUDE)
-            source.write_text(code)
             base = ["g++", "-std=c++14", "-include", str(prelude), *defines, "-x", "c++"]
-            expanded = _EXPANDED.get(digest)
-            if expanded is None:
-                expanded = _EXPANDED[digest] = subprocess.run(
-                    base + [str(source), "-E", "-P"], check=True, capture_output=True,
-                    text=True).stdout
-            signatures = _SIGNATURE.findall(expanded)
-            # a warp shuffle is two block barriers here (the prelude)
-            self._threaded = "__syncthreads" in code or "__shfl" in code
-            if not library_path.exists():
-                built = source
-                if self._threaded:   # the kernels, then their fibers' entry points
-                    built = build_dir / f"{digest}_grid.cu"
-                    built.write_text(code + "\n" + _grid_wrappers(signatures))
-                # -fno-gnu-unique: a template kernel's __shared__ (a static of a
-                # template) stays this library's own, not bound process-wide to
-                # the same name in another build of the source (the other mode)
-                subprocess.run(base + [str(built), "-O1", "-fPIC", "-fno-gnu-unique", "-shared",
-                                       "-o", str(library_path)],
-                               check=True, capture_output=True, text=True)
+            # a build folder may be shared by processes (the ranks of an MPI
+            # test, a test's subprocess and pytest's own: each kernel built
+            # once a session, not once a rank and launch): the digest's lock
+            # held while one builds, every file written whole under a name
+            # of its own and renamed (a reader never sees a part of it)
+            with open(build_dir / f"{digest}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                _write_whole(prelude, _HOST_PRELUDE)
+                _write_whole(source, code)
+                expanded = _EXPANDED.get(digest)
+                if expanded is None:
+                    expanded = _EXPANDED[digest] = subprocess.run(
+                        base + [str(source), "-E", "-P"], check=True, capture_output=True,
+                        text=True).stdout
+                signatures = _SIGNATURE.findall(expanded)
+                # a warp shuffle is two block barriers here (the prelude)
+                self._threaded = "__syncthreads" in code or "__shfl" in code
+                if not library_path.exists():
+                    built = source
+                    if self._threaded:   # the kernels, then their fibers' entry points
+                        built = build_dir / f"{digest}_grid.cu"
+                        _write_whole(built, code + "\n" + _grid_wrappers(signatures))
+                    # -fno-gnu-unique: a template kernel's __shared__ (a static of a
+                    # template) stays this library's own, not bound process-wide to
+                    # the same name in another build of the source (the other mode)
+                    part = library_path.with_name(f"{digest}.{_own_suffix()}.so")
+                    subprocess.run(base + [str(built), "-O1", "-fPIC", "-fno-gnu-unique",
+                                           "-shared", "-o", str(part)],
+                                   check=True, capture_output=True, text=True)
+                    os.replace(part, library_path)
             self._signatures = {name: _parse_params(params) for name, params in signatures}
             self._library = ctypes.CDLL(str(library_path))
             self._fibers = bool(self._library.purine_emu_fibers())

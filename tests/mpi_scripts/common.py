@@ -26,7 +26,9 @@ def world():
 def emulated_gpu_rank(build_root):
     """This rank on the emulated GPU (tests/emulated_gpu) as a trainer runs
     it: host staging of device buffers (the mpich wheel is not CUDA-aware),
-    the kernels compiled under ``build_root``/rank<R>. Returns (the world,
+    the kernels compiled under ``build_root`` (one folder for every rank
+    and launch: tests/emulated_gpu/host_kernels.py builds each kernel
+    once, under a lock). Returns (the world,
     the pytest MonkeyPatch holding the emulated CuPy for this process)."""
     import pathlib
 
@@ -37,7 +39,7 @@ def emulated_gpu_rank(build_root):
     os.environ["PURINE_MPI_CUDA_AWARE"] = "0"
     comm_device.cuda_aware.cache_clear()
     w = world()
-    build = pathlib.Path(build_root) / f"rank{w.rank}"
+    build = pathlib.Path(build_root)  # shared by the ranks: each kernel built once
     build.mkdir(parents=True, exist_ok=True)
     patch = pytest.MonkeyPatch()
     emu.emulated_trainer_env(patch, build)

@@ -8,7 +8,7 @@ are bitwise identical to each other.
 
     mpiexec -n K python tests/mpi_scripts/dp_equiv_gpu.py BUILD_DIR
 
-``BUILD_DIR``: where each rank compiles the kernels (a folder per rank).
+``BUILD_DIR``: where the ranks compile the kernels (one folder, each kernel built once).
 Run with PURINE_COMM_DELAY set, the posts and completions move in time.
 """
 import os
@@ -34,7 +34,7 @@ ITERS = 3
 w = world()
 n, r = w.size, w.rank
 B = 3
-build = os.path.join(sys.argv[1], f"rank{r}")
+build = sys.argv[1]  # shared by the ranks: each kernel built once (host_kernels.py)
 os.makedirs(build, exist_ok=True)
 patch = pytest.MonkeyPatch()
 emu.use_emulated_cupy(patch, pathlib.Path(build))

@@ -9,7 +9,7 @@ skipped step from STEP on, and the run goes on finite after it.
 
     mpiexec -n 2 python tests/mpi_scripts/loss_scale_skip.py BUILD_DIR TOKENS_H5 OUT_DIR
 
-``BUILD_DIR``: where each rank compiles the kernels (a folder per rank);
+``BUILD_DIR``: where the ranks compile the kernels (one folder, each kernel built once);
 ``TOKENS_H5``: tests/gpt_nets.text_h5's file; ``OUT_DIR``: the run folder.
 """
 import json
@@ -40,7 +40,7 @@ step, bad_rank = env.get("PURINE_FP16_INJECT_INF")
 assert 1 < step < ITERS and bad_rank is not None, (step, bad_rank)
 w = world()
 r = w.rank
-build = pathlib.Path(sys.argv[1]) / f"rank{r}"
+build = pathlib.Path(sys.argv[1])  # shared by the ranks: each kernel built once
 build.mkdir(parents=True, exist_ok=True)
 out = pathlib.Path(sys.argv[3])
 patch = pytest.MonkeyPatch()

@@ -43,7 +43,7 @@ shared = sys.argv[2:] == ["shared"]
 # stall: the peer stops before an eager iteration (1); stall-replay: before
 # the first replayed one (2), so the stalled reduction is inside the graph
 stall = {"stall": 1, "stall-replay": 2}.get((sys.argv[2:] or [""])[0])
-build = os.path.join(sys.argv[1], f"rank{r}")
+build = sys.argv[1]  # shared by the ranks: each kernel built once (host_kernels.py)
 os.makedirs(build, exist_ok=True)
 patch = pytest.MonkeyPatch()
 fake = emu.use_emulated_cupy(patch, pathlib.Path(build))

@@ -32,6 +32,10 @@ if RANK == 1:
 
     Dispatcher.run = slow_first_run
 
+from tests.mpi_scripts import short_grace  # noqa: E402
+
+short_grace.apply()  # PURINE_TEST_CANCEL_GRACE
+
 if __name__ == "__main__":
     from purine_mpi.cli import main
     sys.exit(main())

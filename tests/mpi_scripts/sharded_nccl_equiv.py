@@ -115,7 +115,7 @@ patch = pytest.MonkeyPatch()
 if not real:
     from tests import emulated_gpu as emu
     from tests.emulated_gpu import Allocations, nccl as emu_nccl
-    build = os.path.join(sys.argv[1], f"rank{r}")
+    build = sys.argv[1]  # shared by the ranks: each kernel built once (host_kernels.py)
     os.makedirs(build, exist_ok=True)
     fake = emu.use_emulated_cupy(patch, pathlib.Path(build))
     emu_nccl.use_emulated_nccl(patch, fake, device=r)

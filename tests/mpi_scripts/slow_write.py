@@ -26,6 +26,10 @@ if int(os.environ.get("PMI_RANK", "0")) == 0:
 
     checkpoint_file.Streamed.items = slow_items
 
+from tests.mpi_scripts import short_grace  # noqa: E402
+
+short_grace.apply()  # PURINE_TEST_CANCEL_GRACE
+
 if __name__ == "__main__":
     from purine_mpi.cli import main
     sys.exit(main())
