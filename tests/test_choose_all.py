@@ -136,9 +136,16 @@ def _limits_between(cands):
     return [(a + b) // 2 for a, b in zip(needs, needs[1:])]
 
 
+#: the weights net on 2 ranks is not a case (15 s of CI): the mixed net holds
+#: its property (2 micro-batches more than 1: the gradients' running sum) and
+#: the activations' besides, and it and mixed8 on 2 and 4 ranks took every
+#: walk ``variants_to_try`` took for the weights net on 2 ranks, setting by
+#: setting (data, parameter server, sharded stages 1-3: a count that fits
+#: found or not, the counts above the check left out as "smaller_fits" or none
+#: left out; 2026-12-01, each call's outcome recorded over every case here)
 @pytest.mark.parametrize("name,n,own,most", [
     ("micro", 1, 1, 5), ("weights", 1, 1, 5), ("mixed", 1, 1, 5), ("mixed", 1, 4, 5),
-    ("micro16", 2, 4, 2), ("mixed", 2, 1, 2), ("weights", 2, 1, 2), ("mixed8", 4, 1, 2)])
+    ("micro16", 2, 4, 2), ("mixed", 2, 1, 2), ("mixed8", 4, 1, 2)])
 def test_pruned_choice_is_the_exhaustive_one(jobs, name, n, own, most, monkeypatch):
     """At limits between the settings' needs (at ``most`` of them, spread
     over their range, for the time on 2 cores), --choose and --choose-all

@@ -23,18 +23,26 @@ def _run(*args):
                           env=env, timeout=600)
 
 
-def test_gpt_gpu_times_ours_with_the_cublaslt_epilogue_beside_the_default():
+@pytest.fixture(scope="module")
+def gpt_dry_run():
+    """One ``--dry-run`` of jobs/gpt_tiny.yaml, every side named (torch_compile
+    among them: a GPU run's only, so left out), shared by the tests that read
+    its JSON: a launch is ~5 s of torch's import and set-up."""
+    pytest.importorskip("torch")
+    res = _run(GPT_GPU, "--dry-run", "--config", "jobs/gpt_tiny.yaml", "--sides", "purine",
+               "purine_fc_cublaslt", "torch_eager", "torch_compile")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_gpt_gpu_times_ours_with_the_cublaslt_epilogue_beside_the_default(gpt_dry_run):
     """``--sides purine purine_fc_cublaslt`` (the session's gpt stage): our
     job twice in one run, the second with PURINE_FC_EPILOGUE=cublaslt set
     around its set-up and steps, their tokens/s ratio reported; only the
     default side profiled."""
-    pytest.importorskip("torch")
-    res = _run(GPT_GPU, "--dry-run", "--config", "jobs/gpt_tiny.yaml", "--sides", "purine",
-               "purine_fc_cublaslt")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+    out = gpt_dry_run
     sides = out["sides"]
-    assert list(sides) == ["purine", "purine_fc_cublaslt"]
+    assert list(sides)[:2] == ["purine", "purine_fc_cublaslt"]
     assert sides["purine"]["environment"] == {}
     assert sides["purine_fc_cublaslt"]["environment"] == {"PURINE_FC_EPILOGUE": "cublaslt"}
     assert sides["purine_fc_cublaslt"]["tokens_per_s"] > 0
@@ -44,19 +52,22 @@ def test_gpt_gpu_times_ours_with_the_cublaslt_epilogue_beside_the_default():
     assert "timed only" in sides["purine_fc_cublaslt"]["kernels_note"]
 
 
-def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
-    pytest.importorskip("torch")
-    res = _run(GPT_GPU, "--dry-run", "--config", "jobs/gpt_tiny.yaml")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side(gpt_dry_run):
+    out = gpt_dry_run
     assert out["benchmark"] == "gpt_gpu" and out["dry_run"] is True
     assert out["peak_flops_per_s"] is None and out["cut_short"] is None
+    # the sides run unless --sides names others: torch.compile a GPU run's only
+    # (the shared run names it: --dry-run leaves it out)
+    spec = importlib.util.spec_from_file_location("gpt_gpu_sides", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.DEFAULT_SIDES == ("purine", "torch_eager", "torch_compile")
+    assert list(out["sides"]) == ["purine", "purine_fc_cublaslt", "torch_eager"]
+    sides = {s: out["sides"][s] for s in ("purine", "torch_eager")}
     # the job as written: no recompute unless --recompute-layers asks (docs/gpu.md)
     assert out["recompute_layers"] is None
     # one FLOPs figure for every side: PaLM's closed form of the job
     assert out["model_flops_per_token"] > 0 and "6N + 12*L*H*Q*T" in out["closed_form"]
-    sides = out["sides"]
-    assert list(sides) == ["purine", "torch_eager"]   # torch.compile: GPU runs only
     for side in sides.values():
         assert side["tokens_per_s"] > 0 and side["mfu"] is None
         assert side["model_flops_per_token"] == out["model_flops_per_token"]
