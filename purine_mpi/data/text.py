@@ -311,32 +311,26 @@ def _dropped_note(files, texts, dropped, unknown, tokenizer):
     return f"note: {what}; the token stream does not hold them"
 
 
-def text_vocabulary(path):
+def text_vocabulary(path, checked=False):
     """(vocab_size, the vocabulary's JSON or None for bytes) of the text
     data file ``path``; (None, None) when it cannot be read (the source's
-    own checks name the problem)."""
+    own checks name the problem). ``checked``: a damaged vocabulary (its
+    ``/tokenizer`` not the text its sha256 attribute digests, or not a
+    tokenizer's JSON: data/tokenizer.py's ``check_stored``) is a UserError
+    naming the file, found at start-up since every checkpoint copies it."""
     import h5py
-    from .tokenizer import read_json
+    from .tokenizer import check_stored, read_stored
     try:
         with h5py.File(path, "r") as f:
             size = f.attrs.get("vocab_size")
-            return (None if size is None else int(size)), read_json(f)
+            text, want = read_stored(f)
     except (OSError, KeyError, ValueError):
         return None, None
-
-
-def check_stored_vocabulary(path, text):
-    """A UserError naming the text data file ``path`` when its vocabulary
-    ``text`` (its ``/tokenizer``) is damaged (data/tokenizer.py's
-    ``check_stored``): checked at start-up, since every checkpoint copies it."""
-    import h5py
-    from .tokenizer import DATASET, check_stored
-    with h5py.File(path, "r") as f:
-        want = f[DATASET].attrs.get("sha256")
-    if isinstance(want, bytes):
-        want = want.decode("utf-8", "replace")
-    check_stored(text, want, f"text data file '{path}'",
-                 ": make the file again with data text")
+    size = None if size is None else int(size)
+    if checked and size is not None and text is not None:
+        check_stored(text, want, f"text data file '{path}'",
+                     ": make the file again with data text")
+    return size, text
 
 
 def shared_vocabulary(paths):
@@ -348,11 +342,10 @@ def shared_vocabulary(paths):
     from .tokenizer import vocabulary_digest, whole_text_json
     seen = None
     for key, path in paths:
-        size, text = text_vocabulary(path)
+        # damaged, it would stop the run at its first checkpoint: checked
+        size, text = text_vocabulary(path, checked=True)
         if size is None:
             continue
-        if text is not None:  # damaged, it would stop the run at its first checkpoint
-            check_stored_vocabulary(path, text)
         # truncation and padding off in both: a file written before data text
         # turned them off agrees with a new one of the same tokenizer
         mine = (key, path, None if text is None else vocabulary_digest(text), text)

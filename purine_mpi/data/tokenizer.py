@@ -339,6 +339,18 @@ def read_json(h5obj):
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def read_stored(h5obj):
+    """(the vocabulary JSON an open h5py file or group holds, ``read_json``'s;
+    the ``sha256`` attribute it was written with, as text): what
+    ``check_stored`` compares; (None, None) for none (byte-level), and None
+    for a file without the attribute."""
+    text = read_json(h5obj)
+    if text is None:
+        return None, None
+    want = h5obj[DATASET].attrs.get("sha256")
+    return text, (want.decode("utf-8", "replace") if isinstance(want, bytes) else want)
+
+
 class Vocabulary:
     """A vocabulary's JSON as a tokenizer: ``encode`` a prompt, ``decode``
     ids, and ``stream`` (the text of each id as it comes)."""

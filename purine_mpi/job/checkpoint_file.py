@@ -505,10 +505,9 @@ def saved_config_text(path):
 def saved_tokenizer(path):
     """The vocabulary JSON a weights file holds (``/tokenizer``, written
     when the run's token data has one), or None (byte-level)."""
-    from ..data.tokenizer import DATASET, check_stored, read_json
+    from ..data.tokenizer import check_stored, read_stored
     with open_h5(path, "weights file") as f:
-        text = read_json(f)
-        want = plain_attr(f[DATASET].attrs.get("sha256")) if text is not None else None
+        text, want = read_stored(f)
     if text is not None:  # generate decodes with it, export hf writes it as tokenizer.json
         check_stored(text, want, f"weights file '{path}'")
     return text

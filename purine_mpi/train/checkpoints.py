@@ -84,11 +84,11 @@ class Checkpoints(Service):
                 params = load_params(init)
                 note = unused_note(params, loop.graphs.net_params, init)
             wanted = init_params(params, loop.graphs.params, loop.job, init, init_skip)
-            if not str(init).endswith(".safetensors"):  # ours: its vocabulary is known
-                # the whole net's (every rank the same verdict), not this rank's
-                check_same_vocabulary(init, getattr(loop.graphs, "vocabulary", None), loop.job,
-                                      [p for p in loop.graphs.net_params
-                                       if param_layer(p) not in set(init_skip)])
+            # the whole net's (every rank the same verdict), not this rank's; a
+            # file holding no vocabulary (.safetensors, another tool's) is not compared
+            check_same_vocabulary(init, getattr(loop.graphs, "vocabulary", None), loop.job,
+                                  [p for p in loop.graphs.net_params
+                                   if param_layer(p) not in set(init_skip)])
             check_finite({p: params[p] for p in wanted}, init)
             if note:
                 loop.say(note)

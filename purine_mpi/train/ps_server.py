@@ -15,7 +15,7 @@ stop agreement and send their momenta to rank 0 for its checkpoints
 import numpy as np
 
 from ..graph.solver_graph import momentum_name
-from ..job.checkpoint_check import check_finite, check_for_net
+from ..job.checkpoint_check import check_finite, check_for_net, check_same_vocabulary
 from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import (plan_param_server, ps_layout, scale_for_micro_batches,
                                       served_params, server_graph)
@@ -178,8 +178,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         # the file lacks is found on every rank alike), then this server's
         every = init_params(loaded if found is None else found,
                             [b.name for b in graph.params()], job, init, init_skip)
-        if found is None and not str(init).endswith(".safetensors"):  # as the workers check it
-            from ..job.checkpoint_check import check_same_vocabulary
+        if found is None:  # as the workers check it
             check_same_vocabulary(init, vocabulary, job, every)
         # NaN or inf in the file: found here as the workers find it (every
         # parameter they take, in their order), so every rank ends with one
@@ -199,7 +198,6 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                  for p in owned}
         check_for_net(ck, ck.path, [b.name for b in graph.params()], zeros,
                       {(p, "momentum"): a for p, a in zeros.items()})
-        from ..job.checkpoint_check import check_same_vocabulary
         check_same_vocabulary(ck.path, vocabulary, job,
                               [b.name for b in graph.params()], resume=True)
         start = int(ck.attrs["iteration"])
